@@ -1,0 +1,97 @@
+"""Server settings, from the command line (flag names follow ``mlx_lm.server``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class ServeConfig:
+    """Settings of ``mlx-gateway serve``; see :func:`add_serve_arguments` for meanings."""
+
+    model: Optional[str] = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_tokens: int = 512
+    max_tokens_limit: int = 32768
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    chat_template_args: dict = field(default_factory=dict)
+    prompt_concurrency: int = 8
+    decode_concurrency: int = 32
+    prefill_step_size: int = 2048
+    prompt_cache_bytes: int = 8 << 30
+    prompt_cache_size: int = 256
+    checkpoint_every: int = 4096
+    max_body_bytes: int = 8 << 20
+    max_waiting: int = 1024
+    served_model_names: list[str] = field(default_factory=list)
+    log_level: str = "INFO"
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}")
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _size(text: str) -> int:
+    """Bytes, with an optional K/M/G suffix (powers of 1024)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().removesuffix("B")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """Add the ``serve`` flags to ``p``."""
+    d = ServeConfig()
+    p.add_argument("--model", help="local model directory or hub id, loaded with mlx_lm.load; "
+                   "without it a tiny random-weight demo model is built and served")
+    p.add_argument("--host", default=d.host, help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=d.port, help="port (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                   help="max_tokens when a request gives none (default %(default)s)")
+    p.add_argument("--max-tokens-limit", type=int, default=d.max_tokens_limit,
+                   help="largest max_tokens a request may ask for; more is a 400 (default %(default)s)")
+    p.add_argument("--temp", type=float, default=d.temp, help="default sampling temperature (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=d.top_p, help="default nucleus sampling threshold")
+    p.add_argument("--top-k", type=int, default=d.top_k, help="default top-k (0 = off)")
+    p.add_argument("--min-p", type=float, default=d.min_p, help="default min-p (0 = off)")
+    p.add_argument("--chat-template-args", type=_json_object, default={},
+                   help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\'')
+    p.add_argument("--prompt-concurrency", type=int, default=d.prompt_concurrency,
+                   help="prompts prefilled together in one batch (default %(default)s)")
+    p.add_argument("--decode-concurrency", type=int, default=d.decode_concurrency,
+                   help="sequences decoded together in one batch (default %(default)s)")
+    p.add_argument("--prefill-step-size", type=int, default=d.prefill_step_size,
+                   help="prompt tokens per request per prefill step (default %(default)s)")
+    p.add_argument("--prompt-cache-bytes", type=_size, default=d.prompt_cache_bytes,
+                   help="byte bound of the prefix cache, e.g. 8G (default 8G)")
+    p.add_argument("--prompt-cache-size", type=int, default=d.prompt_cache_size,
+                   help="entry bound of the prefix cache (default %(default)s)")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
+                   help="save a prefix-cache snapshot every N prompt tokens of long prompts (default %(default)s)")
+    p.add_argument("--max-body-bytes", type=_size, default=d.max_body_bytes,
+                   help="largest request body; more is a 413 (default 8M)")
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                   help="requests that may wait for admission before new ones get 503 (default %(default)s)")
+    p.add_argument("--served-model-name", dest="served_model_names", action="append", default=[],
+                   help="another name the model answers to (repeatable)")
+    p.add_argument("--log-level", default=d.log_level,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default %(default)s)")
+
+
+def config_from_args(ns: argparse.Namespace) -> ServeConfig:
+    fields = ServeConfig.__dataclass_fields__
+    return ServeConfig(**{k: v for k, v in vars(ns).items() if k in fields})

@@ -1,0 +1,238 @@
+"""Build tiny random-weight models of real architectures, loadable by ``mlx_lm.load``.
+
+The demo model lets ``mlx-gateway serve`` start on a machine without a model hub, and
+lets tests and benchmarks exercise the real loading, cache and batching code paths
+for several cache types (``KVCache``, ``RotatingKVCache``, ``ArraysCache``).
+
+A model directory holds ``config.json``, ``model.safetensors`` (float32 random
+weights) and tokenizer files. The tokenizer is either the project's own byte-level
+BPE with a ChatML template that handles ``<think>`` blocks, or the files of a real
+tokenizer directory (for example a Qwen3 or Llama 3.2 tokenizer without weights).
+The weights are random: the model's output is random text.
+"""
+
+from __future__ import annotations
+
+import json
+import lzma
+import os
+import shutil
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+# ChatML with Qwen3-style thinking: reasoning of earlier assistant turns is dropped,
+# `enable_thinking=False` pre-fills an empty think block.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- set content = message['content'] if message['content'] is string else "
+    "message['content'] | map(attribute='text') | join('') -%}"
+    "{%- if message['role'] == 'assistant' and '</think>' in content -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
+    "{%- endif -%}"
+    "<|im_start|>{{ message['role'] }}\n{{ content }}<|im_end|>\n"
+    "{%- endfor -%}"
+    "{%- if tools -%}<|im_start|>tools\n{{ tools | tojson }}<|im_end|>\n{%- endif -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "<think>\n\n</think>\n\n{%- endif -%}{%- endif -%}"
+)
+
+_CORPUS_WORDS = (
+    "the a an of to and in is it you that he was for on are with as his they be at one "
+    "have this from or had by hot word but what some we can out other were all there when "
+    "up use your how said each she which do their time if will way about many then them "
+    "write would like so these her long make thing see him two has look more day could go "
+    "come did number sound no most people my over know water than call first who may down "
+    "side been now find any new work part take get place made live where after back little "
+    "only round man year came show every good me give our under name very through just form "
+    "sentence great think say help low line differ turn cause much mean before move right "
+    "boy old too same tell does set three want air well also play small end put home read "
+    "hand port large spell add even land here must big high such follow act why ask men "
+    "change went light kind off need house picture try us again animal point mother world "
+    "model cache token prompt server batch request tenant prefix memory metal apple code "
+    "agent browser extension stream answer question system user assistant reason think"
+).split()
+
+# Tiny configurations of real architectures. Hidden sizes are small so that the
+# CPU backend runs them fast; layer mixes keep every cache type represented.
+ARCH_CONFIGS: dict[str, dict] = {
+    "qwen3": {
+        "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0, "tie_word_embeddings": True,
+    },
+    "llama": {
+        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "rms_norm_eps": 1e-5, "max_position_embeddings": 32768,
+        "rope_theta": 500000.0, "tie_word_embeddings": True,
+    },
+    "qwen3_5": {
+        "model_type": "qwen3_5", "hidden_size": 64, "num_hidden_layers": 4,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+        "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4, "full_attention_interval": 2,
+        "tie_word_embeddings": True,
+    },
+    "gemma3_text": {
+        "model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 1,
+        "head_dim": 16, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 16,
+        "sliding_window": 64, "sliding_window_pattern": 2,
+        "max_position_embeddings": 32768,
+    },
+    "mamba2": {
+        "model_type": "mamba2", "num_heads": 4, "head_dim": 16, "hidden_size": 32,
+        "intermediate_size": 64, "state_size": 16, "num_hidden_layers": 2,
+        "layer_norm_epsilon": 1e-5, "conv_kernel": 4, "n_groups": 1,
+        "use_bias": False, "use_conv_bias": True, "tie_word_embeddings": True,
+        "time_step_limit": [0.0, 1e9], "time_step_rank": "auto",
+    },
+    "nemotron_h": {
+        "model_type": "nemotron_h", "hidden_size": 64, "intermediate_size": 128,
+        "max_position_embeddings": 32768, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "attention_bias": False,
+        "mamba_num_heads": 4, "mamba_head_dim": 16, "mamba_proj_bias": False,
+        "ssm_state_size": 16, "conv_kernel": 4, "n_groups": 1, "mlp_bias": False,
+        "layer_norm_epsilon": 1e-5, "use_bias": False, "use_conv_bias": True,
+        "hybrid_override_pattern": ["M", "*", "-"], "tie_word_embeddings": True,
+        "time_step_limit": [0.0, 1e9],
+    },
+}
+
+_TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "generation_config.json", "added_tokens.json", "chat_template.jinja",
+)
+
+
+def default_demo_dir() -> Path:
+    """Where ``serve`` keeps its demo model: ``$MLX_GATEWAY_HOME`` or ``~/.cache/mlx-gateway``."""
+    home = os.environ.get("MLX_GATEWAY_HOME")
+    base = Path(home) if home else Path.home() / ".cache" / "mlx-gateway"
+    return base / "demo-qwen3"
+
+
+def _corpus(n_sentences: int = 4000, seed: int = 0) -> list[str]:
+    import random
+
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_sentences):
+        words = rng.choices(_CORPUS_WORDS, k=rng.randint(4, 14))
+        lines.append(" ".join(words).capitalize() + rng.choice([".", "?", "!", ","]))
+    return lines
+
+
+def _write_own_tokenizer(path: Path, vocab_size: int) -> int:
+    """Train a byte-level BPE on a generated corpus; returns the vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.save(str(path / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "model_max_length": 32768,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return tok.get_vocab_size()
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> int:
+    """Copy a real tokenizer's files (decompressing ``tokenizer.json.xz``); returns its vocabulary size."""
+    from tokenizers import Tokenizer
+
+    for name in _TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copyfile(src / name, dst / name)
+    xz = src / "tokenizer.json.xz"
+    if not (dst / "tokenizer.json").exists() and xz.exists():
+        (dst / "tokenizer.json").write_bytes(lzma.decompress(xz.read_bytes()))
+    return Tokenizer.from_file(str(dst / "tokenizer.json")).get_vocab_size()
+
+
+def build_model_dir(
+    path: str | os.PathLike,
+    arch: str = "qwen3",
+    tokenizer_dir: str | os.PathLike | None = None,
+    vocab_size: int | None = None,
+    seed: int = 0,
+) -> Path:
+    """Write a tiny random-weight model directory for ``arch``, idempotently.
+
+    Args:
+        path: the directory to create. If it already holds a finished model built
+            with the same arguments, nothing is rewritten.
+        arch: a key of :data:`ARCH_CONFIGS` (an ``mlx_lm.models`` module name).
+        tokenizer_dir: a directory with real tokenizer files to copy; by default
+            the project's own byte-level BPE (about 1,000 tokens) is trained.
+        vocab_size: the embedding rows; defaults to the tokenizer's size rounded
+            up to a multiple of 64 (a real family's ``vocab_size`` may be larger).
+        seed: the random seed of the weights.
+
+    Returns:
+        The directory path.
+
+    Raises:
+        ValueError: for an unknown architecture.
+    """
+    import importlib
+
+    import mlx.core as mx
+    import mlx.utils
+
+    if arch not in ARCH_CONFIGS:
+        raise ValueError(f"unknown architecture {arch!r}; choose from {sorted(ARCH_CONFIGS)}")
+    path = Path(path)
+    stamp = {"arch": arch, "tokenizer": str(tokenizer_dir), "vocab": vocab_size, "seed": seed}
+    done = path / ".mlx-gateway-demo.json"
+    if done.exists() and json.loads(done.read_text()) == stamp:
+        return path
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+    if tokenizer_dir is None:
+        n_vocab = _write_own_tokenizer(tmp, vocab_size=1024)
+    else:
+        n_vocab = _copy_tokenizer(Path(tokenizer_dir), tmp)
+    vocab = vocab_size or -(-n_vocab // 64) * 64
+
+    config = dict(ARCH_CONFIGS[arch], vocab_size=vocab)
+    module = importlib.import_module(f"mlx_lm.models.{arch}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    params = dict(mlx.utils.tree_flatten(model.parameters()))
+    # Matrices ~ N(0, 1/fan_in), as in common initialisations: activations stay O(1),
+    # so the output depends visibly on every layer (and on every cache) of the model.
+    params = {
+        k: (mx.random.normal(v.shape) * v.shape[-1] ** -0.5 if v.ndim > 1 else v).astype(mx.float32)
+        for k, v in params.items()
+    }
+    mx.save_safetensors(str(tmp / "model.safetensors"), params)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    (tmp / ".mlx-gateway-demo.json").write_text(json.dumps(stamp))
+
+    shutil.rmtree(path, ignore_errors=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, path)
+    return path

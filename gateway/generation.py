@@ -1,0 +1,83 @@
+"""The async side of one request in the engine: submit, receive events, cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from typing import AsyncIterator
+
+from gateway.errors import APIError
+from scheduler import Engine, EngineDead, EngineOverloaded, EngineRequest, SamplingParams
+from scheduler.request import DoneEvent, ErrorEvent, Event
+
+_counter = itertools.count()
+
+
+def new_id(prefix: str) -> str:
+    """An OpenAI-style object id, e.g. ``chatcmpl-3f2a...``."""
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+class Generation:
+    """One request running in the engine, seen from the event loop.
+
+    Events posted by the engine thread are delivered through
+    ``loop.call_soon_threadsafe`` into an ``asyncio.Queue``: no polling.
+    Iterating yields :mod:`scheduler.request` events until a ``DoneEvent`` or
+    ``ErrorEvent``. :meth:`cancel` is idempotent and is called when the client leaves.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokens: list[int],
+        params: SamplingParams,
+        checkpoints: list[int],
+        namespace: str = "default",
+        tenant: str = "default",
+    ):
+        self.engine = engine
+        self.id = f"req-{next(_counter)}-{uuid.uuid4().hex[:8]}"
+        self.arrival = time.monotonic()
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[list[Event]] = asyncio.Queue()
+        self.finished = False
+        self.request = EngineRequest(
+            id=self.id,
+            tokens=tokens,
+            params=params,
+            sink=self._sink,
+            checkpoints=checkpoints,
+            namespace=namespace,
+            tenant=tenant,
+        )
+
+    def _sink(self, events: list[Event]) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, events)
+
+    def submit(self) -> None:
+        """Hand the request to the engine.
+
+        Raises:
+            APIError: 503 when the engine is dead or its queue is full.
+        """
+        try:
+            self.engine.submit(self.request)
+        except EngineDead as e:
+            raise APIError(503, f"the model engine is not available: {e}", code="engine_unavailable")
+        except EngineOverloaded as e:
+            raise APIError(503, f"the server is overloaded: {e}", code="overloaded", headers={"Retry-After": "1"})
+
+    async def events(self) -> AsyncIterator[Event]:
+        while not self.finished:
+            for event in await self._queue.get():
+                if isinstance(event, (DoneEvent, ErrorEvent)):
+                    self.finished = True
+                yield event
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.cancel(self.id)

@@ -1,0 +1,61 @@
+"""The gateway's request metrics (names prefixed ``mlx_gateway_``).
+
+Labels are bounded: ``endpoint`` and ``status`` come from the routes, ``model`` from
+the served model, ``tenant`` from configuration, never from request content.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from scheduler.metrics import LATENCY_BUCKETS
+
+# Time per output token, seconds: 1 ms to 2 s.
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+
+
+class GatewayMetrics:
+    """Request counts, latencies and token counters, registered on ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.requests = Counter(
+            "mlx_gateway_requests",
+            "Requests answered, by endpoint and HTTP status.",
+            ["tenant", "model", "endpoint", "status"],
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "mlx_gateway_time_to_first_token_seconds",
+            "Time from request arrival to its first generated token, seconds.",
+            ["tenant", "model"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "mlx_gateway_request_duration_seconds",
+            "Time from request arrival to its last token, seconds.",
+            ["tenant", "model"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.tpot = Histogram(
+            "mlx_gateway_time_per_output_token_seconds",
+            "Mean time between generated tokens of a request after the first, seconds.",
+            ["tenant", "model"],
+            buckets=TPOT_BUCKETS,
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "mlx_gateway_prompt_tokens", "Prompt tokens of admitted requests.", ["tenant", "model"],
+            registry=registry,
+        )
+        self.cached_tokens = Counter(
+            "mlx_gateway_cached_tokens",
+            "Prompt tokens restored from the prefix cache.",
+            ["tenant", "model"],
+            registry=registry,
+        )
+        self.completion_tokens = Counter(
+            "mlx_gateway_completion_tokens", "Generated tokens.", ["tenant", "model"],
+            registry=registry,
+        )

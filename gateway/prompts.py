@@ -1,0 +1,93 @@
+"""Turn a validated request into prompt tokens and checkpoint offsets.
+
+Runs in a worker thread (``anyio.to_thread``), never on the engine thread: chat
+templates and tokenizers are pure Python/Rust work that must not stall decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from cache.checkpoints import plan_chat_checkpoints, plan_completion_checkpoints
+from gateway.errors import APIError
+from gateway.schemas import ChatRequest, CompletionRequest
+
+
+@dataclass
+class Prompt:
+    """A tokenized prompt.
+
+    ``tokens``: prompt token ids; ``checkpoints``: offsets (tokens) where the engine
+    saves prefix-cache snapshots; ``opens_reasoning``: the template already opened a
+    think block, so generation starts inside reasoning.
+    """
+
+    tokens: list[int]
+    checkpoints: list[int] = field(default_factory=list)
+    opens_reasoning: bool = False
+
+
+def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
+    """OpenAI messages as the dicts chat templates expect (text parts joined)."""
+    out = []
+    for m in req.messages:
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        for key in ("tool_calls", "tool_call_id", "name", "reasoning_content"):
+            value = getattr(m, key)
+            if value is not None:
+                d[key] = value
+        out.append(d)
+    return out
+
+
+def render_chat(
+    tokenizer, req: ChatRequest, default_template_kwargs: dict, checkpoint_every: int
+) -> Prompt:
+    """Apply the chat template and tokenize.
+
+    Raises:
+        APIError: 400 when the template rejects the conversation.
+    """
+    if not getattr(tokenizer, "has_chat_template", False):
+        raise APIError(400, "this model has no chat template; use /v1/completions")
+    messages = chat_messages(req)
+    kwargs = {**default_template_kwargs, **(req.chat_template_kwargs or {})}
+    if req.tools:
+        kwargs["tools"] = req.tools
+    try:
+        tokens = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
+    except APIError:
+        raise
+    except Exception as e:  # jinja's raise_exception, bad kwargs, ...
+        raise APIError(400, f"the chat template rejected the conversation: {e}", param="messages")
+    if not tokens:
+        raise APIError(400, "the rendered prompt is empty", param="messages")
+    checkpoints = plan_chat_checkpoints(tokenizer, messages, tokens, kwargs, interval=checkpoint_every)
+    return Prompt(tokens, checkpoints, _opens_reasoning(tokenizer, tokens))
+
+
+def render_completion(tokenizer, req: CompletionRequest, checkpoint_every: int) -> Prompt:
+    """Tokenize a completions prompt (a string, or token ids as they are).
+
+    Raises:
+        APIError: 400 for token ids outside the vocabulary or an empty prompt.
+    """
+    if isinstance(req.prompt, str):
+        tokens = list(tokenizer.encode(req.prompt))
+    else:
+        tokens = list(req.prompt)
+        vocab = len(tokenizer)
+        if any(t >= vocab for t in tokens):
+            raise APIError(400, f"token ids must be below the vocabulary size {vocab}", param="prompt")
+    if not tokens:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    return Prompt(tokens, plan_completion_checkpoints(tokens, interval=checkpoint_every))
+
+
+def _opens_reasoning(tokenizer, tokens: list[int]) -> bool:
+    start: Optional[str] = getattr(tokenizer, "think_start", None)
+    if not start:
+        return False
+    tail = tokenizer.decode(tokens[-8:])
+    return tail.rstrip().endswith(start)

@@ -1,0 +1,116 @@
+"""OpenAI response objects: chat completions, text completions, their stream chunks."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from scheduler.request import TokenEvent
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """The ``usage`` object, with ``prompt_tokens_details.cached_tokens``."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+class LogprobFormatter:
+    """Turns :class:`TokenEvent` logprobs into OpenAI's chat or completions shape."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def chat_entry(self, ev: TokenEvent) -> dict:
+        text = self._text(ev.token)
+        return {
+            "token": text,
+            "logprob": ev.logprob,
+            "bytes": list(text.encode()),
+            "top_logprobs": [
+                {"token": (t := self._text(i)), "logprob": lp, "bytes": list(t.encode())}
+                for i, lp in (ev.top_logprobs or [])
+            ],
+        }
+
+    def completion_entries(self, events: list[TokenEvent], offset: int) -> dict:
+        tokens, lps, tops, offsets = [], [], [], []
+        for ev in events:
+            text = self._text(ev.token)
+            tokens.append(text)
+            lps.append(ev.logprob)
+            tops.append({self._text(i): lp for i, lp in (ev.top_logprobs or [])})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_completion(
+    rid: str, model: str, content: str, reasoning: str, finish: str,
+    logprobs: Optional[list[dict]], use: dict,
+) -> dict:
+    message = {"role": "assistant", "content": content}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": {"content": logprobs} if logprobs is not None else None,
+                "finish_reason": finish,
+            }
+        ],
+        "usage": use,
+    }
+
+
+def chat_chunk(
+    rid: str, model: str, created: int, delta: dict, finish: Optional[str] = None,
+    logprobs: Optional[list[dict]] = None,
+) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "delta": delta,
+                "logprobs": {"content": logprobs} if logprobs else None,
+                "finish_reason": finish,
+            }
+        ],
+    }
+
+
+def text_completion(
+    rid: str, model: str, text: str, finish: Optional[str], logprobs: Optional[dict],
+    use: Optional[dict], obj_created: Optional[int] = None,
+) -> dict:
+    body = {
+        "id": rid,
+        "object": "text_completion",
+        "created": obj_created or int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+    }
+    if use is not None:
+        body["usage"] = use
+    return body
+
+
+def usage_chunk(rid: str, model: str, created: int, obj: str, use: dict) -> dict:
+    """The final stream chunk of ``stream_options.include_usage``: no choices, usage set."""
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}

@@ -1,0 +1,127 @@
+"""Assemble and run the gateway: load the model, start the engine, serve the app."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from prometheus_client import CollectorRegistry, Info
+
+from gateway.app import ServerState, create_app
+from gateway.config import ServeConfig
+from gateway.metrics import GatewayMetrics
+
+log = logging.getLogger("mlx_gateway")
+
+
+def context_length(model, tokenizer, default: int = 32768) -> int:
+    """The model's context in tokens: ``max_position_embeddings`` of its config,
+    else the tokenizer's ``model_max_length`` when sensible, else ``default``."""
+    args = getattr(model, "args", None)
+    for obj in (args, getattr(args, "text_config", None)):
+        if isinstance(obj, dict):
+            value = obj.get("max_position_embeddings")
+        else:
+            value = getattr(obj, "max_position_embeddings", None)
+        if isinstance(value, int) and value > 0:
+            return value
+    value = getattr(tokenizer, "model_max_length", None)
+    return value if isinstance(value, int) and 0 < value < 10_000_000 else default
+
+
+def resolve_model(cfg: ServeConfig) -> tuple[str, str]:
+    """(path or hub id to load, id to serve it as). Builds the demo model when none is given."""
+    if cfg.model:
+        return cfg.model, cfg.model
+    from gateway.demo_model import build_model_dir, default_demo_dir
+
+    path = build_model_dir(default_demo_dir(), "qwen3")
+    log.warning(
+        "no --model given: serving the built-in demo model (tiny qwen3 with RANDOM weights, "
+        "its output is random text) from %s", path,
+    )
+    return str(path), "mlx-gateway-demo"
+
+
+def load_into(state: ServerState, path: str) -> None:
+    """Load the model and start the engine; on failure set ``state.load_error``."""
+    import mlx_lm
+
+    from cache import PromptCacheManager
+    from scheduler import Engine
+    from scheduler.equivalence import batch_is_exact
+
+    cfg = state.config
+    try:
+        model, tokenizer = mlx_lm.load(path)
+        exact = batch_is_exact(model)
+        if not exact:
+            log.warning("padded batches of this model do not match single requests; "
+                        "prompts will only be batched when they need no padding")
+        manager = PromptCacheManager(cfg.prompt_cache_bytes, cfg.prompt_cache_size, registry=state.registry)
+        engine = Engine(
+            model,
+            tokenizer.eos_token_ids,
+            manager,
+            prompt_concurrency=cfg.prompt_concurrency,
+            decode_concurrency=cfg.decode_concurrency,
+            prefill_step_size=cfg.prefill_step_size,
+            max_waiting=cfg.max_waiting,
+            registry=state.registry,
+            pad_free_prefill=not exact,
+        )
+        engine.start()
+        state.tokenizer = tokenizer
+        state.context_length = context_length(model, tokenizer)
+        state.engine = engine
+        log.info("model %s ready (context %d tokens)", state.model_id, state.context_length)
+    except Exception as e:
+        log.exception("loading %s failed", path)
+        state.load_error = f"loading the model failed: {e}"
+
+
+def build_state(cfg: ServeConfig, model_id: str) -> ServerState:
+    registry = CollectorRegistry()
+    state = ServerState(config=cfg, registry=registry, metrics=GatewayMetrics(registry), model_id=model_id)
+    _build_info(registry, cfg, model_id)
+    return state
+
+
+def _build_info(registry: CollectorRegistry, cfg: ServeConfig, model_id: str) -> None:
+    info = Info("mlx_gateway_build", "Versions, model and scheduling flags.", registry=registry)
+    info.info({
+        "mlx_gateway": _version("mlx-gateway"),
+        "mlx": _version("mlx"),
+        "mlx_lm": _version("mlx-lm"),
+        "model": model_id,
+        "prompt_concurrency": str(cfg.prompt_concurrency),
+        "decode_concurrency": str(cfg.decode_concurrency),
+        "prefill_step_size": str(cfg.prefill_step_size),
+    })
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def serve(cfg: ServeConfig) -> None:
+    """Run the gateway until interrupted. The model loads in the background; ``/health``
+    answers 503 until it is ready."""
+    import uvicorn
+
+    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    path, model_id = resolve_model(cfg)
+    state = build_state(cfg, model_id)
+    app = create_app(state)
+    threading.Thread(target=load_into, args=(state, path), name="model-loader", daemon=True).start()
+    try:
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(),
+                    timeout_graceful_shutdown=5)
+    finally:
+        if state.engine is not None:
+            state.engine.stop()

@@ -1,0 +1,66 @@
+"""Server-sent events that stop when the client leaves.
+
+Like Starlette's ``StreamingResponse`` under ASGI < 2.4, the body is raced against a
+listener for ``http.disconnect`` in one task group, whatever ASGI version the server
+speaks, so a client that leaves during a long prefill (when nothing is being sent) is
+noticed at once and its generation cancelled by the body's ``finally``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import AsyncIterator
+
+import anyio
+from starlette.types import Receive, Scope, Send
+
+
+def sse(data: dict | str) -> bytes:
+    """One SSE ``data:`` event; dicts are JSON-encoded."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n".encode()
+
+
+class SSEResponse:
+    """An ASGI response streaming ``body`` (bytes chunks) as ``text/event-stream``."""
+
+    def __init__(self, body: AsyncIterator[bytes], headers: dict[str, str] | None = None):
+        self.body = body
+        self.headers = headers or {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+        ] + [(k.lower().encode(), v.encode()) for k, v in self.headers.items()]
+
+        async def stream() -> None:
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            try:
+                async for chunk in self.body:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except OSError:  # the client went away mid-send
+                pass
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self.body.aclose()
+
+        async with anyio.create_task_group() as tg:
+
+            async def run_stream() -> None:
+                await stream()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(run_stream)
+            await wait_for_disconnect(receive)
+            tg.cancel_scope.cancel()
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    """Return when the client disconnects (the request body must have been read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,116 @@
+"""From generated token ids to OpenAI text deltas: detokenize, stop strings, reasoning.
+
+Runs on the async side, one :class:`TextAssembler` per request. Text that might be the
+start of a stop string or of a ``<think>``/``</think>`` tag is held back until it is
+known not to be one, so no client ever sees half a stop string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+def _holdback(text: str, needles: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a needle."""
+    best = 0
+    for n in needles:
+        for k in range(min(len(n) - 1, len(text)), best, -1):
+            if text.endswith(n[:k]):
+                best = k
+                break
+    return best
+
+
+@dataclass
+class Delta:
+    """New text for the client: ``content`` and/or ``reasoning`` (thinking) text."""
+
+    content: str = ""
+    reasoning: str = ""
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning)
+
+
+@dataclass
+class TextAssembler:
+    """Turns token ids into text deltas for one request.
+
+    Args:
+        tokenizer: the mlx-lm ``TokenizerWrapper`` (its streaming detokenizer is used).
+        stop: stop strings; output ends before the first match.
+        think: ``(start_tag, end_tag)`` when the model emits reasoning, else None.
+        in_reasoning: true when the prompt already opened a think block.
+        skip_ids: token ids with no text of their own (EOS).
+    """
+
+    tokenizer: object
+    stop: list[str] = field(default_factory=list)
+    think: Optional[tuple[str, str]] = None
+    in_reasoning: bool = False
+    skip_ids: frozenset = frozenset()
+    stopped: bool = False
+
+    def __post_init__(self):
+        self._detok = self.tokenizer.detokenizer
+        self._raw = ""  # text not yet released past the stop-string filter
+        self._split = ""  # text not yet released past the reasoning splitter
+        self._seen_content = False
+
+    def feed(self, token: int) -> Delta:
+        """Add one token; returns the text that can be released now."""
+        if self.stopped or token in self.skip_ids:
+            return Delta()
+        self._detok.add_token(token)
+        return self._push(self._detok.last_segment, final=False)
+
+    def finish(self) -> Delta:
+        """Flush everything held back (call once, at the end)."""
+        if not self.stopped:
+            self._detok.finalize()
+            return self._push(self._detok.last_segment, final=True)
+        return self._release_split(final=True)
+
+    def _push(self, text: str, final: bool) -> Delta:
+        self._raw += text
+        for s in self.stop:
+            i = self._raw.find(s)
+            if i >= 0:
+                self._raw = self._raw[:i]
+                self.stopped = True
+        keep = 0 if (final or self.stopped) else _holdback(self._raw, self.stop)
+        out, self._raw = self._raw[: len(self._raw) - keep], self._raw[len(self._raw) - keep :]
+        self._split += out
+        return self._release_split(final or self.stopped)
+
+    def _release_split(self, final: bool) -> Delta:
+        delta = Delta()
+        if self.think is None:
+            delta.content, self._split = self._split, ""
+            return delta
+        start, end = self.think
+        while self._split:
+            if self.in_reasoning:
+                i = self._split.find(end)
+                if i >= 0:
+                    delta.reasoning += self._split[:i]
+                    self._split = self._split[i + len(end) :].lstrip("\n")
+                    self.in_reasoning = False
+                    continue
+                keep = 0 if final else _holdback(self._split, [end])
+                delta.reasoning += self._split[: len(self._split) - keep]
+                self._split = self._split[len(self._split) - keep :]
+                break
+            if not self._seen_content:
+                stripped = self._split.lstrip()
+                if stripped.startswith(start):
+                    self._split = stripped[len(start) :]
+                    self.in_reasoning = True
+                    continue
+                if not final and (not stripped or start.startswith(stripped)):
+                    break  # could still become a think tag
+            self._seen_content = True
+            delta.content += self._split
+            self._split = ""
+        return delta

@@ -1,0 +1,483 @@
+"""The engine: one thread that owns the model, the caches and the batch.
+
+Every MLX call happens on this thread. The async side talks to it through a
+thread-safe inbox (``submit``, ``cancel``) and receives events through each request's
+``sink``. The loop blocks on the inbox only when there is no work, so a new request is
+admitted on the next step, never after a timer (mlx-lm's server polls every 0.1 s and
+runs 0.5 s budgets; see the project's field notes).
+
+Batching is mlx-lm's ``BatchGenerator`` (continuous batching with left padding). A
+request's prompt is inserted as *segments* cut at its own checkpoint offsets, so
+prefill never crosses a checkpoint and each request's snapshot is extracted at exactly
+its own boundary, whatever the other rows of the batch are doing.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+from prometheus_client import CollectorRegistry
+
+from cache import PromptCacheManager
+from scheduler.metrics import SchedulerMetrics
+from scheduler.policy import Admission, InFlight, WaitingQueue
+from scheduler.request import (
+    DoneEvent,
+    EngineRequest,
+    ErrorEvent,
+    Event,
+    PromptEvent,
+    TokenEvent,
+)
+from scheduler.sampling import greedy, make_processors, make_sampler
+
+log = logging.getLogger("mlx_gateway.engine")
+
+
+class EngineDead(RuntimeError):
+    """The engine thread has stopped; no request can be served (HTTP 503)."""
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full (HTTP 503 with Retry-After)."""
+
+
+@dataclass
+class _Active:
+    request: EngineRequest
+    uid: int
+    lease: Any
+    cached: int
+    pending_snapshots: list[int]
+    processed: int = 0
+    generated: int = 0
+    decoding: bool = False
+
+
+@dataclass
+class EngineStats:
+    """Counters read by tests and benchmarks (tokens unless noted)."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    cached_tokens: int = 0
+    admitted: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    steps: int = 0
+    snapshots_saved: int = 0
+    grouping_saved_tokens: int = 0
+    max_prefill_batch: int = 0
+    max_decode_batch: int = 0
+    generated_by_request: dict[str, int] = field(default_factory=dict)
+
+
+class Engine:
+    """Owns the model on a dedicated thread and serves :class:`EngineRequest`s.
+
+    Args:
+        model: an mlx-lm model (``mlx_lm.load``).
+        eos_token_ids: token ids that end a generation.
+        prompt_cache: the prefix-cache manager; snapshots are saved at each request's
+            checkpoints and after it finishes (prompt + completion).
+        prompt_concurrency: prompts prefilled together (prefill batch size).
+        decode_concurrency: sequences decoded together (decode batch size).
+        prefill_step_size: tokens per prompt per prefill step.
+        max_waiting: waiting requests before :meth:`submit` raises :class:`EngineOverloaded`.
+        registry: where the scheduler metrics are registered.
+        pad_free_prefill: when true, only prompts that need no padding prefill
+            together (set by the batch-equivalence guard for models whose padded
+            batches are not exact).
+    """
+
+    def __init__(
+        self,
+        model,
+        eos_token_ids: set[int],
+        prompt_cache: PromptCacheManager,
+        *,
+        prompt_concurrency: int = 8,
+        decode_concurrency: int = 32,
+        prefill_step_size: int = 2048,
+        max_waiting: int = 1024,
+        registry: Optional[CollectorRegistry] = None,
+        pad_free_prefill: bool = False,
+    ):
+        self.model = model
+        self.eos_token_ids = set(eos_token_ids)
+        self.prompt_cache = prompt_cache
+        self.prompt_concurrency = max(1, prompt_concurrency)
+        self.decode_concurrency = max(self.prompt_concurrency, decode_concurrency)
+        self.prefill_step_size = prefill_step_size
+        self.max_waiting = max_waiting
+        self.pad_free_prefill = pad_free_prefill
+        self.metrics = SchedulerMetrics(registry or CollectorRegistry())
+        self.stats = EngineStats()
+        self.admission_log: list[str] = []
+
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting = WaitingQueue()
+        self._active: dict[int, _Active] = {}
+        self._by_id: dict[str, _Active] = {}
+        self._gen: Optional[BatchGenerator] = None
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+        self._idle = threading.Condition()
+        self.error: Optional[BaseException] = None
+        self._waiting_count = 0
+
+    # ----------------------------------------------------------------- public API
+    @property
+    def alive(self) -> bool:
+        """True while the engine thread runs."""
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def start(self) -> None:
+        """Start the engine thread."""
+        self._thread = threading.Thread(target=self._run, name="mlx-gateway-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread; requests still running end with a 503 error event."""
+        self._stopping = True
+        self._inbox.put(("stop", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, request: EngineRequest) -> None:
+        """Queue a request (thread-safe).
+
+        Raises:
+            EngineDead: the engine thread is not running.
+            EngineOverloaded: ``max_waiting`` requests are already waiting.
+        """
+        if not self.alive:
+            raise EngineDead(f"engine is not running: {self.error!r}")
+        if self._waiting_count >= self.max_waiting:
+            raise EngineOverloaded(f"{self._waiting_count} requests are already waiting")
+        self._waiting_count += 1
+        self._inbox.put(("submit", request))
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a request (thread-safe); it leaves the batch on the engine's next step."""
+        self._inbox.put(("cancel", request_id))
+
+    def call(self, fn, timeout: float = 60.0):
+        """Run ``fn()`` on the engine thread between steps and return its result.
+
+        Raises:
+            EngineDead: the engine is not running.
+            TimeoutError: no answer within ``timeout`` seconds.
+        """
+        if not self.alive:
+            raise EngineDead("engine is not running")
+        box: dict = {}
+        done = threading.Event()
+        self._inbox.put(("call", (fn, box, done)))
+        if not done.wait(timeout):
+            raise TimeoutError("engine did not answer")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """Block until no request is waiting or running; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._active or len(self._waiting) or self._waiting_count:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    @property
+    def num_running(self) -> int:
+        return len(self._active)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._waiting_count
+
+    # ----------------------------------------------------------------- the loop
+    def _new_generator(self) -> BatchGenerator:
+        return BatchGenerator(
+            self.model,
+            max_tokens=1 << 30,
+            sampler=greedy,
+            completion_batch_size=self.decode_concurrency,
+            prefill_batch_size=self.prompt_concurrency,
+            prefill_step_size=self.prefill_step_size,
+        )
+
+    def _run(self) -> None:
+        try:
+            self._gen = self._new_generator()
+            while not self._stopping:
+                busy = bool(self._active) or len(self._waiting) > 0
+                if not busy:
+                    self._handle(self._inbox.get())
+                while True:
+                    try:
+                        self._handle(self._inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                if self._stopping:
+                    break
+                self._admit()
+                if self._active:
+                    self._step()
+                self._notify_idle()
+        except BaseException as e:  # the engine itself broke: report, fail everyone
+            self.error = e
+            log.error("engine thread died:\n%s", traceback.format_exc())
+        finally:
+            reason = f"engine stopped: {self.error!r}" if self.error else "engine stopped"
+            for a in list(self._active.values()):
+                self._send(a.request, [ErrorEvent(503, reason)])
+                self.prompt_cache.release(a.lease)
+            self._active.clear()
+            self._by_id.clear()
+            for r in self._waiting.drain():
+                self._send(r, [ErrorEvent(503, reason)])
+            self._drain_inbox_after_stop(reason)
+            self._notify_idle()
+
+    def _drain_inbox_after_stop(self, reason: str) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                self._send(payload, [ErrorEvent(503, reason)])
+            elif kind == "call":
+                fn, box, done = payload
+                box["error"] = EngineDead(reason)
+                done.set()
+
+    def _notify_idle(self) -> None:
+        self.metrics.running.set(len(self._active))
+        self.metrics.waiting.set(self._waiting_count)
+        with self._idle:
+            self._idle.notify_all()
+
+    def _handle(self, item) -> None:
+        kind, payload = item
+        if kind == "submit":
+            self._waiting.add(payload)
+        elif kind == "cancel":
+            self._cancel(payload)
+        elif kind == "call":
+            fn, box, done = payload
+            try:
+                box["value"] = fn()
+            except BaseException as e:
+                box["error"] = e
+            done.set()
+        elif kind == "stop":
+            self._stopping = True
+
+    def _send(self, request: EngineRequest, events: list[Event]) -> None:
+        try:
+            request.sink(events)
+        except Exception:  # a broken sink fails only its own request
+            log.exception("sink of request %s raised", request.id)
+
+    # ----------------------------------------------------------------- admission
+    def _in_flight(self) -> list[InFlight]:
+        return [
+            InFlight(a.request, a.pending_snapshots) for a in self._active.values() if not a.decoding
+        ]
+
+    def _admit(self) -> None:
+        prefilling = sum(1 for a in self._active.values() if not a.decoding)
+        free = min(
+            self.prompt_concurrency - prefilling,
+            self.decode_concurrency - len(self._active),
+        )
+        if free <= 0 or not len(self._waiting):
+            return
+        if self.pad_free_prefill and prefilling:
+            return
+        picks = self._waiting.pick(
+            1 if self.pad_free_prefill else free,
+            lambda r: self.prompt_cache.match_length(r.namespace, r.tokens),
+            self._in_flight(),
+        )
+        for admission in picks:
+            self._waiting_count -= 1
+            self._insert(admission)
+
+    def _insert(self, admission: Admission) -> None:
+        r = admission.request
+        lease = None
+        try:
+            hit = self.prompt_cache.fetch(r.namespace, r.tokens)
+            lease, cached = hit.lease, hit.cached_tokens
+            marks = sorted(
+                {p for p in list(r.checkpoints) + admission.extra_checkpoints if cached < p < len(r.tokens)}
+            )
+            cuts = [cached, *marks, len(r.tokens)]
+            segments = [r.tokens[a:b] for a, b in zip(cuts, cuts[1:])]
+            stop = StopSequences([[t] for t in sorted(self.eos_token_ids)])
+            (uid,) = self._gen.insert_segments(
+                [segments],
+                max_tokens=[r.params.max_tokens],
+                caches=[hit.cache],
+                all_tokens=[list(r.tokens[:cached])],
+                samplers=[make_sampler(r.params)],
+                logits_processors=[make_processors(r.params)],
+                stop_sequences=[stop],
+            )
+        except Exception as e:
+            self.prompt_cache.release(lease)
+            self.stats.failed += 1
+            log.exception("request %s could not be admitted", r.id)
+            self._send(r, [ErrorEvent(500, f"could not start the request: {e}")])
+            return
+        # The final one-token segment ends at len-1: save that too (exact repeats).
+        snapshots = [p for p in marks] + ([len(r.tokens) - 1] if len(r.tokens) - 1 > cached else [])
+        active = _Active(r, uid, lease, cached, sorted(set(snapshots)))
+        self._active[uid] = active
+        self._by_id[r.id] = active
+        self.stats.admitted += 1
+        self.stats.cached_tokens += cached
+        self.admission_log.append(r.id)
+        if admission.waited_for_prefix and cached:
+            self.stats.grouping_saved_tokens += cached
+            self.metrics.grouping_saved_tokens.inc(cached)
+        self.metrics.queue_time.observe(time.monotonic() - r.arrival)
+        self._send(r, [PromptEvent(cached)])
+
+    def _cancel(self, request_id: str) -> None:
+        r = self._waiting.remove(request_id)
+        if r is not None:
+            self._waiting_count -= 1
+            self._send(r, [DoneEvent("cancelled")])
+            self.stats.cancelled += 1
+            self.metrics.cancelled.inc()
+            return
+        a = self._by_id.get(request_id)
+        if a is None:
+            return
+        self._gen.remove([a.uid])
+        self._finish(a, DoneEvent("cancelled"))
+        self.stats.cancelled += 1
+        self.metrics.cancelled.inc()
+
+    def _finish(self, a: _Active, event: Event, before: Optional[list[Event]] = None) -> None:
+        """Drop ``a`` from the engine, release its lease, send ``before`` then ``event``."""
+        self._active.pop(a.uid, None)
+        self._by_id.pop(a.request.id, None)
+        self.prompt_cache.release(a.lease)
+        a.lease = None
+        self._send(a.request, [*(before or []), event])
+
+    # ----------------------------------------------------------------- stepping
+    def _step(self) -> None:
+        prefilling = sum(1 for a in self._active.values() if not a.decoding)
+        decoding = len(self._active) - prefilling
+        try:
+            prompt_responses, gen_responses = self._gen.next()
+        except Exception as e:
+            self._fail_batch(e)
+            return
+        self.stats.steps += 1
+        if prefilling:
+            self.metrics.prefill_batch.observe(prefilling)
+            self.stats.max_prefill_batch = max(self.stats.max_prefill_batch, prefilling)
+        if decoding:
+            self.metrics.decode_batch.observe(decoding)
+            self.stats.max_decode_batch = max(self.stats.max_decode_batch, decoding)
+        for pr in prompt_responses:
+            a = self._active.get(pr.uid)
+            if a is not None:
+                self._on_prompt_progress(a, pr)
+        events: dict[int, list[Event]] = {}
+        for gr in gen_responses:
+            a = self._active.get(gr.uid)
+            if a is None:
+                continue
+            try:
+                events.setdefault(gr.uid, []).append(self._token_event(a, gr))
+            except Exception as e:
+                log.exception("request %s failed while decoding", a.request.id)
+                self._gen.remove([a.uid])
+                self.stats.failed += 1
+                self._finish(a, ErrorEvent(500, f"decoding failed: {e}"))
+                events.pop(gr.uid, None)
+                continue
+            if gr.finish_reason is not None:
+                self._save_snapshot(a, gr.all_tokens, gr.prompt_cache)
+                self.stats.finished += 1
+                self._finish(a, DoneEvent(gr.finish_reason), events.pop(gr.uid))
+        for uid, evs in events.items():
+            a = self._active.get(uid)
+            if a is not None:
+                self._send(a.request, evs)
+
+    def _token_event(self, a: _Active, gr) -> TokenEvent:
+        a.generated += 1
+        self.stats.decode_tokens += 1
+        self.stats.generated_by_request[a.request.id] = a.generated
+        self.metrics.decode_tokens.inc()
+        p = a.request.params
+        if not p.logprobs:
+            return TokenEvent(gr.token)
+        lp = gr.logprobs
+        chosen = lp[gr.token].item()
+        top = None
+        if p.top_logprobs:
+            k = min(p.top_logprobs, lp.shape[-1])
+            idx = mx.argpartition(-lp, k - 1)[:k]
+            vals = lp[idx]
+            order = mx.argsort(-vals)
+            top = list(zip(idx[order].tolist(), vals[order].tolist()))
+        return TokenEvent(gr.token, chosen, top)
+
+    def _on_prompt_progress(self, a: _Active, pr) -> None:
+        done = pr.progress[0] if isinstance(pr.progress, tuple) else 0
+        if done > a.processed:
+            self.stats.prefill_tokens += done - a.processed
+            self.metrics.prefill_tokens.inc(done - a.processed)
+            a.processed = done
+        position = a.cached + a.processed
+        if pr.end_of_prompt:
+            a.decoding = True
+            self.prompt_cache.release(a.lease)
+            a.lease = None
+            return
+        if pr.end_of_segment and a.pending_snapshots and position in a.pending_snapshots:
+            a.pending_snapshots = [p for p in a.pending_snapshots if p > position]
+            extracted = self._gen.extract_cache([a.uid]).get(a.uid)
+            if extracted is not None:
+                cache, tokens = extracted
+                self._save_snapshot(a, tokens, cache)
+
+    def _save_snapshot(self, a: _Active, tokens, cache) -> None:
+        if not tokens or cache is None:
+            return
+        try:
+            if self.prompt_cache.insert(a.request.namespace, list(tokens), cache):
+                self.stats.snapshots_saved += 1
+        except Exception:
+            log.exception("saving a snapshot for request %s failed", a.request.id)
+
+    def _fail_batch(self, error: Exception) -> None:
+        """A batch step raised: fail the requests in it, start a fresh batch, keep serving."""
+        log.error("engine step failed; failing %d requests:\n%s", len(self._active), traceback.format_exc())
+        self.metrics.engine_errors.inc()
+        for a in list(self._active.values()):
+            self.stats.failed += 1
+            self._finish(a, ErrorEvent(500, f"engine step failed: {error}"))
+        self._gen = self._new_generator()

@@ -1,0 +1,68 @@
+"""The scheduler's Prometheus metrics (names prefixed ``mlx_gateway_``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Seconds: from 1 ms to 2 minutes, so both 10 ms and 60 s waits land in a bucket.
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    20.0, 40.0, 60.0, 120.0,
+)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
+
+
+class SchedulerMetrics:
+    """Queue, batch and token metrics of one engine, registered on ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.waiting = Gauge(
+            "mlx_gateway_requests_waiting", "Requests waiting for admission.", registry=registry
+        )
+        self.running = Gauge(
+            "mlx_gateway_requests_running",
+            "Requests admitted to the engine (prefill or decode).",
+            registry=registry,
+        )
+        self.queue_time = Histogram(
+            "mlx_gateway_queue_time_seconds",
+            "Time from submission to admission into a prefill batch, seconds.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.prefill_batch = Histogram(
+            "mlx_gateway_prefill_batch_size",
+            "Prompts in a prefill step.",
+            buckets=BATCH_BUCKETS,
+            registry=registry,
+        )
+        self.decode_batch = Histogram(
+            "mlx_gateway_decode_batch_size",
+            "Sequences in a decode step.",
+            buckets=BATCH_BUCKETS,
+            registry=registry,
+        )
+        self.prefill_tokens = Counter(
+            "mlx_gateway_prefill_tokens",
+            "Prompt tokens computed by the model (cache hits excluded).",
+            registry=registry,
+        )
+        self.decode_tokens = Counter(
+            "mlx_gateway_decode_tokens", "Tokens generated.", registry=registry
+        )
+        self.grouping_saved_tokens = Counter(
+            "mlx_gateway_shared_prefix_saved_tokens",
+            "Prompt tokens not recomputed because a request waited for a shared prefix "
+            "that another request in its burst was prefilling.",
+            registry=registry,
+        )
+        self.cancelled = Counter(
+            "mlx_gateway_requests_cancelled",
+            "Requests cancelled before they finished (client left or stop string).",
+            registry=registry,
+        )
+        self.engine_errors = Counter(
+            "mlx_gateway_engine_step_errors",
+            "Engine steps that raised; the requests in that step failed.",
+            registry=registry,
+        )

@@ -1,0 +1,146 @@
+"""Admission order for waiting requests: longest cached prefix first, shared prefixes once.
+
+Two rules, both from SGLang's scheduler (``managers/schedule_policy.py``):
+
+* ``lpm``: waiting requests are admitted in order of how many prompt tokens the prefix
+  cache can restore, longest first; above :data:`LPM_MAX_WAITING` waiting requests the
+  order falls back to arrival (FCFS), so that sorting stays cheap and nobody starves.
+* in-batch prefix sharing: a request that shares at least :data:`MIN_SHARED_PREFIX`
+  uncached tokens with a request being prefilled (or admitted in the same pick) waits
+  until that request has saved a snapshot inside the shared part, then restores it
+  instead of computing the shared tokens again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+from scheduler.request import EngineRequest
+
+LPM_MAX_WAITING = 128
+MIN_SHARED_PREFIX = 32
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists, in tokens."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass
+class InFlight:
+    """A request in prefill, seen by the policy.
+
+    ``pending_snapshots`` are the absolute prompt offsets (tokens) at which it will still
+    save a snapshot.
+    """
+
+    request: EngineRequest
+    pending_snapshots: list[int]
+
+
+@dataclass
+class Admission:
+    """A request chosen for admission, with ``extra_checkpoints`` added so that waiting
+    requests that share its prefix can restore it."""
+
+    request: EngineRequest
+    extra_checkpoints: list[int]
+    waited_for_prefix: bool
+
+
+class WaitingQueue:
+    """Waiting requests in arrival order, with the admission policy in :meth:`pick`."""
+
+    def __init__(self) -> None:
+        self._items: list[EngineRequest] = []
+        self._deferred: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def add(self, request: EngineRequest) -> None:
+        self._items.append(request)
+
+    def remove(self, request_id: str) -> Optional[EngineRequest]:
+        for i, r in enumerate(self._items):
+            if r.id == request_id:
+                self._deferred.discard(request_id)
+                return self._items.pop(i)
+        return None
+
+    def drain(self) -> list[EngineRequest]:
+        items, self._items = self._items, []
+        self._deferred.clear()
+        return items
+
+    def pick(
+        self,
+        n: int,
+        cached_len: Callable[[EngineRequest], int],
+        in_flight: Iterable[InFlight],
+    ) -> list[Admission]:
+        """Choose up to ``n`` requests to admit now and remove them from the queue.
+
+        Args:
+            n: free prefill slots.
+            cached_len: tokens of a request's prompt the prefix cache can restore now.
+            in_flight: requests currently in prefill.
+
+        Returns:
+            The admissions, in admission order.
+        """
+        if n <= 0 or not self._items:
+            return []
+        matched = {r.id: cached_len(r) for r in self._items}
+        order = list(self._items)
+        if len(order) <= LPM_MAX_WAITING:
+            order.sort(key=lambda r: -matched[r.id])  # stable: ties keep arrival order
+        flights = list(in_flight)
+        chosen: list[Admission] = []
+        for r in order:
+            if len(chosen) >= n:
+                break
+            m = matched[r.id]
+            if self._waits_for_flight(r, m, flights) or self._joins_leader(r, m, chosen):
+                self._deferred.add(r.id)
+                continue
+            chosen.append(Admission(r, [], r.id in self._deferred))
+        for a in chosen:
+            self.remove(a.request.id)
+        return chosen
+
+    @staticmethod
+    def _waits_for_flight(r: EngineRequest, m: int, flights: list[InFlight]) -> bool:
+        for f in flights:
+            if f.request.namespace != r.namespace:
+                continue
+            shared = common_prefix_len(r.tokens, f.request.tokens)
+            if shared - m >= MIN_SHARED_PREFIX and any(
+                m < p <= shared and p < len(r.tokens) for p in f.pending_snapshots
+            ):
+                return True
+        return False
+
+    @staticmethod
+    def _joins_leader(r: EngineRequest, m: int, chosen: list[Admission]) -> bool:
+        for a in chosen:
+            leader = a.request
+            if leader.namespace != r.namespace:
+                continue
+            shared = common_prefix_len(r.tokens, leader.tokens)
+            # The leader must compute the shared part itself: both start from m.
+            if shared - m >= MIN_SHARED_PREFIX and shared < len(r.tokens):
+                point = min(shared, len(leader.tokens) - 1)
+                if point > m:
+                    if point not in a.extra_checkpoints:
+                        a.extra_checkpoints.append(point)
+                    return True
+        return False

@@ -1,0 +1,91 @@
+"""What the gateway hands the engine, and what the engine sends back."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings.
+
+    ``temperature`` 0 means greedy. ``top_k`` 0 and ``top_p`` 1 disable those filters.
+    ``max_tokens`` counts generated tokens. ``top_logprobs`` is how many alternatives
+    to report per token (0-20) when ``logprobs`` is set. Penalties of 0 are off; they
+    and ``logit_bias`` ((token id, bias) pairs) become mlx-lm logits processors.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class TokenEvent:
+    """One generated token. ``logprob`` and ``top_logprobs`` ((token id, logprob) pairs) are set only when asked for."""
+
+    token: int
+    logprob: Optional[float] = None
+    top_logprobs: Optional[list[tuple[int, float]]] = None
+
+
+@dataclass
+class PromptEvent:
+    """The request's prefill started: ``cached_tokens`` of its prompt came from the prefix cache."""
+
+    cached_tokens: int
+
+
+@dataclass
+class DoneEvent:
+    """The request ended. ``finish_reason`` is ``stop``, ``length`` or ``cancelled``."""
+
+    finish_reason: str
+
+
+@dataclass
+class ErrorEvent:
+    """The request failed inside the engine; ``status`` is the HTTP status to answer with."""
+
+    status: int
+    message: str
+
+
+Event = TokenEvent | PromptEvent | DoneEvent | ErrorEvent
+
+
+@dataclass
+class EngineRequest:
+    """A tokenized request for the engine.
+
+    Attributes:
+        id: unique request id (also used for cancellation).
+        tokens: the prompt token ids, ``len >= 1``.
+        params: decoding settings.
+        sink: called on the engine thread with each batch of events for this request;
+            it must not block (the gateway posts them to the event loop).
+        checkpoints: prompt offsets (tokens, ``0 < offset < len(tokens)``) at which the
+            engine saves a prefix-cache snapshot during prefill.
+        namespace: the prefix-cache namespace (a tenant's cache group).
+        tenant: the tenant name, for fair share and metrics.
+    """
+
+    id: str
+    tokens: list[int]
+    params: SamplingParams
+    sink: Callable[[list[Event]], None]
+    checkpoints: list[int] = field(default_factory=list)
+    namespace: str = "default"
+    tenant: str = "default"
+    arrival: float = field(default_factory=time.monotonic)
