@@ -185,13 +185,20 @@ async def _drive(state: ServerState, gen: Generation, asm: TextAssembler, prompt
 
 
 async def _collect(request: Request, body: AsyncIterator) -> None:
-    """Consume ``body``; stop (and so cancel the generation) if the client leaves first."""
+    """Consume ``body``; stop (and so cancel the generation) if the client leaves first.
+
+    Raises:
+        APIError: the generation failed.
+    """
+    error: list[APIError] = []
     async with anyio.create_task_group() as tg:
 
         async def consume() -> None:
             try:
                 async for _ in body:
                     pass
+            except APIError as e:
+                error.append(e)
             finally:
                 with anyio.CancelScope(shield=True):
                     await body.aclose()
@@ -200,6 +207,8 @@ async def _collect(request: Request, body: AsyncIterator) -> None:
         tg.start_soon(consume)
         await wait_for_disconnect(request.receive)
         tg.cancel_scope.cancel()
+    if error:
+        raise error[0]
 
 
 def _assembler(state: ServerState, stop, opens_reasoning: bool) -> TextAssembler:

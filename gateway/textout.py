@@ -57,6 +57,7 @@ class TextAssembler:
         self._raw = ""  # text not yet released past the stop-string filter
         self._split = ""  # text not yet released past the reasoning splitter
         self._seen_content = False
+        self._after_reasoning = False
 
     def feed(self, token: int) -> Delta:
         """Add one token; returns the text that can be released now."""
@@ -95,8 +96,9 @@ class TextAssembler:
                 i = self._split.find(end)
                 if i >= 0:
                     delta.reasoning += self._split[:i]
-                    self._split = self._split[i + len(end) :].lstrip("\n")
+                    self._split = self._split[i + len(end) :]
                     self.in_reasoning = False
+                    self._after_reasoning = True
                     continue
                 keep = 0 if final else _holdback(self._split, [end])
                 delta.reasoning += self._split[: len(self._split) - keep]
@@ -111,6 +113,11 @@ class TextAssembler:
                 if not final and (not stripped or start.startswith(stripped)):
                     break  # could still become a think tag
             self._seen_content = True
+            if self._after_reasoning:  # the blank lines after </think> are layout
+                self._split = self._split.lstrip("\n")
+                if not self._split:
+                    break
+                self._after_reasoning = False
             delta.content += self._split
             self._split = ""
         return delta

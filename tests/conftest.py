@@ -84,7 +84,8 @@ class LiveServer:
         return self.state.engine
 
     def client(self, **kw) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=120, **kw)
+        kw.setdefault("timeout", 120)
+        return httpx.Client(base_url=self.url, **kw)
 
     def openai(self):
         import openai

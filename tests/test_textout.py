@@ -1,0 +1,73 @@
+"""Detokenizing, stop strings and the reasoning split, with the real Qwen3 tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+from conftest import TOKENIZERS, live_server, model_path
+from gateway.textout import TextAssembler
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return load_tokenizer(TOKENIZERS / "qwen3")
+
+
+def run(asm: TextAssembler, tokens: list[int]) -> tuple[str, str, list[str]]:
+    content, reasoning, pieces = "", "", []
+    for t in tokens:
+        d = asm.feed(t)
+        content, reasoning = content + d.content, reasoning + d.reasoning
+        pieces.append(d.content)
+        if asm.stopped:
+            break
+    d = asm.finish()
+    return content + d.content, reasoning + d.reasoning, pieces
+
+
+def test_reasoning_then_answer(qwen3):
+    toks = qwen3.encode("<think>\nLet me weigh it.\n</think>\n\nThe answer is 42.", add_special_tokens=False)
+    asm = TextAssembler(qwen3, think=("<think>", "</think>"))
+    content, reasoning, _ = run(asm, toks)
+    assert reasoning.strip() == "Let me weigh it."
+    assert content == "The answer is 42."
+
+
+def test_prompt_opened_reasoning(qwen3):
+    toks = qwen3.encode("hmm, thinking</think>\n\nDone.", add_special_tokens=False)
+    asm = TextAssembler(qwen3, think=("<think>", "</think>"), in_reasoning=True)
+    content, reasoning, _ = run(asm, toks)
+    assert reasoning == "hmm, thinking" and content == "Done."
+
+
+def test_no_think_block_is_all_content(qwen3):
+    toks = qwen3.encode("Plain answer, no thinking.", add_special_tokens=False)
+    content, reasoning, _ = run(TextAssembler(qwen3, think=("<think>", "</think>")), toks)
+    assert content == "Plain answer, no thinking." and reasoning == ""
+
+
+def test_stop_string_is_never_half_sent(qwen3):
+    toks = qwen3.encode("alpha beta STOP gamma", add_special_tokens=False)
+    content, _, pieces = run(TextAssembler(qwen3, stop=["STOP"]), toks)
+    assert content == "alpha beta "
+    assert all("S" not in p for p in pieces)
+
+
+def test_eos_is_not_text(qwen3):
+    eos = next(iter(qwen3.eos_token_ids))
+    toks = qwen3.encode("bye", add_special_tokens=False) + [eos]
+    content, _, _ = run(TextAssembler(qwen3, skip_ids=frozenset(qwen3.eos_token_ids)), toks)
+    assert content == "bye"
+
+
+def test_reasoning_content_over_http():
+    """Force the model to open a think block (logit_bias) and check where its text goes."""
+    with live_server(model_path("qwen3_5")) as server:
+        think = server.state.tokenizer.convert_tokens_to_ids("<think>")
+        body = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                "logit_bias": {str(think): 100}}
+        with server.client() as c:
+            msg = c.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert msg["reasoning_content"] == "<think>" * 3
+        assert msg["content"] == ""
