@@ -176,6 +176,7 @@ def build_model_dir(
     tokenizer_dir: str | os.PathLike | None = None,
     vocab_size: int | None = None,
     seed: int = 0,
+    overrides: dict | None = None,
 ) -> Path:
     """Write a tiny random-weight model directory for ``arch``, idempotently.
 
@@ -188,6 +189,8 @@ def build_model_dir(
         vocab_size: the embedding rows; defaults to the tokenizer's size rounded
             up to a multiple of 64 (a real family's ``vocab_size`` may be larger).
         seed: the random seed of the weights.
+        overrides: config entries replacing those of :data:`ARCH_CONFIGS` (e.g. a
+            larger ``hidden_size`` for benchmarks).
 
     Returns:
         The directory path.
@@ -203,7 +206,8 @@ def build_model_dir(
     if arch not in ARCH_CONFIGS:
         raise ValueError(f"unknown architecture {arch!r}; choose from {sorted(ARCH_CONFIGS)}")
     path = Path(path)
-    stamp = {"arch": arch, "tokenizer": str(tokenizer_dir), "vocab": vocab_size, "seed": seed}
+    stamp = {"arch": arch, "tokenizer": str(tokenizer_dir), "vocab": vocab_size, "seed": seed,
+             "overrides": overrides or {}}
     done = path / ".mlx-gateway-demo.json"
     if done.exists() and json.loads(done.read_text()) == stamp:
         return path
@@ -217,7 +221,7 @@ def build_model_dir(
         n_vocab = _copy_tokenizer(Path(tokenizer_dir), tmp)
     vocab = vocab_size or -(-n_vocab // 64) * 64
 
-    config = dict(ARCH_CONFIGS[arch], vocab_size=vocab)
+    config = dict(ARCH_CONFIGS[arch], **(overrides or {}), vocab_size=vocab)
     module = importlib.import_module(f"mlx_lm.models.{arch}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))

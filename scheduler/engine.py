@@ -133,7 +133,8 @@ class Engine:
         self._stopping = False
         self._idle = threading.Condition()
         self.error: Optional[BaseException] = None
-        self._waiting_count = 0
+        self._waiting_count = 0  # submitted, not yet admitted or cancelled
+        self._count_lock = threading.Lock()
 
     # ----------------------------------------------------------------- public API
     @property
@@ -162,10 +163,13 @@ class Engine:
         """
         if not self.alive:
             raise EngineDead(f"engine is not running: {self.error!r}")
-        if self._waiting_count >= self.max_waiting:
-            raise EngineOverloaded(f"{self._waiting_count} requests are already waiting")
-        self._waiting_count += 1
+        with self._count_lock:
+            if self._waiting_count >= self.max_waiting:
+                raise EngineOverloaded(f"{self._waiting_count} requests are already waiting")
+            self._waiting_count += 1
         self._inbox.put(("submit", request))
+        if not self._thread.is_alive():  # died between the check and the put
+            self._drain_inbox_after_stop(f"engine stopped: {self.error!r}")
 
     def cancel(self, request_id: str) -> None:
         """Cancel a request (thread-safe); it leaves the batch on the engine's next step."""
@@ -250,6 +254,8 @@ class Engine:
             for r in self._waiting.drain():
                 self._send(r, [ErrorEvent(503, reason)])
             self._drain_inbox_after_stop(reason)
+            with self._count_lock:
+                self._waiting_count = 0
             self._notify_idle()
 
     def _drain_inbox_after_stop(self, reason: str) -> None:
@@ -264,6 +270,10 @@ class Engine:
                 fn, box, done = payload
                 box["error"] = EngineDead(reason)
                 done.set()
+
+    def _uncount_waiting(self) -> None:
+        with self._count_lock:
+            self._waiting_count -= 1
 
     def _notify_idle(self) -> None:
         self.metrics.running.set(len(self._active))
@@ -315,7 +325,7 @@ class Engine:
             self._in_flight(),
         )
         for admission in picks:
-            self._waiting_count -= 1
+            self._uncount_waiting()
             self._insert(admission)
 
     def _insert(self, admission: Admission) -> None:
@@ -362,7 +372,7 @@ class Engine:
     def _cancel(self, request_id: str) -> None:
         r = self._waiting.remove(request_id)
         if r is not None:
-            self._waiting_count -= 1
+            self._uncount_waiting()
             self._send(r, [DoneEvent("cancelled")])
             self.stats.cancelled += 1
             self.metrics.cancelled.inc()
