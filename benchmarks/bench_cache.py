@@ -1,0 +1,144 @@
+"""Prefix-cache benchmark (a script, not a test).
+
+Usage:  cd /work/main && PYTHONPATH=. .venv/bin/python benchmarks/bench_cache.py [--lengths 2048 20480]
+
+Model: the tiny random-weight ``qwen3`` test model (2 layers, hidden 64, 2 KV heads
+of dim 16, float32, ~1K vocabulary; ``tests/conftest.py``), run on whatever MLX
+backend is present. Absolute times are those of a toy model; the point is the ratio
+cold / hot and the size of the fetch overhead (lookup, copy, restore).
+
+Reports, per prefix length:
+  - cold TTFT: prefill of the whole prompt, no cache;
+  - exact-prefix hot TTFT: the same prompt again (snapshot restored to n-1 tokens);
+  - nearest-prefix hot TTFT: the stored prompt shares all but its last 128 tokens
+    with the query (snapshot trimmed, 128 new tokens run);
+  - fetch overhead split into lookup / copy / restore (seconds).
+Then: memory (mx.get_active_memory) and time to hand out a copy of a 100K-token
+snapshot, for the tiny model's layer shapes and for 4 layers of a Qwen3-0.6B-like
+shape (8 KV heads x 128 dims, float16), and the memory of the first write to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.models.cache import KVCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cache import PrefillSession, PromptCacheManager, safe_copy  # noqa: E402
+from tests.conftest import model_path  # noqa: E402
+
+
+def prompt_tokens(tok, n: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    words = "the cache token prompt server batch request tenant prefix memory apple code".split()
+    out: list[int] = []
+    while len(out) < n:
+        out.extend(tok.encode(" ".join(rng.choice(words) for _ in range(400)), add_special_tokens=False))
+    return out[:n]
+
+
+def timed(fn, reps):
+    times, res = [], None
+    for _ in range(reps):
+        t = time.perf_counter()
+        res = fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), res
+
+
+def bench_ttft(model, tok, n: int, reps: int) -> None:
+    toks = prompt_tokens(tok, n, seed=n)
+    cold_s, cold = timed(lambda: PrefillSession(model, None).prefill(toks), reps)
+    query = toks[: n - 128] + prompt_tokens(tok, 128, seed=n + 1)
+    query[n - 128] = (toks[n - 128] + 1) % 900 + 5  # diverge exactly at n-128
+
+    mgr = PromptCacheManager(max_bytes=8 << 30, max_entries=64)
+    hot_runs, near_runs = [], []
+    for i in range(max(reps, 3)):
+        # a fresh namespace per run holding only the cold run's final snapshot
+        for kind, q, runs in (("exact", toks, hot_runs), ("near", query, near_runs)):
+            ns = f"{kind}-{i}"
+            assert mgr.insert(ns, toks, safe_copy(cold.cache))
+            t = time.perf_counter()
+            r = PrefillSession(model, mgr, namespace=ns).prefill(q)
+            runs.append((time.perf_counter() - t, r))
+    hot_s = statistics.median(t for t, _ in hot_runs)
+    near_s = statistics.median(t for t, _ in near_runs)
+    hot, near = hot_runs[-1][1], near_runs[-1][1]
+    assert hot.cached_tokens == n - 1 and near.cached_tokens == n - 128
+
+    def fmt(t):
+        return {k: f"{v * 1e3:.3f}ms" for k, v in t.items() if k != "prefill"}
+
+    print(f"prefix {n:>6} tokens: cold TTFT {cold_s:.3f}s | exact hot {hot_s * 1e3:.1f}ms "
+          f"(reused {hot.cached_tokens}) | nearest hot {near_s * 1e3:.1f}ms (reused {near.cached_tokens}, "
+          f"ran {n - near.cached_tokens})")
+    print(f"    fetch overhead exact:   {fmt(hot.timings)}")
+    print(f"    fetch overhead nearest: {fmt(near.timings)}")
+
+
+def snapshot(layers: int, heads: int, dim: int, n: int, dtype) -> list[KVCache]:
+    out = []
+    for _ in range(layers):
+        c = KVCache()
+        k = mx.random.normal((1, heads, n, dim)).astype(dtype)
+        c.update_and_fetch(k, k)
+        mx.eval(c.keys, c.values)
+        out.append(c)
+    return out
+
+
+def bench_copy(name: str, layers: int, heads: int, dim: int, dtype, n: int = 100_000) -> None:
+    mgr = PromptCacheManager(max_bytes=64 << 30, max_entries=4)
+    toks = list(range(n))
+    snap = snapshot(layers, heads, dim, n, dtype)
+    size = sum(c.nbytes for c in snap)
+    mgr.insert("default", toks, snap)
+    del snap
+    mx.eval(mx.zeros(1))
+    base = mx.get_active_memory()
+    t = time.perf_counter()
+    hit = mgr.fetch("default", toks + [1])  # exact: whole 100K snapshot
+    dt = time.perf_counter() - t
+    after_copy = mx.get_active_memory() - base
+    # first write to the copy (one decode step on every layer)
+    t = time.perf_counter()
+    for c in hit.cache:
+        x = mx.zeros((1, heads, 1, dim), dtype)
+        c.update_and_fetch(x, x)
+    mx.eval([c.keys for c in hit.cache] + [c.values for c in hit.cache])
+    dw = time.perf_counter() - t
+    after_write = mx.get_active_memory() - base
+    mgr.release(hit.lease)
+    print(f"100K-token snapshot, {name}: {size / 2**20:.1f} MiB stored | hand out copy: "
+          f"{dt * 1e3:.3f}ms, +{after_copy / 2**20:.2f} MiB active memory "
+          f"(lookup {hit.timings['lookup'] * 1e6:.0f}us, copy {hit.timings['copy'] * 1e6:.0f}us, "
+          f"restore {hit.timings['restore'] * 1e6:.0f}us) | first write to the copy: {dw * 1e3:.1f}ms, "
+          f"+{after_write / 2**20:.1f} MiB (copy-on-write of the buffers)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", type=int, nargs="*", default=[2048, 20480])
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    print(f"mlx {mx.__version__}, device {mx.default_device()}")
+    model, tok = mlx_lm.load(str(model_path("qwen3")))
+    PrefillSession(model, None).prefill(prompt_tokens(tok, 300, 0))  # warm up
+    for n in args.lengths:
+        bench_ttft(model, tok, n, reps=args.reps if n <= 4096 else 1)
+    bench_copy("tiny qwen3 (2 layers x 2 KV heads x 16, fp32)", 2, 2, 16, mx.float32)
+    bench_copy("Qwen3-0.6B-like, 4 of 28 layers (8 KV heads x 128, fp16)", 4, 8, 128, mx.float16)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Prometheus metrics of the prompt cache, on a caller-supplied ``CollectorRegistry``.
+
+Exposed names (dashboards rely on them; vLLM's ``prefix_cache_queries`` /
+``prefix_cache_hits`` are counted in tokens the same way, so
+``rate(hits_tokens)/rate(queries_tokens)`` is the token hit rate):
+
+- ``mlx_gateway_prefix_cache_queries_tokens_total`` (counter, tokens looked up)
+- ``mlx_gateway_prefix_cache_hits_tokens_total`` (counter, tokens restored)
+- ``mlx_gateway_prefix_cache_queries_total`` (counter, fetch calls)
+- ``mlx_gateway_prefix_cache_hits_total`` (counter, fetches that restored >= 1 token)
+- ``mlx_gateway_prompt_cache_evictions_total{reason}`` (counter; bytes|entries|flush)
+- ``mlx_gateway_prompt_cache_bytes{cache_type,namespace}`` (gauge, bytes)
+- ``mlx_gateway_prompt_cache_entries{cache_type,namespace}`` (gauge, snapshots holding
+  at least one layer of that class)
+- ``mlx_gateway_prompt_cache_active_leases`` (gauge)
+- ``mlx_gateway_prompt_cache_fetch_seconds{phase}`` (histogram, seconds;
+  phase lookup|copy|restore)
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
+
+
+class CacheMetrics:
+    """The cache's metric objects, registered on ``registry`` (a fresh private one if None)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        # prometheus-client appends "_total" to counter names.
+        self.query_tokens = Counter(
+            "mlx_gateway_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.hit_tokens = Counter(
+            "mlx_gateway_prefix_cache_hits_tokens", "Prompt tokens restored from the prefix cache", registry=r
+        )
+        self.queries = Counter(
+            "mlx_gateway_prefix_cache_queries", "Prefix cache lookups (requests)", registry=r
+        )
+        self.hits = Counter(
+            "mlx_gateway_prefix_cache_hits", "Prefix cache lookups that restored at least one token", registry=r
+        )
+        self.evictions = Counter(
+            "mlx_gateway_prompt_cache_evictions", "Snapshots dropped from the prompt cache", ["reason"], registry=r
+        )
+        self.bytes = Gauge(
+            "mlx_gateway_prompt_cache_bytes", "Bytes held by stored snapshots", ["cache_type", "namespace"], registry=r
+        )
+        self.entries = Gauge(
+            "mlx_gateway_prompt_cache_entries", "Stored snapshots", ["cache_type", "namespace"], registry=r
+        )
+        self.leases = Gauge(
+            "mlx_gateway_prompt_cache_active_leases", "Snapshots leased by running requests (lease count)", registry=r
+        )
+        self.fetch_seconds = Histogram(
+            "mlx_gateway_prompt_cache_fetch_seconds", "Time spent in fetch, by phase", ["phase"],
+            buckets=_BUCKETS, registry=r,
+        )
+        for reason in ("bytes", "entries", "flush"):
+            self.evictions.labels(reason=reason)
+        for phase in ("lookup", "copy", "restore"):
+            self.fetch_seconds.labels(phase=phase)
