@@ -13,6 +13,7 @@ The weights are random: the model's output is random text.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import lzma
 import os
@@ -24,18 +25,18 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</t
 # ChatML with Qwen3-style thinking: reasoning of earlier assistant turns is dropped,
 # `enable_thinking=False` pre-fills an empty think block.
 CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
+    "{%- for message in messages %}"
     "{%- set content = message['content'] if message['content'] is string else "
-    "message['content'] | map(attribute='text') | join('') -%}"
-    "{%- if message['role'] == 'assistant' and '</think>' in content -%}"
-    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
-    "{%- endif -%}"
-    "<|im_start|>{{ message['role'] }}\n{{ content }}<|im_end|>\n"
-    "{%- endfor -%}"
-    "{%- if tools -%}<|im_start|>tools\n{{ tools | tojson }}<|im_end|>\n{%- endif -%}"
-    "{%- if add_generation_prompt -%}<|im_start|>assistant\n"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}"
-    "<think>\n\n</think>\n\n{%- endif -%}{%- endif -%}"
+    "message['content'] | map(attribute='text') | join('') %}"
+    "{%- if message['role'] == 'assistant' and '</think>' in content %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if tools %}{{- '<|im_start|>tools\\n' + (tools | tojson) + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
 )
 
 _CORPUS_WORDS = (
@@ -207,7 +208,7 @@ def build_model_dir(
         raise ValueError(f"unknown architecture {arch!r}; choose from {sorted(ARCH_CONFIGS)}")
     path = Path(path)
     stamp = {"arch": arch, "tokenizer": str(tokenizer_dir), "vocab": vocab_size, "seed": seed,
-             "overrides": overrides or {}}
+             "overrides": overrides or {}, "template": hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest()[:12]}
     done = path / ".mlx-gateway-demo.json"
     if done.exists() and json.loads(done.read_text()) == stamp:
         return path

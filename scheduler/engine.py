@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import mlx.core as mx
+from mlx.utils import tree_map
 from mlx_lm.generate import BatchGenerator, StopSequences
 from prometheus_client import CollectorRegistry
 
@@ -40,6 +41,11 @@ from scheduler.request import (
 from scheduler.sampling import greedy, make_processors, make_sampler
 
 log = logging.getLogger("mlx_gateway.engine")
+
+
+def _compact(x):
+    """A compact copy of an array (a view pins its parent's buffer); other leaves as they are."""
+    return mx.contiguous(x) if isinstance(x, mx.array) else x
 
 
 class EngineDead(RuntimeError):
@@ -132,6 +138,7 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self._idle = threading.Condition()
+        self._is_idle = True  # updated between steps only, so readers see a consistent state
         self.error: Optional[BaseException] = None
         self._waiting_count = 0  # submitted, not yet admitted or cancelled
         self._count_lock = threading.Lock()
@@ -167,6 +174,8 @@ class Engine:
             if self._waiting_count >= self.max_waiting:
                 raise EngineOverloaded(f"{self._waiting_count} requests are already waiting")
             self._waiting_count += 1
+        with self._idle:
+            self._is_idle = False
         self._inbox.put(("submit", request))
         if not self._thread.is_alive():  # died between the check and the put
             self._drain_inbox_after_stop(f"engine stopped: {self.error!r}")
@@ -197,7 +206,7 @@ class Engine:
         """Block until no request is waiting or running; False on timeout."""
         deadline = time.monotonic() + timeout
         with self._idle:
-            while self._active or len(self._waiting) or self._waiting_count:
+            while not self._is_idle:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -279,6 +288,7 @@ class Engine:
         self.metrics.running.set(len(self._active))
         self.metrics.waiting.set(self._waiting_count)
         with self._idle:
+            self._is_idle = not (self._active or len(self._waiting) or self._waiting_count)
             self._idle.notify_all()
 
     def _handle(self, item) -> None:
@@ -475,9 +485,18 @@ class Engine:
                 self._save_snapshot(a, tokens, cache)
 
     def _save_snapshot(self, a: _Active, tokens, cache) -> None:
+        """Store ``cache`` (covering ``tokens``) for ``a``'s namespace.
+
+        Caches extracted from a batch are views that pin the whole batch buffer
+        ``[B, H, T, D]``; each array is compacted first, so the snapshot holds (and the
+        byte bound counts) only its own row.
+        """
         if not tokens or cache is None:
             return
         try:
+            for layer in cache:
+                layer.state = tree_map(_compact, layer.state)
+            mx.eval([layer.state for layer in cache])
             if self.prompt_cache.insert(a.request.namespace, list(tokens), cache):
                 self.stats.snapshots_saved += 1
         except Exception:

@@ -79,7 +79,7 @@ def test_own_chatml_tokenizer():
     cps = plan_chat_checkpoints(tok, msgs, prompt)
     text = lambda a, b=None: tok.decode(prompt[a:b])  # noqa: E731
     assert len(cps) == 3
-    assert text(0, cps[0]).endswith(SYSTEM + "<|im_end|>")
+    assert text(0, cps[0]).endswith(SYSTEM + "<|im_end|>\n")
     assert text(cps[1]).startswith(U2)
     assert text(cps[2]).startswith("<|im_start|>assistant")
 
