@@ -16,19 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
+from cache.checkpoints import common_prefix as common_prefix_len
 from scheduler.request import EngineRequest
 
 LPM_MAX_WAITING = 128
 MIN_SHARED_PREFIX = 32
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists, in tokens."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 @dataclass
@@ -99,16 +91,22 @@ class WaitingQueue:
         """
         if n <= 0 or not self._items:
             return []
-        matched = {r.id: cached_len(r) for r in self._items}
+        matched: dict[str, int] = {}
+
+        def cached(r: EngineRequest) -> int:  # looked up at most once, and lazily in FCFS mode
+            if r.id not in matched:
+                matched[r.id] = cached_len(r)
+            return matched[r.id]
+
         order = list(self._items)
         if len(order) <= LPM_MAX_WAITING:
-            order.sort(key=lambda r: -matched[r.id])  # stable: ties keep arrival order
+            order.sort(key=lambda r: -cached(r))  # stable: ties keep arrival order
         flights = list(in_flight)
         chosen: list[Admission] = []
         for r in order:
             if len(chosen) >= n:
                 break
-            m = matched[r.id]
+            m = cached(r)
             if self._waits_for_flight(r, m, flights) or self._joins_leader(r, m, chosen):
                 self._deferred.add(r.id)
                 continue
