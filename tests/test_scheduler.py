@@ -173,3 +173,23 @@ def test_batch_equivalence_guard(arch, exact):
         solo, together = asyncio.run(run())
         for a, b in zip(solo, together):
             assert same(a, b)
+
+
+def test_mixed_sampling_settings_batch_together():
+    """Seeds, temperatures, top-p/top-k, stop strings and logprobs in one batch: each
+    request gets what it gets alone, and they really decode together."""
+    variants = [dict(temperature=0.9, seed=7), dict(temperature=0.7, top_p=0.8, seed=11),
+                dict(temperature=1.2, top_k=20, seed=3), dict(temperature=0, stop=["e"])]
+    bodies = [{**body(words(30 + 10 * i, i), "sys", 10), **v} for i, v in enumerate(variants)]
+    with live_server(model_path("qwen3"), prompt_concurrency=4) as server:
+
+        async def run():
+            async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
+                solo = [await ask(c, b) for b in bodies]
+                together = await asyncio.gather(*(ask(c, b) for b in bodies))
+                return solo, together
+
+        solo, together = asyncio.run(run())
+        assert server.engine.stats.max_decode_batch >= 3
+    for a, b in zip(solo, together):
+        assert answer(a)[0] == answer(b)[0]
