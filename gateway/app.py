@@ -211,9 +211,9 @@ async def _collect(request: Request, body: AsyncIterator) -> None:
         raise error[0]
 
 
-def _assembler(state: ServerState, stop, opens_reasoning: bool) -> TextAssembler:
+def _assembler(state: ServerState, stop, opens_reasoning: bool, reasoning: bool = True) -> TextAssembler:
     tok = state.tokenizer
-    think = (tok.think_start, tok.think_end) if getattr(tok, "has_thinking", False) else None
+    think = (tok.think_start, tok.think_end) if reasoning and getattr(tok, "has_thinking", False) else None
     return TextAssembler(
         tok, stop=list(stop or []), think=think, in_reasoning=opens_reasoning and think is not None,
         skip_ids=frozenset(tok.eos_token_ids),
@@ -302,8 +302,7 @@ async def completions(request: Request) -> Response:
     params = _fit_context(state, prompt, params)
     gen = Generation(engine, prompt.tokens, params, prompt.checkpoints)
     gen.submit()
-    asm = _assembler(state, req.stop, False)
-    asm.think = None  # raw completions: no reasoning split
+    asm = _assembler(state, req.stop, False, reasoning=False)  # raw completions: no reasoning split
     fmt = LogprobFormatter(state.tokenizer) if want_lp else None
     rid, model, out = new_id("cmpl"), state.model_id, _Outcome()
     n_prompt = len(prompt.tokens)

@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -41,6 +42,8 @@ from scheduler.request import (
 from scheduler.sampling import greedy, make_processors, make_sampler
 
 log = logging.getLogger("mlx_gateway.engine")
+
+_RECENT = 4096  # requests remembered in admission_log and stats.generated_by_request
 
 
 def _compact(x):
@@ -84,7 +87,7 @@ class EngineStats:
     grouping_saved_tokens: int = 0
     max_prefill_batch: int = 0
     max_decode_batch: int = 0
-    generated_by_request: dict[str, int] = field(default_factory=dict)
+    generated_by_request: dict[str, int] = field(default_factory=dict)  # last 4096 requests
 
 
 class Engine:
@@ -128,7 +131,8 @@ class Engine:
         self.pad_free_prefill = pad_free_prefill
         self.metrics = SchedulerMetrics(registry or CollectorRegistry())
         self.stats = EngineStats()
-        self.admission_log: list[str] = []
+        # Recent admissions in order (request ids), for tests and debugging; bounded.
+        self.admission_log: deque[str] = deque(maxlen=_RECENT)
 
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting = WaitingQueue()
@@ -449,7 +453,10 @@ class Engine:
     def _token_event(self, a: _Active, gr) -> TokenEvent:
         a.generated += 1
         self.stats.decode_tokens += 1
-        self.stats.generated_by_request[a.request.id] = a.generated
+        recent = self.stats.generated_by_request
+        recent[a.request.id] = a.generated
+        if len(recent) > _RECENT:
+            del recent[next(iter(recent))]
         self.metrics.decode_tokens.inc()
         p = a.request.params
         if not p.logprobs:
