@@ -184,19 +184,21 @@ async def _drive(state: ServerState, gen: Generation, asm: TextAssembler, prompt
                 m.tpot.labels(*labels).observe((now - first_at) / (n - 1))
 
 
-async def _collect(request: Request, body: AsyncIterator) -> None:
-    """Consume ``body``; stop (and so cancel the generation) if the client leaves first.
+async def _collect(request: Request, body: AsyncIterator[tuple[Delta, list[TokenEvent]]]) -> list[Delta]:
+    """Consume ``body`` and return its deltas; stop (and so cancel the generation) if the
+    client leaves first.
 
     Raises:
         APIError: the generation failed.
     """
+    parts: list[Delta] = []
     error: list[APIError] = []
     async with anyio.create_task_group() as tg:
 
         async def consume() -> None:
             try:
-                async for _ in body:
-                    pass
+                async for delta, _ in body:
+                    parts.append(delta)
             except APIError as e:
                 error.append(e)
             finally:
@@ -209,6 +211,39 @@ async def _collect(request: Request, body: AsyncIterator) -> None:
         tg.cancel_scope.cancel()
     if error:
         raise error[0]
+    return parts
+
+
+def _launch(state: ServerState, engine: Engine, prompt: Prompt, params: SamplingParams,
+            asm: TextAssembler, out: _Outcome) -> tuple[Generation, AsyncIterator[tuple[Delta, list[TokenEvent]]]]:
+    """Fit ``params`` to the context, submit the request, and return it with its delta stream.
+
+    Raises:
+        APIError: 400 for a prompt over the context, 503 when the engine cannot take it.
+    """
+    params = _fit_context(state, prompt, params)
+    gen = Generation(engine, prompt.tokens, params, prompt.checkpoints)
+    gen.submit()
+    return gen, _drive(state, gen, asm, len(prompt.tokens), out)
+
+
+def _sse_response(body: AsyncIterator, chunks: AsyncIterator[bytes]) -> SSEResponse:
+    """Stream ``chunks`` (built from ``body``); an engine error becomes an SSE error event,
+    and the stream always ends with ``data: [DONE]``."""
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except APIError as e:
+            yield sse(e.body())
+        finally:
+            with anyio.CancelScope(shield=True):
+                await chunks.aclose()
+                await body.aclose()
+        yield sse("[DONE]")
+
+    return SSEResponse(events())
 
 
 def _assembler(state: ServerState, stop, opens_reasoning: bool, reasoning: bool = True) -> TextAssembler:
@@ -236,52 +271,35 @@ async def chat_completions(request: Request) -> Response:
     prompt = await anyio.to_thread.run_sync(
         render_chat, state.tokenizer, req, state.config.chat_template_args, state.config.checkpoint_every
     )
-    params = _fit_context(state, prompt, params)
-    gen = Generation(engine, prompt.tokens, params, prompt.checkpoints)
-    gen.submit()
     asm = _assembler(state, req.stop, prompt.opens_reasoning)
+    out = _Outcome()
+    gen, body = _launch(state, engine, prompt, params, asm, out)
     fmt = LogprobFormatter(state.tokenizer) if req.logprobs else None
-    rid, model, out = new_id("chatcmpl"), state.model_id, _Outcome()
-    n_prompt = len(prompt.tokens)
-    body = _drive(state, gen, asm, n_prompt, out)
+    rid, model, n_prompt = new_id("chatcmpl"), state.model_id, len(prompt.tokens)
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         created = int(time.time())
 
-        async def events() -> AsyncIterator[bytes]:
-            try:
-                yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
-                async for delta, toks in body:
-                    d = {}
-                    if delta.reasoning:
-                        d["reasoning_content"] = delta.reasoning
-                    if delta.content:
-                        d["content"] = delta.content
-                    lps = [fmt.chat_entry(t) for t in toks] if fmt else None
-                    if d or lps:
-                        yield sse(chat_chunk(rid, model, created, d, None, lps))
-                yield sse(chat_chunk(rid, model, created, {}, out.finish))
-                if include_usage:
-                    yield sse(usage_chunk(rid, model, created, "chat.completion.chunk",
-                                          usage(n_prompt, len(out.tokens), out.cached)))
-            except APIError as e:
-                yield sse(e.body())
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await body.aclose()
-            yield sse("[DONE]")
+        async def chunks() -> AsyncIterator[bytes]:
+            yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
+            async for delta, toks in body:
+                d = {}
+                if delta.reasoning:
+                    d["reasoning_content"] = delta.reasoning
+                if delta.content:
+                    d["content"] = delta.content
+                lps = [fmt.chat_entry(t) for t in toks] if fmt else None
+                if d or lps:
+                    yield sse(chat_chunk(rid, model, created, d, None, lps))
+            yield sse(chat_chunk(rid, model, created, {}, out.finish))
+            if include_usage:
+                yield sse(usage_chunk(rid, model, created, "chat.completion.chunk",
+                                      usage(n_prompt, len(out.tokens), out.cached)))
 
-        return SSEResponse(events())
+        return _sse_response(body, chunks())
 
-    parts: list[Delta] = []
-
-    async def gather():
-        async for delta, _ in body:
-            parts.append(delta)
-            yield None
-
-    await _collect(request, gather())
+    parts = await _collect(request, body)
     if not gen.finished and not out.tokens and not parts:
         return Response(status_code=499)
     content = "".join(d.content for d in parts)
@@ -299,50 +317,33 @@ async def completions(request: Request) -> Response:
     prompt = await anyio.to_thread.run_sync(
         render_completion, state.tokenizer, req, state.config.checkpoint_every
     )
-    params = _fit_context(state, prompt, params)
-    gen = Generation(engine, prompt.tokens, params, prompt.checkpoints)
-    gen.submit()
     asm = _assembler(state, req.stop, False, reasoning=False)  # raw completions: no reasoning split
+    out = _Outcome()
+    gen, body = _launch(state, engine, prompt, params, asm, out)
     fmt = LogprobFormatter(state.tokenizer) if want_lp else None
-    rid, model, out = new_id("cmpl"), state.model_id, _Outcome()
-    n_prompt = len(prompt.tokens)
-    body = _drive(state, gen, asm, n_prompt, out)
+    rid, model, n_prompt = new_id("cmpl"), state.model_id, len(prompt.tokens)
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         created = int(time.time())
 
-        async def events() -> AsyncIterator[bytes]:
+        async def chunks() -> AsyncIterator[bytes]:
             offset = 0
-            try:
-                async for delta, toks in body:
-                    lp = fmt.completion_entries(toks, offset) if fmt and toks else None
-                    if delta.content or lp:
-                        yield sse(text_completion(rid, model, delta.content, None, lp, None, created))
-                    offset += len(delta.content)
-                yield sse(text_completion(rid, model, "", out.finish, None, None, created))
-                if include_usage:
-                    yield sse(usage_chunk(rid, model, created, "text_completion",
-                                          usage(n_prompt, len(out.tokens), out.cached)))
-            except APIError as e:
-                yield sse(e.body())
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await body.aclose()
-            yield sse("[DONE]")
+            async for delta, toks in body:
+                lp = fmt.completion_entries(toks, offset) if fmt and toks else None
+                if delta.content or lp:
+                    yield sse(text_completion(rid, model, delta.content, None, lp, None, created))
+                offset += len(delta.content)
+            yield sse(text_completion(rid, model, "", out.finish, None, None, created))
+            if include_usage:
+                yield sse(usage_chunk(rid, model, created, "text_completion",
+                                      usage(n_prompt, len(out.tokens), out.cached)))
 
-        return SSEResponse(events())
+        return _sse_response(body, chunks())
 
-    parts: list[str] = []
-
-    async def gather():
-        async for delta, _ in body:
-            parts.append(delta.content)
-            yield None
-
-    await _collect(request, gather())
+    parts = await _collect(request, body)
     lp = fmt.completion_entries(out.tokens, 0) if fmt else None
-    return JSONResponse(text_completion(rid, model, "".join(parts), out.finish, lp,
+    return JSONResponse(text_completion(rid, model, "".join(d.content for d in parts), out.finish, lp,
                                         usage(n_prompt, len(out.tokens), out.cached)))
 
 

@@ -318,13 +318,16 @@ class Engine:
             log.exception("sink of request %s raised", request.id)
 
     # ----------------------------------------------------------------- admission
+    def _num_prefilling(self) -> int:
+        return sum(1 for a in self._active.values() if not a.decoding)
+
     def _in_flight(self) -> list[InFlight]:
         return [
             InFlight(a.request, a.pending_snapshots) for a in self._active.values() if not a.decoding
         ]
 
     def _admit(self) -> None:
-        prefilling = sum(1 for a in self._active.values() if not a.decoding)
+        prefilling = self._num_prefilling()
         free = min(
             self.prompt_concurrency - prefilling,
             self.decode_concurrency - len(self._active),
@@ -409,7 +412,7 @@ class Engine:
 
     # ----------------------------------------------------------------- stepping
     def _step(self) -> None:
-        prefilling = sum(1 for a in self._active.values() if not a.decoding)
+        prefilling = self._num_prefilling()
         decoding = len(self._active) - prefilling
         try:
             prompt_responses, gen_responses = self._gen.next()
