@@ -133,6 +133,8 @@ class PromptCacheManager:
         self._num_leases = 0
         self._lease_ids = itertools.count(1)
         self._gauge: dict[tuple[str, str], list[int]] = {}  # (type, ns) -> [bytes, entries]
+        self._ns_bytes: dict[str, int] = {}  # namespace -> bytes stored
+        self._quotas: dict[str, int] = {}  # namespace -> byte quota
 
     # -- properties -----------------------------------------------------------
     @property
@@ -149,6 +151,33 @@ class PromptCacheManager:
     def num_leases(self) -> int:
         """Leases handed out and not yet released."""
         return self._num_leases
+
+    def namespace_bytes(self, namespace: str) -> int:
+        """Bytes stored for ``namespace``."""
+        return self._ns_bytes.get(namespace, 0)
+
+    def set_quotas(self, quotas: dict[str, int]) -> None:
+        """Set per-namespace byte quotas (within ``max_bytes``), replacing earlier ones.
+
+        A namespace over its new quota sheds unleased snapshots, oldest first, now
+        (eviction reason ``quota``); namespaces absent from ``quotas`` have none.
+
+        Raises:
+            ValueError: for a negative quota.
+        """
+        if any(q < 0 for q in quotas.values()):
+            raise ValueError("quotas must be >= 0")
+        with self._lock:
+            for ns in self._quotas.keys() - quotas.keys():
+                self.metrics.quota.remove(ns)
+            self._quotas = {ns: int(q) for ns, q in quotas.items()}
+            for ns, q in self._quotas.items():
+                self.metrics.quota.labels(cache_group=ns).set(q)
+                for e in [e for e in self._lru if e.namespace == ns]:
+                    if self.namespace_bytes(ns) <= q:
+                        break
+                    self._drop(e)
+                    self.metrics.evictions.labels(reason="quota").inc()
 
     # -- lookup ---------------------------------------------------------------
     def _select(self, namespace: str, tokens: Sequence[int]) -> tuple[_Entry, int] | None:
@@ -202,8 +231,8 @@ class PromptCacheManager:
                 entry, _ = sel
                 lease = Lease(entry, next(self._lease_ids))
                 self._acquire(entry)
-            self.metrics.queries.inc()
-            self.metrics.query_tokens.inc(len(tokens))
+            self.metrics.queries.labels(cache_group=namespace).inc()
+            self.metrics.query_tokens.labels(cache_group=namespace).inc(len(tokens))
         t1 = time.perf_counter()
         timings = {"lookup": t1 - t0, "copy": 0.0, "restore": 0.0}
         if sel is None:
@@ -222,8 +251,8 @@ class PromptCacheManager:
         timings["restore"] = t3 - t2
         for phase, secs in timings.items():
             self.metrics.fetch_seconds.labels(phase=phase).observe(secs)
-        self.metrics.hits.inc()
-        self.metrics.hit_tokens.inc(target)
+        self.metrics.hits.labels(cache_group=namespace).inc()
+        self.metrics.hit_tokens.labels(cache_group=namespace).inc(target)
         return CacheHit(cache, target, lease, timings)
 
     # -- leases ---------------------------------------------------------------
@@ -296,15 +325,10 @@ class PromptCacheManager:
                 if node.value.leases == 0:
                     self._lru.move_to_end(node.value)
                 return True
-            need_e = self._entries + 1 - self.max_entries
-            need_b = self._bytes + entry.nbytes - self.max_bytes
-            if entry.nbytes > self.max_bytes or self.max_entries < 1:
+            plan = self._eviction_plan(namespace, entry.nbytes)
+            if plan is None:
                 return False
-            if need_e > len(self._lru) or need_b > self._bytes - self._leased_bytes:
-                return False
-            while self._entries + 1 > self.max_entries or self._bytes + entry.nbytes > self.max_bytes:
-                victim = next(iter(self._lru))
-                reason = "bytes" if self._bytes + entry.nbytes > self.max_bytes else "entries"
+            for victim, reason in plan:
                 self._drop(victim)
                 self.metrics.evictions.labels(reason=reason).inc()
             node = tree.insert(tokens)
@@ -315,6 +339,41 @@ class PromptCacheManager:
             self._entries += 1
             self._account(entry, +1)
             return True
+
+    def _eviction_plan(self, namespace: str, nbytes: int) -> list[tuple[_Entry, str]] | None:
+        """Unleased entries to drop (LRU first, with the reason) so that a new
+        ``nbytes``-byte entry of ``namespace`` fits its group's quota and the global
+        bounds; None when that is impossible. Nothing is changed. Lock held."""
+        if nbytes > self.max_bytes or self.max_entries < 1:
+            return None
+        plan: list[tuple[_Entry, str]] = []
+        chosen: set[int] = set()
+        total_b, total_e = self._bytes, self._entries
+        quota = self._quotas.get(namespace)
+        if quota is not None:
+            group_b = self.namespace_bytes(namespace)
+            for e in self._lru:
+                if group_b + nbytes <= quota:
+                    break
+                if e.namespace == namespace:
+                    plan.append((e, "quota"))
+                    chosen.add(id(e))
+                    group_b -= e.nbytes
+                    total_b -= e.nbytes
+                    total_e -= 1
+            if group_b + nbytes > quota:
+                return None
+        for e in self._lru:
+            if total_e + 1 <= self.max_entries and total_b + nbytes <= self.max_bytes:
+                break
+            if id(e) in chosen:
+                continue
+            plan.append((e, "bytes" if total_b + nbytes > self.max_bytes else "entries"))
+            total_b -= e.nbytes
+            total_e -= 1
+        if total_e + 1 > self.max_entries or total_b + nbytes > self.max_bytes:
+            return None
+        return plan
 
     def _drop(self, entry: _Entry) -> None:
         """Remove an unleased entry from its tree and the accounting. Lock held."""
@@ -334,8 +393,9 @@ class PromptCacheManager:
             g = self._gauge.setdefault((typ, entry.namespace), [0, 0])
             g[0] += sign * b
             g[1] += sign
-            self.metrics.bytes.labels(cache_type=typ, namespace=entry.namespace).set(g[0])
-            self.metrics.entries.labels(cache_type=typ, namespace=entry.namespace).set(g[1])
+            self.metrics.bytes.labels(cache_type=typ, cache_group=entry.namespace).set(g[0])
+            self.metrics.entries.labels(cache_type=typ, cache_group=entry.namespace).set(g[1])
+        self._ns_bytes[entry.namespace] = self._ns_bytes.get(entry.namespace, 0) + sign * entry.nbytes
 
     def flush(self, namespace: str | None = None) -> int:
         """Drop every unleased snapshot of ``namespace`` (all namespaces if None).
@@ -389,6 +449,11 @@ class PromptCacheManager:
             assert len(self._lru) == sum(1 for e in seen if e.leases == 0)
             assert self._bytes <= self.max_bytes, "byte bound broken"
             assert self._entries <= self.max_entries, "entry bound broken"
+            for ns, q in self._quotas.items():
+                assert self.namespace_bytes(ns) <= q or all(
+                    e.leases for e in seen if e.namespace == ns
+                ), f"quota of {ns} broken"
+                assert self.namespace_bytes(ns) == sum(e.nbytes for e in seen if e.namespace == ns)
             sums: dict[tuple[str, str], list[int]] = {}
             for e in seen:
                 for typ, b in e.by_type.items():

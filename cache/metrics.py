@@ -4,14 +4,17 @@ Exposed names (dashboards rely on them; vLLM's ``prefix_cache_queries`` /
 ``prefix_cache_hits`` are counted in tokens the same way, so
 ``rate(hits_tokens)/rate(queries_tokens)`` is the token hit rate):
 
-- ``mlx_gateway_prefix_cache_queries_tokens_total`` (counter, tokens looked up)
-- ``mlx_gateway_prefix_cache_hits_tokens_total`` (counter, tokens restored)
-- ``mlx_gateway_prefix_cache_queries_total`` (counter, fetch calls)
-- ``mlx_gateway_prefix_cache_hits_total`` (counter, fetches that restored >= 1 token)
-- ``mlx_gateway_prompt_cache_evictions_total{reason}`` (counter; bytes|entries|flush)
-- ``mlx_gateway_prompt_cache_bytes{cache_type,namespace}`` (gauge, bytes)
-- ``mlx_gateway_prompt_cache_entries{cache_type,namespace}`` (gauge, snapshots holding
+- ``mlx_gateway_prefix_cache_queries_tokens_total{cache_group}`` (counter, tokens looked up)
+- ``mlx_gateway_prefix_cache_hits_tokens_total{cache_group}`` (counter, tokens restored)
+- ``mlx_gateway_prefix_cache_queries_total{cache_group}`` (counter, fetch calls)
+- ``mlx_gateway_prefix_cache_hits_total{cache_group}`` (counter, fetches that restored >= 1 token)
+- ``mlx_gateway_prompt_cache_evictions_total{reason}`` (counter; bytes|entries|quota|flush)
+- ``mlx_gateway_prompt_cache_bytes{cache_type,cache_group}`` (gauge, bytes)
+- ``mlx_gateway_prompt_cache_entries{cache_type,cache_group}`` (gauge, snapshots holding
   at least one layer of that class)
+- ``mlx_gateway_prompt_cache_quota_bytes{cache_group}`` (gauge, bytes; only groups with a quota)
+
+A cache group is a prefix-cache namespace: the manager's ``namespace`` argument.
 - ``mlx_gateway_prompt_cache_active_leases`` (gauge)
 - ``mlx_gateway_prompt_cache_fetch_seconds{phase}`` (histogram, seconds;
   phase lookup|copy|restore)
@@ -32,25 +35,31 @@ class CacheMetrics:
         r = self.registry
         # prometheus-client appends "_total" to counter names.
         self.query_tokens = Counter(
-            "mlx_gateway_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache", registry=r
+            "mlx_gateway_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache",
+            ["cache_group"], registry=r,
         )
         self.hit_tokens = Counter(
-            "mlx_gateway_prefix_cache_hits_tokens", "Prompt tokens restored from the prefix cache", registry=r
+            "mlx_gateway_prefix_cache_hits_tokens", "Prompt tokens restored from the prefix cache",
+            ["cache_group"], registry=r,
         )
         self.queries = Counter(
-            "mlx_gateway_prefix_cache_queries", "Prefix cache lookups (requests)", registry=r
+            "mlx_gateway_prefix_cache_queries", "Prefix cache lookups (requests)", ["cache_group"], registry=r
         )
         self.hits = Counter(
-            "mlx_gateway_prefix_cache_hits", "Prefix cache lookups that restored at least one token", registry=r
+            "mlx_gateway_prefix_cache_hits", "Prefix cache lookups that restored at least one token",
+            ["cache_group"], registry=r,
         )
         self.evictions = Counter(
             "mlx_gateway_prompt_cache_evictions", "Snapshots dropped from the prompt cache", ["reason"], registry=r
         )
         self.bytes = Gauge(
-            "mlx_gateway_prompt_cache_bytes", "Bytes held by stored snapshots", ["cache_type", "namespace"], registry=r
+            "mlx_gateway_prompt_cache_bytes", "Bytes held by stored snapshots", ["cache_type", "cache_group"], registry=r
         )
         self.entries = Gauge(
-            "mlx_gateway_prompt_cache_entries", "Stored snapshots", ["cache_type", "namespace"], registry=r
+            "mlx_gateway_prompt_cache_entries", "Stored snapshots", ["cache_type", "cache_group"], registry=r
+        )
+        self.quota = Gauge(
+            "mlx_gateway_prompt_cache_quota_bytes", "Byte quota of a cache group", ["cache_group"], registry=r
         )
         self.leases = Gauge(
             "mlx_gateway_prompt_cache_active_leases", "Snapshots leased by running requests (lease count)", registry=r
@@ -59,7 +68,7 @@ class CacheMetrics:
             "mlx_gateway_prompt_cache_fetch_seconds", "Time spent in fetch, by phase", ["phase"],
             buckets=_BUCKETS, registry=r,
         )
-        for reason in ("bytes", "entries", "flush"):
+        for reason in ("bytes", "entries", "quota", "flush"):
             self.evictions.labels(reason=reason)
         for phase in ("lookup", "copy", "restore"):
             self.fetch_seconds.labels(phase=phase)

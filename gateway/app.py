@@ -20,6 +20,7 @@ from gateway.config import ServeConfig
 from gateway.errors import APIError
 from gateway.generation import Generation, new_id
 from gateway.metrics import GatewayMetrics
+from gateway.openapi import openapi_json
 from gateway.prompts import Prompt, render_chat, render_completion
 from gateway.responses import (
     LogprobFormatter,
@@ -425,6 +426,7 @@ def create_app(state: ServerState) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", openapi_json, methods=["GET"]),
     ]
 
     async def not_found(request: Request, exc) -> Response:

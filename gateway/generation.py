@@ -9,8 +9,12 @@ import uuid
 from typing import AsyncIterator
 
 from gateway.errors import APIError
-from scheduler import Engine, EngineDead, EngineOverloaded, EngineRequest, SamplingParams
+from scheduler import Engine, EngineDead, EngineOverloaded, EngineRequest, SamplingParams, TenantQueueFull
 from scheduler.request import DoneEvent, ErrorEvent, Event
+
+
+class KeepAlive:
+    """Yielded by :meth:`Generation.events` when no event came for ``keepalive`` seconds."""
 
 _counter = itertools.count()
 
@@ -37,6 +41,8 @@ class Generation:
         checkpoints: list[int],
         namespace: str = "default",
         tenant: str = "default",
+        weight: float = 1.0,
+        max_queued: int | None = None,
     ):
         self.engine = engine
         self.id = f"req-{next(_counter)}-{uuid.uuid4().hex[:8]}"
@@ -52,6 +58,8 @@ class Generation:
             checkpoints=checkpoints,
             namespace=namespace,
             tenant=tenant,
+            weight=weight,
+            max_queued=max_queued,
         )
 
     def _sink(self, events: list[Event]) -> None:
@@ -61,7 +69,8 @@ class Generation:
         """Hand the request to the engine.
 
         Raises:
-            APIError: 503 when the engine is dead or its queue is full.
+            APIError: 503 when the engine is dead or its queue is full; 429 when the
+                tenant's own queue is full.
         """
         try:
             self.engine.submit(self.request)
@@ -69,10 +78,22 @@ class Generation:
             raise APIError(503, f"the model engine is not available: {e}", code="engine_unavailable")
         except EngineOverloaded as e:
             raise APIError(503, f"the server is overloaded: {e}", code="overloaded", headers={"Retry-After": "1"})
+        except TenantQueueFull as e:
+            raise APIError(429, f"too many queued requests: {e}", code="queue_full", headers={"Retry-After": "1"})
 
-    async def events(self) -> AsyncIterator[Event]:
+    async def events(self, keepalive: float | None = None) -> AsyncIterator[Event | KeepAlive]:
+        """Engine events until the request ends; a :class:`KeepAlive` after each
+        ``keepalive`` seconds (if set) without one."""
         while not self.finished:
-            for event in await self._queue.get():
+            if keepalive is None:
+                batch = await self._queue.get()
+            else:
+                try:
+                    batch = await asyncio.wait_for(self._queue.get(), keepalive)
+                except asyncio.TimeoutError:
+                    yield KeepAlive()
+                    continue
+            for event in batch:
                 if isinstance(event, (DoneEvent, ErrorEvent)):
                     self.finished = True
                 yield event

@@ -36,6 +36,7 @@ from scheduler.request import (
     EngineRequest,
     ErrorEvent,
     Event,
+    ProgressEvent,
     PromptEvent,
     TokenEvent,
 )
@@ -57,6 +58,27 @@ class EngineDead(RuntimeError):
 
 class EngineOverloaded(RuntimeError):
     """The waiting queue is full (HTTP 503 with Retry-After)."""
+
+
+class TenantQueueFull(RuntimeError):
+    """The tenant already has ``max_queued`` requests waiting (HTTP 429 with Retry-After)."""
+
+
+@dataclass(frozen=True)
+class AdmissionRecord:
+    """One admission, as the scheduler decided it (tokens).
+
+    ``work`` is the uncached prompt tokens charged to the tenant at admission.
+    """
+
+    request_id: str
+    tenant: str
+    prompt_tokens: int
+    cached_tokens: int
+
+    @property
+    def work(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
 
 
 @dataclass
@@ -131,8 +153,8 @@ class Engine:
         self.pad_free_prefill = pad_free_prefill
         self.metrics = SchedulerMetrics(registry or CollectorRegistry())
         self.stats = EngineStats()
-        # Recent admissions in order (request ids), for tests and debugging; bounded.
-        self.admission_log: deque[str] = deque(maxlen=_RECENT)
+        # Recent admissions in order, for tests, benchmarks and debugging; bounded.
+        self.admission_log: deque[AdmissionRecord] = deque(maxlen=_RECENT)
 
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting = WaitingQueue()
@@ -145,7 +167,9 @@ class Engine:
         self._is_idle = True  # updated between steps only, so readers see a consistent state
         self.error: Optional[BaseException] = None
         self._waiting_count = 0  # submitted, not yet admitted or cancelled
+        self._waiting_by_tenant: dict[str, int] = {}
         self._count_lock = threading.Lock()
+        self._rate_window = [time.monotonic(), 0, 0]  # [start, prefill tokens, decode tokens]
 
     # ----------------------------------------------------------------- public API
     @property
@@ -171,13 +195,19 @@ class Engine:
         Raises:
             EngineDead: the engine thread is not running.
             EngineOverloaded: ``max_waiting`` requests are already waiting.
+            TenantQueueFull: ``request.max_queued`` requests of its tenant are waiting.
         """
         if not self.alive:
             raise EngineDead(f"engine is not running: {self.error!r}")
+        t = request.tenant
         with self._count_lock:
             if self._waiting_count >= self.max_waiting:
                 raise EngineOverloaded(f"{self._waiting_count} requests are already waiting")
+            mine = self._waiting_by_tenant.get(t, 0)
+            if request.max_queued is not None and mine >= request.max_queued:
+                raise TenantQueueFull(f"{mine} requests of this tenant are already waiting")
             self._waiting_count += 1
+            self._waiting_by_tenant[t] = mine + 1
         with self._idle:
             self._is_idle = False
         self._inbox.put(("submit", request))
@@ -269,6 +299,7 @@ class Engine:
             self._drain_inbox_after_stop(reason)
             with self._count_lock:
                 self._waiting_count = 0
+                self._waiting_by_tenant.clear()
             self._notify_idle()
 
     def _drain_inbox_after_stop(self, reason: str) -> None:
@@ -284,13 +315,19 @@ class Engine:
                 box["error"] = EngineDead(reason)
                 done.set()
 
-    def _uncount_waiting(self) -> None:
+    def _uncount_waiting(self, request: EngineRequest) -> None:
         with self._count_lock:
             self._waiting_count -= 1
+            left = self._waiting_by_tenant.get(request.tenant, 1) - 1
+            if left > 0:
+                self._waiting_by_tenant[request.tenant] = left
+            else:
+                self._waiting_by_tenant.pop(request.tenant, None)
 
     def _notify_idle(self) -> None:
         self.metrics.running.set(len(self._active))
         self.metrics.waiting.set(self._waiting_count)
+        self._update_rates(idle=not self._active)
         with self._idle:
             self._is_idle = not (self._active or len(self._waiting) or self._waiting_count)
             self._idle.notify_all()
@@ -342,7 +379,7 @@ class Engine:
             self._in_flight(),
         )
         for admission in picks:
-            self._uncount_waiting()
+            self._uncount_waiting(admission.request)
             self._insert(admission)
 
     def _insert(self, admission: Admission) -> None:
@@ -379,17 +416,18 @@ class Engine:
         self._by_id[r.id] = active
         self.stats.admitted += 1
         self.stats.cached_tokens += cached
-        self.admission_log.append(r.id)
+        self.admission_log.append(AdmissionRecord(r.id, r.tenant, len(r.tokens), cached))
+        self.metrics.work.labels(r.tenant).inc(len(r.tokens) - cached)
         if admission.waited_for_prefix and cached:
             self.stats.grouping_saved_tokens += cached
             self.metrics.grouping_saved_tokens.inc(cached)
-        self.metrics.queue_time.observe(time.monotonic() - r.arrival)
-        self._send(r, [PromptEvent(cached)])
+        self.metrics.queue_time.labels(r.tenant).observe(time.monotonic() - r.arrival)
+        self._send(r, [PromptEvent(cached), ProgressEvent(cached, len(r.tokens))])
 
     def _cancel(self, request_id: str) -> None:
         r = self._waiting.remove(request_id)
         if r is not None:
-            self._uncount_waiting()
+            self._uncount_waiting(r)
             self._send(r, [DoneEvent("cancelled")])
             self.stats.cancelled += 1
             self.metrics.cancelled.inc()
@@ -430,6 +468,9 @@ class Engine:
             a = self._active.get(pr.uid)
             if a is not None:
                 self._on_prompt_progress(a, pr)
+        self.metrics.prefill_remaining.set(sum(
+            len(a.request.tokens) - a.cached - a.processed for a in self._active.values() if not a.decoding
+        ))
         events: dict[int, list[Event]] = {}
         for gr in gen_responses:
             a = self._active.get(gr.uid)
@@ -453,6 +494,20 @@ class Engine:
             if a is not None:
                 self._send(a.request, evs)
 
+    def _update_rates(self, idle: bool) -> None:
+        """Publish prefill/decode tokens per second once a second of work has passed;
+        0 when the engine goes idle."""
+        start, pre, dec = self._rate_window
+        now = time.monotonic()
+        if idle:
+            self.metrics.prefill_rate.set(0)
+            self.metrics.decode_rate.set(0)
+            self._rate_window = [now, 0, 0]
+        elif now - start >= 1.0:
+            self.metrics.prefill_rate.set(pre / (now - start))
+            self.metrics.decode_rate.set(dec / (now - start))
+            self._rate_window = [now, 0, 0]
+
     def _token_event(self, a: _Active, gr) -> TokenEvent:
         a.generated += 1
         self.stats.decode_tokens += 1
@@ -461,6 +516,9 @@ class Engine:
         if len(recent) > _RECENT:
             del recent[next(iter(recent))]
         self.metrics.decode_tokens.inc()
+        self.metrics.work.labels(a.request.tenant).inc()
+        self._waiting.fair.charge(a.request.tenant, 1, a.request.weight)
+        self._rate_window[2] += 1
         p = a.request.params
         if not p.logprobs:
             return TokenEvent(gr.token)
@@ -480,7 +538,10 @@ class Engine:
         if done > a.processed:
             self.stats.prefill_tokens += done - a.processed
             self.metrics.prefill_tokens.inc(done - a.processed)
+            self._rate_window[1] += done - a.processed
             a.processed = done
+            if not pr.end_of_prompt:
+                self._send(a.request, [ProgressEvent(a.cached + done, len(a.request.tokens))])
         position = a.cached + a.processed
         if pr.end_of_prompt:
             a.decoding = True

@@ -27,6 +27,7 @@ class SchedulerMetrics:
         self.queue_time = Histogram(
             "mlx_gateway_queue_time_seconds",
             "Time from submission to admission into a prefill batch, seconds.",
+            ["tenant"],
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
@@ -49,6 +50,28 @@ class SchedulerMetrics:
         )
         self.decode_tokens = Counter(
             "mlx_gateway_decode_tokens", "Tokens generated.", registry=registry
+        )
+        self.prefill_rate = Gauge(
+            "mlx_gateway_prefill_tokens_per_second",
+            "Prompt tokens computed per second over the last second of work (0 when idle).",
+            registry=registry,
+        )
+        self.decode_rate = Gauge(
+            "mlx_gateway_decode_tokens_per_second",
+            "Tokens generated per second over the last second of work (0 when idle).",
+            registry=registry,
+        )
+        self.prefill_remaining = Gauge(
+            "mlx_gateway_prefill_remaining_tokens",
+            "Prompt tokens of admitted requests still to be prefilled.",
+            registry=registry,
+        )
+        self.work = Counter(
+            "mlx_gateway_scheduled_work_tokens",
+            "Work given to a tenant by the fair-share scheduler: uncached prompt tokens at "
+            "admission plus generated tokens (unweighted).",
+            ["tenant"],
+            registry=registry,
         )
         self.grouping_saved_tokens = Counter(
             "mlx_gateway_shared_prefix_saved_tokens",

@@ -1,6 +1,9 @@
-"""Admission order for waiting requests: longest cached prefix first, shared prefixes once.
+"""Admission order for waiting requests: fair across tenants, longest cached prefix
+first within a tenant, shared prefixes computed once.
 
-Two rules, both from SGLang's scheduler (``managers/schedule_policy.py``):
+Across tenants, the backlogged tenant with the least weighted work so far goes next
+(:mod:`scheduler.fairness`). Within a tenant, two rules from SGLang's scheduler
+(``managers/schedule_policy.py``):
 
 * ``lpm``: waiting requests are admitted in order of how many prompt tokens the prefix
   cache can restore, longest first; above :data:`LPM_MAX_WAITING` waiting requests the
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 from cache.checkpoints import common_prefix as common_prefix_len
+from scheduler.fairness import FairShare
 from scheduler.request import EngineRequest
 
 LPM_MAX_WAITING = 128
@@ -46,11 +50,17 @@ class Admission:
 
 
 class WaitingQueue:
-    """Waiting requests in arrival order, with the admission policy in :meth:`pick`."""
+    """Waiting requests in arrival order, with the admission policy in :meth:`pick`.
 
-    def __init__(self) -> None:
+    ``fair`` holds the tenants' virtual token counters; :meth:`pick` charges each
+    admission's uncached prompt tokens to it, the engine charges generated tokens.
+    """
+
+    def __init__(self, fair: Optional[FairShare] = None) -> None:
         self._items: list[EngineRequest] = []
         self._deferred: set[str] = set()
+        self._per_tenant: dict[str, int] = {}
+        self.fair = fair or FairShare()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -58,19 +68,29 @@ class WaitingQueue:
     def __iter__(self):
         return iter(self._items)
 
+    def waiting_for(self, tenant: str) -> int:
+        """Requests of ``tenant`` in the queue."""
+        return self._per_tenant.get(tenant, 0)
+
     def add(self, request: EngineRequest) -> None:
+        t = request.tenant
+        if not self._per_tenant.get(t):
+            self.fair.on_backlogged(t, [u for u, k in self._per_tenant.items() if k])
+        self._per_tenant[t] = self._per_tenant.get(t, 0) + 1
         self._items.append(request)
 
     def remove(self, request_id: str) -> Optional[EngineRequest]:
         for i, r in enumerate(self._items):
             if r.id == request_id:
                 self._deferred.discard(request_id)
+                self._per_tenant[r.tenant] -= 1
                 return self._items.pop(i)
         return None
 
     def drain(self) -> list[EngineRequest]:
         items, self._items = self._items, []
         self._deferred.clear()
+        self._per_tenant.clear()
         return items
 
     def pick(
@@ -80,6 +100,11 @@ class WaitingQueue:
         in_flight: Iterable[InFlight],
     ) -> list[Admission]:
         """Choose up to ``n`` requests to admit now and remove them from the queue.
+
+        Repeatedly takes the tenant with the smallest virtual counter that still has an
+        eligible request, and from it the request with the longest cached prefix
+        (arrival order above :data:`LPM_MAX_WAITING` waiting requests); each pick
+        charges its uncached prompt tokens to the tenant.
 
         Args:
             n: free prefill slots.
@@ -98,19 +123,28 @@ class WaitingQueue:
                 matched[r.id] = cached_len(r)
             return matched[r.id]
 
-        order = list(self._items)
-        if len(order) <= LPM_MAX_WAITING:
-            order.sort(key=lambda r: -cached(r))  # stable: ties keep arrival order
+        queues: dict[str, list[EngineRequest]] = {}
+        for r in self._items:
+            queues.setdefault(r.tenant, []).append(r)
+        if len(self._items) <= LPM_MAX_WAITING:
+            for q in queues.values():
+                q.sort(key=lambda r: -cached(r))  # stable: ties keep arrival order
+        heads = {t: 0 for t in queues}
         flights = list(in_flight)
         chosen: list[Admission] = []
-        for r in order:
-            if len(chosen) >= n:
-                break
+        while len(chosen) < n and heads:
+            tenant = min(heads, key=lambda t: (self.fair.counter(t), queues[t][0].arrival))
+            q, i = queues[tenant], heads[tenant]
+            r = q[i]
+            heads[tenant] = i + 1
+            if heads[tenant] >= len(q):
+                del heads[tenant]
             m = cached(r)
             if self._waits_for_flight(r, m, flights) or self._joins_leader(r, m, chosen):
                 self._deferred.add(r.id)
                 continue
             chosen.append(Admission(r, [], r.id in self._deferred))
+            self.fair.charge(tenant, len(r.tokens) - m, r.weight)
         for a in chosen:
             self.remove(a.request.id)
         return chosen

@@ -62,7 +62,16 @@ class ErrorEvent:
     message: str
 
 
-Event = TokenEvent | PromptEvent | DoneEvent | ErrorEvent
+@dataclass
+class ProgressEvent:
+    """Prefill progress: ``done`` of the prompt's ``total`` tokens are in the KV cache
+    (cached tokens included)."""
+
+    done: int
+    total: int
+
+
+Event = ProgressEvent | TokenEvent | PromptEvent | DoneEvent | ErrorEvent
 
 
 @dataclass
@@ -78,7 +87,10 @@ class EngineRequest:
         checkpoints: prompt offsets (tokens, ``0 < offset < len(tokens)``) at which the
             engine saves a prefix-cache snapshot during prefill.
         namespace: the prefix-cache namespace (a tenant's cache group).
-        tenant: the tenant name, for fair share and metrics.
+        tenant: the tenant name, for fair share, queue bounds and metrics.
+        weight: the tenant's scheduling weight (> 0) for fair share.
+        max_queued: the most requests of this tenant that may wait for admission
+            (None: only the engine's global bound applies).
     """
 
     id: str
@@ -88,4 +100,6 @@ class EngineRequest:
     checkpoints: list[int] = field(default_factory=list)
     namespace: str = "default"
     tenant: str = "default"
+    weight: float = 1.0
+    max_queued: Optional[int] = None
     arrival: float = field(default_factory=time.monotonic)

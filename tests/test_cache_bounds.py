@@ -13,6 +13,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+from prometheus_client import CollectorRegistry
+
 from cache import PromptCacheManager
 
 
@@ -60,11 +62,13 @@ def sample(reg, name, **labels):
     return 0.0 if v is None else v
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_randomized_bounds_and_leases(seed):
+@pytest.mark.parametrize("seed,quota", [(0, None), (1, None), (2, 25_000)])
+def test_randomized_bounds_and_leases(seed, quota):
     rng = random.Random(seed)
     max_bytes, max_entries = 70_000, 12
     mgr = PromptCacheManager(max_bytes=max_bytes, max_entries=max_entries)
+    if quota is not None:
+        mgr.set_quotas({"kv": quota})
     namespaces = {"kv": "kv", "hyb": "hyb"}
     bases = [[rng.randrange(4) for _ in range(60)] for _ in range(4)]
     held = []  # (lease, cache copy, tokens)
@@ -110,6 +114,8 @@ def test_randomized_bounds_and_leases(seed):
         elif op >= 0.98:
             mgr.flush(rng.choice([None, "kv", "hyb"]))
         assert mgr.nbytes <= max_bytes and mgr.num_entries <= max_entries
+        if quota is not None:
+            assert mgr.namespace_bytes("kv") <= quota
         assert mgr.num_leases == len(held)
         for lease, toks, ns in held:
             assert lease._entry.alive
@@ -198,18 +204,48 @@ def test_metrics_counters_and_gauges():
     assert hit.cached_tokens == 32
     assert sample(reg, "mlx_gateway_prompt_cache_active_leases") == 1
     mgr.release(hit.lease)
-    assert sample(reg, "mlx_gateway_prefix_cache_queries_total") == 2
-    assert sample(reg, "mlx_gateway_prefix_cache_hits_total") == 1
-    assert sample(reg, "mlx_gateway_prefix_cache_queries_tokens_total") == 2 + 34
-    assert sample(reg, "mlx_gateway_prefix_cache_hits_tokens_total") == 32
-    assert sample(reg, "mlx_gateway_prompt_cache_entries", cache_type="KVCache", namespace="ns1") == 1
-    assert sample(reg, "mlx_gateway_prompt_cache_entries", cache_type="ArraysCache", namespace="ns1") == 1
-    kv_bytes = sample(reg, "mlx_gateway_prompt_cache_bytes", cache_type="KVCache", namespace="ns1")
-    arr_bytes = sample(reg, "mlx_gateway_prompt_cache_bytes", cache_type="ArraysCache", namespace="ns1")
+    assert sample(reg, "mlx_gateway_prefix_cache_queries_total", cache_group="ns1") == 2
+    assert sample(reg, "mlx_gateway_prefix_cache_hits_total", cache_group="ns1") == 1
+    assert sample(reg, "mlx_gateway_prefix_cache_queries_tokens_total", cache_group="ns1") == 2 + 34
+    assert sample(reg, "mlx_gateway_prefix_cache_hits_tokens_total", cache_group="ns1") == 32
+    assert sample(reg, "mlx_gateway_prompt_cache_entries", cache_type="KVCache", cache_group="ns1") == 1
+    assert sample(reg, "mlx_gateway_prompt_cache_entries", cache_type="ArraysCache", cache_group="ns1") == 1
+    kv_bytes = sample(reg, "mlx_gateway_prompt_cache_bytes", cache_type="KVCache", cache_group="ns1")
+    arr_bytes = sample(reg, "mlx_gateway_prompt_cache_bytes", cache_type="ArraysCache", cache_group="ns1")
     assert kv_bytes > 0 and arr_bytes == 4 and kv_bytes + arr_bytes == mgr.nbytes
     assert sample(reg, "mlx_gateway_prompt_cache_fetch_seconds_count", phase="lookup") == 2
     assert sample(reg, "mlx_gateway_prompt_cache_fetch_seconds_count", phase="copy") == 1
     assert mgr.match_length("ns1", toks + [1]) == 32
-    assert sample(reg, "mlx_gateway_prefix_cache_queries_total") == 2  # match_length is not a query
+    assert sample(reg, "mlx_gateway_prefix_cache_queries_total", cache_group="ns1") == 2  # match_length is not a query
     mgr.flush()
-    assert sample(reg, "mlx_gateway_prompt_cache_bytes", cache_type="KVCache", namespace="ns1") == 0
+    assert sample(reg, "mlx_gateway_prompt_cache_bytes", cache_type="KVCache", cache_group="ns1") == 0
+
+
+def test_group_quota_evicts_only_its_own_group():
+    reg = CollectorRegistry()
+    one = sum(layer.nbytes for layer in make("kv", list(range(10))))
+    mgr = PromptCacheManager(max_bytes=100 * one, max_entries=100, registry=reg)
+    mgr.set_quotas({"a": 3 * one})
+    assert sample(reg, "mlx_gateway_prompt_cache_quota_bytes", cache_group="a") == 3 * one
+    b_keys = [[200 + i] * 10 for i in range(5)]
+    for k in b_keys:
+        assert mgr.insert("b", k, make("kv", k))
+    a_keys = [[100 + i] * 10 for i in range(5)]
+    for k in a_keys:
+        assert mgr.insert("a", k, make("kv", k))
+    assert mgr.namespace_bytes("a") == 3 * one
+    assert sample(reg, "mlx_gateway_prompt_cache_evictions_total", reason="quota") == 2
+    assert all(mgr.match_length("b", k + [0]) == 10 for k in b_keys)  # the other group is untouched
+    assert [mgr.match_length("a", k + [0]) for k in a_keys] == [0, 0, 10, 10, 10]  # LRU order
+    # Leased snapshots are never evicted: with the whole quota leased, an insert is refused.
+    hits = [mgr.fetch("a", k + [0]) for k in a_keys[2:]]
+    assert not mgr.insert("a", [7] * 10, make("kv", [7] * 10))
+    for h in hits:
+        mgr.release(h.lease)
+    assert mgr.insert("a", [7] * 10, make("kv", [7] * 10))
+    # Lowering a quota sheds the group's oldest snapshots at once.
+    mgr.set_quotas({"a": one})
+    assert mgr.namespace_bytes("a") == one and mgr.match_length("a", [7] * 11) == 10
+    mgr.sanity_check()
+    big = list(range(300))
+    assert not mgr.insert("a", big, make("kv", big))  # larger than the quota
