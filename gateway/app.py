@@ -11,16 +11,22 @@ from typing import AsyncIterator, Optional
 import anyio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway.auth import authenticate, authenticate_admin
 from gateway.config import ServeConfig
 from gateway.errors import APIError
-from gateway.generation import Generation, new_id
+from gateway.generation import Generation, KeepAlive, new_id
+from gateway.limits import Limiter, Ticket
 from gateway.metrics import GatewayMetrics
+from gateway.middleware import GatewayMiddleware
 from gateway.openapi import openapi_json
+from gateway.request_log import RequestRecord
+from gateway.tenants import Tenant, TenantTable, open_table
+from gateway.usage import UsageBook
 from gateway.prompts import Prompt, render_chat, render_completion
 from gateway.responses import (
     LogprobFormatter,
@@ -31,49 +37,93 @@ from gateway.responses import (
     usage_chunk,
 )
 from gateway.schemas import ChatRequest, CompletionRequest, parse
-from gateway.streaming import SSEResponse, sse, wait_for_disconnect
+from gateway.streaming import SSEResponse, comment, sse, wait_for_disconnect
 from gateway.textout import Delta, TextAssembler
 from scheduler import Engine, SamplingParams
-from scheduler.request import DoneEvent, ErrorEvent, PromptEvent, TokenEvent
+from scheduler.request import DoneEvent, ErrorEvent, ProgressEvent, PromptEvent, TokenEvent
 
 log = logging.getLogger("mlx_gateway.app")
 
 
 @dataclass
 class ServerState:
-    """What the routes need; ``engine`` is None until the model has loaded."""
+    """What the routes need; ``engine`` is None until the model has loaded.
+
+    ``tenants`` is replaced as a whole on reload (SIGHUP); requests in flight keep the
+    :class:`Tenant` they started with.
+    """
 
     config: ServeConfig
     registry: CollectorRegistry
     metrics: GatewayMetrics
     model_id: str
+    tenants: TenantTable = field(default_factory=lambda: open_table(loopback=True))
     engine: Optional[Engine] = None
     tokenizer: object = None
     context_length: int = 32768
     load_error: Optional[str] = None
     created: int = field(default_factory=lambda: int(time.time()))
+    usage: UsageBook = field(default_factory=UsageBook)
+    limiter: Limiter = field(default_factory=Limiter)
+
+    def __post_init__(self) -> None:
+        self.limiter.on_limited = lambda tenant, limit: self.metrics.rate_limited.labels(tenant, limit).inc()
+
+    def set_tenants(self, table: TenantTable) -> None:
+        """Use ``table`` from now on and apply its cache-group quotas."""
+        self.tenants = table
+        if self.engine is not None:
+            self.engine.prompt_cache.set_quotas(table.quotas())
 
 
 # ---------------------------------------------------------------------- helpers
-async def read_json(request: Request, limit: int) -> object:
+async def read_json(request: Request, limit: int, timeout: float, max_depth: int) -> object:
     """The request body as JSON.
 
+    Args:
+        limit: largest body, bytes.
+        timeout: seconds the client has to send the whole body.
+        max_depth: deepest nesting of arrays and objects allowed.
+
     Raises:
-        APIError: 413 over ``limit`` bytes, 400 for a body that is not JSON.
+        APIError: 413 over ``limit`` bytes, 408 when the body takes over ``timeout``
+            seconds, 400 for a body that is not JSON or is nested too deeply.
     """
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body over the {limit}-byte limit", code="request_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body over the {limit}-byte limit", code="request_too_large")
-        chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks))
+        with anyio.fail_after(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"request body over the {limit}-byte limit", code="request_too_large")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="request_timeout")
+    try:
+        value = json.loads(b"".join(chunks))
+    except RecursionError:
+        raise APIError(400, f"the request body is nested deeper than {max_depth} levels")
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}")
+    if _depth(value) > max_depth:
+        raise APIError(400, f"the request body is nested deeper than {max_depth} levels")
+    return value
+
+
+def _depth(value: object) -> int:
+    """Nesting depth of arrays and objects in a parsed JSON value (a scalar is 0)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, d)
+        stack.extend((c, d + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest
 
 
 def _ready(state: ServerState) -> Engine:
@@ -85,19 +135,26 @@ def _ready(state: ServerState) -> Engine:
     return state.engine
 
 
-def _check_model(state: ServerState, model: Optional[str]) -> None:
+def _model_names(state: ServerState, tenant: Tenant) -> list[str]:
+    return [n for n in (state.model_id, *state.config.served_model_names) if tenant.may_use(n)]
+
+
+def _check_model(state: ServerState, tenant: Tenant, model: Optional[str]) -> None:
     names = {state.model_id, *state.config.served_model_names}
     if model is not None and model not in names:
-        raise APIError(404, f"the model '{model}' does not exist; this server serves {sorted(names)}",
-                       param="model", code="model_not_found")
+        raise APIError(404, f"the model '{model}' does not exist", param="model", code="model_not_found")
+    if not tenant.may_use(model or state.model_id):
+        raise APIError(403, f"this key may not use the model '{model or state.model_id}'",
+                       param="model", code="model_not_allowed")
 
 
-def _sampling(state: ServerState, req, max_tokens: Optional[int], logprobs: bool, top: int) -> SamplingParams:
+def _sampling(state: ServerState, tenant: Tenant, req, max_tokens: Optional[int], logprobs: bool,
+              top: int) -> SamplingParams:
     cfg = state.config
-    wanted = max_tokens if max_tokens is not None else cfg.max_tokens
-    if wanted > cfg.max_tokens_limit:
-        raise APIError(400, f"max_tokens {wanted} is over this server's limit of {cfg.max_tokens_limit}",
-                       param="max_tokens")
+    limit = min(cfg.max_tokens_limit, tenant.max_tokens or cfg.max_tokens_limit)
+    wanted = max_tokens if max_tokens is not None else min(cfg.max_tokens, limit)
+    if wanted > limit:
+        raise APIError(400, f"max_tokens {wanted} is over this key's limit of {limit}", param="max_tokens")
     top_k = req.top_k if req.top_k is not None else cfg.top_k
     return SamplingParams(
         max_tokens=wanted,
@@ -117,6 +174,10 @@ def _sampling(state: ServerState, req, max_tokens: Optional[int], logprobs: bool
 
 def _fit_context(state: ServerState, prompt: Prompt, params: SamplingParams) -> SamplingParams:
     n = len(prompt.tokens)
+    cap = state.config.max_prompt_tokens
+    if cap is not None and n > cap:
+        raise APIError(400, f"the prompt has {n} tokens; this server's limit is {cap} tokens",
+                       param="messages", code="context_length_exceeded")
     if n >= state.context_length:
         raise APIError(400, f"the prompt has {n} tokens; this model's context is {state.context_length} tokens",
                        param="messages", code="context_length_exceeded")
@@ -128,36 +189,51 @@ def _fit_context(state: ServerState, prompt: Prompt, params: SamplingParams) -> 
 
 @dataclass
 class _Outcome:
-    """What a finished generation produced (for non-streaming answers and usage)."""
+    """One call: who made it, and what its generation produced (for answers, usage,
+    metrics and the request log)."""
 
-    content: str = ""
-    reasoning: str = ""
+    tenant: Tenant
+    ticket: Ticket
+    record: RequestRecord
     tokens: list[TokenEvent] = field(default_factory=list)
     finish: str = "stop"
     cached: int = 0
 
 
 async def _drive(state: ServerState, gen: Generation, asm: TextAssembler, prompt_len: int,
-                 out: _Outcome) -> AsyncIterator[tuple[Delta, list[TokenEvent]]]:
-    """Run ``gen`` to its end, yielding text deltas with their tokens; fills ``out``.
+                 out: _Outcome) -> AsyncIterator[tuple[Optional[Delta], object]]:
+    """Run ``gen`` to its end, yielding ``(delta, tokens)`` pairs of text and the tokens
+    behind it, and ``(None, comment)`` for SSE comments (prefill progress, keep-alive);
+    fills ``out``.
 
     Raises:
         APIError: the engine failed the request.
     """
-    labels = ("default", state.model_id)
+    tenant = out.tenant.name
+    labels = (tenant, state.model_id)
     m = state.metrics
+    rec = out.record
     first_at: Optional[float] = None
     try:
-        async for ev in gen.events():
-            if isinstance(ev, PromptEvent):
+        async for ev in gen.events(keepalive=state.config.sse_keepalive):
+            if isinstance(ev, KeepAlive):
+                yield None, "keep-alive"
+            elif isinstance(ev, ProgressEvent):
+                yield None, f"prefill {ev.done}/{ev.total}"
+            elif isinstance(ev, PromptEvent):
                 out.cached = ev.cached_tokens
+                rec.queue_seconds = time.monotonic() - gen.arrival
+                rec.cached_tokens = ev.cached_tokens
                 m.prompt_tokens.labels(*labels).inc(prompt_len)
                 m.cached_tokens.labels(*labels).inc(ev.cached_tokens)
+                state.usage.add(tenant, prompt=prompt_len, cached=ev.cached_tokens)
             elif isinstance(ev, TokenEvent):
                 if first_at is None:
                     first_at = time.monotonic()
+                    rec.ttft_seconds = first_at - gen.arrival
                     m.ttft.labels(*labels).observe(first_at - gen.arrival)
                 out.tokens.append(ev)
+                out.ticket.charge_completion(1)
                 delta = asm.feed(ev.token)
                 if asm.stopped:
                     gen.cancel()
@@ -178,14 +254,17 @@ async def _drive(state: ServerState, gen: Generation, asm: TextAssembler, prompt
         gen.cancel()
         now = time.monotonic()
         n = len(out.tokens)
+        rec.completion_tokens = n
+        rec.finish_reason = out.finish if gen.finished else "cancelled"
         m.completion_tokens.labels(*labels).inc(n)
+        state.usage.add(tenant, completion=n)
         if first_at is not None:
             m.e2e.labels(*labels).observe(now - gen.arrival)
             if n > 1:
                 m.tpot.labels(*labels).observe((now - first_at) / (n - 1))
 
 
-async def _collect(request: Request, body: AsyncIterator[tuple[Delta, list[TokenEvent]]]) -> list[Delta]:
+async def _collect(request: Request, body: AsyncIterator[tuple[Optional[Delta], object]]) -> list[Delta]:
     """Consume ``body`` and return its deltas; stop (and so cancel the generation) if the
     client leaves first.
 
@@ -199,7 +278,8 @@ async def _collect(request: Request, body: AsyncIterator[tuple[Delta, list[Token
         async def consume() -> None:
             try:
                 async for delta, _ in body:
-                    parts.append(delta)
+                    if delta is not None:
+                        parts.append(delta)
             except APIError as e:
                 error.append(e)
             finally:
@@ -216,19 +296,34 @@ async def _collect(request: Request, body: AsyncIterator[tuple[Delta, list[Token
 
 
 def _launch(state: ServerState, engine: Engine, prompt: Prompt, params: SamplingParams,
-            asm: TextAssembler, out: _Outcome) -> tuple[Generation, AsyncIterator[tuple[Delta, list[TokenEvent]]]]:
-    """Fit ``params`` to the context, submit the request, and return it with its delta stream.
+            asm: TextAssembler, out: _Outcome) -> tuple[Generation, AsyncIterator[tuple[Optional[Delta], object]]]:
+    """Check the prompt against the limits, submit the request, and return it with its
+    delta stream.
 
     Raises:
-        APIError: 400 for a prompt over the context, 503 when the engine cannot take it.
+        APIError: 400 for a prompt over the context or the prompt limit, 413/429 from
+            the tenant's prompt-token limit, 429 when the tenant's queue is full, 503
+            when the engine cannot take it.
     """
     params = _fit_context(state, prompt, params)
-    gen = Generation(engine, prompt.tokens, params, prompt.checkpoints)
-    gen.submit()
+    out.ticket.charge_prompt(len(prompt.tokens))
+    t = out.tenant
+    gen = Generation(engine, prompt.tokens, params, prompt.checkpoints, namespace=t.cache_group,
+                     tenant=t.name, weight=t.weight, max_queued=t.max_queued)
+    out.record.request_id = gen.id
+    out.record.prompt_tokens = len(prompt.tokens)
+    if state.config.log_prompts:
+        out.record.prompt = state.tokenizer.decode(prompt.tokens)
+    try:
+        gen.submit()
+    except APIError as e:
+        if e.status == 429:
+            state.metrics.rate_limited.labels(t.name, "queue").inc()
+        raise
     return gen, _drive(state, gen, asm, len(prompt.tokens), out)
 
 
-def _sse_response(body: AsyncIterator, chunks: AsyncIterator[bytes]) -> SSEResponse:
+def _sse_response(state: ServerState, body: AsyncIterator, chunks: AsyncIterator[bytes]) -> SSEResponse:
     """Stream ``chunks`` (built from ``body``); an engine error becomes an SSE error event,
     and the stream always ends with ``data: [DONE]``."""
 
@@ -244,7 +339,7 @@ def _sse_response(body: AsyncIterator, chunks: AsyncIterator[bytes]) -> SSERespo
                 await body.aclose()
         yield sse("[DONE]")
 
-    return SSEResponse(events())
+    return SSEResponse(events(), send_timeout=state.config.client_timeout)
 
 
 def _assembler(state: ServerState, stop, opens_reasoning: bool, reasoning: bool = True) -> TextAssembler:
@@ -256,24 +351,38 @@ def _assembler(state: ServerState, stop, opens_reasoning: bool, reasoning: bool 
     )
 
 
-async def _start(state: ServerState, request: Request, schema):
+async def _start(state: ServerState, request: Request, schema, endpoint: str):
+    """Authenticate, admit against the tenant's limits, parse and check the body.
+
+    Returns:
+        (engine, parsed request, outcome holding the tenant, its ticket and the record).
+
+    Raises:
+        APIError: 401, 429, 503, 408, 413, 400, 404 or 403, in the order checked.
+    """
+    tenant = authenticate(state.tenants, request)
     engine = _ready(state)
-    req = parse(schema, await read_json(request, state.config.max_body_bytes))
-    _check_model(state, req.model)
-    return engine, req
+    ticket = state.limiter.begin(tenant)
+    request.state.ticket = ticket
+    state.usage.add(tenant.name, requests=1)
+    cfg = state.config
+    req = parse(schema, await read_json(request, cfg.max_body_bytes, cfg.client_timeout, cfg.max_json_depth))
+    _check_model(state, tenant, req.model)
+    record = RequestRecord(tenant=tenant.name, model=state.model_id, endpoint=endpoint, stream=bool(req.stream))
+    request.state.record = record
+    return engine, req, _Outcome(tenant, ticket, record)
 
 
 # ---------------------------------------------------------------------- routes
 async def chat_completions(request: Request) -> Response:
     state: ServerState = request.app.state.gateway
-    engine, req = await _start(state, request, ChatRequest)
-    params = _sampling(state, req, req.max_completion_tokens or req.max_tokens, req.logprobs,
+    engine, req, out = await _start(state, request, ChatRequest, "chat")
+    params = _sampling(state, out.tenant, req, req.max_completion_tokens or req.max_tokens, req.logprobs,
                        req.top_logprobs or 0 if req.logprobs else 0)
     prompt = await anyio.to_thread.run_sync(
         render_chat, state.tokenizer, req, state.config.chat_template_args, state.config.checkpoint_every
     )
     asm = _assembler(state, req.stop, prompt.opens_reasoning)
-    out = _Outcome()
     gen, body = _launch(state, engine, prompt, params, asm, out)
     fmt = LogprobFormatter(state.tokenizer) if req.logprobs else None
     rid, model, n_prompt = new_id("chatcmpl"), state.model_id, len(prompt.tokens)
@@ -285,6 +394,9 @@ async def chat_completions(request: Request) -> Response:
         async def chunks() -> AsyncIterator[bytes]:
             yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
             async for delta, toks in body:
+                if delta is None:
+                    yield comment(toks)
+                    continue
                 d = {}
                 if delta.reasoning:
                     d["reasoning_content"] = delta.reasoning
@@ -298,7 +410,7 @@ async def chat_completions(request: Request) -> Response:
                 yield sse(usage_chunk(rid, model, created, "chat.completion.chunk",
                                       usage(n_prompt, len(out.tokens), out.cached)))
 
-        return _sse_response(body, chunks())
+        return _sse_response(state, body, chunks())
 
     parts = await _collect(request, body)
     if not gen.finished and not out.tokens and not parts:
@@ -312,14 +424,13 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     state: ServerState = request.app.state.gateway
-    engine, req = await _start(state, request, CompletionRequest)
+    engine, req, out = await _start(state, request, CompletionRequest, "completions")
     want_lp = req.logprobs is not None
-    params = _sampling(state, req, req.max_tokens, want_lp, req.logprobs or 0)
+    params = _sampling(state, out.tenant, req, req.max_tokens, want_lp, req.logprobs or 0)
     prompt = await anyio.to_thread.run_sync(
         render_completion, state.tokenizer, req, state.config.checkpoint_every
     )
     asm = _assembler(state, req.stop, False, reasoning=False)  # raw completions: no reasoning split
-    out = _Outcome()
     gen, body = _launch(state, engine, prompt, params, asm, out)
     fmt = LogprobFormatter(state.tokenizer) if want_lp else None
     rid, model, n_prompt = new_id("cmpl"), state.model_id, len(prompt.tokens)
@@ -331,6 +442,9 @@ async def completions(request: Request) -> Response:
         async def chunks() -> AsyncIterator[bytes]:
             offset = 0
             async for delta, toks in body:
+                if delta is None:
+                    yield comment(toks)
+                    continue
                 lp = fmt.completion_entries(toks, offset) if fmt and toks else None
                 if delta.content or lp:
                     yield sse(text_completion(rid, model, delta.content, None, lp, None, created))
@@ -340,7 +454,7 @@ async def completions(request: Request) -> Response:
                 yield sse(usage_chunk(rid, model, created, "text_completion",
                                       usage(n_prompt, len(out.tokens), out.cached)))
 
-        return _sse_response(body, chunks())
+        return _sse_response(state, body, chunks())
 
     parts = await _collect(request, body)
     lp = fmt.completion_entries(out.tokens, 0) if fmt else None
@@ -350,11 +464,43 @@ async def completions(request: Request) -> Response:
 
 async def models(request: Request) -> Response:
     state: ServerState = request.app.state.gateway
-    names = [state.model_id, *state.config.served_model_names]
+    tenant = authenticate(state.tenants, request)
     return JSONResponse({
         "object": "list",
-        "data": [{"id": n, "object": "model", "created": state.created, "owned_by": "mlx-gateway"} for n in names],
+        "data": [{"id": n, "object": "model", "created": state.created, "owned_by": "mlx-gateway"}
+                 for n in _model_names(state, tenant)],
     })
+
+
+async def usage_report(request: Request) -> Response:
+    """``GET /v1/usage``: the calling tenant's usage; an admin key sees every tenant."""
+    state: ServerState = request.app.state.gateway
+    try:
+        authenticate_admin(state.tenants, request)
+    except APIError as e:
+        if e.status != 403:
+            raise
+        tenant = authenticate(state.tenants, request)
+        return JSONResponse(state.usage.report(tenant.name))
+    return JSONResponse({"object": "list", "data": [state.usage.report(t.name) for t in state.tenants.all()]})
+
+
+async def flush_cache(request: Request) -> Response:
+    """``POST /admin/cache/flush`` with an optional body ``{"cache_group": NAME}``
+    (absent or null: every group). Leased snapshots stay."""
+    state: ServerState = request.app.state.gateway
+    authenticate_admin(state.tenants, request)
+    engine = _ready(state)
+    cfg = state.config
+    body = await read_json(request, cfg.max_body_bytes, cfg.client_timeout, cfg.max_json_depth) \
+        if request.headers.get("content-length", "0") != "0" else {}
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    group = body.get("cache_group")
+    if group is not None and not isinstance(group, str):
+        raise APIError(400, "cache_group must be a string", param="cache_group")
+    dropped = await anyio.to_thread.run_sync(engine.prompt_cache.flush, group)
+    return JSONResponse({"object": "cache.flush", "cache_group": group, "dropped_snapshots": dropped})
 
 
 async def health(request: Request) -> Response:
@@ -378,52 +524,16 @@ async def metrics(request: Request) -> Response:
 
 
 # ---------------------------------------------------------------------- assembly
-class ErrorAndMetricsMiddleware:
-    """Answers :class:`APIError` (and any other exception, as 500) in OpenAI's format,
-    and counts every answer by endpoint and status."""
-
-    ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
-
-    def __init__(self, app: ASGIApp, state: ServerState):
-        self.app = app
-        self.state = state
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status = {"code": 500, "started": False}
-
-        async def send_wrapper(message) -> None:
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-                status["started"] = True
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_wrapper)
-        except APIError as e:
-            status["code"] = e.status
-            if not status["started"]:
-                await e.response()(scope, receive, send)
-        except Exception as e:
-            log.exception("unhandled error on %s", scope.get("path"))
-            status["code"] = 500
-            if not status["started"]:
-                await APIError(500, f"internal error: {type(e).__name__}").response()(scope, receive, send)
-        finally:
-            path = scope.get("path", "")
-            endpoint = path if path in self.ENDPOINTS else "other"
-            self.state.metrics.requests.labels("default", self.state.model_id, endpoint,
-                                               str(status["code"])).inc()
-
-
 def create_app(state: ServerState) -> Starlette:
-    """The ASGI app serving ``state``."""
+    """The ASGI app serving ``state``: routes inside :class:`GatewayMiddleware`, inside
+    CORS (``config.allowed_origins``; ``chrome-extension://ID`` and
+    ``moz-extension://ID`` origins are matched like any other)."""
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/usage", usage_report, methods=["GET"]),
+        Route("/admin/cache/flush", flush_cache, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),
@@ -435,5 +545,16 @@ def create_app(state: ServerState) -> Starlette:
 
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
     app.state.gateway = state
-    app.add_middleware(ErrorAndMetricsMiddleware, state=state)
+    app.add_middleware(GatewayMiddleware, state=state)
+    if state.config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(state.config.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=["Retry-After", "x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
+                            "x-ratelimit-reset-requests", "x-ratelimit-limit-tokens",
+                            "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens"],
+            max_age=600,
+        )
     return app

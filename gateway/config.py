@@ -32,6 +32,17 @@ class ServeConfig:
     max_waiting: int = 1024
     served_model_names: list[str] = field(default_factory=list)
     log_level: str = "INFO"
+    log_format: str = "text"
+    log_prompts: bool = False
+    tenants: Optional[str] = None
+    api_key: Optional[str] = None
+    allow_unauthenticated: bool = False
+    allowed_origins: list[str] = field(default_factory=list)
+    max_header_bytes: int = 16 << 10
+    max_json_depth: int = 32
+    max_prompt_tokens: Optional[int] = None
+    client_timeout: float = 30.0
+    sse_keepalive: float = 10.0
 
 
 def _json_object(text: str) -> dict:
@@ -90,6 +101,30 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="another name the model answers to (repeatable)")
     p.add_argument("--log-level", default=d.log_level,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default %(default)s)")
+    p.add_argument("--log-format", default=d.log_format, choices=["text", "json"],
+                   help="log lines as text or one JSON object per line (default %(default)s)")
+    p.add_argument("--log-prompts", action="store_true",
+                   help="add each request's prompt text to its log line (off: logs hold no prompt text)")
+    p.add_argument("--tenants", metavar="FILE",
+                   help="tenants file (TOML): API key hashes, limits, weights, cache groups; reloaded on SIGHUP")
+    p.add_argument("--api-key", help="serve one tenant that must send this key (ignored with --tenants)")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="allow serving without any key on a non-loopback --host")
+    p.add_argument("--allowed-origins", type=lambda s: [o.strip() for o in s.split(",") if o.strip()],
+                   default=[], help="CORS allow-list, comma-separated, e.g. "
+                   "'chrome-extension://abcdef...,http://localhost:3000' (default: no CORS)")
+    p.add_argument("--max-header-bytes", type=_size, default=d.max_header_bytes,
+                   help="largest total size of request headers; more is a 431 (default 16K)")
+    p.add_argument("--max-json-depth", type=int, default=d.max_json_depth,
+                   help="deepest JSON nesting in a request body; more is a 400 (default %(default)s)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="longest prompt in tokens; more is a 400 (default: the model's context)")
+    p.add_argument("--client-timeout", type=float, default=d.client_timeout,
+                   help="seconds a client has to send its body (408 after) or to take a streamed chunk "
+                   "(the stream is dropped after) (default %(default)s)")
+    p.add_argument("--sse-keepalive", type=float, default=d.sse_keepalive,
+                   help="seconds of silence after which a stream gets a ': keep-alive' comment "
+                   "(default %(default)s)")
 
 
 def config_from_args(ns: argparse.Namespace) -> ServeConfig:

@@ -18,6 +18,7 @@ class GatewayMetrics:
     """Request counts, latencies and token counters, registered on ``registry``."""
 
     def __init__(self, registry: CollectorRegistry):
+        registry.register(MLXMemoryCollector())
         self.requests = Counter(
             "mlx_gateway_requests",
             "Requests answered, by endpoint and HTTP status.",
@@ -59,3 +60,33 @@ class GatewayMetrics:
             "mlx_gateway_completion_tokens", "Generated tokens.", ["tenant", "model"],
             registry=registry,
         )
+        self.rate_limited = Counter(
+            "mlx_gateway_rate_limited",
+            "Requests refused with 429, by the limit they hit "
+            "(requests|prompt_tokens|completion_tokens|concurrency|queue).",
+            ["tenant", "limit"],
+            registry=registry,
+        )
+
+
+class MLXMemoryCollector:
+    """``mlx_gateway_mlx_memory_bytes{kind}``: MLX's allocator, read at scrape time.
+
+    ``kind`` is ``active`` (``mx.get_active_memory()``: bytes in live arrays), ``peak``
+    (``mx.get_peak_memory()``: the highest active since start) or ``cache``
+    (``mx.get_cache_memory()``: freed buffers MLX keeps for reuse). On the CPU backend
+    these count the same allocator as on Metal.
+    """
+
+    def collect(self):
+        import mlx.core as mx
+        from prometheus_client.core import GaugeMetricFamily
+
+        g = GaugeMetricFamily("mlx_gateway_mlx_memory_bytes", "MLX allocator memory, bytes.", labels=["kind"])
+        for kind, read in (("active", mx.get_active_memory), ("peak", mx.get_peak_memory),
+                           ("cache", mx.get_cache_memory)):
+            g.add_metric([kind], float(read()))
+        yield g
+
+    def describe(self):
+        return []

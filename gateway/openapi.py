@@ -1,29 +1,221 @@
-"""The app's OpenAPI 3.1 document, built from the request schemas in :mod:`gateway.schemas`."""
+"""The app's OpenAPI 3.1 document (``GET /openapi.json``).
+
+It covers the public routes: ``POST /v1/chat/completions`` and ``POST /v1/completions``
+(request bodies generated from the pydantic models in :mod:`gateway.schemas`, their
+``$defs`` moved to ``components/schemas``), ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` and ``GET /openapi.json`` itself. Every error answer is documented with
+OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 (bad JSON or field),
+401 / 403 (missing / refused API key), 404 (unknown model), 413 (body too large), 429
+(rate limited) and 503 (model loading, engine stopped, queue full). The API key goes in
+``Authorization: Bearer <key>`` or ``x-api-key: <key>``; a server started without keys
+accepts anonymous requests, which the document says with an empty security requirement.
+
+Served from a running app, the document also states that server's facts: the model names
+it answers to (``model`` enum) and ``--max-tokens-limit`` (``max_tokens`` maximum).
+"""
 
 from __future__ import annotations
 
+import copy
+from functools import lru_cache
+from importlib.metadata import PackageNotFoundError, version
+from typing import Optional, Sequence
+
+from pydantic.json_schema import models_json_schema
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.schemas import ChatRequest, CompletionRequest
 
+REF = "#/components/schemas/{model}"
+try:
+    VERSION = version("mlx-gateway")
+except PackageNotFoundError:  # running from a source tree
+    VERSION = "0.0.0"
+SECURED = [{"bearerAuth": []}, {"apiKeyHeader": []}, {}]  # {}: servers without keys
 
-def openapi_document() -> dict:
-    """The OpenAPI 3.1 document of the public routes (request bodies from pydantic)."""
-    paths = {}
-    for path, model in (("/v1/chat/completions", ChatRequest), ("/v1/completions", CompletionRequest)):
-        paths[path] = {
-            "post": {
-                "requestBody": {"required": True,
-                                "content": {"application/json": {"schema": model.model_json_schema()}}},
-                "responses": {"200": {"description": "a completion or an SSE stream"}},
-            }
-        }
-    for path in ("/v1/models", "/health"):
-        paths[path] = {"get": {"responses": {"200": {"description": "OK"}}}}
-    return {"openapi": "3.1.0", "info": {"title": "mlx-gateway", "version": "0.1.0"}, "paths": paths}
+ERROR_STATUSES = {
+    "400": "malformed JSON, a wrong field (`param` names it), `max_tokens` over the limit, "
+           "or a prompt longer than the model's context",
+    "401": "no API key, or an unknown one",
+    "403": "the API key may not use this model or route",
+    "404": "unknown model (`param` is `model`)",
+    "413": "request body over `--max-body-bytes`",
+    "429": "rate limited; retry after `Retry-After` seconds",
+    "503": "model still loading, engine stopped, or queue full (`Retry-After` where waiting helps)",
+}
+
+
+def _obj(required: Sequence[str], **props: dict) -> dict:
+    return {"type": "object", "required": list(required), "properties": props}
+
+
+_STR, _INT, _NUM = {"type": "string"}, {"type": "integer"}, {"type": "number"}
+_NULLABLE_STR = {"type": ["string", "null"]}
+_LOGPROB = _obj(["token", "logprob"], token=_STR, logprob=_NUM,
+                bytes={"type": "array", "items": _INT}, top_logprobs={"type": "array"})
+
+def _ref(name: str) -> dict:
+    return {"$ref": REF.format(model=name)}
+
+
+def _completion(obj: str, required: Sequence[str], choice: dict, finish: list) -> dict:
+    """An OpenAI completion object (or stream chunk) with ``choices`` items ``choice``."""
+    choice = {**choice, "properties": {**choice["properties"], "index": _INT, "finish_reason": {"enum": finish}}}
+    return _obj(["id", "object", "created", "model", "choices", *required],
+                id=_STR, object={"const": obj}, created=_INT, model=_STR,
+                choices={"type": "array", "items": choice}, usage=_ref("Usage"))
+
+
+_FINISHED, _ANY_FINISH = ["stop", "length"], ["stop", "length", None]
+_CHAT_LOGPROBS = {"type": ["object", "null"], "properties": {"content": {"type": "array", "items": _LOGPROB}}}
+_TEXT_CHOICE = _obj(["index", "text", "finish_reason"], text=_STR, logprobs={"type": ["object", "null"]})
+
+# Response and error bodies (JSON Schema 2020-12, as OpenAPI 3.1 uses).
+RESPONSE_SCHEMAS: dict[str, dict] = {
+    "Error": _obj(["error"], error=_obj(
+        ["message", "type", "param", "code"],
+        message=_STR, type=_STR, param=_NULLABLE_STR, code=_NULLABLE_STR)),
+    "Usage": _obj(["prompt_tokens", "completion_tokens", "total_tokens"],
+                  prompt_tokens=_INT, completion_tokens=_INT, total_tokens=_INT,
+                  prompt_tokens_details=_obj(["cached_tokens"], cached_tokens=_INT)),
+    "ChatCompletion": _completion("chat.completion", ["usage"], _obj(
+        ["index", "message", "finish_reason"], logprobs=_CHAT_LOGPROBS,
+        message=_obj(["role", "content"], role={"const": "assistant"}, content=_STR, reasoning_content=_STR),
+    ), _FINISHED),
+    "ChatCompletionChunk": _completion("chat.completion.chunk", [], _obj(
+        ["index", "delta", "finish_reason"], logprobs=_CHAT_LOGPROBS,
+        delta=_obj([], role={"const": "assistant"}, content=_STR, reasoning_content=_STR),
+    ), _ANY_FINISH),
+    "TextCompletion": _completion("text_completion", ["usage"], _TEXT_CHOICE, _FINISHED),
+    "TextCompletionChunk": _completion("text_completion", [], _TEXT_CHOICE, _ANY_FINISH),
+    "ModelList": _obj(["object", "data"], object={"const": "list"}, data={
+        "type": "array", "items": _obj(["id", "object", "created", "owned_by"], id=_STR,
+                                       object={"const": "model"}, created=_INT, owned_by=_STR)}),
+    "Health": _obj(["status"], status={"enum": ["ok", "loading", "error", "dead"]},
+                   model=_STR, running=_INT, waiting=_INT, detail=_NULLABLE_STR),
+}
+
+
+def _sse_event(chunk: str) -> dict:
+    """Schema of one server-sent event (OpenAPI 3.1 puts it under ``schema``): ``data`` is a
+    JSON ``chunk`` object, an error body (the request failed after the stream began), or
+    the final ``[DONE]``."""
+    payload = {"contentMediaType": "application/json", "contentSchema": {"anyOf": [_ref(chunk), _ref("Error")]}}
+    return _obj(["data"], event=_STR, id=_STR, data={"anyOf": [{"const": "[DONE]"}, {"type": "string", **payload}]})
+
+
+SECURITY_SCHEMES = {
+    "bearerAuth": {"type": "http", "scheme": "bearer", "description": "Authorization: Bearer <API key>"},
+    "apiKeyHeader": {"type": "apiKey", "in": "header", "name": "x-api-key",
+                     "description": "the same API key in an x-api-key header"},
+}
+
+
+@lru_cache(maxsize=1)
+def request_schemas() -> dict[str, dict]:
+    """JSON schemas of the request bodies and every model they use, keyed by model name
+    (``ChatRequest``, ``CompletionRequest``, ``Message``, ...), with ``$ref`` pointing
+    into ``#/components/schemas``. Cached: treat the result as read-only."""
+    _, top = models_json_schema(
+        [(ChatRequest, "validation"), (CompletionRequest, "validation")], ref_template=REF
+    )
+    return top["$defs"]
+
+
+def _json(schema_name: str, description: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": _ref(schema_name)}}}
+
+
+def _errors(*codes: str) -> dict:
+    out = {}
+    for code in codes:
+        out[code] = _json("Error", ERROR_STATUSES[code])
+        if code in ("429", "503"):
+            out[code]["headers"] = {"Retry-After": {"description": "seconds to wait before retrying",
+                                                    "schema": _INT}}
+    return out
+
+
+def _completion_op(op_id: str, summary: str, body: str, result: str) -> dict:
+    return {
+        "operationId": op_id,
+        "summary": summary,
+        "security": SECURED,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(body)}}},
+        "responses": {
+            "200": {"description": f"a `{result}` object, or with `stream: true` server-sent events: "
+                                   f"`{result}Chunk` objects, then `data: [DONE]`",
+                    "content": {"application/json": {"schema": _ref(result)},
+                                "text/event-stream": {"schema": _sse_event(f"{result}Chunk")}}},
+            **_errors("400", "401", "403", "404", "413", "429", "503"),
+        },
+    }
+
+
+def _restrict(schemas: dict[str, dict], models: Optional[Sequence[str]], max_tokens_limit: Optional[int]) -> None:
+    """Write one server's facts into copies of the request schemas (in place)."""
+    for name in ("ChatRequest", "CompletionRequest"):
+        props = schemas[name]["properties"]
+        if models:
+            props["model"] = {**props["model"], "anyOf": [{"enum": list(models)}, {"type": "null"}]}
+        if max_tokens_limit is not None:
+            for key in ("max_tokens", "max_completion_tokens"):
+                for branch in props.get(key, {}).get("anyOf", []):
+                    if branch.get("type") == "integer":
+                        branch["maximum"] = max_tokens_limit
+
+
+def openapi_document(models: Optional[Sequence[str]] = None, max_tokens_limit: Optional[int] = None) -> dict:
+    """The OpenAPI 3.1 document of the public routes, as a JSON-ready dict.
+
+    Args:
+        models: names the server answers to; given, ``model`` is an enum of them.
+        max_tokens_limit: given, the maximum of ``max_tokens`` / ``max_completion_tokens``.
+
+    Every ``$ref`` points into ``components/schemas`` (no ``$defs``), so generic OpenAPI
+    tools resolve it.
+    """
+    schemas = copy.deepcopy(request_schemas())
+    _restrict(schemas, models, max_tokens_limit)
+    schemas.update(copy.deepcopy(RESPONSE_SCHEMAS))
+    open_get = {"security": []}
+    paths = {
+        "/v1/chat/completions": {"post": _completion_op(
+            "createChatCompletion", "Chat completion", "ChatRequest", "ChatCompletion")},
+        "/v1/completions": {"post": _completion_op(
+            "createCompletion", "Text completion", "CompletionRequest", "TextCompletion")},
+        "/v1/models": {"get": {
+            "operationId": "listModels", "summary": "The served model names", "security": SECURED,
+            "responses": {"200": _json("ModelList", "the model names this server answers to"),
+                          **_errors("401", "403", "429")}}},
+        "/health": {"get": {
+            "operationId": "health", "summary": "Liveness and queue sizes", **open_get,
+            "responses": {"200": _json("Health", "the engine is running"),
+                          "503": _json("Health", "the model is loading, failed to load, or the engine stopped")}}},
+        "/metrics": {"get": {
+            "operationId": "metrics", "summary": "Prometheus metrics", **open_get,
+            "responses": {"200": {"description": "Prometheus text exposition format",
+                                  "content": {"text/plain": {"schema": _STR}}}}}},
+        "/openapi.json": {"get": {
+            "operationId": "openapi", "summary": "This document", **open_get,
+            "responses": {"200": {"description": "the OpenAPI 3.1 document",
+                                  "content": {"application/json": {"schema": {"type": "object"}}}}}}},
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "mlx-gateway", "version": VERSION,
+                 "description": "OpenAI-compatible serving gateway for MLX models."},
+        "paths": paths,
+        "components": {"schemas": schemas, "securitySchemes": SECURITY_SCHEMES},
+    }
 
 
 async def openapi_json(request: Request) -> Response:
-    """``GET /openapi.json``."""
-    return JSONResponse(openapi_document())
+    """``GET /openapi.json``: :func:`openapi_document` with this server's model names and
+    ``max_tokens`` limit (from ``request.app.state.gateway`` when the app has one)."""
+    state = getattr(request.app.state, "gateway", None)
+    if state is None:
+        return JSONResponse(openapi_document())
+    names = [state.model_id, *state.config.served_model_names]
+    return JSONResponse(openapi_document(names, state.config.max_tokens_limit))

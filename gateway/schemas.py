@@ -2,18 +2,41 @@
 
 Unknown fields are accepted and ignored, as OpenAI clients send many optional ones;
 fields we do not support with a value that would change the result (``n`` > 1, image
-content, ``echo``) are refused with a 400 naming the field.
+content, ``echo``) are refused with a 400 naming the field. Numbers must be finite (JSON's
+non-standard ``NaN``/``Infinity`` are refused). Constraints checked by validators are
+also written into the JSON schema (:func:`_document`), so ``GET /openapi.json`` states them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gateway.errors import APIError
 
 MAX_STOP_SEQUENCES = 16
+MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 inside MLX; larger ones cannot index logits
+SEED_RANGE = (-(2**63), 2**64 - 1)  # int64 (OpenAI) or uint64 (MLX keys); taken modulo 2**64
+# apply_chat_template's own arguments: the gateway sets them, so a request may not
+# (``tokenize=False`` would make the "tokens" a string, ``chat_template`` swap the template).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+def _document(kind: str, **constraints: Any) -> Callable[[dict], None]:
+    """A ``json_schema_extra`` hook adding ``constraints`` to the ``type == kind`` branch
+    of a field's schema (its ``anyOf`` branch, or the schema itself)."""
+
+    def hook(schema: dict) -> None:
+        for branch in schema.get("anyOf", [schema]):
+            if branch.get("type") == kind:
+                branch.update(constraints)
+
+    return hook
 
 
 class TextPart(BaseModel):
@@ -46,22 +69,26 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = Field(default=None, ge=0, le=2)
     top_p: Optional[float] = Field(default=None, gt=0, le=1)
     top_k: Optional[int] = Field(default=None, ge=-1)
     min_p: Optional[float] = Field(default=None, ge=0, le=1)
-    stop: Union[str, list[str], None] = None
-    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = Field(
+        default=None, json_schema_extra=_document("array", maxItems=MAX_STOP_SEQUENCES))
+    seed: Optional[int] = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     n: int = Field(default=1, ge=1, le=1)
     presence_penalty: Optional[float] = Field(default=None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(default=None, ge=-2, le=2)
-    repetition_penalty: Optional[float] = Field(default=None, gt=0)
-    logit_bias: Optional[dict[str, float]] = None
+    # logits are divided or multiplied by it in float32: near 0 they overflow to NaN logprobs
+    repetition_penalty: Optional[float] = Field(default=None, ge=0.01, le=100)
+    logit_bias: Optional[dict[str, float]] = Field(default=None, json_schema_extra=_document(
+        "object", propertyNames={"pattern": "^[0-9]{1,10}$"},
+        additionalProperties={"type": "number", "minimum": -100, "maximum": 100}))
     user: Optional[str] = None
 
     @field_validator("stop")
@@ -75,13 +102,18 @@ class _Common(BaseModel):
             v = [s for s in v if s]
         return v or None
 
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v):
+        return None if v is None else v % 2**64  # mx.random.key takes a uint64
+
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v):
         if v is not None:
             for k, b in v.items():
-                if not k.lstrip("-").isdigit():
-                    raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
+                if not (k.isascii() and k.isdigit() and int(k) <= MAX_TOKEN_ID):
+                    raise ValueError(f"logit_bias keys must be token ids (0 to {MAX_TOKEN_ID}), got {k!r}")
                 if not -100 <= b <= 100:
                     raise ValueError("logit_bias values must be within [-100, 100]")
         return v
@@ -96,13 +128,23 @@ class ChatRequest(_Common):
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Any = None
-    chat_template_kwargs: Optional[dict[str, Any]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(default=None, json_schema_extra=_document(
+        "object", propertyNames={"not": {"enum": sorted(RESERVED_TEMPLATE_KWARGS)}}))
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v):
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(v or {}))
+        if reserved:
+            raise ValueError(f"{reserved[0]!r} is set by the server, not by chat_template_kwargs")
+        return v
 
 
 class CompletionRequest(_Common):
     """``POST /v1/completions`` body."""
 
-    prompt: Union[str, list[int]]
+    prompt: Union[str, list[int]] = Field(json_schema_extra=_document("array", minItems=1, items={
+        "type": "integer", "minimum": 0}))
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     echo: Literal[False] = False
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import signal
 import threading
 
 from prometheus_client import CollectorRegistry, Info
@@ -10,6 +12,8 @@ from prometheus_client import CollectorRegistry, Info
 from gateway.app import ServerState, create_app
 from gateway.config import ServeConfig
 from gateway.metrics import GatewayMetrics
+from gateway.request_log import configure_logging
+from gateway.tenants import TenantsFileError, TenantTable, load_tenants, open_table, single_key_table
 
 log = logging.getLogger("mlx_gateway")
 
@@ -59,6 +63,7 @@ def load_into(state: ServerState, path: str) -> None:
             log.warning("padded batches of this model do not match single requests; "
                         "prompts will only be batched when they need no padding")
         manager = PromptCacheManager(cfg.prompt_cache_bytes, cfg.prompt_cache_size, registry=state.registry)
+        manager.set_quotas(state.tenants.quotas())
         engine = Engine(
             model,
             tokenizer.eos_token_ids,
@@ -80,11 +85,67 @@ def load_into(state: ServerState, path: str) -> None:
         state.load_error = f"loading the model failed: {e}"
 
 
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def tenant_table(cfg: ServeConfig) -> TenantTable:
+    """The tenants to serve: ``--tenants FILE``, else one keyed tenant with
+    ``--api-key``, else one open tenant.
+
+    Raises:
+        TenantsFileError: the tenants file is invalid.
+        ValueError: no key on a non-loopback host without ``--allow-unauthenticated``.
+    """
+    if cfg.tenants:
+        return load_tenants(cfg.tenants)
+    if cfg.api_key:
+        return single_key_table(cfg.api_key)
+    loopback = is_loopback(cfg.host)
+    if not loopback and not cfg.allow_unauthenticated:
+        raise ValueError(
+            f"refusing to serve on {cfg.host} without API keys: give --tenants FILE or --api-key KEY, "
+            "or --allow-unauthenticated to serve anyone who can reach this address"
+        )
+    return open_table(loopback)
+
+
 def build_state(cfg: ServeConfig, model_id: str) -> ServerState:
+    """The server state for ``cfg``, tenants included.
+
+    Raises:
+        TenantsFileError, ValueError: see :func:`tenant_table`.
+    """
     registry = CollectorRegistry()
-    state = ServerState(config=cfg, registry=registry, metrics=GatewayMetrics(registry), model_id=model_id)
+    state = ServerState(config=cfg, registry=registry, metrics=GatewayMetrics(registry), model_id=model_id,
+                        tenants=tenant_table(cfg))
     _build_info(registry, cfg, model_id)
     return state
+
+
+def reload_tenants(state: ServerState) -> bool:
+    """Re-read the tenants file; on an error keep the current tenants and log why.
+
+    Requests in flight are not touched: they keep the tenant they started with.
+    Returns True when the new file is in use.
+    """
+    path = state.config.tenants
+    if not path:
+        return False
+    try:
+        table = load_tenants(path)
+    except TenantsFileError as e:
+        log.error("tenants file not reloaded, keeping the current tenants: %s", e)
+        return False
+    state.set_tenants(table)
+    log.info("tenants reloaded: %d tenants", len(table.tenants))
+    return True
 
 
 def _build_info(registry: CollectorRegistry, cfg: ServeConfig, model_id: str) -> None:
@@ -114,14 +175,21 @@ def serve(cfg: ServeConfig) -> None:
     answers 503 until it is ready."""
     import uvicorn
 
-    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(cfg.log_level, cfg.log_format)
+    try:
+        tenant_table(cfg)  # refuse a bad tenants file or an open non-loopback host before any work
+    except (TenantsFileError, ValueError) as e:
+        raise SystemExit(f"mlx-gateway: {e}")
     path, model_id = resolve_model(cfg)
     state = build_state(cfg, model_id)
     app = create_app(state)
+    if hasattr(signal, "SIGHUP"):  # not on Windows
+        signal.signal(signal.SIGHUP, lambda *_: reload_tenants(state))
     threading.Thread(target=load_into, args=(state, path), name="model-loader", daemon=True).start()
     try:
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(),
-                    timeout_graceful_shutdown=5)
+                    timeout_graceful_shutdown=5, h11_max_incomplete_event_size=cfg.max_header_bytes,
+                    log_config=None)
     finally:
         if state.engine is not None:
             state.engine.stop()

@@ -21,12 +21,23 @@ def sse(data: dict | str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
-class SSEResponse:
-    """An ASGI response streaming ``body`` (bytes chunks) as ``text/event-stream``."""
+def comment(text: str) -> bytes:
+    """An SSE comment line (``: text``): ignored by clients, keeps proxies from timing out."""
+    return f": {text}\n\n".encode()
 
-    def __init__(self, body: AsyncIterator[bytes], headers: dict[str, str] | None = None):
+
+class SSEResponse:
+    """An ASGI response streaming ``body`` (bytes chunks) as ``text/event-stream``.
+
+    A client that does not take a chunk within ``send_timeout`` seconds (a stalled
+    reader) is treated as gone: the stream stops and its generation is cancelled.
+    """
+
+    def __init__(self, body: AsyncIterator[bytes], headers: dict[str, str] | None = None,
+                 send_timeout: float | None = None):
         self.body = body
         self.headers = headers or {}
+        self.send_timeout = send_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = [
@@ -39,9 +50,10 @@ class SSEResponse:
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             try:
                 async for chunk in self.body:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    with anyio.fail_after(self.send_timeout):
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
-            except OSError:  # the client went away mid-send
+            except (OSError, TimeoutError):  # the client went away or stopped reading
                 pass
             finally:
                 with anyio.CancelScope(shield=True):

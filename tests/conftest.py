@@ -107,7 +107,8 @@ def live_server(model_dir, **config):
     load_into(state, str(model_dir))
     assert state.engine is not None, state.load_error
     app = create_app(state)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=cfg.port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=cfg.port, log_level="warning",
+                                           h11_max_incomplete_event_size=cfg.max_header_bytes))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -1,0 +1,57 @@
+"""Authentication: API keys from ``Authorization: Bearer`` or ``x-api-key``."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from starlette.requests import Request
+
+from gateway.errors import APIError
+from gateway.tenants import Tenant, TenantTable
+
+
+def api_key(request: Request) -> Optional[str]:
+    """The key the client sent: ``Authorization: Bearer KEY``, else ``x-api-key: KEY``."""
+    auth = request.headers.get("authorization", "")
+    scheme, _, value = auth.partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
+    key = request.headers.get("x-api-key", "").strip()
+    return key or None
+
+
+def _unauthorized(key: Optional[str]) -> APIError:
+    msg = ("no API key given: send 'Authorization: Bearer KEY'" if key is None
+           else "the API key is not valid")
+    return APIError(401, msg, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def authenticate(table: TenantTable, request: Request) -> Tenant:
+    """The calling tenant; records it in ``request.state.tenant`` for metrics and logs.
+
+    Raises:
+        APIError: 401 for a missing or unknown key.
+    """
+    key = api_key(request)
+    tenant, _ = table.authenticate(key)
+    if tenant is None:
+        raise _unauthorized(key)
+    request.state.tenant = tenant
+    return tenant
+
+
+def authenticate_admin(table: TenantTable, request: Request) -> Optional[Tenant]:
+    """Check that the caller holds an admin key; returns its tenant, if the key is also one.
+
+    Raises:
+        APIError: 401 for a missing or unknown key, 403 for a tenant key without admin rights.
+    """
+    key = api_key(request)
+    tenant, admin = table.authenticate(key)
+    if tenant is not None:
+        request.state.tenant = tenant
+    if admin or (tenant is not None and tenant.admin):
+        return tenant
+    if tenant is None:
+        raise _unauthorized(key)
+    raise APIError(403, "this key may not use the admin API", code="permission_denied")

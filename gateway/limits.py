@@ -1,0 +1,206 @@
+"""Per-tenant rate and concurrency limits: token buckets checked before any work.
+
+Each limited quantity (requests, prompt tokens, completion tokens per minute) is a
+token bucket whose capacity is one minute's worth and which refills continuously at
+``limit / 60`` per second. Requests and prompt tokens are taken up front (the prompt
+once it is tokenized, before the engine sees it); completion tokens are charged as
+they are produced and may drive their bucket below zero, in which case the tenant's
+next request waits until it is positive again. Headers follow OpenAI's
+``x-ratelimit-*`` convention.
+
+All methods run on the event loop thread (no locking needed).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from gateway.errors import APIError
+from gateway.tenants import Tenant
+
+
+class TokenBucket:
+    """A token bucket of ``capacity`` tokens refilled at ``rate`` tokens per second."""
+
+    def __init__(self, capacity: float, rate: float, now: float):
+        self.capacity = float(capacity)
+        self.rate = float(rate)
+        self.level = float(capacity)
+        self.stamp = now
+
+    def refill(self, now: float) -> None:
+        if now > self.stamp:
+            self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
+            self.stamp = now
+
+    def wait_for(self, n: float, now: float) -> float:
+        """Seconds until ``n`` tokens are available (0 if they are now)."""
+        self.refill(now)
+        return 0.0 if self.level >= n else (n - self.level) / self.rate
+
+    def take(self, n: float) -> None:
+        """Remove ``n`` tokens (the level may go negative: a debt)."""
+        self.level -= n
+
+    def reset_after(self) -> float:
+        """Seconds until the bucket is full again."""
+        return max(0.0, (self.capacity - self.level) / self.rate)
+
+    def resize(self, capacity: float, rate: float) -> None:
+        """New limits (after a reload); the level is kept within the new capacity."""
+        self.capacity, self.rate = float(capacity), float(rate)
+        self.level = min(self.level, self.capacity)
+
+
+def _duration(seconds: float) -> str:
+    """OpenAI's reset format, e.g. ``1s``, ``6m0s``, ``250ms``."""
+    if seconds < 1:
+        return f"{max(0, int(seconds * 1000))}ms"
+    s = math.ceil(seconds)
+    return f"{s // 60}m{s % 60}s" if s >= 60 else f"{s}s"
+
+
+@dataclass
+class _TenantState:
+    requests: Optional[TokenBucket] = None
+    prompt: Optional[TokenBucket] = None
+    completion: Optional[TokenBucket] = None
+    in_flight: int = 0
+
+
+@dataclass
+class Ticket:
+    """One admitted request's hold on its tenant's limits; :meth:`close` releases its
+    concurrency slot (idempotent)."""
+
+    limiter: "Limiter"
+    tenant: Tenant
+    closed: bool = False
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def charge_prompt(self, n: int) -> None:
+        """Take ``n`` prompt tokens, before the request reaches the engine.
+
+        Raises:
+            APIError: 429 (``Retry-After``) when the bucket lacks ``n`` tokens now;
+                413 when ``n`` is more than a whole minute's allowance.
+        """
+        self.limiter._charge_prompt(self, n)
+
+    def charge_completion(self, n: int = 1) -> None:
+        """Count ``n`` generated tokens (never refused: the bucket may go into debt)."""
+        st = self.limiter._state(self.tenant)
+        if st.completion is not None:
+            st.completion.refill(self.limiter.clock())
+            st.completion.take(n)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.limiter._state(self.tenant).in_flight -= 1
+
+
+class Limiter:
+    """The limits of every tenant. ``on_limited(tenant, limit)`` is called for each 429
+    (``limit`` is requests|prompt_tokens|completion_tokens|concurrency)."""
+
+    def __init__(self, on_limited: Callable[[str, str], None] = lambda t, k: None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.on_limited = on_limited
+        self._states: dict[str, _TenantState] = {}
+
+    def _state(self, tenant: Tenant) -> _TenantState:
+        st = self._states.get(tenant.name)
+        if st is None:
+            st = self._states[tenant.name] = _TenantState()
+        now = self.clock()
+        for attr, limit in (("requests", tenant.requests_per_minute),
+                            ("prompt", tenant.prompt_tokens_per_minute),
+                            ("completion", tenant.completion_tokens_per_minute)):
+            bucket = getattr(st, attr)
+            if limit is None:
+                setattr(st, attr, None)
+            elif bucket is None:
+                setattr(st, attr, TokenBucket(limit, limit / 60.0, now))
+            elif bucket.capacity != limit:
+                bucket.resize(limit, limit / 60.0)
+        return st
+
+    def _refuse(self, tenant: Tenant, limit: str, wait: float, message: str, headers: dict) -> APIError:
+        self.on_limited(tenant.name, limit)
+        retry = max(1, math.ceil(wait))
+        return APIError(429, message, code="rate_limit_exceeded",
+                        headers={**headers, "Retry-After": str(retry)})
+
+    def headers(self, tenant: Tenant) -> dict[str, str]:
+        """``x-ratelimit-*`` headers for the tenant's request and prompt-token buckets."""
+        st = self._state(tenant)
+        now = self.clock()
+        out: dict[str, str] = {}
+        for name, bucket in (("requests", st.requests), ("tokens", st.prompt)):
+            if bucket is None:
+                continue
+            bucket.refill(now)
+            out[f"x-ratelimit-limit-{name}"] = str(int(bucket.capacity))
+            out[f"x-ratelimit-remaining-{name}"] = str(max(0, int(bucket.level)))
+            out[f"x-ratelimit-reset-{name}"] = _duration(bucket.reset_after())
+        return out
+
+    def begin(self, tenant: Tenant) -> Ticket:
+        """Admit one request of ``tenant`` or refuse it; nothing is taken when refused.
+
+        Raises:
+            APIError: 429 with ``Retry-After`` when the tenant has ``max_concurrent``
+                requests in flight, no request left this minute, or a completion-token
+                debt.
+        """
+        st = self._state(tenant)
+        now = self.clock()
+        hdrs = self.headers(tenant)
+        if tenant.max_concurrent is not None and st.in_flight >= tenant.max_concurrent:
+            raise self._refuse(tenant, "concurrency", 1,
+                               f"tenant has {st.in_flight} requests in flight (limit {tenant.max_concurrent})",
+                               hdrs)
+        if st.requests is not None:
+            wait = st.requests.wait_for(1, now)
+            if wait > 0:
+                raise self._refuse(tenant, "requests", wait,
+                                   f"rate limit of {tenant.requests_per_minute} requests per minute reached",
+                                   hdrs)
+        if st.completion is not None:
+            wait = st.completion.wait_for(0, now)
+            if wait > 0:
+                raise self._refuse(tenant, "completion_tokens", wait,
+                                   f"rate limit of {tenant.completion_tokens_per_minute} completion tokens "
+                                   "per minute reached", hdrs)
+        if st.prompt is not None:
+            wait = st.prompt.wait_for(1, now)
+            if wait > 0:
+                raise self._refuse(tenant, "prompt_tokens", wait,
+                                   f"rate limit of {tenant.prompt_tokens_per_minute} prompt tokens "
+                                   "per minute reached", hdrs)
+        if st.requests is not None:
+            st.requests.take(1)
+        st.in_flight += 1
+        return Ticket(self, tenant, headers=self.headers(tenant))
+
+    def _charge_prompt(self, ticket: Ticket, n: int) -> None:
+        tenant = ticket.tenant
+        st = self._state(tenant)
+        if st.prompt is None:
+            return
+        if n > st.prompt.capacity:
+            raise APIError(413, f"the prompt has {n} tokens, more than this key's limit of "
+                           f"{int(st.prompt.capacity)} prompt tokens per minute", param="messages",
+                           code="tokens_over_limit")
+        wait = st.prompt.wait_for(n, self.clock())
+        if wait > 0:
+            raise self._refuse(tenant, "prompt_tokens", wait,
+                               f"rate limit of {tenant.prompt_tokens_per_minute} prompt tokens per minute "
+                               f"reached ({n} needed)", self.headers(tenant))
+        st.prompt.take(n)
+        ticket.headers = self.headers(tenant)

@@ -1,0 +1,94 @@
+"""The outermost layer of the app (inside CORS): header limits, errors in OpenAI's
+format, rate-limit headers, per-request metrics and the request log."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from gateway.errors import APIError
+
+log = logging.getLogger("mlx_gateway.app")
+
+MAX_HEADERS = 100
+
+
+class GatewayMiddleware:
+    """Wraps every HTTP request.
+
+    * Refuses requests with more than :data:`MAX_HEADERS` headers or more than
+      ``config.max_header_bytes`` of them with 431, before any route runs.
+    * Answers :class:`APIError` (and any other exception, as 500) in OpenAI's format.
+    * Adds the tenant's ``x-ratelimit-*`` headers to answers of admitted requests.
+    * Releases the request's rate-limit ticket once the answer (or stream) ends.
+    * Counts answers by tenant, endpoint and status, and emits the request record.
+
+    Routes leave ``tenant`` (a Tenant), ``ticket`` and ``record`` in ``request.state``.
+    """
+
+    ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/usage", "/health",
+                 "/metrics", "/admin/cache/flush", "/openapi.json"}
+
+    def __init__(self, app: ASGIApp, state) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.monotonic()
+        local = scope.setdefault("state", {})
+        status = {"code": 500, "started": False}
+
+        async def send_wrapper(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                status["started"] = True
+                ticket = local.get("ticket")
+                if ticket is not None and ticket.headers:
+                    present = {k.lower() for k, _ in message.get("headers", [])}
+                    extra = [(k.encode(), v.encode()) for k, v in ticket.headers.items()
+                             if k.encode() not in present]
+                    message = {**message, "headers": list(message.get("headers", [])) + extra}
+            await send(message)
+
+        try:
+            self._check_headers(scope)
+            await self.app(scope, receive, send_wrapper)
+        except APIError as e:
+            status["code"] = e.status
+            if not status["started"]:
+                await e.response()(scope, receive, send_wrapper)
+        except Exception as e:
+            log.exception("unhandled error on %s", scope.get("path"))
+            status["code"] = 500
+            if not status["started"]:
+                await APIError(500, f"internal error: {type(e).__name__}").response()(scope, receive, send)
+        finally:
+            ticket = local.get("ticket")
+            if ticket is not None:
+                ticket.close()
+            self._account(scope, local, status["code"], time.monotonic() - start)
+
+    def _check_headers(self, scope: Scope) -> None:
+        headers = scope.get("headers", [])
+        size = sum(len(k) + len(v) for k, v in headers)
+        limit = self.state.config.max_header_bytes
+        if len(headers) > MAX_HEADERS or size > limit:
+            raise APIError(431, f"request headers over the limit ({MAX_HEADERS} headers, {limit} bytes)",
+                           code="headers_too_large")
+
+    def _account(self, scope: Scope, local: dict, code: int, seconds: float) -> None:
+        path = scope.get("path", "")
+        endpoint = path if path in self.ENDPOINTS else "other"
+        tenant = local.get("tenant")
+        name = tenant.name if tenant is not None else "unauthenticated"
+        self.state.metrics.requests.labels(name, self.state.model_id, endpoint, str(code)).inc()
+        record = local.get("record")
+        if record is not None:
+            record.status = code
+            record.total_seconds = seconds
+            record.emit()

@@ -1,0 +1,266 @@
+"""Tenants: who may call the gateway, with which limits, weight and cache group.
+
+A tenants file is TOML (read with ``tomllib``)::
+
+    [admin]                        # keys that may read every tenant's usage and flush caches
+    key_sha256 = ["9f86d0..."]
+
+    [tenants.browser]
+    key_sha256 = ["5e8848..."]     # SHA-256 (hex) of each API key; keys themselves are never stored
+    models = ["*"]                 # model names this tenant may use ("*": any)
+    requests_per_minute = 60
+    prompt_tokens_per_minute = 200000
+    completion_tokens_per_minute = 20000
+    max_concurrent = 4             # requests in flight at once
+    max_queued = 32                # requests waiting for admission; more get 429
+    max_tokens = 2048              # largest max_tokens a request may ask for
+    weight = 1.0                   # fair-share weight
+    cache_group = "browser"        # prefix-cache namespace; tenants in one group share
+    cache_bytes = "2G"             # byte quota of the cache group (optional)
+
+Every limit is optional (absent: unlimited). ``mlx-gateway keys new TENANT`` prints a
+new key and the line to paste.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+KEY_PREFIX = "mgw-"
+OPEN_TENANT = "default"
+
+_TENANT_FIELDS = {
+    "key_sha256", "models", "requests_per_minute", "prompt_tokens_per_minute",
+    "completion_tokens_per_minute", "max_concurrent", "max_queued", "max_tokens", "weight",
+    "cache_group", "cache_bytes",
+}
+
+
+class TenantsFileError(ValueError):
+    """The tenants file is missing, not TOML, or has an invalid entry (the message says which)."""
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """One tenant's settings. Limits of None are unlimited.
+
+    Attributes:
+        name: the tenant's name (a metrics label: bounded, from configuration only).
+        key_hashes: SHA-256 digests (32 bytes each) of its API keys.
+        models: model names it may use; None means any.
+        requests_per_minute, prompt_tokens_per_minute, completion_tokens_per_minute:
+            token-bucket rates (bucket capacity = one minute's worth).
+        max_concurrent: requests in flight at once.
+        max_queued: requests waiting for admission in the scheduler.
+        max_tokens: the largest ``max_tokens`` a request may ask for.
+        weight: fair-share weight (> 0).
+        cache_group: the prefix-cache namespace.
+        cache_bytes: byte quota of ``cache_group`` (None: only the global bound).
+        admin: may read every tenant's usage and flush cache groups.
+    """
+
+    name: str
+    key_hashes: tuple[bytes, ...] = ()
+    models: Optional[frozenset[str]] = None
+    requests_per_minute: Optional[int] = None
+    prompt_tokens_per_minute: Optional[int] = None
+    completion_tokens_per_minute: Optional[int] = None
+    max_concurrent: Optional[int] = None
+    max_queued: Optional[int] = None
+    max_tokens: Optional[int] = None
+    weight: float = 1.0
+    cache_group: str = OPEN_TENANT
+    cache_bytes: Optional[int] = None
+    admin: bool = False
+
+    def may_use(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+
+@dataclass
+class TenantTable:
+    """All tenants, looked up by API key.
+
+    ``open_tenant`` (when set) serves requests that carry no key, or any key: the
+    gateway then runs unauthenticated. ``admin_hashes`` are keys of the admin, who is
+    not a tenant and may not run completions unless the key is also a tenant's.
+    """
+
+    tenants: dict[str, Tenant] = field(default_factory=dict)
+    admin_hashes: tuple[bytes, ...] = ()
+    open_tenant: Optional[Tenant] = None
+    source: Optional[Path] = None
+
+    @property
+    def requires_key(self) -> bool:
+        return self.open_tenant is None
+
+    def authenticate(self, key: Optional[str]) -> tuple[Optional[Tenant], bool]:
+        """(tenant, is_admin) for ``key``; (None, False) for a missing or unknown key.
+
+        The key's SHA-256 is compared with every stored digest by
+        ``hmac.compare_digest`` and without early exit, so the time taken does not
+        depend on which digest (if any) matched.
+        """
+        if self.open_tenant is not None:
+            return self.open_tenant, self.open_tenant.admin
+        if not key:
+            return None, False
+        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+        found: Optional[Tenant] = None
+        admin = False
+        for tenant in self.tenants.values():
+            for h in tenant.key_hashes:
+                if hmac.compare_digest(digest, h):
+                    found = tenant
+        for h in self.admin_hashes:
+            if hmac.compare_digest(digest, h):
+                admin = True
+        return found, admin
+
+    def all(self) -> list[Tenant]:
+        """Every tenant (the open tenant alone in open mode)."""
+        return [self.open_tenant] if self.open_tenant is not None else list(self.tenants.values())
+
+    def quotas(self) -> dict[str, int]:
+        """Byte quota per cache group (groups without one are absent)."""
+        return {t.cache_group: t.cache_bytes for t in self.all() if t.cache_bytes is not None}
+
+
+def hash_key(key: str) -> str:
+    """The SHA-256 hex digest stored for ``key``."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key() -> str:
+    """A new random API key: ``mgw-`` and 43 URL-safe characters (256 bits)."""
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def open_table(loopback: bool) -> TenantTable:
+    """One open tenant that needs no key; it is admin only when serving on loopback."""
+    return TenantTable(open_tenant=Tenant(OPEN_TENANT, admin=loopback))
+
+
+def single_key_table(api_key: str) -> TenantTable:
+    """One tenant (``default``) with the key ``api_key``, which is also the admin key."""
+    h = hashlib.sha256(api_key.encode()).digest()
+    return TenantTable(tenants={OPEN_TENANT: Tenant(OPEN_TENANT, key_hashes=(h,))}, admin_hashes=(h,))
+
+
+def _size(value, where: str) -> int:
+    if isinstance(value, int) and value >= 0:
+        return value
+    if isinstance(value, str):
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        t = value.strip().upper().removesuffix("B")
+        try:
+            if t and t[-1] in units:
+                return int(float(t[:-1]) * units[t[-1]])
+            return int(t)
+        except ValueError:
+            pass
+    raise TenantsFileError(f"{where}: expected a byte size such as 2G, got {value!r}")
+
+
+def _digests(values, where: str) -> tuple[bytes, ...]:
+    if not isinstance(values, list):
+        raise TenantsFileError(f"{where}: key_sha256 must be a list of hex digests")
+    out = []
+    for v in values:
+        try:
+            d = bytes.fromhex(v) if isinstance(v, str) else b""
+        except ValueError:
+            d = b""
+        if len(d) != 32:
+            raise TenantsFileError(f"{where}: {v!r} is not a SHA-256 hex digest (64 hex digits)")
+        out.append(d)
+    return tuple(out)
+
+
+def _positive(spec: dict, name: str, where: str, kind=int):
+    v = spec.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)) or v <= 0:
+        raise TenantsFileError(f"{where}: {name} must be a positive {kind.__name__}, got {v!r}")
+    return kind(v)
+
+
+def _tenant(name: str, spec, admin_hashes: tuple[bytes, ...]) -> Tenant:
+    where = f"tenants.{name}"
+    if not isinstance(spec, dict):
+        raise TenantsFileError(f"{where}: expected a table")
+    unknown = set(spec) - _TENANT_FIELDS
+    if unknown:
+        raise TenantsFileError(f"{where}: unknown settings {sorted(unknown)}")
+    hashes = _digests(spec.get("key_sha256", []), where)
+    models = spec.get("models", ["*"])
+    if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
+        raise TenantsFileError(f"{where}: models must be a list of names")
+    group = spec.get("cache_group", name)
+    if not isinstance(group, str) or not group:
+        raise TenantsFileError(f"{where}: cache_group must be a non-empty string")
+    return Tenant(
+        name=name,
+        key_hashes=hashes,
+        models=None if "*" in models else frozenset(models),
+        requests_per_minute=_positive(spec, "requests_per_minute", where),
+        prompt_tokens_per_minute=_positive(spec, "prompt_tokens_per_minute", where),
+        completion_tokens_per_minute=_positive(spec, "completion_tokens_per_minute", where),
+        max_concurrent=_positive(spec, "max_concurrent", where),
+        max_queued=_positive(spec, "max_queued", where),
+        max_tokens=_positive(spec, "max_tokens", where),
+        weight=_positive(spec, "weight", where, float) or 1.0,
+        cache_group=group,
+        cache_bytes=_size(spec["cache_bytes"], where) if "cache_bytes" in spec else None,
+        admin=bool(set(hashes) & set(admin_hashes)),
+    )
+
+
+def load_tenants(path: str | Path) -> TenantTable:
+    """Read and validate a tenants file.
+
+    Raises:
+        TenantsFileError: unreadable file, bad TOML, unknown or invalid settings, a
+            key shared by two tenants, or two tenants of one cache group with
+            different ``cache_bytes``.
+    """
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as e:
+        raise TenantsFileError(f"cannot read {path}: {e}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise TenantsFileError(f"{path} is not valid TOML: {e}") from e
+    unknown = set(data) - {"admin", "tenants"}
+    if unknown:
+        raise TenantsFileError(f"unknown sections {sorted(unknown)}; expected [admin] and [tenants.NAME]")
+    admin = data.get("admin", {})
+    admin_hashes = _digests(admin.get("key_sha256", []), "admin") if isinstance(admin, dict) else ()
+    specs = data.get("tenants", {})
+    if not isinstance(specs, dict) or not specs:
+        raise TenantsFileError("the file defines no [tenants.NAME] table")
+    tenants = {name: _tenant(name, spec, admin_hashes) for name, spec in specs.items()}
+    owner: dict[bytes, str] = {}
+    quota: dict[str, int] = {}
+    for t in tenants.values():
+        for h in t.key_hashes:
+            if h in owner:
+                raise TenantsFileError(f"a key of tenants.{t.name} is also a key of tenants.{owner[h]}")
+            owner[h] = t.name
+        if t.cache_bytes is not None:
+            if quota.setdefault(t.cache_group, t.cache_bytes) != t.cache_bytes:
+                raise TenantsFileError(f"cache group {t.cache_group!r} has two different cache_bytes")
+    return TenantTable(tenants=tenants, admin_hashes=admin_hashes, source=path)
