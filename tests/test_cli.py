@@ -1,0 +1,105 @@
+"""The ``mlx-gateway`` command as users run it: keys, refusing an open public host, and
+reloading the tenants file on SIGHUP without dropping a request in flight."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from conftest import free_port, model_path
+
+CLI = [sys.executable, "-m", "gateway.cli"]
+
+
+def new_key(tenant: str) -> tuple[str, str]:
+    out = subprocess.run([*CLI, "keys", "new", tenant], capture_output=True, text=True, check=True).stdout
+    key = re.search(r"(mgw-\S+)", out).group(1)
+    line = re.search(r'^key_sha256 = \["[0-9a-f]{64}"\]$', out, re.M).group(0)
+    assert f"[tenants.{tenant}]" in out
+    return key, line
+
+
+def test_keys_new_prints_a_key_and_only_its_hash():
+    key, line = new_key("browser")
+    assert key not in line and len(key) > 40
+    again, _ = new_key("browser")
+    assert again != key
+
+
+def test_refuses_a_public_host_without_keys():
+    r = subprocess.run([*CLI, "serve", "--host", "0.0.0.0", "--model", str(model_path("qwen3"))],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "--allow-unauthenticated" in r.stderr and "--api-key" in r.stderr
+
+
+def test_refuses_an_invalid_tenants_file(tmp_path):
+    bad = tmp_path / "tenants.toml"
+    bad.write_text('[tenants.a]\nkey_sha256 = ["not-a-digest"]\n')
+    r = subprocess.run([*CLI, "serve", "--tenants", str(bad), "--model", str(model_path("qwen3"))],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "SHA-256" in r.stderr
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="SIGHUP does not exist on Windows")
+def test_sighup_reloads_tenants_without_dropping_requests(tmp_path):
+    old_key, old_line = new_key("app")
+    new_key_, new_line = new_key("app")
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f"[tenants.app]\n{old_line}\n")
+    port = free_port()
+    proc = subprocess.Popen(
+        [*CLI, "serve", "--model", str(model_path("qwen3")), "--port", str(port), "--tenants", str(tenants)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    try:
+        with httpx.Client(base_url=url, timeout=60) as c:
+            deadline = time.monotonic() + 90
+            while True:
+                try:
+                    if c.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+                time.sleep(0.2)
+            old = {"Authorization": f"Bearer {old_key}"}
+            new = {"Authorization": f"Bearer {new_key_}"}
+            assert c.post("/v1/chat/completions", json=body, headers=old).status_code == 200
+            assert c.post("/v1/chat/completions", json=body, headers=new).status_code == 401
+            long_body = {**body, "max_tokens": 300, "stream": True}
+            with c.stream("POST", "/v1/chat/completions", json=long_body, headers=old) as held:
+                lines = held.iter_lines()
+                next(lines)
+                tenants.write_text(f"[tenants.app]\n{new_line}\n")
+                os.kill(proc.pid, signal.SIGHUP)
+                rest = list(lines)  # the request that started before the reload runs to its end
+            assert [x for x in rest if x][-1] == "data: [DONE]" and not any('"error"' in x for x in rest)
+            deadline = time.monotonic() + 10
+            while c.post("/v1/chat/completions", json=body, headers=new).status_code != 200:
+                assert time.monotonic() < deadline, "reload did not take effect"
+                time.sleep(0.1)
+            assert c.post("/v1/chat/completions", json=body, headers=old).status_code == 401
+            # A broken file on reload keeps the tenants in use.
+            tenants.write_text("this is not toml [")
+            os.kill(proc.pid, signal.SIGHUP)
+            time.sleep(0.5)
+            assert c.post("/v1/chat/completions", json=body, headers=new).status_code == 200
+    finally:
+        proc.terminate()
+        try:
+            out, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+    assert "tenants file not reloaded" in out
+    assert old_key not in out and new_key_ not in out
