@@ -360,16 +360,18 @@ async def _start(state: ServerState, request: Request, schema, endpoint: str):
     Raises:
         APIError: 401, 429, 503, 408, 413, 400, 404 or 403, in the order checked.
     """
+    record = RequestRecord(model=state.model_id, endpoint=endpoint)
+    request.state.record = record  # logged by the middleware whatever the outcome
     tenant = authenticate(state.tenants, request)
+    record.tenant = tenant.name
     engine = _ready(state)
     ticket = state.limiter.begin(tenant)
     request.state.ticket = ticket
     state.usage.add(tenant.name, requests=1)
     cfg = state.config
     req = parse(schema, await read_json(request, cfg.max_body_bytes, cfg.client_timeout, cfg.max_json_depth))
+    record.stream = bool(req.stream)
     _check_model(state, tenant, req.model)
-    record = RequestRecord(tenant=tenant.name, model=state.model_id, endpoint=endpoint, stream=bool(req.stream))
-    request.state.record = record
     return engine, req, _Outcome(tenant, ticket, record)
 
 

@@ -20,8 +20,8 @@ class RequestRecord:
     """What one request did. Times in seconds (None where the request never got there),
     tokens as counted by the engine."""
 
-    request_id: str = ""
-    tenant: str = ""
+    request_id: Optional[str] = None
+    tenant: Optional[str] = None
     model: str = ""
     endpoint: str = ""
     status: int = 0

@@ -3,6 +3,7 @@ reloading the tenants file on SIGHUP without dropping a request in flight."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -56,11 +57,12 @@ def test_sighup_reloads_tenants_without_dropping_requests(tmp_path):
     tenants.write_text(f"[tenants.app]\n{old_line}\n")
     port = free_port()
     proc = subprocess.Popen(
-        [*CLI, "serve", "--model", str(model_path("qwen3")), "--port", str(port), "--tenants", str(tenants)],
+        [*CLI, "serve", "--model", str(model_path("qwen3")), "--port", str(port), "--tenants", str(tenants),
+         "--log-format", "json"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     url = f"http://127.0.0.1:{port}"
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    body = {"messages": [{"role": "user", "content": "hi quokka"}], "max_tokens": 2}
     try:
         with httpx.Client(base_url=url, timeout=60) as c:
             deadline = time.monotonic() + 90
@@ -103,3 +105,13 @@ def test_sighup_reloads_tenants_without_dropping_requests(tmp_path):
             out, _ = proc.communicate()
     assert "tenants file not reloaded" in out
     assert old_key not in out and new_key_ not in out
+    # --log-format json: every line is a JSON object; each request has one line with its figures.
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    requests = [r for r in records if r["logger"] == "mlx_gateway.requests"]
+    streamed = next(r for r in requests if r.get("stream"))
+    assert streamed["tenant"] == "app" and streamed["status"] == 200 and streamed["completion_tokens"] > 0
+    for field in ("prompt_tokens", "cached_tokens", "queue_seconds", "ttft_seconds", "total_seconds",
+                  "request_id", "model", "finish_reason"):
+        assert field in streamed, field
+    assert any(r["status"] == 401 and "tenant" not in r for r in requests)  # refused requests are logged too
+    assert "quokka" not in json.dumps(requests)  # no prompt text without --log-prompts
