@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import live_server, model_path
 from gateway.tenants import hash_key
@@ -27,6 +28,7 @@ key_sha256 = ["{hash_key(KEYS['admin'])}"]
 key_sha256 = ["{hash_key(KEYS['alice'])}"]
 cache_group = "team"
 max_tokens = 64
+cache_bytes = "64M"
 
 [tenants.carol]
 key_sha256 = ["{hash_key(KEYS['carol'])}"]
@@ -239,6 +241,11 @@ def test_usage_and_admin(server):
         again = chat(c, "carol", prompt)
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert_ok(c)
+        metrics = c.get("/metrics").text
+    quota = [smp.value for fam in text_string_to_metric_families(metrics) for smp in fam.samples
+             if smp.name == "mlx_gateway_prompt_cache_quota_bytes"]
+    assert quota == [64 << 20]
+    assert server.engine.prompt_cache.namespace_bytes("team") <= 64 << 20
 
 
 def test_cors_allow_list(server):
@@ -313,3 +320,24 @@ def test_logs_hold_no_keys_or_prompts_unless_asked(server, caplog):
     records = [getattr(r, "record", {}) for r in caplog.records]
     assert any(secret in (rec.get("prompt") or "") for rec in records)
     assert not any(KEYS["bob"] in str(rec) for rec in records)
+
+
+def test_single_api_key_mode():
+    with live_server(model_path("qwen3"), api_key="mgw-only-key", max_tokens=2) as s, s.client() as c:
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        assert_error(c.post("/v1/chat/completions", json=body), 401)
+        ok = c.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer mgw-only-key"})
+        assert ok.status_code == 200
+        assert "x-ratelimit-limit-requests" not in ok.headers  # no limits configured, no headers
+        r = c.post("/admin/cache/flush", json={}, headers={"Authorization": "Bearer mgw-only-key"})
+        assert r.status_code == 200 and r.json()["cache_group"] is None
+        assert c.get("/v1/usage", headers={"x-api-key": "mgw-only-key"}).json()["data"][0]["total"]["requests"] == 1
+
+
+def test_open_mode_on_loopback_needs_no_key():
+    with live_server(model_path("qwen3"), max_tokens=2) as s, s.client() as c:
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        assert c.post("/v1/chat/completions", json=body).status_code == 200
+        assert c.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer anything"}).status_code == 200
+        assert c.post("/admin/cache/flush").status_code == 200
+        assert c.get("/v1/usage").json()["data"][0]["tenant"] == "default"
