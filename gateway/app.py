@@ -61,6 +61,7 @@ class ServerState:
     engine: Optional[Engine] = None
     tokenizer: object = None
     context_length: int = 32768
+    vocab_size: int = 0
     load_error: Optional[str] = None
     created: int = field(default_factory=lambda: int(time.time()))
     usage: UsageBook = field(default_factory=UsageBook)
@@ -156,6 +157,13 @@ def _sampling(state: ServerState, tenant: Tenant, req, max_tokens: Optional[int]
     if wanted > limit:
         raise APIError(400, f"max_tokens {wanted} is over this key's limit of {limit}", param="max_tokens")
     top_k = req.top_k if req.top_k is not None else cfg.top_k
+    if top_k >= state.vocab_size:
+        top_k = 0  # keeping every token is no filter (and mlx-lm refuses k >= vocabulary)
+    bias = req.logit_bias or {}
+    for k in bias:
+        if int(k) >= state.vocab_size:
+            raise APIError(400, f"logit_bias token id {k} is outside the vocabulary (size {state.vocab_size})",
+                           param="logit_bias")
     return SamplingParams(
         max_tokens=wanted,
         temperature=req.temperature if req.temperature is not None else cfg.temp,
@@ -168,7 +176,7 @@ def _sampling(state: ServerState, tenant: Tenant, req, max_tokens: Optional[int]
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=req.repetition_penalty or 0.0,
-        logit_bias=tuple((int(k), v) for k, v in (req.logit_bias or {}).items()),
+        logit_bias=tuple((int(k), v) for k, v in bias.items()),
     )
 
 

@@ -5,10 +5,13 @@ It covers the public routes: ``POST /v1/chat/completions`` and ``POST /v1/comple
 ``$defs`` moved to ``components/schemas``), ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` and ``GET /openapi.json`` itself. Every error answer is documented with
 OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 (bad JSON or field),
-401 / 403 (missing / refused API key), 404 (unknown model), 413 (body too large), 429
-(rate limited) and 503 (model loading, engine stopped, queue full). The API key goes in
-``Authorization: Bearer <key>`` or ``x-api-key: <key>``; a server started without keys
-accepts anonymous requests, which the document says with an empty security requirement.
+401 / 403 (missing / refused API key), 404 (unknown model), 408 (body too slow), 413 (body
+too large), 429 (rate limited), 431 (headers too large) and 503 (model loading, engine
+stopped, queue full). The API key goes in ``Authorization: Bearer <key>`` or
+``x-api-key: <key>``; a server started without keys accepts anonymous requests, which the
+document says with an empty security requirement. ``/health``, ``/metrics`` and
+``/openapi.json`` need no key. Streams are documented per event (OpenAPI 3.1's reading of a
+``text/event-stream`` schema): ``data`` holds a JSON chunk, an error body, or ``[DONE]``.
 
 Served from a running app, the document also states that server's facts: the model names
 it answers to (``model`` enum) and ``--max-tokens-limit`` (``max_tokens`` maximum).
@@ -40,8 +43,10 @@ ERROR_STATUSES = {
     "401": "no API key, or an unknown one",
     "403": "the API key may not use this model or route",
     "404": "unknown model (`param` is `model`)",
+    "408": "the request body did not arrive within the client timeout",
     "413": "request body over `--max-body-bytes`",
     "429": "rate limited; retry after `Retry-After` seconds",
+    "431": "too many request headers, or too many bytes of them",
     "503": "model still loading, engine stopped, or queue full (`Retry-After` where waiting helps)",
 }
 
@@ -54,6 +59,7 @@ _STR, _INT, _NUM = {"type": "string"}, {"type": "integer"}, {"type": "number"}
 _NULLABLE_STR = {"type": ["string", "null"]}
 _LOGPROB = _obj(["token", "logprob"], token=_STR, logprob=_NUM,
                 bytes={"type": "array", "items": _INT}, top_logprobs={"type": "array"})
+
 
 def _ref(name: str) -> dict:
     return {"$ref": REF.format(model=name)}
@@ -127,13 +133,21 @@ def _json(schema_name: str, description: str) -> dict:
     return {"description": description, "content": {"application/json": {"schema": _ref(schema_name)}}}
 
 
+_HEADERS = {
+    "401": {"WWW-Authenticate": {"description": "`Bearer`", "schema": _STR}},
+    "429": {"Retry-After": {"description": "seconds to wait before retrying", "schema": _INT}},
+    "503": {"Retry-After": {"description": "seconds to wait before retrying (not always sent)",
+                            "schema": _INT}},
+}
+
+
 def _errors(*codes: str) -> dict:
+    """Error responses for ``codes`` (strings), each with OpenAI's error body."""
     out = {}
     for code in codes:
         out[code] = _json("Error", ERROR_STATUSES[code])
-        if code in ("429", "503"):
-            out[code]["headers"] = {"Retry-After": {"description": "seconds to wait before retrying",
-                                                    "schema": _INT}}
+        if code in _HEADERS:
+            out[code]["headers"] = _HEADERS[code]
     return out
 
 
@@ -148,7 +162,7 @@ def _completion_op(op_id: str, summary: str, body: str, result: str) -> dict:
                                    f"`{result}Chunk` objects, then `data: [DONE]`",
                     "content": {"application/json": {"schema": _ref(result)},
                                 "text/event-stream": {"schema": _sse_event(f"{result}Chunk")}}},
-            **_errors("400", "401", "403", "404", "413", "429", "503"),
+            **_errors("400", "401", "403", "404", "408", "413", "429", "431", "503"),
         },
     }
 
@@ -167,7 +181,9 @@ def _restrict(schemas: dict[str, dict], models: Optional[Sequence[str]], max_tok
 
 
 def openapi_document(models: Optional[Sequence[str]] = None, max_tokens_limit: Optional[int] = None) -> dict:
-    """The OpenAPI 3.1 document of the public routes, as a JSON-ready dict.
+    """The OpenAPI 3.1 document of the public routes, as a JSON-ready dict: the two POST
+    completion routes with their request, response, stream-event and error schemas, and
+    ``/v1/models``, ``/health``, ``/metrics``, ``/openapi.json`` (see the module docstring).
 
     Args:
         models: names the server answers to; given, ``model`` is an enum of them.
@@ -188,19 +204,21 @@ def openapi_document(models: Optional[Sequence[str]] = None, max_tokens_limit: O
         "/v1/models": {"get": {
             "operationId": "listModels", "summary": "The served model names", "security": SECURED,
             "responses": {"200": _json("ModelList", "the model names this server answers to"),
-                          **_errors("401", "403", "429")}}},
+                          **_errors("401", "431")}}},
         "/health": {"get": {
             "operationId": "health", "summary": "Liveness and queue sizes", **open_get,
             "responses": {"200": _json("Health", "the engine is running"),
-                          "503": _json("Health", "the model is loading, failed to load, or the engine stopped")}}},
+                          "503": _json("Health", "the model is loading, failed to load, or the engine stopped"),
+                          **_errors("431")}}},
         "/metrics": {"get": {
             "operationId": "metrics", "summary": "Prometheus metrics", **open_get,
             "responses": {"200": {"description": "Prometheus text exposition format",
-                                  "content": {"text/plain": {"schema": _STR}}}}}},
+                                  "content": {"text/plain": {"schema": _STR}}}, **_errors("431")}}},
         "/openapi.json": {"get": {
             "operationId": "openapi", "summary": "This document", **open_get,
             "responses": {"200": {"description": "the OpenAPI 3.1 document",
-                                  "content": {"application/json": {"schema": {"type": "object"}}}}}}},
+                                  "content": {"application/json": {"schema": {"type": "object"}}}},
+                          **_errors("431")}}},
     }
     return {
         "openapi": "3.1.0",

@@ -33,6 +33,14 @@ def context_length(model, tokenizer, default: int = 32768) -> int:
     return value if isinstance(value, int) and 0 < value < 10_000_000 else default
 
 
+def logits_size(model) -> int:
+    """Entries in the model's logits (embedding rows, often more than the tokenizer has),
+    read from one forward pass of a single token."""
+    import mlx.core as mx
+
+    return int(model(mx.array([[0]])).shape[-1])
+
+
 def resolve_model(cfg: ServeConfig) -> tuple[str, str]:
     """(path or hub id to load, id to serve it as). Builds the demo model when none is given."""
     if cfg.model:
@@ -78,6 +86,7 @@ def load_into(state: ServerState, path: str) -> None:
         engine.start()
         state.tokenizer = tokenizer
         state.context_length = context_length(model, tokenizer)
+        state.vocab_size = logits_size(model)
         state.engine = engine
         log.info("model %s ready (context %d tokens)", state.model_id, state.context_length)
     except Exception as e:

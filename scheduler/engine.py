@@ -15,6 +15,7 @@ its own boundary, whatever the other rows of the batch are doing.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -581,3 +582,6 @@ class Engine:
             self.stats.failed += 1
             self._finish(a, ErrorEvent(500, f"engine step failed: {error}"))
         self._gen = self._new_generator()
+        # MLX's global PRNG key may now be an array of the failed graph, which would fail
+        # every later unseeded sample: start a fresh key.
+        mx.random.seed(int.from_bytes(os.urandom(4), "little"))

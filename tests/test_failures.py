@@ -60,3 +60,27 @@ def test_dead_engine_gives_503_not_a_hang():
             r = c.post("/v1/chat/completions", json={"model": "test-model", "messages": [{"role": "user", "content": "x"}],
                                                     "stream": True})
             assert r.status_code == 503
+
+
+def test_a_failed_batch_step_leaves_sampling_working():
+    """A sampler that raises inside mlx-lm's batched step (top_k equal to the vocabulary,
+    which the gateway itself never sends) fails that step; afterwards sampled requests,
+    which use MLX's global random key, still work."""
+    with live_server(model_path("qwen3")) as server:
+        engine = server.engine
+        bad = Collector()
+        vocab = server.state.vocab_size
+        engine.submit(EngineRequest("bad", list(range(5, 30)),
+                                    SamplingParams(max_tokens=4, temperature=1.0, top_k=vocab), bad))
+        assert bad.done.wait(60)
+        assert isinstance(bad.events[-1], ErrorEvent)
+        assert engine.alive
+        with server.client() as c:
+            for body in ({"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9}, {"temperature": 0}):
+                r = c.post("/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body})
+                assert r.status_code == 200, r.text
+            # The gateway treats top_k >= vocabulary as no filter instead of failing.
+            r = c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 1, "top_k": vocab})
+            assert r.status_code == 200, r.text
