@@ -2,7 +2,8 @@
 
 It covers the public routes: ``POST /v1/chat/completions`` and ``POST /v1/completions``
 (request bodies generated from the pydantic models in :mod:`gateway.schemas`, their
-``$defs`` moved to ``components/schemas``), ``GET /v1/models``, ``GET /health``,
+``$defs`` moved to ``components/schemas``), ``GET /v1/models``, ``GET /v1/usage``,
+``POST /admin/cache/flush`` (admin keys), ``GET /health``,
 ``GET /metrics`` and ``GET /openapi.json`` itself. Every error answer is documented with
 OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 (bad JSON or field),
 401 / 403 (missing / refused API key), 404 (unknown model), 408 (body too slow), 413 (body
@@ -205,6 +206,24 @@ def openapi_document(models: Optional[Sequence[str]] = None, max_tokens_limit: O
             "operationId": "listModels", "summary": "The served model names", "security": SECURED,
             "responses": {"200": _json("ModelList", "the model names this server answers to"),
                           **_errors("401", "431")}}},
+        "/v1/usage": {"get": {
+            "operationId": "usage", "summary": "The caller's usage; every tenant's for an admin key",
+            "security": SECURED,
+            "responses": {"200": {"description": "`{object: usage, tenant, window: {start, seconds, requests, "
+                                                 "prompt_tokens, cached_tokens, completion_tokens}, total: {since, "
+                                                 "...}}`, or for an admin key `{object: list, data: [...]}`",
+                                  "content": {"application/json": {"schema": {"type": "object"}}}},
+                          **_errors("401", "431")}}},
+        "/admin/cache/flush": {"post": {
+            "operationId": "flushCache", "summary": "Drop a cache group's unleased prefix-cache snapshots",
+            "security": SECURED,
+            "requestBody": {"required": False, "content": {"application/json": {"schema": _obj(
+                [], cache_group={"type": ["string", "null"], "description": "absent or null: every group"})}}},
+            "responses": {"200": {"description": "`{object: cache.flush, cache_group, dropped_snapshots}`",
+                                  "content": {"application/json": {"schema": _obj(
+                                      ["object", "cache_group", "dropped_snapshots"], object=_STR,
+                                      cache_group=_NULLABLE_STR, dropped_snapshots=_INT)}}},
+                          **_errors("400", "401", "403", "408", "413", "431", "503")}}},
         "/health": {"get": {
             "operationId": "health", "summary": "Liveness and queue sizes", **open_get,
             "responses": {"200": _json("Health", "the engine is running"),
