@@ -72,3 +72,9 @@ class CacheMetrics:
             self.evictions.labels(reason=reason)
         for phase in ("lookup", "copy", "restore"):
             self.fetch_seconds.labels(phase=phase)
+
+    def prime(self, cache_groups) -> None:
+        """Create the per-group lookup counters at 0 for ``cache_groups``."""
+        for g in cache_groups:
+            for c in (self.query_tokens, self.hit_tokens, self.queries, self.hits):
+                c.labels(cache_group=g)

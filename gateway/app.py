@@ -21,7 +21,7 @@ from gateway.config import ServeConfig
 from gateway.errors import APIError
 from gateway.generation import Generation, KeepAlive, new_id
 from gateway.limits import Limiter, Ticket
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, prime
 from gateway.middleware import GatewayMiddleware
 from gateway.openapi import openapi_json
 from gateway.request_log import RequestRecord
@@ -71,10 +71,18 @@ class ServerState:
         self.limiter.on_limited = lambda tenant, limit: self.metrics.rate_limited.labels(tenant, limit).inc()
 
     def set_tenants(self, table: TenantTable) -> None:
-        """Use ``table`` from now on and apply its cache-group quotas."""
+        """Use ``table`` from now on, apply its cache-group quotas and create its metric series."""
         self.tenants = table
+        self.prime_metrics()
         if self.engine is not None:
             self.engine.prompt_cache.set_quotas(table.quotas())
+
+    def prime_metrics(self) -> None:
+        """Create the configured tenants' and cache groups' series at 0 (see :func:`prime`)."""
+        tenants = self.tenants.all()
+        prime(self.metrics, [t.name for t in tenants], self.model_id)
+        if self.engine is not None:
+            self.engine.prime_metrics([t.name for t in tenants], {t.cache_group for t in tenants})
 
 
 # ---------------------------------------------------------------------- helpers

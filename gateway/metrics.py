@@ -69,6 +69,23 @@ class GatewayMetrics:
         )
 
 
+RATE_LIMITS = ("requests", "prompt_tokens", "completion_tokens", "concurrency", "queue")
+
+
+def prime(metrics: GatewayMetrics, tenants, model: str) -> None:
+    """Create every (tenant, model) and (tenant, limit) series at 0, so that a counter's
+    first increase is visible to ``rate()`` and dashboards show 0 rather than no data.
+
+    Args:
+        tenants: the configured tenant names (bounded: from configuration only).
+    """
+    for t in tenants:
+        for c in (metrics.prompt_tokens, metrics.cached_tokens, metrics.completion_tokens):
+            c.labels(t, model)
+        for limit in RATE_LIMITS:
+            metrics.rate_limited.labels(t, limit)
+
+
 class MLXMemoryCollector:
     """``mlx_gateway_mlx_memory_bytes{kind}``: MLX's allocator, read at scrape time.
 

@@ -23,13 +23,17 @@ class GatewayMiddleware:
     * Answers :class:`APIError` (and any other exception, as 500) in OpenAI's format.
     * Adds the tenant's ``x-ratelimit-*`` headers to answers of admitted requests.
     * Releases the request's rate-limit ticket once the answer (or stream) ends.
-    * Counts answers by tenant, endpoint and status, and emits the request record.
+    * Counts answers by tenant, endpoint and status (successful scrapes and health checks
+      excepted), and emits the request record.
 
     Routes leave ``tenant`` (a Tenant), ``ticket`` and ``record`` in ``request.state``.
     """
 
     ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/usage", "/health",
                  "/metrics", "/admin/cache/flush", "/openapi.json"}
+
+    # Scrapes and health checks are not client requests: counted only when they fail.
+    UNCOUNTED = {"/metrics", "/health"}
 
     def __init__(self, app: ASGIApp, state) -> None:
         self.app = app
@@ -86,7 +90,8 @@ class GatewayMiddleware:
         endpoint = path if path in self.ENDPOINTS else "other"
         tenant = local.get("tenant")
         name = tenant.name if tenant is not None else "unauthenticated"
-        self.state.metrics.requests.labels(name, self.state.model_id, endpoint, str(code)).inc()
+        if endpoint not in self.UNCOUNTED or code >= 400:
+            self.state.metrics.requests.labels(name, self.state.model_id, endpoint, str(code)).inc()
         record = local.get("record")
         if record is not None:
             record.status = code

@@ -88,6 +88,7 @@ def load_into(state: ServerState, path: str) -> None:
         state.context_length = context_length(model, tokenizer)
         state.vocab_size = logits_size(model)
         state.engine = engine
+        state.prime_metrics()
         log.info("model %s ready (context %d tokens)", state.model_id, state.context_length)
     except Exception as e:
         log.exception("loading %s failed", path)
@@ -135,6 +136,7 @@ def build_state(cfg: ServeConfig, model_id: str) -> ServerState:
     state = ServerState(config=cfg, registry=registry, metrics=GatewayMetrics(registry), model_id=model_id,
                         tenants=tenant_table(cfg))
     _build_info(registry, cfg, model_id)
+    state.prime_metrics()
     return state
 
 

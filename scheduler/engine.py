@@ -248,6 +248,13 @@ class Engine:
                 self._idle.wait(left)
         return True
 
+    def prime_metrics(self, tenants, cache_groups) -> None:
+        """Create the per-tenant and per-cache-group series at 0 (thread-safe)."""
+        for t in tenants:
+            self.metrics.queue_time.labels(t)
+            self.metrics.work.labels(t)
+        self.prompt_cache.metrics.prime(cache_groups)
+
     @property
     def num_running(self) -> int:
         return len(self._active)

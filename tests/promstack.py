@@ -1,0 +1,372 @@
+"""The monitoring bundle as data, and a real Prometheus to evaluate it against.
+
+Shared by ``test_dashboard.py``, ``test_prometheus_e2e.py`` and
+``benchmarks/render_dashboard.py``:
+
+- the PromQL of the Grafana dashboard (panels and template variables) and of the
+  recording rules, with Grafana's variables substituted;
+- the metric names an expression reads;
+- :class:`Prometheus`: the ``prometheus`` binary on a free loopback port, scraping one
+  gateway with a config derived from ``deploy/prometheus/prometheus.yml``;
+- :func:`workload`: requests that share a long prefix, so the prefix cache hits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DASHBOARD = ROOT / "grafana" / "dashboards" / "mlx-gateway.json"
+PROM_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
+RULES = ROOT / "deploy" / "prometheus" / "rules.yml"
+
+
+# ---------------------------------------------------------------------- expressions
+@dataclass(frozen=True)
+class Query:
+    """One PromQL expression of the bundle. ``where`` names its panel, variable or rule;
+    ``label`` is set for Grafana's ``label_values(selector, label)`` variable queries,
+    whose ``expr`` is then the selector."""
+
+    where: str
+    expr: str
+    label: Optional[str] = None
+
+
+def load_dashboard(path: Path = DASHBOARD) -> dict:
+    return json.loads(path.read_text())
+
+
+def _panels(panels: list) -> Iterator[dict]:
+    for p in panels:
+        yield p
+        yield from _panels(p.get("panels", []))  # rows hold their panels when collapsed
+
+
+_LABEL_VALUES = re.compile(r"^\s*label_values\(\s*(?:(.*),\s*)?([A-Za-z_][A-Za-z0-9_]*)\s*\)\s*$", re.S)
+
+
+def dashboard_queries(dash: dict) -> list[Query]:
+    """Every PromQL expression of ``dash``: panel targets and query variables."""
+    out = []
+    for var in dash.get("templating", {}).get("list", []):
+        if var.get("type") != "query":
+            continue
+        q = var.get("query")
+        q = q.get("query", "") if isinstance(q, dict) else (q or var.get("definition", ""))
+        m = _LABEL_VALUES.match(q)
+        if m:
+            out.append(Query(f"variable {var['name']}", m.group(1) or "", label=m.group(2)))
+        else:
+            out.append(Query(f"variable {var['name']}", q))
+    for p in _panels(dash.get("panels", [])):
+        for t in p.get("targets", []):
+            if t.get("expr"):
+                out.append(Query(f"panel {p.get('title')!r} {t.get('refId', '')}", t["expr"]))
+    return out
+
+
+def rule_queries(path: Path = RULES) -> list[Query]:
+    """The recording (and alerting) rules of ``path``; ``where`` is the record or alert name."""
+    doc = yaml.safe_load(path.read_text())
+    return [Query(r.get("record") or r.get("alert"), r["expr"])
+            for g in doc["groups"] for r in g["rules"]]
+
+
+def substitute(expr: str, values: dict[str, str], rate_interval: str = "1m") -> str:
+    """``expr`` with Grafana variables replaced: ``$__rate_interval`` (and ``$__interval``,
+    ``$__range``) by ``rate_interval``; ``$name``, ``${name}``, ``${name:fmt}`` and
+    ``[[name]]`` by ``values[name]``."""
+    for v in ("__rate_interval", "__interval", "__range"):
+        expr = re.sub(r"\$\{%s\}|\$%s\b" % (v, v), rate_interval, expr)
+
+    def var(m: re.Match) -> str:
+        name = m.group(1) or m.group(2) or m.group(3)
+        if name not in values:
+            raise KeyError(f"no value for the variable {name!r} in {expr!r}")
+        return values[name]
+
+    return re.sub(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)|\[\[(\w+)\]\]", var, expr)
+
+
+# Words that look like metric names but are PromQL syntax (aggregations take `by`
+# before their parenthesis, so they are not recognised by the parenthesis alone).
+_KEYWORDS = {
+    "sum", "min", "max", "avg", "group", "stddev", "stdvar", "count", "count_values",
+    "bottomk", "topk", "quantile", "limitk", "limit_ratio",
+    "by", "without", "on", "ignoring", "group_left", "group_right", "bool",
+    "and", "or", "unless", "offset", "atan2", "inf", "nan", "Inf", "NaN",
+}
+
+
+def metric_names(expr: str) -> set[str]:
+    """Metric names ``expr`` selects: string literals, label matchers, range and subquery
+    brackets, grouping clauses, ``offset``/``@`` modifiers, numbers and function names
+    stripped; a name inside ``{__name__="..."}`` counts too."""
+    names = set(re.findall(r'__name__\s*=\s*"([^"]+)"', expr))
+    s = re.sub(r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'', '""', expr)
+    s = re.sub(r"\{[^}]*\}", " ", s)
+    s = re.sub(r"\[[^\]]*\]", " ", s)
+    s = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", r" \1 ", s)
+    s = re.sub(r"\boffset\s+-?[0-9a-z]+|@\s*\S+", " ", s)
+    s = re.sub(r"(?<![\w:])[0-9][0-9.]*(?:[eE][+-]?[0-9]+)?", " ", s)
+    for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", s):
+        if s[m.end():].lstrip().startswith("(") or m.group(0) in _KEYWORDS:
+            continue
+        names.add(m.group(0))
+    return names
+
+
+def exposed_samples(text: str) -> dict[str, float]:
+    """Sample name -> sum over its series, from Prometheus text format (``_total``,
+    ``_bucket``, ``_sum``, ``_count`` and ``_created`` samples keep their suffixes)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def series_values(text: str, name: str, label: str) -> dict[str, float]:
+    """``label`` value -> value of the samples called ``name`` (summed over other labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name:
+                key = s.labels.get(label, "")
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+# ---------------------------------------------------------------------- Prometheus
+PACKAGE_MANAGERS = ("apt-get", "dnf", "yum", "zypper", "pacman", "apk", "brew", "port")
+
+
+def binaries() -> tuple[Optional[str], Optional[str]]:
+    """Paths of ``prometheus`` and ``promtool`` on PATH (None where missing)."""
+    return shutil.which("prometheus"), shutil.which("promtool")
+
+
+def package_manager() -> Optional[str]:
+    """The first package manager on PATH that could install Prometheus, or None."""
+    return next((m for m in PACKAGE_MANAGERS if shutil.which(m)), None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def derived_config(target: str, interval: str = "1s", source: Path = PROM_CONFIG) -> dict:
+    """The project's Prometheus config, scraping ``target`` ("host:port") every
+    ``interval`` and evaluating rules as often; rule file paths made absolute. Everything
+    else (job names, metrics path, rule files) stays as the project has it."""
+    cfg = copy.deepcopy(yaml.safe_load(source.read_text()))
+    glob = cfg.setdefault("global", {})
+    glob.update(scrape_interval=interval, scrape_timeout=interval, evaluation_interval=interval)
+    cfg["rule_files"] = [str((source.parent / f).resolve()) for f in cfg.get("rule_files", [])]
+    for job in cfg["scrape_configs"]:
+        job.pop("scrape_interval", None)
+        job.pop("scrape_timeout", None)
+        for key in [k for k in job if k.endswith("_sd_configs")]:
+            del job[key]
+        job["static_configs"] = [{"targets": [target]}]
+    return cfg
+
+
+class Prometheus:
+    """A ``prometheus`` process on a free loopback port with a temporary storage dir,
+    scraping ``target`` with :func:`derived_config`. Use as a context manager: the
+    process is always stopped (SIGTERM, then SIGKILL after 10 s) and the dir removed."""
+
+    def __init__(self, target: str, interval: str = "1s", binary: str = "prometheus"):
+        self.target, self.interval, self.binary = target, interval, binary
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: Optional[subprocess.Popen] = None
+        self._dir: Optional[tempfile.TemporaryDirectory] = None
+
+    def __enter__(self) -> "Prometheus":
+        self._dir = tempfile.TemporaryDirectory(prefix="mlx-gateway-prom-")
+        d = Path(self._dir.name)
+        self.config_path = d / "prometheus.yml"
+        self.config_path.write_text(yaml.safe_dump(derived_config(self.target, self.interval)))
+        self.log_path = d / "prometheus.log"
+        try:
+            with open(self.log_path, "wb") as log:
+                self.proc = subprocess.Popen(
+                    [self.binary, f"--config.file={self.config_path}", f"--storage.tsdb.path={d / 'data'}",
+                     f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                )
+            self._wait_ready(30)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/-/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"prometheus not ready after {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+    # ------------------------------------------------------------------ HTTP API
+    def _get(self, path: str, **params) -> object:
+        r = httpx.get(self.url + path, params=params, timeout=10)
+        body = r.json()
+        if body.get("status") != "success":
+            raise RuntimeError(f"{path} {params}: {body.get('errorType')}: {body.get('error')}")
+        return body["data"]
+
+    def query(self, expr: str, at: Optional[float] = None) -> list[dict]:
+        """Instant query; the result vector (``[{"metric": {...}, "value": [t, "v"]}]``)."""
+        params = {"query": expr} if at is None else {"query": expr, "time": at}
+        data = self._get("/api/v1/query", **params)
+        if data["resultType"] == "scalar":
+            return [{"metric": {}, "value": data["result"]}]
+        return data["result"]
+
+    def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict]:
+        """Range query; ``[{"metric": {...}, "values": [[t, "v"], ...]}]``."""
+        return self._get("/api/v1/query_range", query=expr, start=start, end=end, step=step)["result"]
+
+    def label_values(self, label: str, selector: str = "") -> list[str]:
+        params = {"match[]": selector} if selector else {}
+        return self._get(f"/api/v1/label/{label}/values", **params)
+
+    def targets_up(self) -> bool:
+        active = self._get("/api/v1/targets")["activeTargets"]
+        return bool(active) and all(t["health"] == "up" for t in active)
+
+    def wait_for(self, expr: str, want: float, timeout: float = 15) -> None:
+        """Wait up to ``timeout`` seconds until ``expr`` (one series) equals ``want``: the
+        gateway state ``want`` was read from has been scraped."""
+        deadline = time.monotonic() + timeout
+        got = None
+        while time.monotonic() < deadline:
+            res = self.query(expr)
+            got = float(res[0]["value"][1]) if res else None
+            if got == want:
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"{expr} is {got} in Prometheus, the gateway says {want}")
+
+
+# ---------------------------------------------------------------------- workload
+# Tenants of the monitoring tests: two that share nothing (alice's cache group has a
+# byte quota) and one limited to one request per minute, so that 429s are counted.
+TEST_TENANTS = {
+    "alice": ("mgw-test-alice", 'cache_group = "alice"\ncache_bytes = "256M"\n'),
+    "bob": ("mgw-test-bob", "weight = 2.0\n"),
+    "carol": ("mgw-test-carol", "requests_per_minute = 1\n"),
+}
+
+
+def tenant_setup(tmp: Path) -> tuple[dict, list[Optional[str]]]:
+    """ServeConfig overrides and API keys for :data:`TEST_TENANTS`, written as a tenants
+    file in ``tmp``; ``({}, [None])`` (the open default tenant) for a gateway without
+    ``--tenants``."""
+    import hashlib
+
+    from gateway.config import ServeConfig
+
+    if "tenants" not in ServeConfig.__dataclass_fields__:
+        return {}, [None]
+    lines = []
+    for name, (key, extra) in TEST_TENANTS.items():
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        lines.append(f'[tenants.{name}]\nkey_sha256 = ["{digest}"]\n{extra}')
+    path = tmp / "tenants.toml"
+    path.write_text("\n".join(lines))
+    return {"tenants": str(path)}, [key for key, _ in TEST_TENANTS.values()]
+
+
+WORDS = ("the model cache token prompt server batch request tenant prefix memory apple code agent "
+         "browser extension stream answer question system user assistant reason think water").split()
+
+
+def words(n: int, seed: int) -> str:
+    return " ".join(WORDS[(seed * 7 + k * 3 + k * k) % len(WORDS)] for k in range(n))
+
+
+async def _chat(c: httpx.AsyncClient, system: str, user: str, key: Optional[str], stream: bool) -> int:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+            "max_tokens": 8, "temperature": 0, "stream": stream}
+    if stream:
+        async with c.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+            async for _ in r.aiter_bytes():
+                pass
+            return r.status_code
+    return (await c.post("/v1/chat/completions", json=body, headers=headers)).status_code
+
+
+async def _workload(url: str, keys: list[Optional[str]], rounds: int, system_words: int) -> list[int]:
+    statuses: list[int] = []
+    async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+        for r in range(rounds):
+            for i, key in enumerate(keys):
+                system = f"You are assistant {i}. " + words(system_words, i)
+                # Cold or warm by round; then a concurrent burst that shares the system prompt.
+                statuses.append(await _chat(c, system, "Question zero: " + words(20, 50), key, False))
+                statuses += await asyncio.gather(*(
+                    _chat(c, system, f"Question {j}: " + words(12 + j, 60 + j + r), key, j % 2 == 0)
+                    for j in range(3)))
+            headers = {"Authorization": f"Bearer {keys[0]}"} if keys[0] else {}
+            statuses.append((await c.post("/v1/chat/completions", headers=headers, json={
+                "model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]})).status_code)
+    return statuses
+
+
+def workload(url: str, keys: Optional[list[Optional[str]]] = None, rounds: int = 1,
+             system_words: int = 200) -> list[int]:
+    """Send chat requests to the gateway at ``url``: per API key in ``keys`` (None: no
+    key, the default tenant), one request then three concurrent ones (two streaming)
+    sharing a ``system_words``-word system prompt, ``rounds`` times; plus one request of the
+    first key for an unknown model (404). Returns the HTTP statuses."""
+    return asyncio.run(_workload(url, keys or [None], rounds, system_words))

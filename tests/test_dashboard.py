@@ -1,0 +1,126 @@
+"""The Grafana dashboard, the recording rules and the deploy bundle read only metrics a
+live gateway exposes, and the bundle's files agree with each other."""
+
+from __future__ import annotations
+
+import plistlib
+import re
+
+import yaml
+
+from conftest import live_server, model_path
+from promstack import (
+    DASHBOARD,
+    PROM_CONFIG,
+    ROOT,
+    RULES,
+    Query,
+    dashboard_queries,
+    exposed_samples,
+    load_dashboard,
+    metric_names,
+    rule_queries,
+    substitute,
+    tenant_setup,
+    workload,
+)
+
+ALL = {"tenant": ".*", "model": ".*"}
+
+
+def missing_metrics(queries: list[Query], exposed: set[str], records: set[str]) -> dict[str, list[str]]:
+    """Metric name -> where it is used, for names neither exposed nor recorded by a rule
+    (recorded names contain ``:``)."""
+    out: dict[str, list[str]] = {}
+    for q in queries:
+        for name in metric_names(substitute(q.expr, ALL)):
+            if name not in (records if ":" in name else exposed):
+                out.setdefault(name, []).append(q.where)
+    return out
+
+
+def test_dashboard_shape():
+    dash = load_dashboard()
+    assert dash["schemaVersion"] >= 39
+    assert dash["uid"] == "mlx-gateway"
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    ds = variables["datasource"]
+    assert ds["type"] == "datasource" and ds["query"] == "prometheus"
+    for name in ("tenant", "model"):
+        v = variables[name]
+        assert v["type"] == "query" and v["multi"] and v["includeAll"], name
+        assert "label_values(mlx_gateway_requests_total" in v["definition"], name
+        assert v["datasource"]["uid"] == "${datasource}"
+    rows = [p["title"] for p in dash["panels"] if p["type"] == "row"]
+    for title in ("Cache reuse", "Latency", "Throughput", "Tenants"):
+        assert title in rows
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in dash["panels"]:
+        g = p["gridPos"]
+        assert g["x"] + g["w"] <= 24, p["title"]
+        if p["type"] != "row":
+            assert p["datasource"]["uid"] == "${datasource}", p["title"]
+            assert p["targets"] and all(t["datasource"]["uid"] == "${datasource}" for t in p["targets"])
+
+
+def test_metric_check_reports_unknown_names():
+    """The check below can fail: a name that is not exposed is reported with its panel."""
+    queries = [Query("panel 'x' A", 'sum(rate(mlx_gateway_bogus_total{tenant=~"$tenant"}[$__rate_interval]))'),
+               Query("rule", "mlx_gateway:bogus:rate5m + mlx_gateway_decode_tokens_total")]
+    exposed = {"mlx_gateway_decode_tokens_total"}
+    assert missing_metrics(queries, exposed, set()) == {
+        "mlx_gateway_bogus_total": ["panel 'x' A"], "mlx_gateway:bogus:rate5m": ["rule"]}
+    assert missing_metrics(queries[1:], exposed, {"mlx_gateway:bogus:rate5m"}) == {}
+
+
+def test_every_metric_of_dashboard_and_rules_is_exposed(tmp_path):
+    overrides, keys = tenant_setup(tmp_path)
+    with live_server(model_path("qwen3"), **overrides) as server:
+        workload(server.url, keys)
+        text = server.client().get("/metrics").text
+    exposed = set(exposed_samples(text))
+    rules = rule_queries()
+    records = {q.where for q in rules if ":" in q.where}
+    missing = missing_metrics(dashboard_queries(load_dashboard()) + rules, exposed, records)
+    assert not missing, "not in /metrics after a workload:\n" + "\n".join(
+        f"  {name}: {', '.join(sorted(set(where)))}" for name, where in sorted(missing.items()))
+
+
+def test_bundle_files_agree():
+    compose = yaml.safe_load((ROOT / "deploy" / "docker-compose.yml").read_text())
+    services = compose["services"]
+    for name, svc in services.items():
+        image = svc["image"]
+        assert re.search(r":v?\d+\.\d+\.\d+$", image), f"{name}: pin the image version ({image})"
+        for vol in svc.get("volumes", []):
+            src = vol.split(":")[0]
+            if src.startswith("."):
+                assert (ROOT / "deploy" / src).exists(), f"{name} mounts missing {src}"
+    prom = services["prometheus"]
+    assert "host.docker.internal:host-gateway" in prom["extra_hosts"]
+    mounts = dict(v.split(":")[:2] for v in services["grafana"]["volumes"] if v.startswith("."))
+    provider = yaml.safe_load((ROOT / "grafana/provisioning/dashboards/mlx-gateway.yml").read_text())
+    assert provider["providers"][0]["options"]["path"] == mounts["../grafana/dashboards"]
+    assert (ROOT / "deploy" / "../grafana/dashboards" / DASHBOARD.name).exists()
+    source = yaml.safe_load((ROOT / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    assert source["datasources"][0]["url"] == "http://prometheus:9090"
+
+    cfg = yaml.safe_load(PROM_CONFIG.read_text())
+    assert cfg["global"]["scrape_interval"] == "5s"
+    assert [(PROM_CONFIG.parent / f).resolve() for f in cfg["rule_files"]] == [RULES.resolve()]
+    assert cfg["scrape_configs"][0]["static_configs"][0]["targets"] == ["host.docker.internal:8080"]
+
+
+def test_service_files():
+    plist = plistlib.loads((ROOT / "deploy/launchd/com.mlx-gateway.plist").read_bytes())
+    assert plist["KeepAlive"] is True and plist["RunAtLoad"] is True and plist["ThrottleInterval"] >= 5
+    assert plist["ProgramArguments"][1] == "serve"
+    for key in ("StandardOutPath", "StandardErrorPath"):
+        assert plist[key].startswith("@HOME@/Library/Logs/")
+    unit = (ROOT / "deploy/systemd/mlx-gateway.service").read_text()
+    settings = dict(re.findall(r"^(\w+)=(.*)$", unit, re.M))
+    assert settings["Restart"] == "on-failure" and int(settings["RestartSec"]) > 0
+    assert settings["ExecReload"] == "/bin/kill -HUP $MAINPID"
+    assert settings["User"] == "mlx-gateway" and settings["StandardOutput"] == "journal"
+    assert "MemoryDenyWriteExecute" not in settings and "PrivateDevices" not in settings
