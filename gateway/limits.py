@@ -165,24 +165,15 @@ class Limiter:
             raise self._refuse(tenant, "concurrency", 1,
                                f"tenant has {st.in_flight} requests in flight (limit {tenant.max_concurrent})",
                                hdrs)
-        if st.requests is not None:
-            wait = st.requests.wait_for(1, now)
+        # (bucket, tokens needed now, limit label, per-minute limit, unit); completion
+        # tokens need only a level >= 0 (no debt), the others one token.
+        checks = ((st.requests, 1, "requests", tenant.requests_per_minute, "requests"),
+                  (st.completion, 0, "completion_tokens", tenant.completion_tokens_per_minute, "completion tokens"),
+                  (st.prompt, 1, "prompt_tokens", tenant.prompt_tokens_per_minute, "prompt tokens"))
+        for bucket, need, label, limit, unit in checks:
+            wait = bucket.wait_for(need, now) if bucket is not None else 0.0
             if wait > 0:
-                raise self._refuse(tenant, "requests", wait,
-                                   f"rate limit of {tenant.requests_per_minute} requests per minute reached",
-                                   hdrs)
-        if st.completion is not None:
-            wait = st.completion.wait_for(0, now)
-            if wait > 0:
-                raise self._refuse(tenant, "completion_tokens", wait,
-                                   f"rate limit of {tenant.completion_tokens_per_minute} completion tokens "
-                                   "per minute reached", hdrs)
-        if st.prompt is not None:
-            wait = st.prompt.wait_for(1, now)
-            if wait > 0:
-                raise self._refuse(tenant, "prompt_tokens", wait,
-                                   f"rate limit of {tenant.prompt_tokens_per_minute} prompt tokens "
-                                   "per minute reached", hdrs)
+                raise self._refuse(tenant, label, wait, f"rate limit of {limit} {unit} per minute reached", hdrs)
         if st.requests is not None:
             st.requests.take(1)
         st.in_flight += 1
