@@ -55,13 +55,18 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def _size(text: str) -> int:
-    """Bytes, with an optional K/M/G suffix (powers of 1024)."""
+def parse_size(text: str) -> int:
+    """Bytes from ``text``, with an optional K/M/G suffix (powers of 1024), e.g. ``2G``.
+
+    Raises:
+        ValueError: not a number of bytes, or negative.
+    """
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     t = text.strip().upper().removesuffix("B")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
+    n = int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    if n < 0:
+        raise ValueError(f"a byte size must be >= 0, got {text!r}")
+    return n
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,13 +92,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequences decoded together in one batch (default %(default)s)")
     p.add_argument("--prefill-step-size", type=int, default=d.prefill_step_size,
                    help="prompt tokens per request per prefill step (default %(default)s)")
-    p.add_argument("--prompt-cache-bytes", type=_size, default=d.prompt_cache_bytes,
+    p.add_argument("--prompt-cache-bytes", type=parse_size, default=d.prompt_cache_bytes,
                    help="byte bound of the prefix cache, e.g. 8G (default 8G)")
     p.add_argument("--prompt-cache-size", type=int, default=d.prompt_cache_size,
                    help="entry bound of the prefix cache (default %(default)s)")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                    help="save a prefix-cache snapshot every N prompt tokens of long prompts (default %(default)s)")
-    p.add_argument("--max-body-bytes", type=_size, default=d.max_body_bytes,
+    p.add_argument("--max-body-bytes", type=parse_size, default=d.max_body_bytes,
                    help="largest request body; more is a 413 (default 8M)")
     p.add_argument("--max-waiting", type=int, default=d.max_waiting,
                    help="requests that may wait for admission before new ones get 503 (default %(default)s)")
@@ -113,7 +118,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-origins", type=lambda s: [o.strip() for o in s.split(",") if o.strip()],
                    default=[], help="CORS allow-list, comma-separated, e.g. "
                    "'chrome-extension://abcdef...,http://localhost:3000' (default: no CORS)")
-    p.add_argument("--max-header-bytes", type=_size, default=d.max_header_bytes,
+    p.add_argument("--max-header-bytes", type=parse_size, default=d.max_header_bytes,
                    help="largest total size of request headers; more is a 431 (default 16K)")
     p.add_argument("--max-json-depth", type=int, default=d.max_json_depth,
                    help="deepest JSON nesting in a request body; more is a 400 (default %(default)s)")

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from gateway.config import parse_size
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
@@ -160,15 +162,11 @@ def single_key_table(api_key: str) -> TenantTable:
 
 
 def _size(value, where: str) -> int:
-    if isinstance(value, int) and value >= 0:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
     if isinstance(value, str):
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        t = value.strip().upper().removesuffix("B")
         try:
-            if t and t[-1] in units:
-                return int(float(t[:-1]) * units[t[-1]])
-            return int(t)
+            return parse_size(value)
         except ValueError:
             pass
     raise TenantsFileError(f"{where}: expected a byte size such as 2G, got {value!r}")
