@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.auth import authenticate, authenticate_admin
+from gateway.auth import authenticate, authenticate_admin, identify
 from gateway.config import ServeConfig
 from gateway.errors import APIError
 from gateway.generation import Generation, KeepAlive, new_id
@@ -493,12 +493,8 @@ async def models(request: Request) -> Response:
 async def usage_report(request: Request) -> Response:
     """``GET /v1/usage``: the calling tenant's usage; an admin key sees every tenant."""
     state: ServerState = request.app.state.gateway
-    try:
-        authenticate_admin(state.tenants, request)
-    except APIError as e:
-        if e.status != 403:
-            raise
-        tenant = authenticate(state.tenants, request)
+    tenant, admin = identify(state.tenants, request)
+    if not admin:
         return JSONResponse(state.usage.report(tenant.name))
     return JSONResponse({"object": "list", "data": [state.usage.report(t.name) for t in state.tenants.all()]})
 

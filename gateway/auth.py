@@ -26,17 +26,32 @@ def _unauthorized(key: Optional[str]) -> APIError:
     return APIError(401, msg, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
-def authenticate(table: TenantTable, request: Request) -> Tenant:
-    """The calling tenant; records it in ``request.state.tenant`` for metrics and logs.
+def identify(table: TenantTable, request: Request) -> tuple[Optional[Tenant], bool]:
+    """(tenant, is_admin) of the caller; the tenant, when there is one, is recorded in
+    ``request.state.tenant`` for metrics and logs.
 
     Raises:
-        APIError: 401 for a missing or unknown key.
+        APIError: 401 for a missing key, or a key that is neither a tenant's nor an admin's.
     """
     key = api_key(request)
-    tenant, _ = table.authenticate(key)
-    if tenant is None:
+    tenant, admin = table.authenticate(key)
+    if tenant is not None:
+        request.state.tenant = tenant
+        admin = admin or tenant.admin
+    elif not admin:
         raise _unauthorized(key)
-    request.state.tenant = tenant
+    return tenant, admin
+
+
+def authenticate(table: TenantTable, request: Request) -> Tenant:
+    """The calling tenant (see :func:`identify`).
+
+    Raises:
+        APIError: 401 for a missing or unknown key, or an admin key that is no tenant's.
+    """
+    tenant, _ = identify(table, request)
+    if tenant is None:
+        raise _unauthorized(api_key(request))
     return tenant
 
 
@@ -46,12 +61,7 @@ def authenticate_admin(table: TenantTable, request: Request) -> Optional[Tenant]
     Raises:
         APIError: 401 for a missing or unknown key, 403 for a tenant key without admin rights.
     """
-    key = api_key(request)
-    tenant, admin = table.authenticate(key)
-    if tenant is not None:
-        request.state.tenant = tenant
-    if admin or (tenant is not None and tenant.admin):
-        return tenant
-    if tenant is None:
-        raise _unauthorized(key)
-    raise APIError(403, "this key may not use the admin API", code="permission_denied")
+    tenant, admin = identify(table, request)
+    if not admin:
+        raise APIError(403, "this key may not use the admin API", code="permission_denied")
+    return tenant
