@@ -74,10 +74,12 @@ class _TenantState:
 @dataclass
 class Ticket:
     """One admitted request's hold on its tenant's limits; :meth:`close` releases its
-    concurrency slot (idempotent)."""
+    concurrency slot (idempotent). ``state`` is the tenant's buckets, shared with the
+    limiter (a reload resizes them in place)."""
 
     limiter: "Limiter"
     tenant: Tenant
+    state: _TenantState
     closed: bool = False
     headers: dict[str, str] = field(default_factory=dict)
 
@@ -88,19 +90,32 @@ class Ticket:
             APIError: 429 (``Retry-After``) when the bucket lacks ``n`` tokens now;
                 413 when ``n`` is more than a whole minute's allowance.
         """
-        self.limiter._charge_prompt(self, n)
+        bucket = self.state.prompt
+        if bucket is None:
+            return
+        if n > bucket.capacity:
+            raise APIError(413, f"the prompt has {n} tokens, more than this key's limit of "
+                           f"{int(bucket.capacity)} prompt tokens per minute", param="messages",
+                           code="tokens_over_limit")
+        wait = bucket.wait_for(n, self.limiter.clock())
+        if wait > 0:
+            raise self.limiter._refuse(self.tenant, self.state, "prompt_tokens", wait,
+                                       f"rate limit of {self.tenant.prompt_tokens_per_minute} prompt tokens "
+                                       f"per minute reached ({n} needed)")
+        bucket.take(n)
+        self.headers = self.limiter._headers(self.state)
 
     def charge_completion(self, n: int = 1) -> None:
         """Count ``n`` generated tokens (never refused: the bucket may go into debt)."""
-        st = self.limiter._state(self.tenant)
-        if st.completion is not None:
-            st.completion.refill(self.limiter.clock())
-            st.completion.take(n)
+        bucket = self.state.completion
+        if bucket is not None:
+            bucket.refill(self.limiter.clock())
+            bucket.take(n)
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self.limiter._state(self.tenant).in_flight -= 1
+            self.state.in_flight -= 1
 
 
 class Limiter:
@@ -114,6 +129,7 @@ class Limiter:
         self._states: dict[str, _TenantState] = {}
 
     def _state(self, tenant: Tenant) -> _TenantState:
+        """The tenant's buckets, created or resized to its current limits."""
         st = self._states.get(tenant.name)
         if st is None:
             st = self._states[tenant.name] = _TenantState()
@@ -130,15 +146,14 @@ class Limiter:
                 bucket.resize(limit, limit / 60.0)
         return st
 
-    def _refuse(self, tenant: Tenant, limit: str, wait: float, message: str, headers: dict) -> APIError:
+    def _refuse(self, tenant: Tenant, st: _TenantState, limit: str, wait: float, message: str) -> APIError:
         self.on_limited(tenant.name, limit)
         retry = max(1, math.ceil(wait))
         return APIError(429, message, code="rate_limit_exceeded",
-                        headers={**headers, "Retry-After": str(retry)})
+                        headers={**self._headers(st), "Retry-After": str(retry)})
 
-    def headers(self, tenant: Tenant) -> dict[str, str]:
-        """``x-ratelimit-*`` headers for the tenant's request and prompt-token buckets."""
-        st = self._state(tenant)
+    def _headers(self, st: _TenantState) -> dict[str, str]:
+        """``x-ratelimit-*`` headers for the request and prompt-token buckets of ``st``."""
         now = self.clock()
         out: dict[str, str] = {}
         for name, bucket in (("requests", st.requests), ("tokens", st.prompt)):
@@ -160,11 +175,9 @@ class Limiter:
         """
         st = self._state(tenant)
         now = self.clock()
-        hdrs = self.headers(tenant)
         if tenant.max_concurrent is not None and st.in_flight >= tenant.max_concurrent:
-            raise self._refuse(tenant, "concurrency", 1,
-                               f"tenant has {st.in_flight} requests in flight (limit {tenant.max_concurrent})",
-                               hdrs)
+            raise self._refuse(tenant, st, "concurrency", 1,
+                               f"tenant has {st.in_flight} requests in flight (limit {tenant.max_concurrent})")
         # (bucket, tokens needed now, limit label, per-minute limit, unit); completion
         # tokens need only a level >= 0 (no debt), the others one token.
         checks = ((st.requests, 1, "requests", tenant.requests_per_minute, "requests"),
@@ -173,25 +186,8 @@ class Limiter:
         for bucket, need, label, limit, unit in checks:
             wait = bucket.wait_for(need, now) if bucket is not None else 0.0
             if wait > 0:
-                raise self._refuse(tenant, label, wait, f"rate limit of {limit} {unit} per minute reached", hdrs)
+                raise self._refuse(tenant, st, label, wait, f"rate limit of {limit} {unit} per minute reached")
         if st.requests is not None:
             st.requests.take(1)
         st.in_flight += 1
-        return Ticket(self, tenant, headers=self.headers(tenant))
-
-    def _charge_prompt(self, ticket: Ticket, n: int) -> None:
-        tenant = ticket.tenant
-        st = self._state(tenant)
-        if st.prompt is None:
-            return
-        if n > st.prompt.capacity:
-            raise APIError(413, f"the prompt has {n} tokens, more than this key's limit of "
-                           f"{int(st.prompt.capacity)} prompt tokens per minute", param="messages",
-                           code="tokens_over_limit")
-        wait = st.prompt.wait_for(n, self.clock())
-        if wait > 0:
-            raise self._refuse(tenant, "prompt_tokens", wait,
-                               f"rate limit of {tenant.prompt_tokens_per_minute} prompt tokens per minute "
-                               f"reached ({n} needed)", self.headers(tenant))
-        st.prompt.take(n)
-        ticket.headers = self.headers(tenant)
+        return Ticket(self, tenant, st, headers=self._headers(st))
