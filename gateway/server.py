@@ -6,6 +6,7 @@ import ipaddress
 import logging
 import signal
 import threading
+from typing import Optional
 
 from prometheus_client import CollectorRegistry, Info
 
@@ -126,15 +127,15 @@ def tenant_table(cfg: ServeConfig) -> TenantTable:
     return open_table(loopback)
 
 
-def build_state(cfg: ServeConfig, model_id: str) -> ServerState:
-    """The server state for ``cfg``, tenants included.
+def build_state(cfg: ServeConfig, model_id: str, tenants: Optional[TenantTable] = None) -> ServerState:
+    """The server state for ``cfg``, with ``tenants`` (read from ``cfg`` when None).
 
     Raises:
         TenantsFileError, ValueError: see :func:`tenant_table`.
     """
     registry = CollectorRegistry()
     state = ServerState(config=cfg, registry=registry, metrics=GatewayMetrics(registry), model_id=model_id,
-                        tenants=tenant_table(cfg))
+                        tenants=tenants if tenants is not None else tenant_table(cfg))
     _build_info(registry, cfg, model_id)
     state.prime_metrics()
     return state
@@ -188,11 +189,11 @@ def serve(cfg: ServeConfig) -> None:
 
     configure_logging(cfg.log_level, cfg.log_format)
     try:
-        tenant_table(cfg)  # refuse a bad tenants file or an open non-loopback host before any work
+        tenants = tenant_table(cfg)  # refuse a bad tenants file or an open non-loopback host before any work
     except (TenantsFileError, ValueError) as e:
         raise SystemExit(f"mlx-gateway: {e}")
     path, model_id = resolve_model(cfg)
-    state = build_state(cfg, model_id)
+    state = build_state(cfg, model_id, tenants)
     app = create_app(state)
     if hasattr(signal, "SIGHUP"):  # not on Windows
         signal.signal(signal.SIGHUP, lambda *_: reload_tenants(state))
