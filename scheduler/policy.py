@@ -68,10 +68,6 @@ class WaitingQueue:
     def __iter__(self):
         return iter(self._items)
 
-    def waiting_for(self, tenant: str) -> int:
-        """Requests of ``tenant`` in the queue."""
-        return self._per_tenant.get(tenant, 0)
-
     def add(self, request: EngineRequest) -> None:
         t = request.tenant
         if not self._per_tenant.get(t):
