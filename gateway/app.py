@@ -37,9 +37,12 @@ from gateway.responses import (
     usage_chunk,
 )
 from gateway.schemas import ChatRequest, CompletionRequest, parse
+from gateway.structured import output_mask
+from gateway.tools import ToolCallStream, ToolPlan, plan_tools
 from gateway.streaming import SSEResponse, comment, sse, wait_for_disconnect
 from gateway.textout import Delta, TextAssembler
 from scheduler import Engine, SamplingParams
+from scheduler.grammar import Grammars, TokenMask
 from scheduler.request import DoneEvent, ErrorEvent, ProgressEvent, PromptEvent, TokenEvent
 
 log = logging.getLogger("mlx_gateway.app")
@@ -62,6 +65,7 @@ class ServerState:
     tokenizer: object = None
     context_length: int = 32768
     vocab_size: int = 0
+    grammars: Optional[Grammars] = None
     load_error: Optional[str] = None
     created: int = field(default_factory=lambda: int(time.time()))
     usage: UsageBook = field(default_factory=UsageBook)
@@ -312,7 +316,8 @@ async def _collect(request: Request, body: AsyncIterator[tuple[Optional[Delta], 
 
 
 def _launch(state: ServerState, engine: Engine, prompt: Prompt, params: SamplingParams,
-            asm: TextAssembler, out: _Outcome) -> tuple[Generation, AsyncIterator[tuple[Optional[Delta], object]]]:
+            asm: TextAssembler, out: _Outcome, mask: Optional[TokenMask] = None,
+            ) -> tuple[Generation, AsyncIterator[tuple[Optional[Delta], object]]]:
     """Check the prompt against the limits, submit the request, and return it with its
     delta stream.
 
@@ -325,7 +330,7 @@ def _launch(state: ServerState, engine: Engine, prompt: Prompt, params: Sampling
     out.ticket.charge_prompt(len(prompt.tokens))
     t = out.tenant
     gen = Generation(engine, prompt.tokens, params, prompt.checkpoints, namespace=t.cache_group,
-                     tenant=t.name, weight=t.weight, max_queued=t.max_queued)
+                     tenant=t.name, weight=t.weight, max_queued=t.max_queued, mask=mask)
     out.record.request_id = gen.id
     out.record.prompt_tokens = len(prompt.tokens)
     if state.config.log_prompts:
@@ -392,22 +397,55 @@ async def _start(state: ServerState, request: Request, schema, endpoint: str):
 
 
 # ---------------------------------------------------------------------- routes
+def _prepare_chat(state: ServerState, req: ChatRequest) -> tuple[Prompt, Optional[ToolPlan], Optional[TokenMask]]:
+    """Tools, prompt and output grammar of a chat request (worker thread: template,
+    tokenizer and grammar compilation are CPU work that must not stall the event loop).
+
+    Raises:
+        APIError: 400 for bad tools, schemas or a conversation the template rejects.
+    """
+    plan = plan_tools(req, state.tokenizer)
+    mask = output_mask(state.grammars, req.response_format, plan)
+    cfg = state.config
+    prompt = render_chat(state.tokenizer, req, cfg.chat_template_args, cfg.checkpoint_every, plan)
+    return prompt, plan, mask
+
+
+def _tool_deltas(calls: list[dict], first_index: int) -> list[dict]:
+    """OpenAI stream deltas for complete calls: name and id first, then the arguments."""
+    deltas = []
+    for i, call in enumerate(calls, first_index):
+        fn = call["function"]
+        deltas.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                       "function": {"name": fn["name"], "arguments": ""}}]})
+        deltas.append({"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]})
+    return deltas
+
+
+def _chat_finish(out: _Outcome, calls: list[dict]) -> str:
+    return "tool_calls" if calls and out.finish == "stop" else out.finish
+
+
 async def chat_completions(request: Request) -> Response:
     state: ServerState = request.app.state.gateway
     engine, req, out = await _start(state, request, ChatRequest, "chat")
     params = _sampling(state, out.tenant, req, req.max_completion_tokens or req.max_tokens, req.logprobs,
                        req.top_logprobs or 0 if req.logprobs else 0)
-    prompt = await anyio.to_thread.run_sync(
-        render_chat, state.tokenizer, req, state.config.chat_template_args, state.config.checkpoint_every
-    )
+    prompt, plan, mask = await anyio.to_thread.run_sync(_prepare_chat, state, req)
     asm = _assembler(state, req.stop, prompt.opens_reasoning)
-    gen, body = _launch(state, engine, prompt, params, asm, out)
+    gen, body = _launch(state, engine, prompt, params, asm, out, mask)
     fmt = LogprobFormatter(state.tokenizer) if req.logprobs else None
     rid, model, n_prompt = new_id("chatcmpl"), state.model_id, len(prompt.tokens)
+    calls = ToolCallStream(plan) if plan is not None and plan.parses else None
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         created = int(time.time())
+
+        def content_chunks(text: str, found: list[dict]) -> list[bytes]:
+            chunks = [sse(chat_chunk(rid, model, created, {"content": text}))] if text else []
+            first = len(calls.calls) - len(found)
+            return chunks + [sse(chat_chunk(rid, model, created, d)) for d in _tool_deltas(found, first)]
 
         async def chunks() -> AsyncIterator[bytes]:
             yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
@@ -418,12 +456,20 @@ async def chat_completions(request: Request) -> Response:
                 d = {}
                 if delta.reasoning:
                     d["reasoning_content"] = delta.reasoning
-                if delta.content:
-                    d["content"] = delta.content
+                content = delta.content
+                if calls is not None and content:
+                    content, found = calls.feed(content)
+                    for chunk in content_chunks("", found):
+                        yield chunk
+                if content:
+                    d["content"] = content
                 lps = [fmt.chat_entry(t) for t in toks] if fmt else None
                 if d or lps:
                     yield sse(chat_chunk(rid, model, created, d, None, lps))
-            yield sse(chat_chunk(rid, model, created, {}, out.finish))
+            if calls is not None:
+                for chunk in content_chunks(*calls.finish()):
+                    yield chunk
+            yield sse(chat_chunk(rid, model, created, {}, _chat_finish(out, calls.calls if calls else [])))
             if include_usage:
                 yield sse(usage_chunk(rid, model, created, "chat.completion.chunk",
                                       usage(n_prompt, len(out.tokens), out.cached)))
@@ -435,9 +481,14 @@ async def chat_completions(request: Request) -> Response:
         return Response(status_code=499)
     content = "".join(d.content for d in parts)
     reasoning = "".join(d.reasoning for d in parts)
+    found: list[dict] = []
+    if calls is not None:
+        head, found = calls.feed(content)
+        tail, more = calls.finish()
+        content, found = head + tail, found + more
     lps = [fmt.chat_entry(t) for t in out.tokens] if fmt else None
-    return JSONResponse(chat_completion(rid, model, content, reasoning, out.finish, lps,
-                                        usage(n_prompt, len(out.tokens), out.cached)))
+    return JSONResponse(chat_completion(rid, model, content, reasoning, _chat_finish(out, found), lps,
+                                        usage(n_prompt, len(out.tokens), out.cached), found))
 
 
 async def completions(request: Request) -> Response:

@@ -43,6 +43,7 @@ class Generation:
         tenant: str = "default",
         weight: float = 1.0,
         max_queued: int | None = None,
+        mask=None,
     ):
         self.engine = engine
         self.id = f"req-{next(_counter)}-{uuid.uuid4().hex[:8]}"
@@ -60,6 +61,7 @@ class Generation:
             tenant=tenant,
             weight=weight,
             max_queued=max_queued,
+            mask=mask,
         )
 
     def _sink(self, events: list[Event]) -> None:

@@ -75,6 +75,11 @@ def _completion(obj: str, required: Sequence[str], choice: dict, finish: list) -
 
 
 _FINISHED, _ANY_FINISH = ["stop", "length"], ["stop", "length", None]
+_CHAT_FINISHED, _CHAT_ANY_FINISH = [*_FINISHED, "tool_calls"], [*_ANY_FINISH, "tool_calls"]
+_TOOL_CALL = _obj(["id", "type", "function"], id=_STR, type={"const": "function"},
+                  function=_obj(["name", "arguments"], name=_STR, arguments=_STR))
+_TOOL_CALL_DELTA = _obj(["index"], index=_INT, id=_STR, type={"const": "function"},
+                        function=_obj([], name=_STR, arguments=_STR))
 _CHAT_LOGPROBS = {"type": ["object", "null"], "properties": {"content": {"type": "array", "items": _LOGPROB}}}
 _TEXT_CHOICE = _obj(["index", "text", "finish_reason"], text=_STR, logprobs={"type": ["object", "null"]})
 
@@ -88,12 +93,14 @@ RESPONSE_SCHEMAS: dict[str, dict] = {
                   prompt_tokens_details=_obj(["cached_tokens"], cached_tokens=_INT)),
     "ChatCompletion": _completion("chat.completion", ["usage"], _obj(
         ["index", "message", "finish_reason"], logprobs=_CHAT_LOGPROBS,
-        message=_obj(["role", "content"], role={"const": "assistant"}, content=_STR, reasoning_content=_STR),
-    ), _FINISHED),
+        message=_obj(["role", "content"], role={"const": "assistant"}, content=_NULLABLE_STR,
+                     reasoning_content=_STR, tool_calls={"type": "array", "items": _TOOL_CALL}),
+    ), _CHAT_FINISHED),
     "ChatCompletionChunk": _completion("chat.completion.chunk", [], _obj(
         ["index", "delta", "finish_reason"], logprobs=_CHAT_LOGPROBS,
-        delta=_obj([], role={"const": "assistant"}, content=_STR, reasoning_content=_STR),
-    ), _ANY_FINISH),
+        delta=_obj([], role={"const": "assistant"}, content=_STR, reasoning_content=_STR,
+                   tool_calls={"type": "array", "items": _TOOL_CALL_DELTA}),
+    ), _CHAT_ANY_FINISH),
     "TextCompletion": _completion("text_completion", ["usage"], _TEXT_CHOICE, _FINISHED),
     "TextCompletionChunk": _completion("text_completion", [], _TEXT_CHOICE, _ANY_FINISH),
     "ModelList": _obj(["object", "data"], object={"const": "list"}, data={

@@ -7,11 +7,12 @@ templates and tokenizers are pure Python/Rust work that must not stall decoding.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from cache.checkpoints import plan_chat_checkpoints, plan_completion_checkpoints
 from gateway.errors import APIError
 from gateway.schemas import ChatRequest, CompletionRequest
+from gateway.tools import ToolPlan, template_messages
 
 
 @dataclass
@@ -28,33 +29,22 @@ class Prompt:
     opens_reasoning: bool = False
 
 
-def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
-    """OpenAI messages as the dicts chat templates expect (text parts joined)."""
-    out = []
-    for m in req.messages:
-        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for key in ("tool_calls", "tool_call_id", "name", "reasoning_content"):
-            value = getattr(m, key)
-            if value is not None:
-                d[key] = value
-        out.append(d)
-    return out
-
-
 def render_chat(
-    tokenizer, req: ChatRequest, default_template_kwargs: dict, checkpoint_every: int
+    tokenizer, req: ChatRequest, default_template_kwargs: dict, checkpoint_every: int,
+    tools: Optional[ToolPlan] = None,
 ) -> Prompt:
-    """Apply the chat template and tokenize.
+    """Apply the chat template (with ``tools`` as :mod:`gateway.tools` renders them) and
+    tokenize.
 
     Raises:
         APIError: 400 when the template rejects the conversation.
     """
     if not getattr(tokenizer, "has_chat_template", False):
         raise APIError(400, "this model has no chat template; use /v1/completions")
-    messages = chat_messages(req)
+    messages = template_messages(req.messages, tools)
     kwargs = {**default_template_kwargs, **(req.chat_template_kwargs or {})}
-    if req.tools:
-        kwargs["tools"] = req.tools
+    if tools is not None and tools.in_template:
+        kwargs["tools"] = tools.tools
     try:
         tokens = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
     except APIError:

@@ -53,11 +53,14 @@ class LogprobFormatter:
 
 def chat_completion(
     rid: str, model: str, content: str, reasoning: str, finish: str,
-    logprobs: Optional[list[dict]], use: dict,
+    logprobs: Optional[list[dict]], use: dict, tool_calls: Optional[list[dict]] = None,
 ) -> dict:
-    message = {"role": "assistant", "content": content}
+    """A ``chat.completion``; with ``tool_calls``, ``content`` is null when empty."""
+    message = {"role": "assistant", "content": content if content or not tool_calls else None}
     if reasoning:
         message["reasoning_content"] = reasoning
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {
         "id": rid,
         "object": "chat.completion",

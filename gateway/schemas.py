@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
 from gateway.errors import APIError
 
@@ -45,12 +45,30 @@ class TextPart(BaseModel):
     text: str
 
 
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function and schema names
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: str = Field(description="the arguments as a JSON text")
+
+
+class ToolCall(BaseModel):
+    """A call the assistant made earlier in the conversation."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     reasoning_content: Optional[str] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
     name: Optional[str] = None
 
@@ -61,6 +79,51 @@ class Message(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(pattern=TOOL_NAME)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = Field(default=None, description="a JSON Schema of the arguments object")
+    strict: Optional[StrictBool] = None
+
+
+class Tool(BaseModel):
+    """A function the model may call (``tools`` item)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChosenFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming one function the model must call."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str = Field(pattern=TOOL_NAME)
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[StrictBool] = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: free text, any JSON object, or JSON valid for a schema."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
 
 
 class StreamOptions(BaseModel):
@@ -126,8 +189,10 @@ class ChatRequest(_Common):
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Any = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[StrictBool] = None
+    response_format: Optional[ResponseFormat] = None
     chat_template_kwargs: Optional[dict[str, Any]] = Field(default=None, json_schema_extra=_document(
         "object", propertyNames={"not": {"enum": sorted(RESERVED_TEMPLATE_KWARGS)}}))
 
@@ -158,6 +223,16 @@ class CompletionRequest(_Common):
         return v
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _is_union_tag(part: Any) -> bool:
+    """True for the parts pydantic adds to an error location for a union's branches
+    (``str``, ``list[...]``, ``function-after[...]``, ``NamedToolChoice``): not field names."""
+    p = str(part)
+    return isinstance(part, str) and (p in _TYPE_TAGS or "[" in p or p[:1].isupper())
+
+
 def parse(model: type[BaseModel], data: Any) -> Any:
     """Validate ``data`` against ``model``.
 
@@ -170,5 +245,5 @@ def parse(model: type[BaseModel], data: Any) -> Any:
         return model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith(("str", "list[", "function")))
+        loc = ".".join(str(x) for x in err["loc"] if not _is_union_tag(x))
         raise APIError(400, f"invalid value for '{loc}': {err['msg']}", param=loc or None)

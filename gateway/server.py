@@ -63,6 +63,7 @@ def load_into(state: ServerState, path: str) -> None:
     from cache import PromptCacheManager
     from scheduler import Engine
     from scheduler.equivalence import batch_is_exact
+    from scheduler.grammar import Grammars, json_schema_grammar
 
     cfg = state.config
     try:
@@ -88,6 +89,8 @@ def load_into(state: ServerState, path: str) -> None:
         state.tokenizer = tokenizer
         state.context_length = context_length(model, tokenizer)
         state.vocab_size = logits_size(model)
+        state.grammars = Grammars(tokenizer._tokenizer, state.vocab_size, tokenizer.eos_token_ids)
+        state.grammars.check(json_schema_grammar({"type": "object"}))  # builds the vocabulary index now
         state.engine = engine
         state.prime_metrics()
         log.info("model %s ready (context %d tokens)", state.model_id, state.context_length)

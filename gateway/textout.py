@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 
-def _holdback(text: str, needles: list[str]) -> int:
+def holdback(text: str, needles: list[str]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of a needle."""
     best = 0
     for n in needles:
@@ -80,7 +80,7 @@ class TextAssembler:
             if i >= 0:
                 self._raw = self._raw[:i]
                 self.stopped = True
-        keep = 0 if (final or self.stopped) else _holdback(self._raw, self.stop)
+        keep = 0 if (final or self.stopped) else holdback(self._raw, self.stop)
         out, self._raw = self._raw[: len(self._raw) - keep], self._raw[len(self._raw) - keep :]
         self._split += out
         return self._release_split(final or self.stopped)
@@ -100,7 +100,7 @@ class TextAssembler:
                     self.in_reasoning = False
                     self._after_reasoning = True
                     continue
-                keep = 0 if final else _holdback(self._split, [end])
+                keep = 0 if final else holdback(self._split, [end])
                 delta.reasoning += self._split[: len(self._split) - keep]
                 self._split = self._split[len(self._split) - keep :]
                 break

@@ -408,7 +408,7 @@ class Engine:
                 caches=[hit.cache],
                 all_tokens=[list(r.tokens[:cached])],
                 samplers=[make_sampler(r.params)],
-                logits_processors=[make_processors(r.params)],
+                logits_processors=[make_processors(r.params) + ([r.mask] if r.mask is not None else [])],
                 stop_sequences=[stop],
             )
         except Exception as e:
@@ -483,6 +483,14 @@ class Engine:
         for gr in gen_responses:
             a = self._active.get(gr.uid)
             if a is None:
+                continue
+            if a.request.mask is not None and a.request.mask.error is not None:
+                # Its grammar failed this step: fail it alone, before the unmasked token.
+                if gr.finish_reason is None:
+                    self._gen.remove([a.uid])
+                self.stats.failed += 1
+                self._finish(a, ErrorEvent(500, f"constrained decoding failed: {a.request.mask.error}"))
+                events.pop(gr.uid, None)
                 continue
             try:
                 events.setdefault(gr.uid, []).append(self._token_event(a, gr))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,8 @@ class EngineRequest:
         weight: the tenant's scheduling weight (> 0) for fair share.
         max_queued: the most requests of this tenant that may wait for admission
             (None: only the engine's global bound applies).
+        mask: the grammar's token mask (:class:`scheduler.grammar.TokenMask`) for
+            constrained decoding, or None for free text. Used by this request only.
     """
 
     id: str
@@ -102,4 +104,5 @@ class EngineRequest:
     tenant: str = "default"
     weight: float = 1.0
     max_queued: Optional[int] = None
+    mask: Optional[Any] = None
     arrival: float = field(default_factory=time.monotonic)

@@ -1,0 +1,364 @@
+"""Tool calls for chat completions: check the request's tools, put them in the prompt,
+constrain the output when a call is required, and parse calls out of the text.
+
+Two call formats:
+
+- **tagged**: the model's own format, when mlx-lm's tokenizer wrapper found a tool
+  parser for its chat template (``mlx_lm.tool_parsers``: ``json_tools`` for Qwen3 and
+  Hermes ``<tool_call>{json}</tool_call>`` blocks, ``pythonic``, ``mistral``, ...). The
+  template renders the tools; calls are cut out between the parser's start and end
+  tags and parsed by mlx-lm's parser.
+- **json**: a bare JSON object ``{"name": ..., "arguments": {...}}`` (or an array of
+  them for parallel calls); ``"parameters"`` is read as ``"arguments"``, which is how
+  Llama 3.x writes calls. Used for templates with no mlx-lm parser. When the template
+  does not render ``tools`` at all (SmolLM2, Gemma 3), the definitions and the format
+  go into the system message (:func:`fallback_instructions`), earlier calls are
+  rendered as that JSON and tool results as a user turn.
+
+``tool_choice`` ``required`` or a named function is enforced by a grammar
+(:func:`call_grammar`): the output is always a call to an offered function whose
+arguments validate against its JSON schema. Tagged formats other than ``json_tools``
+are constrained to the json format instead (their own syntax has no JSON-schema form).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import jsonschema
+
+from gateway.errors import APIError
+from gateway.schemas import ChatRequest, Message
+from gateway.textout import holdback
+from scheduler.grammar import JSON_DEFAULTS, json_schema_grammar, lark_grammar
+
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class CallFormat:
+    """How calls appear in the model's text: ``kind`` is ``"tagged"`` (between
+    ``start`` and ``end``, read by mlx-lm's ``parser``) or ``"json"``."""
+
+    kind: str
+    start: str = ""
+    end: str = ""
+    parser: Optional[Callable[[str, Any], Any]] = None
+
+    @property
+    def is_json_tools(self) -> bool:
+        return self.kind == "tagged" and getattr(self.parser, "__module__", "").endswith("json_tools")
+
+
+JSON_FORMAT = CallFormat("json")
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What one request does with its tools.
+
+    ``choice`` is ``none``, ``auto``, ``required`` or ``function`` (then ``forced`` is
+    the name); ``in_template``: the chat template renders the tools itself.
+    """
+
+    tools: list[dict]
+    choice: str
+    forced: Optional[str]
+    parallel: bool
+    format: CallFormat
+    in_template: bool
+
+    @property
+    def names(self) -> list[str]:
+        return [t["function"]["name"] for t in self.tools]
+
+    @property
+    def parses(self) -> bool:
+        return self.choice != "none"
+
+
+def model_call_format(tokenizer) -> CallFormat:
+    """The model's own call format, from mlx-lm's ``TokenizerWrapper``."""
+    if getattr(tokenizer, "has_tool_calling", False):
+        return CallFormat("tagged", tokenizer.tool_call_start, tokenizer.tool_call_end or "",
+                          tokenizer.tool_parser)
+    return JSON_FORMAT
+
+
+def template_renders_tools(tokenizer) -> bool:
+    """True when the chat template reads a ``tools`` variable."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "tools" in template
+
+
+def plan_tools(req: ChatRequest, tokenizer) -> Optional[ToolPlan]:
+    """Check ``tools``/``tool_choice`` and decide how the request uses them.
+
+    Returns None when the request offers no tools.
+
+    Raises:
+        APIError: 400 naming the parameter: duplicate function names, a ``parameters``
+            that is not a valid JSON Schema, ``tool_choice`` naming an unknown function,
+            or ``required``/a named choice without tools.
+    """
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice requires tools", param="tool_choice")
+        return None
+    tools, seen = [], set()
+    for i, tool in enumerate(req.tools):
+        fn = tool.function
+        if fn.name in seen:
+            raise APIError(400, f"duplicate function name '{fn.name}'", param=f"tools.{i}.function.name")
+        seen.add(fn.name)
+        params = fn.parameters if fn.parameters is not None else EMPTY_PARAMETERS
+        try:
+            jsonschema.validators.validator_for(params, default=jsonschema.Draft202012Validator).check_schema(params)
+        except jsonschema.SchemaError as e:
+            raise APIError(400, f"invalid JSON Schema: {e.message}", param=f"tools.{i}.function.parameters")
+        entry = {"name": fn.name, "parameters": params}
+        if fn.description is not None:
+            entry["description"] = fn.description
+        tools.append({"type": "function", "function": entry})
+    forced = None
+    if choice is None:
+        choice = "auto"
+    elif not isinstance(choice, str):
+        forced = choice.function.name
+        if forced not in seen:
+            raise APIError(400, f"tool_choice names '{forced}', which is not in tools", param="tool_choice")
+        choice = "function"
+    native = model_call_format(tokenizer)
+    fmt = native
+    if choice in ("required", "function") and native.kind == "tagged" and not native.is_json_tools:
+        fmt = JSON_FORMAT  # constrained to the json format
+    parallel = req.parallel_tool_calls is not False and choice != "function"
+    return ToolPlan(tools, choice, forced, parallel, fmt, template_renders_tools(tokenizer))
+
+
+# ---------------------------------------------------------------------- prompt
+def fallback_instructions(plan: ToolPlan) -> str:
+    """The system-message text that offers the tools to a template that cannot."""
+    lines = ["You can call these functions:"]
+    lines += [json.dumps(t["function"], ensure_ascii=False) for t in plan.tools]
+    lines.append('To call a function, reply with only a JSON object {"name": <function name>, '
+                 '"arguments": <arguments object>}' +
+                 (", or a JSON array of such objects to call several." if plan.parallel else "."))
+    if plan.choice == "required":
+        lines.append("You must call a function.")
+    elif plan.choice == "function":
+        lines.append(f"You must call {plan.forced}.")
+    else:
+        lines.append("If no function is needed, answer normally.")
+    return "\n".join(lines)
+
+
+def _arguments(text: str) -> Any:
+    """Arguments for a template: the parsed object when ``text`` is JSON, else ``text``."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def template_messages(messages: list[Message], plan: Optional[ToolPlan]) -> list[dict[str, Any]]:
+    """OpenAI messages as the dicts chat templates expect: text parts joined, earlier
+    calls' arguments parsed, and, when the template cannot render tools, tools and
+    calls written as text (see the module docstring)."""
+    fallback = plan is not None and not plan.in_template
+    names = {c.id: c.function.name for m in messages for c in (m.tool_calls or [])}
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        for key in ("tool_call_id", "name", "reasoning_content"):
+            if getattr(m, key) is not None:
+                d[key] = getattr(m, key)
+        if m.tool_calls and fallback:
+            calls = [{"name": c.function.name, "arguments": _arguments(c.function.arguments)} for c in m.tool_calls]
+            text = json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
+            d["content"] = f"{d['content']}\n{text}" if d["content"] else text
+        elif m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
+        if m.role == "tool":
+            name = m.name or names.get(m.tool_call_id or "")
+            if name is not None:
+                d["name"] = name
+            if fallback:
+                result = f"Result of {name or 'the function'}: {d['content']}"
+                if out and out[-1].get("_results"):
+                    out[-1]["content"] += "\n" + result
+                    continue
+                d = {"role": "user", "content": result, "_results": True}
+        out.append(d)
+    for d in out:
+        d.pop("_results", None)
+    if fallback and plan.choice != "none":
+        text = fallback_instructions(plan)
+        if out and out[0]["role"] == "system":
+            out[0]["content"] = f"{out[0]['content']}\n\n{text}"
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+# ---------------------------------------------------------------------- grammar
+def _call_schema(tool: dict) -> dict:
+    fn = tool["function"]
+    return {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": fn["parameters"]},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def call_grammar(plan: ToolPlan, literal: Callable[[str], str] = json.dumps) -> Optional[str]:
+    """The grammar that forces a call (``required``/named choice), else None.
+
+    ``literal`` turns a tag into a Lark expression (:meth:`Grammars.lark_literal`, for
+    tags that are special tokens)."""
+    if plan.choice not in ("required", "function"):
+        return None
+    tools = [t for t in plan.tools if plan.forced in (None, t["function"]["name"])]
+    one = _call_schema(tools[0]) if len(tools) == 1 else {"anyOf": [_call_schema(t) for t in tools]}
+    if plan.format.is_json_tools:
+        start, end = literal(plan.format.start), literal(plan.format.end)
+        rule = 'start: call ("\\n" call)*' if plan.parallel else "start: call"
+        return lark_grammar(f'{rule}\ncall: {start} "\\n" obj "\\n" {end}\nobj: %json {json.dumps({**one, "x-guidance": JSON_DEFAULTS})}')
+    if plan.parallel:
+        return json_schema_grammar({"anyOf": [one, {"type": "array", "items": one, "minItems": 1}]})
+    return json_schema_grammar(one)
+
+
+# ---------------------------------------------------------------------- parsing
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _openai_call(name: Any, arguments: Any) -> Optional[dict]:
+    if not isinstance(name, str) or not isinstance(arguments, (dict, str)):
+        return None
+    if isinstance(arguments, dict):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _json_calls(text: str, names: list[str]) -> Optional[list[dict]]:
+    """Calls from a bare JSON text, or None when it is not one."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or item.get("name") not in names:
+            return None
+        call = _openai_call(item["name"], item.get("arguments", item.get("parameters")))
+        if call is None:
+            return None
+        calls.append(call)
+    return calls or None
+
+
+def _tagged_calls(body: str, plan: ToolPlan) -> Optional[list[dict]]:
+    """Calls from the text between a start and an end tag, parsed by mlx-lm's parser."""
+    try:
+        parsed = plan.format.parser(body, plan.tools)
+    except Exception:
+        return None
+    calls = []
+    for item in parsed if isinstance(parsed, list) else [parsed]:
+        call = _openai_call(item.get("name"), item.get("arguments")) if isinstance(item, dict) else None
+        if call is None or call["function"]["name"] not in plan.names:
+            return None
+        calls.append(call)
+    return calls or None
+
+
+class ToolCallStream:
+    """Splits a model's content deltas into text and complete tool calls.
+
+    Text that may be the start of a call is held back; a call is released whole, once
+    its end tag (tagged format) or the end of the output (json format) has arrived and
+    it parses. Text that turns out not to be a call is released as content.
+    """
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self.calls: list[dict] = []
+        self._buf = ""
+        self._in_call = False
+        self._is_text = False
+        self._blank = ""
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        """Add content text; returns (content to release now, calls completed now)."""
+        self._buf += text
+        if self.plan.format.kind == "json":
+            return self._feed_json()
+        return self._feed_tagged(final=False)
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """The end of the output: release what is held back."""
+        if self.plan.format.kind == "json":
+            text, self._buf = self._buf, ""
+            calls = _json_calls(text.strip(), self.plan.names) if text.strip() else None
+            if calls:
+                self.calls += calls
+                return "", calls
+            return text, []
+        out, done = self._feed_tagged(final=True)
+        out, self._blank = out + self._blank, ""
+        return out, done
+
+    def _feed_json(self) -> tuple[str, list[dict]]:
+        """A json-format call is the whole output: hold everything once the output
+        starts with ``{`` or ``[`` (always, when a call is required)."""
+        if not self._is_text:
+            if self._in_call or self.plan.choice in ("required", "function"):
+                self._in_call = True
+                return "", []
+            stripped = self._buf.lstrip()
+            if not stripped:
+                return "", []
+            if stripped[0] in "{[":
+                self._in_call = True
+                return "", []
+            self._is_text = True
+        text, self._buf = self._buf, ""
+        return text, []
+
+    def _feed_tagged(self, final: bool) -> tuple[str, list[dict]]:
+        start, end = self.plan.format.start, self.plan.format.end
+        out, done = "", []
+        while self._buf:
+            if not self._in_call:
+                i = self._buf.find(start)
+                if i < 0:
+                    keep = 0 if final else holdback(self._buf, [start])
+                    out += self._buf[: len(self._buf) - keep]
+                    self._buf = self._buf[len(self._buf) - keep:]
+                    break
+                out += self._buf[:i]
+                self._buf = self._buf[i:]
+                self._in_call = True
+            j = self._buf.find(end, len(start)) if end else -1
+            if j < 0 and not final:
+                break
+            raw = self._buf if j < 0 else self._buf[: j + len(end)]
+            self._buf = "" if j < 0 else self._buf[j + len(end):]
+            self._in_call = False
+            calls = _tagged_calls(raw[len(start): len(raw) - (len(end) if j >= 0 else 0)], self.plan)
+            if calls:
+                done += calls
+            else:
+                out += raw
+        self.calls += done
+        # Blank text around calls (the newlines between blocks) is layout, not content.
+        out, self._blank = ("", self._blank + out) if not out.strip() else (self._blank + out, "")
+        if final and self.calls:
+            self._blank = ""
+        return out, done
+

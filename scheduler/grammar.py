@@ -1,0 +1,148 @@
+"""Constrained decoding: a per-row token mask from a grammar, applied to the logits.
+
+The grammar engine is llguidance (microsoft/llguidance): it takes JSON schemas and Lark
+grammars, compiles lazily and computes the set of allowed next tokens for one row in
+tens of microseconds. xgrammar, the other maintained engine, needs torch (gigabytes)
+and precompiles; ``benchmarks/bench_grammar.py`` compares the two.
+
+A :class:`TokenMask` is an mlx-lm logits processor: the engine passes it to
+``BatchGenerator`` with the row's other processors, so constrained and free rows share
+one batch and only the constrained rows pay for the mask. The matcher itself is plain
+CPU work; the only MLX call is the ``where`` on the row's logits, on the engine thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from typing import Optional
+
+import llguidance
+import mlx.core as mx
+import numpy as np
+
+log = logging.getLogger("mlx_gateway.grammar")
+
+# Compact JSON (``{"a":1}``): with flexible whitespace a model can emit blank space
+# forever, which random-weight models and small models do.
+JSON_DEFAULTS = {"whitespace_flexible": False}
+
+
+class GrammarError(ValueError):
+    """The grammar or JSON schema cannot be compiled (an HTTP 400 for the request)."""
+
+
+def json_schema_grammar(schema: dict) -> str:
+    """An llguidance grammar (its JSON form) accepting compact JSON valid for ``schema``."""
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+
+
+def lark_grammar(lark: str) -> str:
+    """An llguidance grammar from Lark text (``%json {...}`` embeds a JSON schema)."""
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+class Grammars:
+    """Compiles grammars for one model's vocabulary.
+
+    Args:
+        hf_tokenizer: the model's Hugging Face fast tokenizer.
+        n_vocab: entries in the model's logits (may exceed the tokenizer's vocabulary;
+            the extra ids are never allowed).
+        eos_token_ids: the ids that end a generation; a finished grammar allows only these.
+
+    Building the vocabulary index takes about a second for a 150k vocabulary, so it is
+    built on first use, once, in whichever (non-engine) thread asks first.
+    """
+
+    def __init__(self, hf_tokenizer, n_vocab: int, eos_token_ids):
+        self._hf = hf_tokenizer
+        self.n_vocab = n_vocab
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._lltok: Optional[llguidance.LLTokenizer] = None
+        self._lock = threading.Lock()
+
+    def _tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._lltok is None:
+                import llguidance.hf
+
+                self._lltok = llguidance.hf.from_tokenizer(
+                    self._hf, n_vocab=self.n_vocab, eos_token=self.eos_token_ids or None
+                )
+            return self._lltok
+
+    def lark_literal(self, text: str) -> str:
+        """A Lark expression matching ``text``: ``<[id]>`` when ``text`` is one special
+        token (llguidance never matches special tokens by their text, e.g. Qwen3's
+        ``<tool_call>``), else a quoted string."""
+        ids = self._hf.encode(text, add_special_tokens=False)
+        if len(ids) == 1 and self._tokenizer().is_special_token(ids[0]):
+            return f"<[{ids[0]}]>"
+        return json.dumps(text)
+
+    def mask(self, grammar: str) -> "TokenMask":
+        """A fresh :class:`TokenMask` for ``grammar`` (from :func:`json_schema_grammar`
+        or :func:`lark_grammar`).
+
+        Raises:
+            GrammarError: the grammar does not compile (the message says why).
+        """
+        try:
+            matcher = llguidance.LLMatcher(self._tokenizer(), grammar)
+        except Exception as e:  # llguidance raises ValueError/RuntimeError on bad input
+            raise GrammarError(str(e)) from e
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        return TokenMask(matcher, self.n_vocab)
+
+    def check(self, grammar: str) -> None:
+        """Compile ``grammar`` and drop it.
+
+        Raises:
+            GrammarError: it does not compile.
+        """
+        self.mask(grammar)
+
+
+class TokenMask:
+    """The logits processor of one constrained request: ``(tokens, logits [1, V]) ->
+    logits [1, V]`` with every token the grammar forbids set to ``-inf``.
+
+    ``BatchGenerator`` calls it once per decode step of its row. The first call sees
+    the prompt; each later call's last token is the one sampled at the step before,
+    which is fed to the matcher before the next mask is computed. Once the grammar is
+    complete only the EOS ids are allowed, so the row ends with ``stop``.
+
+    It never raises into the batch: a matcher error is kept in :attr:`error` and the
+    row is steered to EOS; the engine then fails that request alone.
+    """
+
+    def __init__(self, matcher: llguidance.LLMatcher, n_vocab: int):
+        self.matcher = matcher
+        self.n_vocab = n_vocab
+        self.error: Optional[str] = None
+        self._started = False
+        self._words = np.zeros((1, (n_vocab + 31) // 32), dtype=np.int32)
+        self._eos_only: Optional[mx.array] = None
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        try:
+            if self._started:
+                token = int(tokens[-1].item())
+                if not self.matcher.consume_token(token):
+                    raise RuntimeError(f"token {token} is outside the grammar: {self.matcher.get_error()}")
+            self._started = True
+            self.matcher.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
+            if self.matcher.is_error():
+                raise RuntimeError(self.matcher.get_error())
+            allowed = np.unpackbits(self._words.view(np.uint8), bitorder="little")[: logits.shape[-1]]
+            if not allowed.any():
+                raise RuntimeError("the grammar allows no token")
+            return mx.where(mx.array(allowed.astype(np.bool_)), logits, -mx.inf)
+        except Exception as e:
+            if self.error is None:
+                self.error = str(e).splitlines()[0] if str(e) else type(e).__name__
+                log.warning("constrained decoding failed: %s", self.error)
+            return logits

@@ -1,0 +1,197 @@
+"""``response_format`` over HTTP with the openai SDK: constrained rows always parse and
+validate, share batches with free and tool rows without changing anyone's tokens, and a
+grammar failure fails its own request only."""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import openai
+import pytest
+
+from conftest import live_server, model_path
+from gateway.structured import output_mask
+from gateway.schemas import ResponseFormat
+from scheduler import EngineRequest, SamplingParams
+from scheduler.request import DoneEvent, ErrorEvent, TokenEvent
+from test_tools_api import ADD, TOOLS, calls_of
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 10},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    "ok": {"type": "boolean"}},
+    "required": ["name", "age", "tags", "ok"], "additionalProperties": False}
+NESTED = {"type": "object", "properties": {
+    "point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9},
+                                               "y": {"type": "integer", "minimum": -9, "maximum": 9}},
+              "required": ["x", "y"], "additionalProperties": False},
+    "kind": {"anyOf": [{"const": "dot"}, {"type": "null"}]}},
+    "required": ["point", "kind"], "additionalProperties": False}
+
+
+def schema_format(schema, name="out"):
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+@pytest.fixture(scope="module", params=[("qwen3", "qwen3"), ("qwen3", None)], ids=["qwen3-tokenizer", "own-bpe"])
+def server(request):
+    with live_server(model_path(*request.param), max_tokens=64) as s:
+        yield s
+
+
+def ask(client, prompt: str, stream: bool = False, **body) -> tuple[str, str]:
+    kw = dict(model="test-model", messages=[{"role": "user", "content": prompt}], **{"max_tokens": 100, **body})
+    if not stream:
+        r = client.chat.completions.create(**kw)
+        return r.choices[0].message.content, r.choices[0].finish_reason
+    text, finish = "", None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+    return text, finish
+
+
+@pytest.mark.parametrize("schema", [PERSON, NESTED], ids=["person", "nested"])
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_json_schema_output_parses_and_validates(server, schema, stream):
+    client = server.openai()
+    for prompt in ("Describe someone.", "Where is the point?", "x"):
+        text, finish = ask(client, prompt, stream, response_format=schema_format(schema))
+        assert finish == "stop", text  # a bounded schema always finishes
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object_output_is_an_object(server):
+    client = server.openai()
+    for prompt in ("Reply in JSON.", "Another one", "{"):
+        text, finish = ask(client, prompt, response_format={"type": "json_object"}, max_tokens=200)
+        if finish == "stop":
+            assert isinstance(json.loads(text), dict)
+        else:  # ran out of tokens: what came is still the start of an object
+            assert text.startswith("{")
+
+
+def test_mixed_batch_equals_solo_runs(server):
+    """Constrained, free and tool rows decoded in one batch give the tokens each gives alone."""
+    client = server.openai()
+    jobs = [
+        dict(prompt="Describe someone.", response_format=schema_format(PERSON)),
+        dict(prompt="Tell me a story about the sea and the wind.", max_tokens=40),
+        dict(prompt="Where is the point?", response_format=schema_format(NESTED)),
+        dict(prompt="Add two numbers.", tools=TOOLS, tool_choice="required"),
+        dict(prompt="Weather?", tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}}),
+        dict(prompt="Just talk to me for a while.", max_tokens=40),
+        dict(prompt="JSON please", response_format={"type": "json_object"}, max_tokens=30),
+    ]
+
+    def run(job):
+        job = dict(job)
+        r = client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": job.pop("prompt")}],
+                                           **{"max_tokens": 100, **job})
+        c = r.choices[0]
+        return c.message.content, calls_of(c.message), c.finish_reason, r.usage.completion_tokens
+
+    server.state.engine.prompt_cache.flush(None)
+    solo = [run(j) for j in jobs]
+    server.state.engine.prompt_cache.flush(None)
+    assert server.engine.wait_idle()
+    server.engine.stats.max_decode_batch = 0  # written by the engine between steps only; it is idle
+    barrier = threading.Barrier(len(jobs))
+
+    def together(job):
+        barrier.wait()
+        return run(job)
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        batched = list(pool.map(together, jobs))
+    assert batched == solo
+    assert server.engine.stats.max_decode_batch >= 3
+
+
+BAD = [
+    ({"type": "xml"}, "response_format.type"),
+    ({"type": "json_schema"}, "response_format.json_schema"),
+    ({"type": "json_schema", "json_schema": {"schema": PERSON}}, "response_format.json_schema.name"),
+    ({"type": "json_schema", "json_schema": {"name": "bad name", "schema": PERSON}},
+     "response_format.json_schema.name"),
+    (schema_format({"type": "nope"}), "response_format.json_schema.schema"),
+    (schema_format({"type": "object", "required": "a"}), "response_format.json_schema.schema"),
+    (schema_format({"type": "string", "pattern": "(?<=a)b"}), "response_format.json_schema.schema"),
+    (schema_format({"$ref": "#/$defs/missing"}), "response_format.json_schema.schema"),
+    ("json", "response_format"),
+]
+
+
+@pytest.mark.parametrize("fmt, param", BAD, ids=[f"{p}-{i}" for i, (_, p) in enumerate(BAD)])
+def test_bad_response_format_gets_a_400_naming_the_parameter(server, fmt, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(server.openai(), "hi", response_format=fmt)
+    assert e.value.body["param"] == param, e.value.body
+    assert server.engine.alive
+
+
+class Collector:
+    def __init__(self):
+        self.events, self.done = [], threading.Event()
+
+    def __call__(self, events):
+        self.events.extend(events)
+        if any(isinstance(e, (DoneEvent, ErrorEvent)) for e in events):
+            self.done.set()
+
+    @property
+    def tokens(self):
+        return [e.token for e in self.events if isinstance(e, TokenEvent)]
+
+
+class BrokenMatcher:
+    """A real llguidance matcher that raises on its ``fail_at``-th token (fault injection)."""
+
+    def __init__(self, matcher, fail_at: int):
+        self._m, self._left = matcher, fail_at
+
+    def consume_token(self, token):
+        self._left -= 1
+        if self._left <= 0:
+            raise RuntimeError("injected grammar fault")
+        return self._m.consume_token(token)
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
+
+
+def test_a_grammar_failure_fails_only_its_request(server):
+    state, engine = server.state, server.engine
+    fmt = ResponseFormat.model_validate(schema_format(PERSON))
+    prompt = list(range(20, 60))
+
+    def run_alone(mask):
+        c = Collector()
+        engine.submit(EngineRequest(f"solo-{id(c)}", prompt, SamplingParams(max_tokens=60), c, mask=mask))
+        assert c.done.wait(60)
+        return c
+
+    free_solo = run_alone(None)
+    good_solo = run_alone(output_mask(state.grammars, fmt, None))
+    broken_mask = output_mask(state.grammars, fmt, None)
+    broken_mask.matcher = BrokenMatcher(broken_mask.matcher, fail_at=3)
+    collectors = {"free": Collector(), "good": Collector(), "broken": Collector()}
+    masks = {"free": None, "good": output_mask(state.grammars, fmt, None), "broken": broken_mask}
+    for name, c in collectors.items():
+        engine.submit(EngineRequest(f"mix-{name}", prompt, SamplingParams(max_tokens=60), c, mask=masks[name]))
+    for c in collectors.values():
+        assert c.done.wait(60)
+    broken = collectors["broken"]
+    assert isinstance(broken.events[-1], ErrorEvent) and "injected grammar fault" in broken.events[-1].message
+    assert len(broken.tokens) <= 3
+    assert collectors["free"].tokens == free_solo.tokens
+    assert collectors["good"].tokens == good_solo.tokens
+    jsonschema.validate(json.loads(state.tokenizer.decode(good_solo.tokens[:-1])), PERSON)
+    assert engine.alive
+    text, finish = ask(server.openai(), "still fine?", response_format=schema_format(PERSON))
+    assert finish == "stop" and json.loads(text)

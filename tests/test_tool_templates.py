@@ -1,0 +1,147 @@
+"""Tools through real chat templates (Qwen3, Llama 3.2, Gemma 3 tokenizers), and calls
+parsed out of text by mlx-lm's own parsers, whole and streamed in pieces."""
+
+from __future__ import annotations
+
+import json
+import lzma
+import random
+import shutil
+
+import pytest
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+from gateway.errors import APIError
+from gateway.prompts import render_chat
+from gateway.schemas import ChatRequest
+from gateway.tools import JSON_FORMAT, ToolCallStream, model_call_format, plan_tools
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+LOOP = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizers_dir, tmp_path_factory, request):
+    name = request.param
+    src = tokenizers_dir / name
+    if (src / "tokenizer.json.xz").exists():  # Gemma 3 ships compressed
+        dst = tmp_path_factory.mktemp(name)
+        for f in src.iterdir():
+            if f.suffix != ".xz":
+                shutil.copy(f, dst)
+        (dst / "tokenizer.json").write_bytes(lzma.decompress((src / "tokenizer.json.xz").read_bytes()))
+        src = dst
+    return load_tokenizer(src)
+
+
+def render(tokenizer, messages, **body):
+    req = ChatRequest(messages=messages, tools=[WEATHER, CLOCK], **body)
+    plan = plan_tools(req, tokenizer)
+    prompt = render_chat(tokenizer, req, {"date_string": "01 Jan 2026"}, 4096, plan)
+    return plan, tokenizer.decode(prompt.tokens)
+
+
+@pytest.mark.parametrize("tokenizer", ["qwen3"], indirect=True)
+def test_qwen3_renders_tools_calls_and_results_in_its_own_format(tokenizer):
+    plan, text = render(tokenizer, LOOP)
+    assert plan.format.kind == "tagged" and plan.format.is_json_tools and plan.in_template
+    assert '"name": "get_weather"' in text and "<tools>" in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert "<tool_response>\n18 C, sunny\n</tool_response>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("tokenizer", ["llama3"], indirect=True)
+def test_llama3_renders_tools_and_calls_as_json(tokenizer):
+    plan, text = render(tokenizer, LOOP)
+    assert plan.format is JSON_FORMAT and plan.in_template
+    assert '"name": "get_weather"' in text and "Cutting Knowledge Date" in text
+    assert '{"name": "get_weather", "parameters": {"city": "Paris"}}' in text
+    assert "<|start_header_id|>ipython<|end_header_id|>" in text and "18 C, sunny" in text
+
+
+@pytest.mark.parametrize("tokenizer", ["gemma3"], indirect=True)
+def test_template_without_tools_gets_them_in_the_system_message(tokenizer):
+    plan, text = render(tokenizer, LOOP + [{"role": "tool", "tool_call_id": "x", "name": "get_time",
+                                            "content": "noon"}])
+    assert plan.format is JSON_FORMAT and not plan.in_template
+    assert "You can call these functions:" in text and '"name": "get_weather"' in text
+    assert text.index("You are terse.") < text.index("You can call these functions:")
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+    # Both results in one user turn, so the template's user/model alternation holds.
+    assert "Result of get_weather: 18 C, sunny\nResult of get_time: noon" in text
+    _, text = render(tokenizer, LOOP[1:2], tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert "You must call get_time." in text
+    _, text = render(tokenizer, LOOP[1:2], tool_choice="none")
+    assert "You can call these functions" not in text
+
+
+QWEN_TEXT = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+
+
+def _split_feed(stream: ToolCallStream, text: str, rng: random.Random):
+    content, calls, i = "", [], 0
+    while i < len(text):
+        n = rng.randint(1, 7)
+        c, found = stream.feed(text[i:i + n])
+        content, calls, i = content + c, calls + found, i + n
+    c, found = stream.finish()
+    return content + c, calls + found
+
+
+def _plain(calls):
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+@pytest.mark.parametrize("tokenizer", ["qwen3"], indirect=True)
+def test_tagged_calls_parse_the_same_whole_or_in_pieces(tokenizer):
+    plan = plan_tools(ChatRequest(messages=LOOP[1:2], tools=[WEATHER, CLOCK]), tokenizer)
+    assert model_call_format(tokenizer).is_json_tools
+    whole = ToolCallStream(plan)
+    content, calls = whole.feed(QWEN_TEXT)
+    tail, more = whole.finish()
+    expected = [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert (content + tail).strip() == "Let me check." and _plain(calls + more) == expected
+    for seed in range(20):
+        content, calls = _split_feed(ToolCallStream(plan), QWEN_TEXT, random.Random(seed))
+        assert content.strip() == "Let me check." and _plain(calls) == expected
+    # A call naming an unknown function, or broken JSON, stays text.
+    for bad in ('<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>', "<tool_call>\n{oops\n</tool_call>"):
+        assert _split_feed(ToolCallStream(plan), bad, random.Random(0)) == (bad, [])
+
+
+@pytest.mark.parametrize("tokenizer", ["llama3"], indirect=True)
+def test_json_calls_parse_objects_and_arrays(tokenizer):
+    plan = plan_tools(ChatRequest(messages=LOOP[1:2], tools=[WEATHER, CLOCK]), tokenizer)
+    one = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    two = '[{"name": "get_time", "arguments": {}}, ' + one + "]"
+    assert _plain(_split_feed(ToolCallStream(plan), one, random.Random(1))[1]) == [("get_weather", {"city": "Oslo"})]
+    assert _plain(_split_feed(ToolCallStream(plan), two, random.Random(2))[1]) == [
+        ("get_time", {}), ("get_weather", {"city": "Oslo"})]
+    text = "It is sunny in Oslo {today}."
+    assert _split_feed(ToolCallStream(plan), text, random.Random(3)) == (text, [])
+    assert _split_feed(ToolCallStream(plan), '{"name": "nope", "arguments": {}}', random.Random(4))[1] == []
+
+
+@pytest.mark.parametrize("tokenizer", ["qwen3"], indirect=True)
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [WEATHER, WEATHER]}, "tools.1.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]},
+     "tools.0.function.parameters"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+])
+def test_bad_tools_are_refused_with_the_parameter_path(tokenizer, body, param):
+    with pytest.raises(APIError) as e:
+        plan_tools(ChatRequest(messages=LOOP[1:2], **body), tokenizer)
+    assert e.value.status == 400 and e.value.param == param
