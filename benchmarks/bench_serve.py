@@ -7,6 +7,8 @@ Scenarios, each against a real server process on loopback:
 * ``burst``: 6 concurrent chat requests sharing a ~600-token system prompt with different
   ~300-token user texts, 3 rounds (cold, then repeated).
 * ``conversation``: a 20-turn chat where each turn sends the whole history.
+* ``constrained``: decode tokens/s of 8 concurrent requests with 0 and with 4 of them
+  constrained by a JSON schema (``response_format``); the ratio is the mask's cost.
 
 For burst and conversation it reports TTFT p50/p95 (seconds), prompt tokens computed
 (prompt - cached, from ``usage``), the cached-token fraction and decode tokens/s, for each
@@ -72,11 +74,11 @@ def start(cmd: list[str], port: int, env=None, timeout: float = 300) -> tuple[su
     raise RuntimeError("server did not start")
 
 
-async def stream_chat(c: httpx.AsyncClient, messages, max_tokens: int, model: str) -> dict:
+async def stream_chat(c: httpx.AsyncClient, messages, max_tokens: int, model: str, **extra) -> dict:
     t0 = time.monotonic()
     first, n, text, use = None, 0, "", {}
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **extra}
     async with c.stream("POST", "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -145,6 +147,36 @@ async def decode_speed(url: str, model: str, n: int) -> dict:
             "tok_s_total": sum(r["completion"] for r in rs) / wall}
 
 
+# Exactly 48 one-digit integers: longer than max_tokens, so constrained rows decode as
+# long as free ones and the batch keeps its size.
+DIGITS = {"type": "json_schema", "json_schema": {"name": "digits", "schema": {
+    "type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 48, "maxItems": 48}}}
+
+
+async def constrained(url: str, model: str, n: int = 8, rounds: int = 3) -> dict:
+    """Decode tokens/s of ``n`` concurrent requests, none or half of them constrained
+    (median of ``rounds``), and the ratio half/none. Free rows get EOS banned
+    (``logit_bias``) so that every row decodes all 64 tokens in both runs."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    no_eos = {"logit_bias": {str(t): -100 for t in load_tokenizer(Path(model)).eos_token_ids}}
+    out = {}
+    async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+        for k in (0, n // 2):
+            speeds = []
+            for r in range(rounds):
+                rs = await asyncio.gather(*(
+                    stream_chat(c, [{"role": "user", "content": words(30, 1000 * r + 100 * k + i)}], 64, model,
+                                **({"response_format": DIGITS} if i < k else no_eos))
+                    for i in range(n)))
+                # Decode only: from the first token of any row to the end of the last.
+                window = max(x["total"] for x in rs) - min(x["ttft"] for x in rs)
+                speeds.append(sum(x["completion"] for x in rs) / window)
+            out[f"tok_s_{k}_of_{n}"] = statistics.median(speeds)
+    out["ratio"] = out[f"tok_s_{n // 2}_of_{n}"] / out[f"tok_s_0_of_{n}"]
+    return out
+
+
 def gateway_cmd(model: str, port: int, pc: int) -> list[str]:
     return [sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--port", str(port),
             "--prompt-concurrency", str(pc), "--decode-concurrency", "32", "--log-level", "WARNING"]
@@ -176,6 +208,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--compare", action="store_true", help="also run mlx_lm.server on the same model")
     ap.add_argument("--skip-startup", action="store_true")
+    ap.add_argument("--only", choices=["decode"], help="run only the decode scenarios (single, concurrent, "
+                    "constrained) on the gateway")
     args = ap.parse_args()
 
     from gateway.demo_model import build_model_dir
@@ -202,9 +236,12 @@ def main() -> None:
                                               "qwen3", overrides=medium))
     print(f"model: {model}")
     res = run_server(gateway_cmd, model, 8, model, [("single", lambda u, m: decode_speed(u, m, 1)),
-                                                    ("concurrent8", lambda u, m: decode_speed(u, m, 8))])
+                                                    ("concurrent8", lambda u, m: decode_speed(u, m, 8)),
+                                                    ("constrained", constrained)])
     for k, v in res.items():
         print(f"mlx-gateway {k:12s} {fmt(v)}")
+    if args.only == "decode":
+        return
 
     servers = [("mlx-gateway", gateway_cmd)] + ([("mlx_lm.server", mlx_lm_cmd)] if args.compare else [])
     for pc in args.concurrency:
