@@ -38,7 +38,8 @@ from gateway.responses import (
 )
 from gateway.schemas import ChatRequest, CompletionRequest, parse
 from gateway.structured import output_mask
-from gateway.tools import ToolCallStream, ToolPlan, plan_tools
+from gateway.tool_stream import ToolCallStream
+from gateway.tools import ToolPlan, plan_tools
 from gateway.streaming import SSEResponse, comment, sse, wait_for_disconnect
 from gateway.textout import Delta, TextAssembler
 from scheduler import Engine, SamplingParams
@@ -411,17 +412,6 @@ def _prepare_chat(state: ServerState, req: ChatRequest) -> tuple[Prompt, Optiona
     return prompt, plan, mask
 
 
-def _tool_deltas(calls: list[dict], first_index: int) -> list[dict]:
-    """OpenAI stream deltas for complete calls: name and id first, then the arguments."""
-    deltas = []
-    for i, call in enumerate(calls, first_index):
-        fn = call["function"]
-        deltas.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
-                                       "function": {"name": fn["name"], "arguments": ""}}]})
-        deltas.append({"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]})
-    return deltas
-
-
 def _chat_finish(out: _Outcome, calls: list[dict]) -> str:
     return "tool_calls" if calls and out.finish == "stop" else out.finish
 
@@ -442,10 +432,9 @@ async def chat_completions(request: Request) -> Response:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         created = int(time.time())
 
-        def content_chunks(text: str, found: list[dict]) -> list[bytes]:
+        def content_chunks(text: str, deltas: list[dict]) -> list[bytes]:
             chunks = [sse(chat_chunk(rid, model, created, {"content": text}))] if text else []
-            first = len(calls.calls) - len(found)
-            return chunks + [sse(chat_chunk(rid, model, created, d)) for d in _tool_deltas(found, first)]
+            return chunks + [sse(chat_chunk(rid, model, created, {"tool_calls": [d]})) for d in deltas]
 
         async def chunks() -> AsyncIterator[bytes]:
             yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
@@ -458,8 +447,8 @@ async def chat_completions(request: Request) -> Response:
                     d["reasoning_content"] = delta.reasoning
                 content = delta.content
                 if calls is not None and content:
-                    content, found = calls.feed(content)
-                    for chunk in content_chunks("", found):
+                    content, deltas = calls.feed(content)
+                    for chunk in content_chunks("", deltas):
                         yield chunk
                 if content:
                     d["content"] = content
@@ -483,9 +472,8 @@ async def chat_completions(request: Request) -> Response:
     reasoning = "".join(d.reasoning for d in parts)
     found: list[dict] = []
     if calls is not None:
-        head, found = calls.feed(content)
-        tail, more = calls.finish()
-        content, found = head + tail, found + more
+        content = calls.feed(content)[0] + calls.finish()[0]
+        found = calls.calls
     lps = [fmt.chat_entry(t) for t in out.tokens] if fmt else None
     return JSONResponse(chat_completion(rid, model, content, reasoning, _chat_finish(out, found), lps,
                                         usage(n_prompt, len(out.tokens), out.cached), found))

@@ -19,12 +19,12 @@ Two call formats:
 (:func:`call_grammar`): the output is always a call to an offered function whose
 arguments validate against its JSON schema. Tagged formats other than ``json_tools``
 are constrained to the json format instead (their own syntax has no JSON-schema form).
+Calls are read out of the output by :mod:`gateway.tool_stream`.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -32,7 +32,6 @@ import jsonschema
 
 from gateway.errors import APIError
 from gateway.schemas import ChatRequest, Message
-from gateway.textout import holdback
 from scheduler.grammar import JSON_DEFAULTS, json_schema_grammar, lark_grammar
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -229,136 +228,3 @@ def call_grammar(plan: ToolPlan, literal: Callable[[str], str] = json.dumps) -> 
     if plan.parallel:
         return json_schema_grammar({"anyOf": [one, {"type": "array", "items": one, "minItems": 1}]})
     return json_schema_grammar(one)
-
-
-# ---------------------------------------------------------------------- parsing
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def _openai_call(name: Any, arguments: Any) -> Optional[dict]:
-    if not isinstance(name, str) or not isinstance(arguments, (dict, str)):
-        return None
-    if isinstance(arguments, dict):
-        arguments = json.dumps(arguments, ensure_ascii=False)
-    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-def _json_calls(text: str, names: list[str]) -> Optional[list[dict]]:
-    """Calls from a bare JSON text, or None when it is not one."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    items = value if isinstance(value, list) else [value]
-    calls = []
-    for item in items:
-        if not isinstance(item, dict) or item.get("name") not in names:
-            return None
-        call = _openai_call(item["name"], item.get("arguments", item.get("parameters")))
-        if call is None:
-            return None
-        calls.append(call)
-    return calls or None
-
-
-def _tagged_calls(body: str, plan: ToolPlan) -> Optional[list[dict]]:
-    """Calls from the text between a start and an end tag, parsed by mlx-lm's parser."""
-    try:
-        parsed = plan.format.parser(body, plan.tools)
-    except Exception:
-        return None
-    calls = []
-    for item in parsed if isinstance(parsed, list) else [parsed]:
-        call = _openai_call(item.get("name"), item.get("arguments")) if isinstance(item, dict) else None
-        if call is None or call["function"]["name"] not in plan.names:
-            return None
-        calls.append(call)
-    return calls or None
-
-
-class ToolCallStream:
-    """Splits a model's content deltas into text and complete tool calls.
-
-    Text that may be the start of a call is held back; a call is released whole, once
-    its end tag (tagged format) or the end of the output (json format) has arrived and
-    it parses. Text that turns out not to be a call is released as content.
-    """
-
-    def __init__(self, plan: ToolPlan):
-        self.plan = plan
-        self.calls: list[dict] = []
-        self._buf = ""
-        self._in_call = False
-        self._is_text = False
-        self._blank = ""
-
-    def feed(self, text: str) -> tuple[str, list[dict]]:
-        """Add content text; returns (content to release now, calls completed now)."""
-        self._buf += text
-        if self.plan.format.kind == "json":
-            return self._feed_json()
-        return self._feed_tagged(final=False)
-
-    def finish(self) -> tuple[str, list[dict]]:
-        """The end of the output: release what is held back."""
-        if self.plan.format.kind == "json":
-            text, self._buf = self._buf, ""
-            calls = _json_calls(text.strip(), self.plan.names) if text.strip() else None
-            if calls:
-                self.calls += calls
-                return "", calls
-            return text, []
-        out, done = self._feed_tagged(final=True)
-        out, self._blank = out + self._blank, ""
-        return out, done
-
-    def _feed_json(self) -> tuple[str, list[dict]]:
-        """A json-format call is the whole output: hold everything once the output
-        starts with ``{`` or ``[`` (always, when a call is required)."""
-        if not self._is_text:
-            if self._in_call or self.plan.choice in ("required", "function"):
-                self._in_call = True
-                return "", []
-            stripped = self._buf.lstrip()
-            if not stripped:
-                return "", []
-            if stripped[0] in "{[":
-                self._in_call = True
-                return "", []
-            self._is_text = True
-        text, self._buf = self._buf, ""
-        return text, []
-
-    def _feed_tagged(self, final: bool) -> tuple[str, list[dict]]:
-        start, end = self.plan.format.start, self.plan.format.end
-        out, done = "", []
-        while self._buf:
-            if not self._in_call:
-                i = self._buf.find(start)
-                if i < 0:
-                    keep = 0 if final else holdback(self._buf, [start])
-                    out += self._buf[: len(self._buf) - keep]
-                    self._buf = self._buf[len(self._buf) - keep:]
-                    break
-                out += self._buf[:i]
-                self._buf = self._buf[i:]
-                self._in_call = True
-            j = self._buf.find(end, len(start)) if end else -1
-            if j < 0 and not final:
-                break
-            raw = self._buf if j < 0 else self._buf[: j + len(end)]
-            self._buf = "" if j < 0 else self._buf[j + len(end):]
-            self._in_call = False
-            calls = _tagged_calls(raw[len(start): len(raw) - (len(end) if j >= 0 else 0)], self.plan)
-            if calls:
-                done += calls
-            else:
-                out += raw
-        self.calls += done
-        # Blank text around calls (the newlines between blocks) is layout, not content.
-        out, self._blank = ("", self._blank + out) if not out.strip() else (self._blank + out, "")
-        if final and self.calls:
-            self._blank = ""
-        return out, done
-

@@ -14,7 +14,8 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from gateway.errors import APIError
 from gateway.prompts import render_chat
 from gateway.schemas import ChatRequest
-from gateway.tools import JSON_FORMAT, ToolCallStream, model_call_format, plan_tools
+from gateway.tool_stream import ToolCallStream
+from gateway.tools import JSON_FORMAT, model_call_format, plan_tools
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -89,14 +90,27 @@ QWEN_TEXT = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"
              '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
 
 
-def _split_feed(stream: ToolCallStream, text: str, rng: random.Random):
-    content, calls, i = "", [], 0
+def _assemble(deltas: list[dict]) -> list[tuple]:
+    calls: dict[int, list] = {}
+    for d in deltas:
+        if "id" in d:
+            assert d["index"] not in calls and d["index"] == len(calls)
+            calls[d["index"]] = [d["id"], d["function"]["name"], ""]
+        calls[d["index"]][2] += d["function"]["arguments"]
+    return [tuple(c) for _, c in sorted(calls.items())]
+
+
+def _split_feed(stream: ToolCallStream, text: str, rng: random.Random, most: int = 7):
+    """Feed ``text`` in random pieces; the deltas assembled must equal ``stream.calls``."""
+    content, deltas, i = "", [], 0
     while i < len(text):
-        n = rng.randint(1, 7)
-        c, found = stream.feed(text[i:i + n])
-        content, calls, i = content + c, calls + found, i + n
-    c, found = stream.finish()
-    return content + c, calls + found
+        n = rng.randint(1, most)
+        c, d = stream.feed(text[i:i + n])
+        content, deltas, i = content + c, deltas + d, i + n
+    c, d = stream.finish()
+    calls = [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in stream.calls]
+    assert _assemble(deltas + d) == calls
+    return content + c, stream.calls
 
 
 def _plain(calls):
@@ -107,17 +121,35 @@ def _plain(calls):
 def test_tagged_calls_parse_the_same_whole_or_in_pieces(tokenizer):
     plan = plan_tools(ChatRequest(messages=LOOP[1:2], tools=[WEATHER, CLOCK]), tokenizer)
     assert model_call_format(tokenizer).is_json_tools
-    whole = ToolCallStream(plan)
-    content, calls = whole.feed(QWEN_TEXT)
-    tail, more = whole.finish()
     expected = [("get_weather", {"city": "Paris"}), ("get_time", {})]
-    assert (content + tail).strip() == "Let me check." and _plain(calls + more) == expected
+    content, calls = _split_feed(ToolCallStream(plan), QWEN_TEXT, random.Random(0), most=len(QWEN_TEXT))
+    assert content.strip() == "Let me check." and _plain(calls) == expected
     for seed in range(20):
         content, calls = _split_feed(ToolCallStream(plan), QWEN_TEXT, random.Random(seed))
         assert content.strip() == "Let me check." and _plain(calls) == expected
     # A call naming an unknown function, or broken JSON, stays text.
     for bad in ('<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>', "<tool_call>\n{oops\n</tool_call>"):
         assert _split_feed(ToolCallStream(plan), bad, random.Random(0)) == (bad, [])
+
+
+@pytest.mark.parametrize("tokenizer", ["qwen3", "llama3"], indirect=True)
+def test_constrained_calls_stream_their_arguments_as_generated(tokenizer):
+    plan = plan_tools(ChatRequest(messages=LOOP[1:2], tools=[WEATHER, CLOCK], tool_choice="required"), tokenizer)
+    args = '{"city":"Par\\"is {x}","n":[1,{"a":"]"}]}'
+    one = '{"name":"get_weather","arguments":' + args + "}"
+    text = (f"<tool_call>\n{one}\n</tool_call>\n<tool_call>\n" + '{"name":"get_time","arguments":{}}\n</tool_call>'
+            if plan.format.is_json_tools else f'[{one},{{"name":"get_time","arguments":{{}}}}]')
+    for seed in range(10):
+        stream = ToolCallStream(plan)
+        content, calls = _split_feed(stream, text, random.Random(seed), most=3)
+        assert content == ""
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+            ("get_weather", args), ("get_time", "{}")]
+    # The name goes out before the arguments are complete.
+    stream = ToolCallStream(plan)
+    head = text[: text.index('"Par') + 4]
+    _, deltas = stream.feed(head)
+    assert deltas[0]["function"]["name"] == "get_weather" and deltas[-1]["function"]["arguments"] == '{"city":"Par'
 
 
 @pytest.mark.parametrize("tokenizer", ["llama3"], indirect=True)
