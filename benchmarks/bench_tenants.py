@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_serve import free_port, start, stream_chat, words  # noqa: E402
 
-from gateway.tenants import hash_key  # noqa: E402
+from gateway.tenancy.tenants import hash_key  # noqa: E402
 
 KEYS = {"agent": "mgw-bench-agent", "browser": "mgw-bench-browser"}
 

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _new_key(tenant: str) -> int:
     """Print a new key and the tenants-file lines that accept it (only the hash is kept)."""
-    from gateway.tenants import hash_key, new_key
+    from gateway.tenancy.tenants import hash_key, new_key
 
     key = new_key()
     table = "[admin]" if tenant == "admin" else f"[tenants.{tenant}]"

@@ -10,11 +10,11 @@ from typing import Optional
 
 from prometheus_client import CollectorRegistry, Info
 
-from gateway.app import ServerState, create_app
+from gateway.http.app import ServerState, create_app
 from gateway.config import ServeConfig
-from gateway.metrics import GatewayMetrics
-from gateway.request_log import configure_logging
-from gateway.tenants import TenantsFileError, TenantTable, load_tenants, open_table, single_key_table
+from gateway.telemetry.metrics import GatewayMetrics
+from gateway.telemetry.request_log import configure_logging
+from gateway.tenancy.tenants import TenantsFileError, TenantTable, load_tenants, open_table, single_key_table
 
 log = logging.getLogger("mlx_gateway")
 

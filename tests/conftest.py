@@ -72,7 +72,7 @@ def free_port() -> int:
 class LiveServer:
     """A real gateway (uvicorn on a loopback port, in a thread of the test process).
 
-    ``state`` is the server's :class:`gateway.app.ServerState`, so tests can read the
+    ``state`` is the server's :class:`gateway.http.app.ServerState`, so tests can read the
     engine's own counters; ``url`` is the base URL.
     """
 
@@ -98,7 +98,7 @@ def live_server(model_dir, **config):
     """Start a gateway serving ``model_dir`` with ServeConfig overrides; stop it on exit."""
     import uvicorn
 
-    from gateway.app import create_app
+    from gateway.http.app import create_app
     from gateway.config import ServeConfig
     from gateway.server import build_state, load_into
 

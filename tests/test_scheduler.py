@@ -12,8 +12,9 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from conftest import live_server, model_path
-from gateway.prompts import render_chat
-from gateway.schemas import ChatRequest
+from gateway.conversation.prompts import render_chat
+from gateway.protocols.openai_chat import to_conversation
+from gateway.protocols.openai_schemas import ChatRequest
 
 WORDS = ("the model cache token prompt server batch request tenant prefix memory apple code agent "
          "browser extension stream answer question system user assistant reason think water light").split()
@@ -72,9 +73,9 @@ def test_burst_shares_the_system_prompt(arch):
     for concurrency in (1, 2, 6):
         with live_server(model_path(arch), prompt_concurrency=concurrency, decode_concurrency=8) as server:
             tok = server.state.tokenizer
-            prompts = [render_chat(tok, ChatRequest.model_validate(b), {}, 4096) for b in bodies]
-            sys_len = len(render_chat(tok, ChatRequest.model_validate(
-                {"messages": [{"role": "system", "content": SYSTEM}]}), {}, 4096).tokens) - 4
+            prompts = [render_chat(tok, to_conversation(ChatRequest.model_validate(b)), {}, 4096) for b in bodies]
+            sys_len = len(render_chat(tok, to_conversation(ChatRequest.model_validate(
+                {"messages": [{"role": "system", "content": SYSTEM}]})), {}, 4096).tokens) - 4
             total = sum(len(p.tokens) for p in prompts)
             for round_ in range(3):
                 before = server.engine.stats.prefill_tokens
@@ -113,7 +114,7 @@ def test_mixed_lengths_checkpoint_their_own_prefix():
         model, manager = engine.model, engine.prompt_cache
         checked = 0
         for b in bodies:
-            prompt = render_chat(tok, ChatRequest.model_validate(b), {}, 4096)
+            prompt = render_chat(tok, to_conversation(ChatRequest.model_validate(b)), {}, 4096)
             assert prompt.checkpoints, "chat prompts have checkpoints"
             for p in prompt.checkpoints:
                 toks = prompt.tokens

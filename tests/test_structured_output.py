@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from conftest import live_server, model_path
-from gateway.structured import output_mask
-from gateway.schemas import ResponseFormat
+from gateway.conversation.form import Conversation
+from gateway.conversation.structured import output_mask
 from scheduler import EngineRequest, SamplingParams
 from scheduler.request import DoneEvent, ErrorEvent, TokenEvent
 from test_tools_api import ADD, TOOLS, calls_of
@@ -167,7 +167,7 @@ class BrokenMatcher:
 
 def test_a_grammar_failure_fails_only_its_request(server):
     state, engine = server.state, server.engine
-    fmt = ResponseFormat.model_validate(schema_format(PERSON))
+    fmt = Conversation([], output_schema=PERSON)
     prompt = list(range(20, 60))
 
     def run_alone(mask):

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import live_server, model_path
-from gateway.tenants import hash_key
+from gateway.tenancy.tenants import hash_key
 
 KEYS = {name: f"mgw-test-{name}-key" for name in
         ("alice", "bob", "carol", "dave", "limited", "narrow", "slots", "tpm", "ctpm", "admin")}

@@ -6,7 +6,7 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from conftest import TOKENIZERS, live_server, model_path
-from gateway.textout import TextAssembler
+from gateway.conversation.textout import TextAssembler
 
 
 @pytest.fixture(scope="module")

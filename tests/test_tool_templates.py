@@ -11,11 +11,12 @@ import shutil
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from gateway.errors import APIError
-from gateway.prompts import render_chat
-from gateway.schemas import ChatRequest
-from gateway.tool_stream import ToolCallStream
-from gateway.tools import JSON_FORMAT, model_call_format, plan_tools
+from gateway.http.errors import APIError
+from gateway.conversation.prompts import render_chat
+from gateway.protocols.openai_chat import to_conversation
+from gateway.protocols.openai_schemas import ChatRequest
+from gateway.conversation.tool_stream import ToolCallStream
+from gateway.conversation.tools import JSON_FORMAT, model_call_format, plan_tools
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -28,6 +29,11 @@ LOOP = [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
     {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
 ]
+
+
+def conv(**body):
+    """An OpenAI chat request body as the internal conversation."""
+    return to_conversation(ChatRequest(**body))
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +51,9 @@ def tokenizer(tokenizers_dir, tmp_path_factory, request):
 
 
 def render(tokenizer, messages, **body):
-    req = ChatRequest(messages=messages, tools=[WEATHER, CLOCK], **body)
-    plan = plan_tools(req, tokenizer)
-    prompt = render_chat(tokenizer, req, {"date_string": "01 Jan 2026"}, 4096, plan)
+    c = conv(messages=messages, tools=[WEATHER, CLOCK], **body)
+    plan = plan_tools(c, tokenizer)
+    prompt = render_chat(tokenizer, c, {"date_string": "01 Jan 2026"}, 4096, plan)
     return plan, tokenizer.decode(prompt.tokens)
 
 
@@ -90,13 +96,13 @@ QWEN_TEXT = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"
              '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
 
 
-def _assemble(deltas: list[dict]) -> list[tuple]:
+def _assemble(deltas) -> list[tuple]:
     calls: dict[int, list] = {}
     for d in deltas:
-        if "id" in d:
-            assert d["index"] not in calls and d["index"] == len(calls)
-            calls[d["index"]] = [d["id"], d["function"]["name"], ""]
-        calls[d["index"]][2] += d["function"]["arguments"]
+        if d.id is not None:
+            assert d.index not in calls and d.index == len(calls) and d.name
+            calls[d.index] = [d.id, d.name, ""]
+        calls[d.index][2] += d.arguments
     return [tuple(c) for _, c in sorted(calls.items())]
 
 
@@ -108,18 +114,18 @@ def _split_feed(stream: ToolCallStream, text: str, rng: random.Random, most: int
         c, d = stream.feed(text[i:i + n])
         content, deltas, i = content + c, deltas + d, i + n
     c, d = stream.finish()
-    calls = [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in stream.calls]
+    calls = [(c.id, c.name, c.arguments) for c in stream.calls]
     assert _assemble(deltas + d) == calls
     return content + c, stream.calls
 
 
 def _plain(calls):
-    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+    return [(c.name, json.loads(c.arguments)) for c in calls]
 
 
 @pytest.mark.parametrize("tokenizer", ["qwen3"], indirect=True)
 def test_tagged_calls_parse_the_same_whole_or_in_pieces(tokenizer):
-    plan = plan_tools(ChatRequest(messages=LOOP[1:2], tools=[WEATHER, CLOCK]), tokenizer)
+    plan = plan_tools(conv(messages=LOOP[1:2], tools=[WEATHER, CLOCK]), tokenizer)
     assert model_call_format(tokenizer).is_json_tools
     expected = [("get_weather", {"city": "Paris"}), ("get_time", {})]
     content, calls = _split_feed(ToolCallStream(plan), QWEN_TEXT, random.Random(0), most=len(QWEN_TEXT))
@@ -134,7 +140,7 @@ def test_tagged_calls_parse_the_same_whole_or_in_pieces(tokenizer):
 
 @pytest.mark.parametrize("tokenizer", ["qwen3", "llama3"], indirect=True)
 def test_constrained_calls_stream_their_arguments_as_generated(tokenizer):
-    plan = plan_tools(ChatRequest(messages=LOOP[1:2], tools=[WEATHER, CLOCK], tool_choice="required"), tokenizer)
+    plan = plan_tools(conv(messages=LOOP[1:2], tools=[WEATHER, CLOCK], tool_choice="required"), tokenizer)
     args = '{"city":"Par\\"is {x}","n":[1,{"a":"]"}]}'
     one = '{"name":"get_weather","arguments":' + args + "}"
     text = (f"<tool_call>\n{one}\n</tool_call>\n<tool_call>\n" + '{"name":"get_time","arguments":{}}\n</tool_call>'
@@ -143,18 +149,18 @@ def test_constrained_calls_stream_their_arguments_as_generated(tokenizer):
         stream = ToolCallStream(plan)
         content, calls = _split_feed(stream, text, random.Random(seed), most=3)
         assert content == ""
-        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        assert [(c.name, c.arguments) for c in calls] == [
             ("get_weather", args), ("get_time", "{}")]
     # The name goes out before the arguments are complete.
     stream = ToolCallStream(plan)
     head = text[: text.index('"Par') + 4]
     _, deltas = stream.feed(head)
-    assert deltas[0]["function"]["name"] == "get_weather" and deltas[-1]["function"]["arguments"] == '{"city":"Par'
+    assert deltas[0].name == "get_weather" and deltas[-1].arguments == '{"city":"Par'
 
 
 @pytest.mark.parametrize("tokenizer", ["llama3"], indirect=True)
 def test_json_calls_parse_objects_and_arrays(tokenizer):
-    plan = plan_tools(ChatRequest(messages=LOOP[1:2], tools=[WEATHER, CLOCK]), tokenizer)
+    plan = plan_tools(conv(messages=LOOP[1:2], tools=[WEATHER, CLOCK]), tokenizer)
     one = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
     two = '[{"name": "get_time", "arguments": {}}, ' + one + "]"
     assert _plain(_split_feed(ToolCallStream(plan), one, random.Random(1))[1]) == [("get_weather", {"city": "Oslo"})]
@@ -175,5 +181,5 @@ def test_json_calls_parse_objects_and_arrays(tokenizer):
 ])
 def test_bad_tools_are_refused_with_the_parameter_path(tokenizer, body, param):
     with pytest.raises(APIError) as e:
-        plan_tools(ChatRequest(messages=LOOP[1:2], **body), tokenizer)
+        plan_tools(conv(messages=LOOP[1:2], **body), tokenizer)
     assert e.value.status == 400 and e.value.param == param

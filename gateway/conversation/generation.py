@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import AsyncIterator
 
-from gateway.errors import APIError
+from gateway.http.errors import APIError
 from scheduler import Engine, EngineDead, EngineOverloaded, EngineRequest, SamplingParams, TenantQueueFull
 from scheduler.request import DoneEvent, ErrorEvent, Event
 

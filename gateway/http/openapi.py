@@ -1,7 +1,7 @@
 """The app's OpenAPI 3.1 document (``GET /openapi.json``).
 
 It covers the public routes: ``POST /v1/chat/completions`` and ``POST /v1/completions``
-(request bodies generated from the pydantic models in :mod:`gateway.schemas`, their
+(request bodies generated from the pydantic models in :mod:`gateway.protocols.openai_schemas`, their
 ``$defs`` moved to ``components/schemas``), ``GET /v1/models``, ``GET /v1/usage``,
 ``POST /admin/cache/flush`` (admin keys), ``GET /health``,
 ``GET /metrics`` and ``GET /openapi.json`` itself. Every error answer is documented with
@@ -29,7 +29,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.schemas import ChatRequest, CompletionRequest
+from gateway.protocols.openai_schemas import ChatRequest, CompletionRequest
 
 REF = "#/components/schemas/{model}"
 try:

@@ -8,7 +8,7 @@ import time
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.errors import APIError
+from gateway.http.errors import APIError
 
 log = logging.getLogger("mlx_gateway.app")
 

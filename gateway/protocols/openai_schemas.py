@@ -13,7 +13,7 @@ from typing import Any, Callable, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
-from gateway.errors import APIError
+from gateway.http.errors import APIError
 
 MAX_STOP_SEQUENCES = 16
 MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 inside MLX; larger ones cannot index logits

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from cache.checkpoints import plan_chat_checkpoints, plan_completion_checkpoints
-from gateway.errors import APIError
-from gateway.schemas import ChatRequest, CompletionRequest
-from gateway.tools import ToolPlan, template_messages
+from gateway.http.errors import APIError
+from gateway.conversation.form import Conversation
+from gateway.protocols.openai_schemas import CompletionRequest
+from gateway.conversation.tools import ToolPlan, template_messages
 
 
 @dataclass
@@ -30,10 +31,10 @@ class Prompt:
 
 
 def render_chat(
-    tokenizer, req: ChatRequest, default_template_kwargs: dict, checkpoint_every: int,
+    tokenizer, conv: Conversation, default_template_kwargs: dict, checkpoint_every: int,
     tools: Optional[ToolPlan] = None,
 ) -> Prompt:
-    """Apply the chat template (with ``tools`` as :mod:`gateway.tools` renders them) and
+    """Apply the chat template (with ``tools`` as :mod:`gateway.conversation.tools` renders them) and
     tokenize.
 
     Raises:
@@ -41,8 +42,8 @@ def render_chat(
     """
     if not getattr(tokenizer, "has_chat_template", False):
         raise APIError(400, "this model has no chat template; use /v1/completions")
-    messages = template_messages(req.messages, tools)
-    kwargs = {**default_template_kwargs, **(req.chat_template_kwargs or {})}
+    messages = template_messages(conv.turns, tools)
+    kwargs = {**default_template_kwargs, **conv.template_kwargs}
     if tools is not None and tools.in_template:
         kwargs["tools"] = tools.tools
     try:

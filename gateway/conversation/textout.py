@@ -51,6 +51,7 @@ class TextAssembler:
     in_reasoning: bool = False
     skip_ids: frozenset = frozenset()
     stopped: bool = False
+    matched: Optional[str] = None  # the stop string that ended the output
 
     def __post_init__(self):
         self._detok = self.tokenizer.detokenizer
@@ -80,6 +81,7 @@ class TextAssembler:
             if i >= 0:
                 self._raw = self._raw[:i]
                 self.stopped = True
+                self.matched = s
         keep = 0 if (final or self.stopped) else holdback(self._raw, self.stop)
         out, self._raw = self._raw[: len(self._raw) - keep], self._raw[len(self._raw) - keep :]
         self._split += out

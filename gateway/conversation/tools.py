@@ -19,7 +19,7 @@ Two call formats:
 (:func:`call_grammar`): the output is always a call to an offered function whose
 arguments validate against its JSON schema. Tagged formats other than ``json_tools``
 are constrained to the json format instead (their own syntax has no JSON-schema form).
-Calls are read out of the output by :mod:`gateway.tool_stream`.
+Calls are read out of the output by :mod:`gateway.conversation.tool_stream`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import Any, Callable, Optional
 
 import jsonschema
 
-from gateway.errors import APIError
-from gateway.schemas import ChatRequest, Message
+from gateway.http.errors import APIError
+from gateway.conversation.form import Conversation, Turn
 from scheduler.grammar import JSON_DEFAULTS, json_schema_grammar, lark_grammar
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -93,50 +93,54 @@ def template_renders_tools(tokenizer) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
-def plan_tools(req: ChatRequest, tokenizer) -> Optional[ToolPlan]:
-    """Check ``tools``/``tool_choice`` and decide how the request uses them.
+def check_schema(schema: dict, param: str) -> None:
+    """Check that ``schema`` is a valid JSON Schema (its own ``$schema`` dialect, else
+    2020-12).
 
-    Returns None when the request offers no tools.
+    Raises:
+        APIError: 400 naming ``param`` when it is not.
+    """
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise APIError(400, f"invalid JSON Schema: {e.message}", param=param)
+
+
+def plan_tools(conv: Conversation, tokenizer) -> Optional[ToolPlan]:
+    """Check the conversation's tools and tool choice, and decide how it uses them.
+
+    Returns None when it offers no tools.
 
     Raises:
         APIError: 400 naming the parameter: duplicate function names, a ``parameters``
-            that is not a valid JSON Schema, ``tool_choice`` naming an unknown function,
-            or ``required``/a named choice without tools.
+            that is not a valid JSON Schema, a forced function that is not offered, or
+            ``required``/a named choice without tools.
     """
-    choice = req.tool_choice
-    if not req.tools:
-        if choice not in (None, "none", "auto"):
+    if not conv.tools:
+        if conv.tool_choice in ("required", "function"):
             raise APIError(400, "tool_choice requires tools", param="tool_choice")
         return None
     tools, seen = [], set()
-    for i, tool in enumerate(req.tools):
-        fn = tool.function
-        if fn.name in seen:
-            raise APIError(400, f"duplicate function name '{fn.name}'", param=f"tools.{i}.function.name")
-        seen.add(fn.name)
-        params = fn.parameters if fn.parameters is not None else EMPTY_PARAMETERS
-        try:
-            jsonschema.validators.validator_for(params, default=jsonschema.Draft202012Validator).check_schema(params)
-        except jsonschema.SchemaError as e:
-            raise APIError(400, f"invalid JSON Schema: {e.message}", param=f"tools.{i}.function.parameters")
-        entry = {"name": fn.name, "parameters": params}
-        if fn.description is not None:
-            entry["description"] = fn.description
+    for tool in conv.tools:
+        if tool.name in seen:
+            raise APIError(400, f"duplicate function name '{tool.name}'", param=f"{tool.param}.name")
+        seen.add(tool.name)
+        params = tool.parameters if tool.parameters is not None else EMPTY_PARAMETERS
+        check_schema(params, f"{tool.param}.{tool.schema_key}")
+        entry = {"name": tool.name, "parameters": params}
+        if tool.description is not None:
+            entry["description"] = tool.description
         tools.append({"type": "function", "function": entry})
-    forced = None
-    if choice is None:
-        choice = "auto"
-    elif not isinstance(choice, str):
-        forced = choice.function.name
-        if forced not in seen:
-            raise APIError(400, f"tool_choice names '{forced}', which is not in tools", param="tool_choice")
-        choice = "function"
+    choice, forced = conv.tool_choice, conv.forced_tool
+    if choice == "function" and forced not in seen:
+        raise APIError(400, f"tool_choice names '{forced}', which is not in tools", param="tool_choice")
     native = model_call_format(tokenizer)
     fmt = native
     if choice in ("required", "function") and native.kind == "tagged" and not native.is_json_tools:
         fmt = JSON_FORMAT  # constrained to the json format
-    parallel = req.parallel_tool_calls is not False and choice != "function"
-    return ToolPlan(tools, choice, forced, parallel, fmt, template_renders_tools(tokenizer))
+    parallel = conv.parallel_tool_calls and choice != "function"
+    return ToolPlan(tools, choice, forced if choice == "function" else None, parallel, fmt,
+                    template_renders_tools(tokenizer))
 
 
 # ---------------------------------------------------------------------- prompt
@@ -164,35 +168,38 @@ def _arguments(text: str) -> Any:
         return text
 
 
-def template_messages(messages: list[Message], plan: Optional[ToolPlan]) -> list[dict[str, Any]]:
-    """OpenAI messages as the dicts chat templates expect: text parts joined, earlier
-    calls' arguments parsed, and, when the template cannot render tools, tools and
-    calls written as text (see the module docstring)."""
+def template_messages(turns: list[Turn], plan: Optional[ToolPlan]) -> list[dict[str, Any]]:
+    """Turns as the dicts chat templates expect: earlier calls' arguments parsed, and,
+    when the template cannot render tools, tools and calls written as text (see the
+    module docstring)."""
     fallback = plan is not None and not plan.in_template
-    names = {c.id: c.function.name for m in messages for c in (m.tool_calls or [])}
+    names = {c.id: c.name for t in turns for c in t.tool_calls}
     out: list[dict[str, Any]] = []
-    for m in messages:
-        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for key in ("tool_call_id", "name", "reasoning_content"):
-            if getattr(m, key) is not None:
-                d[key] = getattr(m, key)
-        if m.tool_calls and fallback:
-            calls = [{"name": c.function.name, "arguments": _arguments(c.function.arguments)} for c in m.tool_calls]
+    for t in turns:
+        d: dict[str, Any] = {"role": t.role, "content": t.text}
+        if t.reasoning is not None:
+            d["reasoning_content"] = t.reasoning
+        if t.tool_calls and fallback:
+            calls = [{"name": c.name, "arguments": _arguments(c.arguments)} for c in t.tool_calls]
             text = json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
-            d["content"] = f"{d['content']}\n{text}" if d["content"] else text
-        elif m.tool_calls:
+            d["content"] = f"{t.text}\n{text}" if t.text else text
+        elif t.tool_calls:
             d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
-        if m.role == "tool":
-            name = m.name or names.get(m.tool_call_id or "")
+                "name": c.name, "arguments": _arguments(c.arguments)}} for c in t.tool_calls]
+        if t.role == "tool":
+            if t.tool_call_id is not None:
+                d["tool_call_id"] = t.tool_call_id
+            name = t.name or names.get(t.tool_call_id or "")
             if name is not None:
                 d["name"] = name
             if fallback:
-                result = f"Result of {name or 'the function'}: {d['content']}"
+                result = f"Result of {name or 'the function'}: {t.text}"
                 if out and out[-1].get("_results"):
                     out[-1]["content"] += "\n" + result
                     continue
                 d = {"role": "user", "content": result, "_results": True}
+        elif t.name is not None:
+            d["name"] = t.name
         out.append(d)
     for d in out:
         d.pop("_results", None)

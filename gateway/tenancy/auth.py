@@ -6,8 +6,8 @@ from typing import Optional
 
 from starlette.requests import Request
 
-from gateway.errors import APIError
-from gateway.tenants import Tenant, TenantTable
+from gateway.http.errors import APIError
+from gateway.tenancy.tenants import Tenant, TenantTable
 
 
 def api_key(request: Request) -> Optional[str]:

@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from gateway.errors import APIError
-from gateway.tenants import Tenant
+from gateway.http.errors import APIError
+from gateway.tenancy.tenants import Tenant
 
 
 class TokenBucket:

@@ -76,3 +76,31 @@ async def wait_for_disconnect(receive: Receive) -> None:
         message = await receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def guarded(chunks: AsyncIterator[bytes], on_error, tail: bytes = b"") -> AsyncIterator[bytes]:
+    """``chunks``, then ``tail``; an :class:`APIError` raised while streaming becomes the
+    event ``on_error(error)`` (in the protocol's own shape), since the status line has
+    already gone out. ``chunks`` is closed (and so its generation cancelled) however the
+    stream ends."""
+    from gateway.http.errors import APIError
+
+    async def run() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except APIError as e:
+            yield on_error(e)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await chunks.aclose()
+        if tail:
+            yield tail
+
+    return run()
+
+
+def named_event(event: str, data: dict) -> bytes:
+    """One SSE event with an ``event:`` name line (Anthropic's and the Responses API's
+    streams), its data JSON-encoded."""
+    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()

@@ -21,8 +21,9 @@ import re
 import uuid
 from typing import Any, Optional
 
-from gateway.textout import holdback
-from gateway.tools import ToolPlan
+from gateway.conversation.textout import holdback
+from gateway.conversation.form import ToolCall, ToolCallDelta
+from gateway.conversation.tools import ToolPlan
 
 
 def new_call_id() -> str:
@@ -30,15 +31,15 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _call(name: Any, arguments: Any) -> Optional[dict]:
+def _call(name: Any, arguments: Any) -> Optional[ToolCall]:
     if not isinstance(name, str) or not isinstance(arguments, (dict, str)):
         return None
     if isinstance(arguments, dict):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+    return ToolCall(new_call_id(), name, arguments)
 
 
-def _json_calls(text: str, names: list[str]) -> Optional[list[dict]]:
+def _json_calls(text: str, names: list[str]) -> Optional[list[ToolCall]]:
     """Calls from a bare JSON text (an object or an array of them), or None."""
     try:
         value = json.loads(text)
@@ -55,7 +56,7 @@ def _json_calls(text: str, names: list[str]) -> Optional[list[dict]]:
     return calls or None
 
 
-def _tagged_calls(body: str, plan: ToolPlan) -> Optional[list[dict]]:
+def _tagged_calls(body: str, plan: ToolPlan) -> Optional[list[ToolCall]]:
     """Calls from the text between a start and an end tag, by mlx-lm's parser, or None."""
     try:
         parsed = plan.format.parser(body, plan.tools)
@@ -64,37 +65,33 @@ def _tagged_calls(body: str, plan: ToolPlan) -> Optional[list[dict]]:
     calls = []
     for item in parsed if isinstance(parsed, list) else [parsed]:
         call = _call(item.get("name"), item.get("arguments")) if isinstance(item, dict) else None
-        if call is None or call["function"]["name"] not in plan.names:
+        if call is None or call.name not in plan.names:
             return None
         calls.append(call)
     return calls or None
 
 
-def whole_call_deltas(calls: list[dict], first_index: int) -> list[dict]:
+def whole_call_deltas(calls: list[ToolCall], first_index: int) -> list[ToolCallDelta]:
     """Deltas for complete calls: id and name first, then all the arguments."""
     deltas = []
     for i, call in enumerate(calls, first_index):
-        fn = call["function"]
-        deltas.append({"index": i, "id": call["id"], "type": "function",
-                       "function": {"name": fn["name"], "arguments": ""}})
-        deltas.append({"index": i, "function": {"arguments": fn["arguments"]}})
+        deltas += [ToolCallDelta(i, "", call.id, call.name), ToolCallDelta(i, call.arguments)]
     return deltas
 
 
 class ToolCallStream:
     """Splits one request's content text into content and tool-call deltas.
 
-    :meth:`feed` and :meth:`finish` return ``(content, deltas)``; each delta is an
-    OpenAI ``tool_calls`` entry (``index``, and ``id``/``type``/``function.name`` on a
-    call's first delta, ``function.arguments`` pieces after). :attr:`calls` holds the
-    calls so far as OpenAI ``tool_calls`` items.
+    :meth:`feed` and :meth:`finish` return ``(content, deltas)``: text to release and
+    :class:`ToolCallDelta` pieces (a call's first piece has its id and name, later ones
+    add to its arguments). :attr:`calls` holds the calls so far.
     """
 
     _HEAD = re.compile(r'\{"name":"([A-Za-z0-9_-]{1,64})","arguments":')
 
     def __init__(self, plan: ToolPlan):
         self.plan = plan
-        self.calls: list[dict] = []
+        self.calls: list[ToolCall] = []
         self._buf = ""
         self._in_call = False
         self._is_text = False
@@ -103,7 +100,7 @@ class ToolCallStream:
         self._depth = 0
         self._in_string = self._escaped = False
 
-    def feed(self, text: str) -> tuple[str, list[dict]]:
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         """Add content text; returns what can be released now."""
         self._buf += text
         if self._constrained:
@@ -112,7 +109,7 @@ class ToolCallStream:
             return self._feed_json(), []
         return self._feed_tagged(final=False)
 
-    def finish(self) -> tuple[str, list[dict]]:
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
         """The end of the output: release what is held back."""
         if self._constrained:
             return "", self._scan_constrained()
@@ -126,13 +123,13 @@ class ToolCallStream:
         out, self._blank = out + ("" if self.calls else self._blank), ""
         return out, deltas
 
-    def _add(self, calls: list[dict]) -> list[dict]:
+    def _add(self, calls: list[ToolCall]) -> list[ToolCallDelta]:
         first = len(self.calls)
         self.calls += calls
         return whole_call_deltas(calls, first)
 
     # ------------------------------------------------------------------ constrained
-    def _scan_constrained(self) -> list[dict]:
+    def _scan_constrained(self) -> list[ToolCallDelta]:
         """Stream calls of the grammar's shape: separators and tags between calls are
         skipped, the name is sent once complete, the arguments as they come."""
         deltas = []
@@ -141,19 +138,17 @@ class ToolCallStream:
                 m = self._HEAD.search(self._buf)
                 if m is None:
                     break
-                call = {"id": new_call_id(), "type": "function",
-                        "function": {"name": m.group(1), "arguments": ""}}
+                call = ToolCall(new_call_id(), m.group(1), "")
                 self.calls.append(call)
-                deltas.append({"index": len(self.calls) - 1, "id": call["id"], "type": "function",
-                               "function": {"name": m.group(1), "arguments": ""}})
+                deltas.append(ToolCallDelta(len(self.calls) - 1, "", call.id, call.name))
                 self._buf = self._buf[m.end():]
                 self._in_call, self._depth = True, 0
             end = self._arguments_end()
             piece = self._buf if end is None else self._buf[:end]
             self._buf = "" if end is None else self._buf[end:]
             if piece:
-                self.calls[-1]["function"]["arguments"] += piece
-                deltas.append({"index": len(self.calls) - 1, "function": {"arguments": piece}})
+                self.calls[-1].arguments += piece
+                deltas.append(ToolCallDelta(len(self.calls) - 1, piece))
             if end is not None:
                 self._in_call = False
         return deltas
@@ -194,7 +189,7 @@ class ToolCallStream:
         text, self._buf = self._buf, ""
         return text
 
-    def _feed_tagged(self, final: bool) -> tuple[str, list[dict]]:
+    def _feed_tagged(self, final: bool) -> tuple[str, list[ToolCallDelta]]:
         start, end = self.plan.format.start, self.plan.format.end
         out, deltas = "", []
         while self._buf:

@@ -1,0 +1,157 @@
+"""The one internal request form that every protocol maps into, and the events that
+come back out.
+
+OpenAI chat completions, OpenAI Responses and Anthropic Messages are thin adapters
+(:mod:`gateway.protocols`): each turns its JSON into a :class:`Conversation` and turns
+the :data:`ChatEvent` stream of :class:`gateway.conversation.run.ChatRun` into its own
+answer. Nothing below the adapters knows which protocol a request came in on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from scheduler.request import TokenEvent
+
+
+@dataclass
+class ToolCall:
+    """A call the assistant made: ``arguments`` is a JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass
+class Turn:
+    """One message. ``role`` is ``system``, ``user``, ``assistant`` or ``tool``;
+    ``tool_call_id`` (and ``name``, when known) tie a tool result to its call."""
+
+    role: str
+    text: str = ""
+    reasoning: Optional[str] = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: Optional[str] = None
+    name: Optional[str] = None
+
+
+@dataclass
+class FunctionTool:
+    """A function the model may call. ``parameters`` is a JSON Schema (None: no
+    arguments); ``param`` is where the tool sits in the request and ``schema_key``
+    its schema's field, for error messages (e.g. ``tools.0.function`` and
+    ``parameters`` in OpenAI's form, ``tools.0`` and ``input_schema`` in Anthropic's)."""
+
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict] = None
+    param: str = "tools"
+    schema_key: str = "parameters"
+
+
+@dataclass
+class Sampling:
+    """Decoding settings as the client gave them (None: the server's default)."""
+
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+@dataclass
+class Conversation:
+    """A chat request, whatever protocol it came in on.
+
+    ``tool_choice`` is ``none``, ``auto``, ``required`` or ``function`` (then
+    ``forced_tool`` names it). ``output_schema`` is a JSON Schema the answer must match
+    (None: free text); ``output_param`` names it in error messages. ``template_kwargs``
+    go to the chat template (e.g. ``enable_thinking``).
+    """
+
+    turns: list[Turn]
+    sampling: Sampling = field(default_factory=Sampling)
+    tools: list[FunctionTool] = field(default_factory=list)
+    tool_choice: str = "auto"
+    forced_tool: Optional[str] = None
+    parallel_tool_calls: bool = True
+    output_schema: Optional[dict] = None
+    output_param: str = "response_format"
+    stop: list[str] = field(default_factory=list)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    model: Optional[str] = None
+    stream: bool = False
+
+
+# ---------------------------------------------------------------------- events
+@dataclass
+class ToolCallDelta:
+    """A piece of tool call ``index``: its first piece has ``id`` and ``name``, later
+    ones add to ``arguments`` (see :mod:`gateway.conversation.tool_stream`)."""
+
+    index: int
+    arguments: str = ""
+    id: Optional[str] = None
+    name: Optional[str] = None
+
+
+@dataclass
+class Piece:
+    """What one batch of generated tokens adds to the answer: ``text``, ``reasoning``
+    (thinking) text, tool-call pieces, and the ``tokens`` behind them (with logprobs
+    when asked for)."""
+
+    text: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    tokens: list[TokenEvent] = field(default_factory=list)
+
+
+@dataclass
+class Comment:
+    """Not part of the answer: prefill progress or a keep-alive (SSE comments)."""
+
+    text: str
+
+
+@dataclass
+class Usage:
+    """Tokens: ``prompt`` includes ``cached`` (served from the prefix cache)."""
+
+    prompt: int
+    completion: int
+    cached: int
+
+
+@dataclass
+class Finished:
+    """The end: ``reason`` is ``stop`` (end of turn), ``stop_sequence`` (then
+    ``stop_sequence`` is the one matched), ``length`` or ``tool_calls``."""
+
+    reason: str
+    usage: Usage
+    stop_sequence: Optional[str] = None
+
+
+ChatEvent = Union[Piece, Comment, Finished]
+
+
+@dataclass
+class ChatResult:
+    """A whole answer, collected from the events (non-streamed requests)."""
+
+    text: str
+    reasoning: str
+    tool_calls: list[ToolCall]
+    finished: Finished
+    tokens: list[TokenEvent]

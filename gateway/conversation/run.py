@@ -1,0 +1,296 @@
+"""One generation, from a checked request to its events: the part every protocol shares.
+
+:func:`prepare_chat` renders a :class:`Conversation` (template, tools, output grammar)
+in a worker thread; :class:`Run` submits the prompt to the engine and turns the
+engine's token events into :data:`ChatEvent` pieces (text, reasoning, tool-call
+pieces), while it keeps the books: usage, metrics (labelled by ``api``), the request
+log and the tenant's completion-token charge.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator, Optional
+
+import anyio
+
+from gateway.conversation.form import ChatResult, Comment, Conversation, Finished, Piece, Sampling, Usage
+from gateway.conversation.generation import Generation, KeepAlive
+from gateway.conversation.prompts import Prompt, render_chat
+from gateway.conversation.structured import output_mask
+from gateway.conversation.textout import TextAssembler
+from gateway.conversation.tool_stream import ToolCallStream
+from gateway.conversation.tools import ToolPlan, plan_tools
+from gateway.http.errors import APIError
+from gateway.http.sse import wait_for_disconnect
+from gateway.telemetry.request_log import RequestRecord
+from gateway.tenancy.limits import Ticket
+from gateway.tenancy.tenants import Tenant
+from scheduler import Engine, SamplingParams
+from scheduler.grammar import TokenMask
+from scheduler.request import DoneEvent, ErrorEvent, ProgressEvent, PromptEvent, TokenEvent
+
+if TYPE_CHECKING:
+    from gateway.http.app import ServerState
+
+
+@dataclass
+class Call:
+    """One admitted HTTP call: who made it, on which ``api`` (``chat``, ``completions``,
+    ``messages``, ``responses``), and the record the middleware logs."""
+
+    tenant: Tenant
+    ticket: Ticket
+    record: RequestRecord
+    engine: Engine
+    api: str
+    body: object = None
+
+
+def sampling_params(state: "ServerState", tenant: Tenant, s: Sampling) -> SamplingParams:
+    """The engine's settings for ``s``, with the server's defaults filled in.
+
+    Raises:
+        APIError: 400 for ``max_tokens`` over the tenant's limit or a ``logit_bias``
+            token outside the vocabulary.
+    """
+    cfg = state.config
+    limit = min(cfg.max_tokens_limit, tenant.max_tokens or cfg.max_tokens_limit)
+    wanted = s.max_tokens if s.max_tokens is not None else min(cfg.max_tokens, limit)
+    if wanted > limit:
+        raise APIError(400, f"max_tokens {wanted} is over this key's limit of {limit}", param="max_tokens")
+    top_k = s.top_k if s.top_k is not None else cfg.top_k
+    if top_k >= state.vocab_size:
+        top_k = 0  # keeping every token is no filter (and mlx-lm refuses k >= vocabulary)
+    bias = s.logit_bias or {}
+    for k in bias:
+        if int(k) >= state.vocab_size:
+            raise APIError(400, f"logit_bias token id {k} is outside the vocabulary (size {state.vocab_size})",
+                           param="logit_bias")
+    return SamplingParams(
+        max_tokens=wanted,
+        temperature=s.temperature if s.temperature is not None else cfg.temp,
+        top_p=s.top_p if s.top_p is not None else cfg.top_p,
+        top_k=max(0, top_k),
+        min_p=s.min_p if s.min_p is not None else cfg.min_p,
+        seed=s.seed,
+        logprobs=s.logprobs,
+        top_logprobs=s.top_logprobs if s.logprobs else 0,
+        presence_penalty=s.presence_penalty or 0.0,
+        frequency_penalty=s.frequency_penalty or 0.0,
+        repetition_penalty=s.repetition_penalty or 0.0,
+        logit_bias=tuple((int(k), v) for k, v in bias.items()),
+    )
+
+
+def fit_context(state: "ServerState", prompt: Prompt, params: SamplingParams) -> SamplingParams:
+    """``params`` with ``max_tokens`` cut to the room the context leaves.
+
+    Raises:
+        APIError: 400 for a prompt over ``--max-prompt-tokens`` or the model's context.
+    """
+    n = len(prompt.tokens)
+    cap = state.config.max_prompt_tokens
+    if cap is not None and n > cap:
+        raise APIError(400, f"the prompt has {n} tokens; this server's limit is {cap} tokens",
+                       param="messages", code="context_length_exceeded")
+    if n >= state.context_length:
+        raise APIError(400, f"the prompt has {n} tokens; this model's context is {state.context_length} tokens",
+                       param="messages", code="context_length_exceeded")
+    room = state.context_length - n
+    if params.max_tokens > room:
+        params = SamplingParams(**{**params.__dict__, "max_tokens": room})
+    return params
+
+
+def prepare_chat(state: "ServerState", conv: Conversation) -> tuple[Prompt, Optional[ToolPlan], Optional[TokenMask]]:
+    """Tools, prompt and output grammar of a conversation. Runs in a worker thread:
+    template, tokenizer and grammar compilation are CPU work that must not stall the
+    event loop, and none of it touches MLX.
+
+    Raises:
+        APIError: 400 for bad tools, schemas or a conversation the template rejects.
+    """
+    plan = plan_tools(conv, state.tokenizer)
+    mask = output_mask(state.grammars, conv, plan)
+    cfg = state.config
+    prompt = render_chat(state.tokenizer, conv, cfg.chat_template_args, cfg.checkpoint_every, plan)
+    return prompt, plan, mask
+
+
+def text_assembler(state: "ServerState", stop: list[str], opens_reasoning: bool, reasoning: bool = True
+                   ) -> TextAssembler:
+    """A :class:`TextAssembler` for the served tokenizer (reasoning split when the
+    model thinks and ``reasoning`` is true)."""
+    tok = state.tokenizer
+    think = (tok.think_start, tok.think_end) if reasoning and getattr(tok, "has_thinking", False) else None
+    return TextAssembler(tok, stop=list(stop), think=think, in_reasoning=opens_reasoning and think is not None,
+                         skip_ids=frozenset(tok.eos_token_ids))
+
+
+@dataclass
+class Run:
+    """A prompt in the engine, seen as :data:`ChatEvent` s.
+
+    Built by :meth:`submit`; iterate :meth:`events` (streaming) or await :meth:`collect`.
+    """
+
+    state: "ServerState"
+    call: Call
+    prompt: Prompt
+    gen: Generation
+    asm: TextAssembler
+    plan: Optional[ToolPlan] = None
+    tokens: list[TokenEvent] = field(default_factory=list)
+    calls: list = field(default_factory=list)
+    cached: int = 0
+    finish: str = "stop"
+
+    @classmethod
+    def submit(cls, state: "ServerState", call: Call, prompt: Prompt, params: SamplingParams,
+               asm: TextAssembler, plan: Optional[ToolPlan] = None, mask: Optional[TokenMask] = None) -> "Run":
+        """Check the prompt against the limits and hand it to the engine.
+
+        Raises:
+            APIError: 400 for a prompt over the context or the prompt limit, 413/429
+                from the tenant's prompt-token limit, 429 when the tenant's queue is
+                full, 503 when the engine cannot take it.
+        """
+        params = fit_context(state, prompt, params)
+        call.ticket.charge_prompt(len(prompt.tokens))
+        t = call.tenant
+        gen = Generation(call.engine, prompt.tokens, params, prompt.checkpoints, namespace=t.cache_group,
+                         tenant=t.name, weight=t.weight, max_queued=t.max_queued, mask=mask)
+        call.record.request_id = gen.id
+        call.record.prompt_tokens = len(prompt.tokens)
+        if state.config.log_prompts:
+            call.record.prompt = state.tokenizer.decode(prompt.tokens)
+        try:
+            gen.submit()
+        except APIError as e:
+            if e.status == 429:
+                state.metrics.rate_limited.labels(t.name, "queue").inc()
+            raise
+        return cls(state, call, prompt, gen, asm, plan)
+
+    async def events(self) -> AsyncIterator[Piece | Comment | Finished]:
+        """The answer as it is generated, ending with :class:`Finished`.
+
+        Raises:
+            APIError: the engine failed the request.
+        """
+        tools = ToolCallStream(self.plan) if self.plan is not None and self.plan.parses else None
+        async for piece in self._pieces():
+            if isinstance(piece, Comment):
+                yield piece
+                continue
+            if tools is not None and piece.text:
+                piece.text, piece.tool_calls = tools.feed(piece.text)
+            if piece.text or piece.reasoning or piece.tool_calls or piece.tokens:
+                yield piece
+        if tools is not None:
+            text, deltas = tools.finish()
+            if text or deltas:
+                yield Piece(text=text, tool_calls=deltas)
+        reason, matched = self.finish, self.asm.matched
+        if tools is not None and tools.calls and reason == "stop":
+            reason = "tool_calls"
+        elif reason == "stop" and matched is not None:
+            reason = "stop_sequence"
+        self.calls = tools.calls if tools is not None else []
+        yield Finished(reason, Usage(len(self.prompt.tokens), len(self.tokens), self.cached), matched)
+
+    async def collect(self, request) -> Optional[ChatResult]:
+        """The whole answer; None when the client left before anything was generated
+        (the generation is cancelled as soon as it leaves).
+
+        Raises:
+            APIError: the generation failed.
+        """
+        text, reasoning, done, error = [], [], [], []
+        events = self.events()
+        async with anyio.create_task_group() as tg:
+
+            async def consume() -> None:
+                try:
+                    async for ev in events:
+                        if isinstance(ev, Piece):
+                            text.append(ev.text)
+                            reasoning.append(ev.reasoning)
+                        elif isinstance(ev, Finished):
+                            done.append(ev)
+                except APIError as e:
+                    error.append(e)
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await events.aclose()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(consume)
+            await wait_for_disconnect(request.receive)
+            tg.cancel_scope.cancel()
+        if error:
+            raise error[0]
+        if not done:
+            return None
+        return ChatResult("".join(text), "".join(reasoning), self.calls, done[0], self.tokens)
+
+    async def _pieces(self) -> AsyncIterator[Piece | Comment]:
+        """Engine events as text pieces, with the bookkeeping (usage, metrics, log)."""
+        state, call, gen = self.state, self.call, self.gen
+        tenant, rec, m = call.tenant.name, call.record, state.metrics
+        labels = (tenant, state.model_id)
+        prompt_len = len(self.prompt.tokens)
+        first_at: Optional[float] = None
+        try:
+            async for ev in gen.events(keepalive=state.config.sse_keepalive):
+                if isinstance(ev, KeepAlive):
+                    yield Comment("keep-alive")
+                elif isinstance(ev, ProgressEvent):
+                    yield Comment(f"prefill {ev.done}/{ev.total}")
+                elif isinstance(ev, PromptEvent):
+                    self.cached = ev.cached_tokens
+                    rec.queue_seconds = time.monotonic() - gen.arrival
+                    rec.cached_tokens = ev.cached_tokens
+                    m.prompt_tokens.labels(*labels).inc(prompt_len)
+                    m.cached_tokens.labels(*labels).inc(ev.cached_tokens)
+                    state.usage.add(tenant, prompt=prompt_len, cached=ev.cached_tokens)
+                elif isinstance(ev, TokenEvent):
+                    if first_at is None:
+                        first_at = time.monotonic()
+                        rec.ttft_seconds = first_at - gen.arrival
+                        m.ttft.labels(*labels).observe(first_at - gen.arrival)
+                    self.tokens.append(ev)
+                    call.ticket.charge_completion(1)
+                    d = self.asm.feed(ev.token)
+                    yield Piece(d.content, d.reasoning, tokens=[ev])
+                    if self.asm.stopped:
+                        gen.cancel()
+                        self.finish = "stop"
+                        break
+                elif isinstance(ev, DoneEvent):
+                    if ev.finish_reason in ("stop", "length"):
+                        self.finish = ev.finish_reason
+                    break
+                elif isinstance(ev, ErrorEvent):
+                    raise APIError(ev.status, ev.message)
+            tail = self.asm.finish()
+            if tail:
+                yield Piece(tail.content, tail.reasoning)
+        finally:
+            gen.cancel()
+            now = time.monotonic()
+            n = len(self.tokens)
+            rec.completion_tokens = n
+            rec.finish_reason = self.finish if gen.finished else "cancelled"
+            m.completion_tokens.labels(*labels).inc(n)
+            state.usage.add(tenant, completion=n)
+            if first_at is not None:
+                m.e2e.labels(*labels).observe(now - gen.arrival)
+                if n > 1:
+                    m.tpot.labels(*labels).observe((now - first_at) / (n - 1))
+
+    async def aclose(self) -> None:
+        """Cancel the generation if it still runs (idempotent)."""
+        self.gen.cancel()

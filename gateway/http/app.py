@@ -1,0 +1,118 @@
+"""The Starlette application: every route, declared in one table, over one :class:`Engine`.
+
+The layers below it: :mod:`gateway.protocols` (one adapter per API), :mod:`gateway.conversation`
+(the internal request form and the generation every adapter shares), :mod:`gateway.tenancy`
+(keys, limits, usage) and the rest of :mod:`gateway.http` (middleware, errors, SSE).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from prometheus_client import CollectorRegistry
+from starlette.applications import Starlette
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.config import ServeConfig
+from gateway.http import service
+from gateway.http.errors import APIError
+from gateway.http.middleware import GatewayMiddleware
+from gateway.http.openapi import openapi_json
+from gateway.protocols.openai_chat import chat_completions
+from gateway.protocols.openai_completions import completions
+from gateway.telemetry.metrics import GatewayMetrics, prime
+from gateway.tenancy.limits import Limiter
+from gateway.tenancy.tenants import TenantTable, open_table
+from gateway.tenancy.usage import UsageBook
+from scheduler import Engine
+from scheduler.grammar import Grammars
+
+log = logging.getLogger("mlx_gateway.app")
+
+# (method, path, endpoint): every route the gateway serves.
+ROUTES = [
+    ("POST", "/v1/chat/completions", chat_completions),
+    ("POST", "/v1/completions", completions),
+    ("GET", "/v1/models", service.models),
+    ("GET", "/v1/models/{model_id:path}", service.model),
+    ("GET", "/v1/usage", service.usage_report),
+    ("POST", "/admin/cache/flush", service.flush_cache),
+    ("GET", "/health", service.health),
+    ("GET", "/metrics", service.metrics),
+    ("GET", "/openapi.json", openapi_json),
+]
+
+
+@dataclass
+class ServerState:
+    """What the routes need; ``engine`` is None until the model has loaded.
+
+    ``tenants`` is replaced as a whole on reload (SIGHUP); requests in flight keep the
+    :class:`Tenant` they started with.
+    """
+
+    config: ServeConfig
+    registry: CollectorRegistry
+    metrics: GatewayMetrics
+    model_id: str
+    tenants: TenantTable = field(default_factory=lambda: open_table(loopback=True))
+    engine: Optional[Engine] = None
+    tokenizer: object = None
+    context_length: int = 32768
+    vocab_size: int = 0
+    grammars: Optional[Grammars] = None
+    load_error: Optional[str] = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    usage: UsageBook = field(default_factory=UsageBook)
+    limiter: Limiter = field(default_factory=Limiter)
+
+    def __post_init__(self) -> None:
+        self.limiter.on_limited = lambda tenant, limit: self.metrics.rate_limited.labels(tenant, limit).inc()
+
+    def set_tenants(self, table: TenantTable) -> None:
+        """Use ``table`` from now on, apply its cache-group quotas and create its metric series."""
+        self.tenants = table
+        self.prime_metrics()
+        if self.engine is not None:
+            self.engine.prompt_cache.set_quotas(table.quotas())
+
+    def prime_metrics(self) -> None:
+        """Create the configured tenants' and cache groups' series at 0 (see :func:`prime`)."""
+        tenants = self.tenants.all()
+        prime(self.metrics, [t.name for t in tenants], self.model_id)
+        if self.engine is not None:
+            self.engine.prime_metrics([t.name for t in tenants], {t.cache_group for t in tenants})
+
+
+# ---------------------------------------------------------------------- assembly
+def create_app(state: ServerState) -> Starlette:
+    """The ASGI app serving ``state``: routes inside :class:`GatewayMiddleware`, inside
+    CORS (``config.allowed_origins``; ``chrome-extension://ID`` and
+    ``moz-extension://ID`` origins are matched like any other)."""
+    routes = [Route(path, endpoint, methods=[method]) for method, path, endpoint in ROUTES]
+
+    async def not_found(request: Request, exc) -> Response:
+        code = getattr(exc, "status_code", 404)
+        return APIError(code, f"{request.method} {request.url.path}: {getattr(exc, 'detail', 'not found')}").response()
+
+    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+    app.state.gateway = state
+    app.add_middleware(GatewayMiddleware, state=state)
+    if state.config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(state.config.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=["Retry-After", "x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
+                            "x-ratelimit-reset-requests", "x-ratelimit-limit-tokens",
+                            "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens"],
+            max_age=600,
+        )
+    return app

@@ -1,0 +1,134 @@
+"""OpenAI ``POST /v1/chat/completions``: a thin adapter between OpenAI's JSON and the
+internal :class:`Conversation` and its events."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, AsyncIterator
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.conversation.form import Comment, Conversation, FunctionTool, Piece, Sampling, ToolCall, Turn
+from gateway.conversation.generation import new_id
+from gateway.conversation.run import Run, prepare_chat, sampling_params, text_assembler
+from gateway.http.calls import admit, check_model
+from gateway.http.errors import APIError
+from gateway.http.sse import SSEResponse, comment, guarded, sse
+from gateway.protocols.openai_format import LogprobFormatter, chat_chunk, chat_completion, usage, usage_chunk
+from gateway.protocols.openai_schemas import ChatRequest, parse
+
+if TYPE_CHECKING:
+    from gateway.http.app import ServerState
+
+FINISH = {"stop_sequence": "stop"}  # OpenAI has one "stop" for both
+
+
+def to_conversation(req: ChatRequest) -> Conversation:
+    """OpenAI's chat request as the internal form (``developer`` is a system turn)."""
+    turns = [Turn(
+        role="system" if m.role == "developer" else m.role, text=m.text(), reasoning=m.reasoning_content,
+        tool_calls=[ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []],
+        tool_call_id=m.tool_call_id, name=m.name) for m in req.messages]
+    tools = [FunctionTool(t.function.name, t.function.description, t.function.parameters, f"tools.{i}.function")
+             for i, t in enumerate(req.tools or [])]
+    choice, forced = req.tool_choice or "auto", None
+    if not isinstance(choice, str):
+        choice, forced = "function", choice.function.name
+    fmt, schema = req.response_format, None
+    if fmt is not None and fmt.type == "json_object":
+        schema = {"type": "object"}
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise APIError(400, "response_format of type json_schema needs a json_schema object",
+                           param="response_format.json_schema")
+        schema = fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {"type": "object"}
+    sampling = Sampling(
+        max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+        top_k=req.top_k, min_p=req.min_p, seed=req.seed, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+        logit_bias=req.logit_bias, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
+    return Conversation(
+        turns, sampling, tools, choice, forced, req.parallel_tool_calls is not False, schema,
+        "response_format.json_schema.schema", list(req.stop or []), dict(req.chat_template_kwargs or {}),
+        req.model, req.stream)
+
+
+def _tool_call_dicts(calls: list[ToolCall]) -> list[dict]:
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+
+
+def _delta(piece: Piece) -> dict:
+    d: dict = {}
+    if piece.reasoning:
+        d["reasoning_content"] = piece.reasoning
+    if piece.text:
+        d["content"] = piece.text
+    if piece.tool_calls:
+        d["tool_calls"] = []
+        for t in piece.tool_calls:
+            entry: dict = {"index": t.index, "function": {"arguments": t.arguments}}
+            if t.id is not None:
+                entry.update(id=t.id, type="function")
+                entry["function"]["name"] = t.name
+            d["tool_calls"].append(entry)
+    return d
+
+
+async def start_chat(state: "ServerState", call, conv: Conversation) -> Run:
+    """Render ``conv`` (worker thread) and submit it; shared by the protocols whose
+    requests are conversations.
+
+    Raises:
+        APIError: 400 for a bad conversation, 429/503 when it cannot be queued.
+    """
+    check_model(state, call.tenant, conv.model)
+    call.record.stream = conv.stream
+    params = sampling_params(state, call.tenant, conv.sampling)
+    prompt, plan, mask = await anyio.to_thread.run_sync(prepare_chat, state, conv)
+    asm = text_assembler(state, conv.stop, prompt.opens_reasoning)
+    return Run.submit(state, call, prompt, params, asm, plan, mask)
+
+
+async def chat_completions(request: Request) -> Response:
+    state: "ServerState" = request.app.state.gateway
+    call = await admit(state, request, "chat", "chat")
+    req = parse(ChatRequest, call.body)
+    run = await start_chat(state, call, to_conversation(req))
+    fmt = LogprobFormatter(state.tokenizer) if req.logprobs else None
+    rid, model = new_id("chatcmpl"), state.model_id
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        created = int(time.time())
+
+        async def chunks() -> AsyncIterator[bytes]:
+            yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
+            async for ev in run.events():
+                if isinstance(ev, Comment):
+                    yield comment(ev.text)
+                elif isinstance(ev, Piece):
+                    d = _delta(ev)
+                    lps = [fmt.chat_entry(t) for t in ev.tokens] if fmt else None
+                    if d or lps:
+                        yield sse(chat_chunk(rid, model, created, d, None, lps))
+                else:
+                    yield sse(chat_chunk(rid, model, created, {}, FINISH.get(ev.reason, ev.reason)))
+                    if include_usage:
+                        u = ev.usage
+                        yield sse(usage_chunk(rid, model, created, "chat.completion.chunk",
+                                              usage(u.prompt, u.completion, u.cached)))
+
+        return SSEResponse(guarded(chunks(), lambda e: sse(e.body()), sse("[DONE]")),
+                           send_timeout=state.config.client_timeout)
+
+    result = await run.collect(request)
+    if result is None:
+        return Response(status_code=499)
+    u = result.finished.usage
+    lps = [fmt.chat_entry(t) for t in result.tokens] if fmt else None
+    return JSONResponse(chat_completion(
+        rid, model, result.text, result.reasoning, FINISH.get(result.finished.reason, result.finished.reason), lps,
+        usage(u.prompt, u.completion, u.cached), _tool_call_dicts(result.tool_calls)))
+
