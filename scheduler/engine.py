@@ -92,6 +92,7 @@ class _Active:
     processed: int = 0
     generated: int = 0
     decoding: bool = False
+    stored: int = 0  # longest prompt prefix this request stored in the prefix cache (tokens)
 
 
 @dataclass
@@ -504,7 +505,7 @@ class Engine:
             if gr.finish_reason is not None:
                 self._save_snapshot(a, gr.all_tokens, gr.prompt_cache)
                 self.stats.finished += 1
-                self._finish(a, DoneEvent(gr.finish_reason), events.pop(gr.uid))
+                self._finish(a, DoneEvent(gr.finish_reason, max(0, a.stored - a.cached)), events.pop(gr.uid))
         for uid, evs in events.items():
             a = self._active.get(uid)
             if a is not None:
@@ -586,6 +587,7 @@ class Engine:
             mx.eval([layer.state for layer in cache])
             if self.prompt_cache.insert(a.request.namespace, list(tokens), cache):
                 self.stats.snapshots_saved += 1
+                a.stored = max(a.stored, min(len(tokens), len(a.request.tokens)))
         except Exception:
             log.exception("saving a snapshot for request %s failed", a.request.id)
 

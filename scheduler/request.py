@@ -49,9 +49,12 @@ class PromptEvent:
 
 @dataclass
 class DoneEvent:
-    """The request ended. ``finish_reason`` is ``stop``, ``length`` or ``cancelled``."""
+    """The request ended. ``finish_reason`` is ``stop``, ``length`` or ``cancelled``;
+    ``cache_written`` is how many prompt tokens past its cached prefix the request
+    stored in the prefix cache (tokens)."""
 
     finish_reason: str
+    cache_written: int = 0
 
 
 @dataclass

@@ -126,11 +126,13 @@ class Comment:
 
 @dataclass
 class Usage:
-    """Tokens: ``prompt`` includes ``cached`` (served from the prefix cache)."""
+    """Tokens: ``prompt`` includes ``cached`` (read from the prefix cache);
+    ``cache_written`` prompt tokens past those were stored in it by this request."""
 
     prompt: int
     completion: int
     cached: int
+    cache_written: int = 0
 
 
 @dataclass

@@ -22,30 +22,16 @@ from gateway.conversation.structured import output_mask
 from gateway.conversation.textout import TextAssembler
 from gateway.conversation.tool_stream import ToolCallStream
 from gateway.conversation.tools import ToolPlan, plan_tools
+from gateway.http.calls import Call, check_model
 from gateway.http.errors import APIError
 from gateway.http.sse import wait_for_disconnect
-from gateway.telemetry.request_log import RequestRecord
-from gateway.tenancy.limits import Ticket
 from gateway.tenancy.tenants import Tenant
-from scheduler import Engine, SamplingParams
+from scheduler import SamplingParams
 from scheduler.grammar import TokenMask
 from scheduler.request import DoneEvent, ErrorEvent, ProgressEvent, PromptEvent, TokenEvent
 
 if TYPE_CHECKING:
     from gateway.http.app import ServerState
-
-
-@dataclass
-class Call:
-    """One admitted HTTP call: who made it, on which ``api`` (``chat``, ``completions``,
-    ``messages``, ``responses``), and the record the middleware logs."""
-
-    tenant: Tenant
-    ticket: Ticket
-    record: RequestRecord
-    engine: Engine
-    api: str
-    body: object = None
 
 
 def sampling_params(state: "ServerState", tenant: Tenant, s: Sampling) -> SamplingParams:
@@ -129,6 +115,22 @@ def text_assembler(state: "ServerState", stop: list[str], opens_reasoning: bool,
                          skip_ids=frozenset(tok.eos_token_ids))
 
 
+async def start_conversation(state: "ServerState", call: Call, conv: Conversation) -> "Run":
+    """Check the model, render ``conv`` (worker thread) and submit it: the start of every
+    protocol whose requests are conversations.
+
+    Raises:
+        APIError: 404/403 for the model, 400 for a bad conversation, 413/429/503 when it
+            cannot be queued.
+    """
+    check_model(state, call.tenant, conv.model)
+    call.record.stream = conv.stream
+    params = sampling_params(state, call.tenant, conv.sampling)
+    prompt, plan, mask = await anyio.to_thread.run_sync(prepare_chat, state, conv)
+    asm = text_assembler(state, conv.stop, prompt.opens_reasoning)
+    return Run.submit(state, call, prompt, params, asm, plan, mask)
+
+
 @dataclass
 class Run:
     """A prompt in the engine, seen as :data:`ChatEvent` s.
@@ -145,6 +147,7 @@ class Run:
     tokens: list[TokenEvent] = field(default_factory=list)
     calls: list = field(default_factory=list)
     cached: int = 0
+    cache_written: int = 0
     finish: str = "stop"
 
     @classmethod
@@ -199,7 +202,8 @@ class Run:
         elif reason == "stop" and matched is not None:
             reason = "stop_sequence"
         self.calls = tools.calls if tools is not None else []
-        yield Finished(reason, Usage(len(self.prompt.tokens), len(self.tokens), self.cached), matched)
+        yield Finished(reason, Usage(len(self.prompt.tokens), len(self.tokens), self.cached, self.cache_written),
+                       matched)
 
     async def collect(self, request) -> Optional[ChatResult]:
         """The whole answer; None when the client left before anything was generated
@@ -272,6 +276,7 @@ class Run:
                 elif isinstance(ev, DoneEvent):
                     if ev.finish_reason in ("stop", "length"):
                         self.finish = ev.finish_reason
+                    self.cache_written = ev.cache_written
                     break
                 elif isinstance(ev, ErrorEvent):
                     raise APIError(ev.status, ev.message)

@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from gateway.config import ServeConfig
 from gateway.http import service
-from gateway.http.errors import APIError
+from gateway.http.errors import APIError, error_style
 from gateway.http.middleware import GatewayMiddleware
 from gateway.http.openapi import openapi_json
 from gateway.protocols.openai_chat import chat_completions
@@ -99,7 +99,8 @@ def create_app(state: ServerState) -> Starlette:
 
     async def not_found(request: Request, exc) -> Response:
         code = getattr(exc, "status_code", 404)
-        return APIError(code, f"{request.method} {request.url.path}: {getattr(exc, 'detail', 'not found')}").response()
+        error = APIError(code, f"{request.method} {request.url.path}: {getattr(exc, 'detail', 'not found')}")
+        return error.response(error_style(request.url.path))
 
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
     app.state.gateway = state

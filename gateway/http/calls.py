@@ -3,20 +3,34 @@ the engine and the tenant's limits, read the body, and check the model."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from starlette.requests import Request
 
-from gateway.conversation.run import Call
 from gateway.http.body import read_json
 from gateway.http.errors import APIError
 from gateway.telemetry.request_log import RequestRecord
 from gateway.tenancy.auth import authenticate
+from gateway.tenancy.limits import Ticket
 from gateway.tenancy.tenants import Tenant
 from scheduler import Engine
 
 if TYPE_CHECKING:
     from gateway.http.app import ServerState
+
+
+@dataclass
+class Call:
+    """One admitted HTTP call: who made it, on which ``api`` (``chat``, ``completions``,
+    ``messages``, ``responses``), and the record the middleware logs."""
+
+    tenant: Tenant
+    ticket: Ticket
+    record: RequestRecord
+    engine: Engine
+    api: str
+    body: object = None
 
 
 def ready_engine(state: "ServerState") -> Engine:

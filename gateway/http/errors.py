@@ -1,4 +1,6 @@
-"""Errors in OpenAI's format: ``{"error": {"message", "type", "param", "code"}}``."""
+"""Errors in OpenAI's format, ``{"error": {"message", "type", "param", "code"}}``, or in
+Anthropic's, ``{"type": "error", "error": {"type", "message"}}`` (the ``/v1/messages``
+routes)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,26 @@ _TYPES = {
     500: "server_error",
     503: "service_unavailable",
 }
+
+
+# Anthropic's error types by status (docs.anthropic.com, "Errors").
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    431: "invalid_request_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
+def error_style(path: str) -> str:
+    """``anthropic`` for the Anthropic Messages routes, else ``openai``."""
+    return "anthropic" if path.startswith("/v1/messages") else "openai"
 
 
 class APIError(Exception):
@@ -53,5 +75,12 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict:
+        message = self.message if self.param is None else f"{self.param}: {self.message}"
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
+                                           "message": message}}
+
+    def response(self, style: str = "openai") -> JSONResponse:
+        """The JSON answer in ``style`` (``openai`` or ``anthropic``)."""
+        body = self.anthropic_body() if style == "anthropic" else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)

@@ -8,7 +8,7 @@ import time
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.http.errors import APIError
+from gateway.http.errors import APIError, error_style
 
 log = logging.getLogger("mlx_gateway.app")
 
@@ -29,8 +29,11 @@ class GatewayMiddleware:
     Routes leave ``tenant`` (a Tenant), ``ticket`` and ``record`` in ``request.state``.
     """
 
-    ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/usage", "/health",
-                 "/metrics", "/admin/cache/flush", "/openapi.json"}
+    ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
+                 "/v1/responses", "/v1/models", "/v1/usage", "/health", "/metrics", "/admin/cache/flush",
+                 "/openapi.json"}
+    # Paths with an id, counted under one label each.
+    PREFIXES = ("/v1/models/", "/v1/responses/")
 
     # Scrapes and health checks are not client requests: counted only when they fail.
     UNCOUNTED = {"/metrics", "/health"}
@@ -65,12 +68,13 @@ class GatewayMiddleware:
         except APIError as e:
             status["code"] = e.status
             if not status["started"]:
-                await e.response()(scope, receive, send_wrapper)
+                await e.response(error_style(scope.get("path", "")))(scope, receive, send_wrapper)
         except Exception as e:
             log.exception("unhandled error on %s", scope.get("path"))
             status["code"] = 500
             if not status["started"]:
-                await APIError(500, f"internal error: {type(e).__name__}").response()(scope, receive, send)
+                error = APIError(500, f"internal error: {type(e).__name__}")
+                await error.response(error_style(scope.get("path", "")))(scope, receive, send)
         finally:
             ticket = local.get("ticket")
             if ticket is not None:
@@ -87,7 +91,8 @@ class GatewayMiddleware:
 
     def _account(self, scope: Scope, local: dict, code: int, seconds: float) -> None:
         path = scope.get("path", "")
-        endpoint = path if path in self.ENDPOINTS else "other"
+        prefix = next((p for p in self.PREFIXES if path.startswith(p)), None)
+        endpoint = path if path in self.ENDPOINTS else prefix + "{id}" if prefix else "other"
         tenant = local.get("tenant")
         name = tenant.name if tenant is not None else "unauthenticated"
         if endpoint not in self.UNCOUNTED or code >= 400:

@@ -6,14 +6,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, AsyncIterator
 
-import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.conversation.form import Comment, Conversation, FunctionTool, Piece, Sampling, ToolCall, Turn
 from gateway.conversation.generation import new_id
-from gateway.conversation.run import Run, prepare_chat, sampling_params, text_assembler
-from gateway.http.calls import admit, check_model
+from gateway.conversation.run import start_conversation
+from gateway.http.calls import admit
 from gateway.http.errors import APIError
 from gateway.http.sse import SSEResponse, comment, guarded, sse
 from gateway.protocols.openai_format import LogprobFormatter, chat_chunk, chat_completion, usage, usage_chunk
@@ -76,26 +75,11 @@ def _delta(piece: Piece) -> dict:
     return d
 
 
-async def start_chat(state: "ServerState", call, conv: Conversation) -> Run:
-    """Render ``conv`` (worker thread) and submit it; shared by the protocols whose
-    requests are conversations.
-
-    Raises:
-        APIError: 400 for a bad conversation, 429/503 when it cannot be queued.
-    """
-    check_model(state, call.tenant, conv.model)
-    call.record.stream = conv.stream
-    params = sampling_params(state, call.tenant, conv.sampling)
-    prompt, plan, mask = await anyio.to_thread.run_sync(prepare_chat, state, conv)
-    asm = text_assembler(state, conv.stop, prompt.opens_reasoning)
-    return Run.submit(state, call, prompt, params, asm, plan, mask)
-
-
 async def chat_completions(request: Request) -> Response:
     state: "ServerState" = request.app.state.gateway
     call = await admit(state, request, "chat", "chat")
     req = parse(ChatRequest, call.body)
-    run = await start_chat(state, call, to_conversation(req))
+    run = await start_conversation(state, call, to_conversation(req))
     fmt = LogprobFormatter(state.tokenizer) if req.logprobs else None
     rid, model = new_id("chatcmpl"), state.model_id
 
