@@ -244,7 +244,7 @@ class Run:
         """Engine events as text pieces, with the bookkeeping (usage, metrics, log)."""
         state, call, gen = self.state, self.call, self.gen
         tenant, rec, m = call.tenant.name, call.record, state.metrics
-        labels = (tenant, state.model_id)
+        labels = (tenant, state.model_id, call.api)
         prompt_len = len(self.prompt.tokens)
         first_at: Optional[float] = None
         try:

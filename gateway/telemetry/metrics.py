@@ -1,7 +1,8 @@
 """The gateway's request metrics (names prefixed ``mlx_gateway_``).
 
-Labels are bounded: ``endpoint`` and ``status`` come from the routes, ``model`` from
-the served model, ``tenant`` from configuration, never from request content.
+Labels are bounded: ``endpoint`` and ``status`` come from the routes, ``api`` is one of
+:data:`APIS`, ``model`` is the served model, ``tenant`` comes from configuration; none
+comes from request content.
 """
 
 from __future__ import annotations
@@ -28,36 +29,36 @@ class GatewayMetrics:
         self.ttft = Histogram(
             "mlx_gateway_time_to_first_token_seconds",
             "Time from request arrival to its first generated token, seconds.",
-            ["tenant", "model"],
+            ["tenant", "model", "api"],
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
         self.e2e = Histogram(
             "mlx_gateway_request_duration_seconds",
             "Time from request arrival to its last token, seconds.",
-            ["tenant", "model"],
+            ["tenant", "model", "api"],
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
         self.tpot = Histogram(
             "mlx_gateway_time_per_output_token_seconds",
             "Mean time between generated tokens of a request after the first, seconds.",
-            ["tenant", "model"],
+            ["tenant", "model", "api"],
             buckets=TPOT_BUCKETS,
             registry=registry,
         )
         self.prompt_tokens = Counter(
-            "mlx_gateway_prompt_tokens", "Prompt tokens of admitted requests.", ["tenant", "model"],
+            "mlx_gateway_prompt_tokens", "Prompt tokens of admitted requests.", ["tenant", "model", "api"],
             registry=registry,
         )
         self.cached_tokens = Counter(
             "mlx_gateway_cached_tokens",
             "Prompt tokens restored from the prefix cache.",
-            ["tenant", "model"],
+            ["tenant", "model", "api"],
             registry=registry,
         )
         self.completion_tokens = Counter(
-            "mlx_gateway_completion_tokens", "Generated tokens.", ["tenant", "model"],
+            "mlx_gateway_completion_tokens", "Generated tokens.", ["tenant", "model", "api"],
             registry=registry,
         )
         self.rate_limited = Counter(
@@ -70,10 +71,12 @@ class GatewayMetrics:
 
 
 RATE_LIMITS = ("requests", "prompt_tokens", "completion_tokens", "concurrency", "queue")
+# The ``api`` label: which protocol a generation came in on.
+APIS = ("chat", "completions", "messages", "responses")
 
 
 def prime(metrics: GatewayMetrics, tenants, model: str) -> None:
-    """Create every (tenant, model) and (tenant, limit) series at 0, so that a counter's
+    """Create every (tenant, model, api) and (tenant, limit) series at 0, so that a counter's
     first increase is visible to ``rate()`` and dashboards show 0 rather than no data.
 
     Args:
@@ -81,7 +84,8 @@ def prime(metrics: GatewayMetrics, tenants, model: str) -> None:
     """
     for t in tenants:
         for c in (metrics.prompt_tokens, metrics.cached_tokens, metrics.completion_tokens):
-            c.labels(t, model)
+            for api in APIS:
+                c.labels(t, model, api)
         for limit in RATE_LIMITS:
             metrics.rate_limited.labels(t, limit)
 
