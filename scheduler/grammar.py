@@ -27,6 +27,7 @@ log = logging.getLogger("mlx_gateway.grammar")
 # Compact JSON (``{"a":1}``): with flexible whitespace a model can emit blank space
 # forever, which random-weight models and small models do.
 JSON_DEFAULTS = {"whitespace_flexible": False}
+_ADD = np.array([0.0, -np.inf], dtype=np.float32)  # allowed -> 0, forbidden -> -inf
 
 
 class GrammarError(ValueError):
@@ -140,7 +141,8 @@ class TokenMask:
             allowed = np.unpackbits(self._words.view(np.uint8), bitorder="little")[: logits.shape[-1]]
             if not allowed.any():
                 raise RuntimeError("the grammar allows no token")
-            return mx.where(mx.array(allowed.astype(np.bool_)), logits, -mx.inf)
+            # An additive 0/-inf row: on the CPU backend twice as fast as mx.where.
+            return logits + mx.array(_ADD[1 - allowed], dtype=logits.dtype)
         except Exception as e:
             if self.error is None:
                 self.error = str(e).splitlines()[0] if str(e) else type(e).__name__
