@@ -16,15 +16,17 @@ Compares llguidance and xgrammar on a real HF tokenizer (default: the Qwen3 fixt
     bool row -> mx.array -> mx.where(mask, logits, -inf) -> mx.eval on a float32
     [1, V] row.
 
-Usage (from the repo root; xgrammar needs its own venv, it pulls in torch + triton):
-  .venv/bin/python benchmarks/bench_grammar.py --engine llguidance --n-vocab 151936
-  /tmp/xgr-venv/bin/python benchmarks/bench_grammar.py --engine xgrammar --n-vocab 151936
+Usage (from the repo root; xgrammar needs a virtual environment of its own, since it
+pulls in torch, transformers and triton: ``pip install torch xgrammar transformers``):
+  python benchmarks/bench_grammar.py --engine llguidance --n-vocab 151936
+  XGR_VENV/bin/python benchmarks/bench_grammar.py --engine xgrammar --n-vocab 151936
   see --help for --tokenizer, --compact, --cases, --repeats, --warm-passes, --no-apply
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import json
 import statistics
 import time
@@ -222,7 +224,9 @@ def main() -> None:
     """Parse arguments, run the selected engines, print the table."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", choices=["llguidance", "xgrammar", "both"], default="both")
-    ap.add_argument("--tokenizer", default="/work/shared/fixtures/tokenizers/qwen3")
+    ap.add_argument("--tokenizer", default=str(Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+                                               / "tokenizers" / "qwen3"),
+                    help="a Hugging Face tokenizer directory (default: the Qwen3 test fixture)")
     ap.add_argument("--n-vocab", type=int, default=None, help="logits width (default len(tokenizer))")
     ap.add_argument("--compact", action="store_true", help="no free whitespace in JSON")
     ap.add_argument("--repeats", type=int, default=5, help="compiles per case (median reported)")
