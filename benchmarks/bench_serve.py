@@ -212,7 +212,7 @@ def main() -> None:
                     "constrained) on the gateway")
     args = ap.parse_args()
 
-    from gateway.demo_model import build_model_dir
+    from gateway.models.demo_model import build_model_dir
 
     if not args.skip_startup:
         with tempfile.TemporaryDirectory() as home:

@@ -66,7 +66,7 @@ def main() -> None:
     p.add_argument("--browser-requests", type=int, default=6)
     p.add_argument("--prompt-concurrency", type=int, default=2)
     args = p.parse_args()
-    from gateway.demo_model import build_model_dir
+    from gateway.models.demo_model import build_model_dir
 
     medium = {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 768,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}

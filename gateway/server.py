@@ -43,17 +43,38 @@ def logits_size(model) -> int:
 
 
 def resolve_model(cfg: ServeConfig) -> tuple[str, str]:
-    """(path or hub id to load, id to serve it as). Builds the demo model when none is given."""
+    """(path or hub id to load, id to serve it as).
+
+    ``--model PATH_OR_ID`` is served as given. ``--model demo`` (when no ``./demo``
+    directory exists) builds the tiny random-weight demo model, served as
+    ``mlx-gateway-demo``. Without ``--model`` the default model (SmolLM2-135M-Instruct) is
+    downloaded and converted the first time, then taken from the cache.
+
+    Raises:
+        SystemExit: the default model cannot be prepared; the message names the commands
+            that prepare it by hand.
+    """
+    import os
+
+    if cfg.model == "demo" and not os.path.isdir("demo"):
+        from gateway.models.demo_model import build_model_dir, default_demo_dir
+
+        path = build_model_dir(default_demo_dir(), "qwen3")
+        log.warning(
+            "--model demo: serving the built-in demo model (tiny qwen3 with RANDOM weights, "
+            "its output is random text) from %s", path,
+        )
+        return str(path), "mlx-gateway-demo"
     if cfg.model:
         return cfg.model, cfg.model
-    from gateway.demo_model import build_model_dir, default_demo_dir
+    from gateway.models.default_model import DEFAULT_MODEL_ID, DefaultModelError, ensure_default_model
 
-    path = build_model_dir(default_demo_dir(), "qwen3")
-    log.warning(
-        "no --model given: serving the built-in demo model (tiny qwen3 with RANDOM weights, "
-        "its output is random text) from %s", path,
-    )
-    return str(path), "mlx-gateway-demo"
+    try:
+        path = ensure_default_model()
+    except DefaultModelError as e:
+        raise SystemExit(f"mlx-gateway: {e}")
+    log.info("no --model given: serving %s from %s", DEFAULT_MODEL_ID, path)
+    return str(path), DEFAULT_MODEL_ID
 
 
 def load_into(state: ServerState, path: str) -> None:

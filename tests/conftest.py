@@ -1,6 +1,6 @@
 """Shared fixtures: tiny random-weight models of real architectures, built once per run.
 
-Models are written by :func:`gateway.demo_model.build_model_dir` and loaded through the
+Models are written by :func:`gateway.models.demo_model.build_model_dir` and loaded through the
 real ``mlx_lm.load`` path. Real tokenizers come from ``../shared/fixtures/tokenizers``
 (override with ``MLX_GATEWAY_TOKENIZERS``).
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.demo_model import build_model_dir
+from gateway.models.demo_model import build_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZERS = Path(
