@@ -26,6 +26,7 @@ from gateway.http.middleware import GatewayMiddleware
 from gateway.http.openapi import openapi_json
 from gateway.protocols.openai_chat import chat_completions
 from gateway.protocols.openai_completions import completions
+from gateway.protocols.anthropic import count_tokens, messages
 from gateway.telemetry.metrics import GatewayMetrics, prime
 from gateway.tenancy.limits import Limiter
 from gateway.tenancy.tenants import TenantTable, open_table
@@ -39,6 +40,8 @@ log = logging.getLogger("mlx_gateway.app")
 ROUTES = [
     ("POST", "/v1/chat/completions", chat_completions),
     ("POST", "/v1/completions", completions),
+    ("POST", "/v1/messages", messages),
+    ("POST", "/v1/messages/count_tokens", count_tokens),
     ("GET", "/v1/models", service.models),
     ("GET", "/v1/models/{model_id:path}", service.model),
     ("GET", "/v1/usage", service.usage_report),

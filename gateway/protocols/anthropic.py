@@ -1,0 +1,276 @@
+"""Anthropic ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``: a thin adapter
+between Anthropic's JSON and the internal :class:`Conversation` and its events.
+
+Content blocks come out in Anthropic's shapes: ``thinking`` (reasoning, with an empty
+``signature``), ``text`` and ``tool_use`` (ids ``toolu_...``). Streams are Anthropic's
+named events (``message_start``, ``ping``, ``content_block_start``/``_delta``/``_stop``,
+``message_delta``, ``message_stop``; ``error`` for a failure once the stream has begun);
+prefill progress and keep-alives go out as SSE comments. ``usage`` splits the prompt the
+way the prefix cache served it: ``cache_read_input_tokens`` were read from the cache,
+``cache_creation_input_tokens`` were stored in it by this request, ``input_tokens`` are
+the rest. The ``anthropic-version`` and ``anthropic-beta`` headers are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import TYPE_CHECKING, AsyncIterator, Optional
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.conversation.form import (ChatResult, Comment, Conversation, Finished, FunctionTool, Piece, Sampling,
+                                       ToolCall, Turn, Usage)
+from gateway.conversation.prompts import render_chat
+from gateway.conversation.run import start_conversation
+from gateway.conversation.tools import check_schema, plan_tools
+from gateway.http.calls import admit, check_model
+from gateway.http.errors import APIError
+from gateway.http.sse import SSEResponse, comment, guarded, named_event
+from gateway.protocols.anthropic_schemas import (CountTokensRequest, MessageParam, MessagesRequest, TextBlock,
+                                                 ThinkingBlock, ToolResultBlock, ToolUseBlock, parse)
+
+if TYPE_CHECKING:
+    from gateway.http.app import ServerState
+
+STOP_REASONS = {"stop": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens",
+                "tool_calls": "tool_use"}
+TOOL_CHOICES = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
+
+
+def message_id() -> str:
+    """An Anthropic-style message id, ``msg_`` and 24 hex digits."""
+    return f"msg_{uuid.uuid4().hex[:24]}"
+
+
+def tool_use_id(call_id: str) -> str:
+    """The ``toolu_`` id of an internal ``call_`` id (other ids are kept as they are)."""
+    return "toolu_" + call_id[5:] if call_id.startswith("call_") else call_id
+
+
+# ---------------------------------------------------------------------- request
+def _message_turns(m: MessageParam, i: int) -> list[Turn]:
+    """The turns of message ``i``: a user message's tool results become ``tool`` turns,
+    followed by its text as a user turn; an assistant message is one turn (its
+    ``tool_use`` blocks as calls, its ``thinking`` as reasoning).
+
+    Raises:
+        APIError: 400 for a block its role may not hold.
+    """
+    if isinstance(m.content, str):
+        return [Turn(m.role, m.content)]
+    turns, text, reasoning, calls = [], [], [], []
+    allowed = (TextBlock, ToolResultBlock) if m.role == "user" else (TextBlock, ToolUseBlock, ThinkingBlock)
+    for j, b in enumerate(m.content):
+        if isinstance(b, TextBlock):
+            text.append(b.text)
+        elif not isinstance(b, allowed):
+            if b.type != "redacted_thinking" or m.role != "assistant":
+                raise APIError(400, f"a {m.role} message may not hold {b.type} blocks",
+                               param=f"messages.{i}.content.{j}.type")
+        elif isinstance(b, ToolResultBlock):
+            result = b.text()
+            turns.append(Turn("tool", f"Error: {result}" if b.is_error else result, tool_call_id=b.tool_use_id))
+        elif isinstance(b, ToolUseBlock):
+            calls.append(ToolCall(b.id, b.name, json.dumps(b.input, ensure_ascii=False)))
+        elif isinstance(b, ThinkingBlock):
+            reasoning.append(b.thinking)
+    if m.role == "assistant":
+        return [Turn("assistant", "".join(text), "".join(reasoning) if reasoning else None, calls)]
+    if text or not turns:
+        turns.append(Turn("user", "".join(text)))
+    return turns
+
+
+def to_conversation(req: CountTokensRequest) -> Conversation:
+    """An Anthropic request as the internal form (a :class:`CountTokensRequest` has no
+    sampling settings: the defaults are used).
+
+    Raises:
+        APIError: 400 for a content block in the wrong role.
+    """
+    turns = [Turn("system", s)] if (s := req.system_text()) is not None else []
+    for i, m in enumerate(req.messages):
+        turns += _message_turns(m, i)
+    tools = [FunctionTool(t.name, t.description, t.input_schema, f"tools.{i}", "input_schema")
+             for i, t in enumerate(req.tools or [])]
+    tc = req.tool_choice
+    choice = TOOL_CHOICES[tc.type] if tc is not None else "auto"
+    parallel = not (tc is not None and tc.disable_parallel_tool_use)
+    schema, schema_param = None, "output_config.format.schema"
+    if req.output_config is not None and req.output_config.format is not None:
+        schema = req.output_config.format.schema_
+    elif req.output_format is not None:
+        schema, schema_param = req.output_format.schema_, "output_format.schema"
+    kwargs = {}
+    if req.thinking is not None:
+        kwargs["enable_thinking"] = req.thinking.type != "disabled"
+    conv = Conversation(turns, Sampling(), tools, choice, tc.name if choice == "function" else None, parallel,
+                        schema, schema_param, template_kwargs=kwargs, model=req.model)
+    if isinstance(req, MessagesRequest):
+        conv.sampling = Sampling(
+            max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+            min_p=req.min_p, seed=req.seed, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+            logit_bias=req.logit_bias)
+        conv.stop = [s for s in req.stop_sequences or [] if s]
+        conv.stream = req.stream
+    return conv
+
+
+# ---------------------------------------------------------------------- response
+def usage(u: Usage, cache_written: Optional[int] = None) -> dict:
+    """Anthropic's ``usage`` from the internal one (``cache_written`` overrides
+    ``u.cache_written``, e.g. 0 before it is known)."""
+    written = u.cache_written if cache_written is None else cache_written
+    return {"input_tokens": max(0, u.prompt - u.cached - written), "cache_creation_input_tokens": written,
+            "cache_read_input_tokens": u.cached, "output_tokens": u.completion}
+
+
+def tool_input(arguments: str) -> dict:
+    """A call's arguments text as the ``input`` object ({} when it is not a JSON object)."""
+    try:
+        value = json.loads(arguments) if arguments else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def content_blocks(result: ChatResult) -> list[dict]:
+    """The content of a whole answer: thinking, text (when not empty), then tool uses."""
+    blocks: list[dict] = []
+    if result.reasoning:
+        blocks.append({"type": "thinking", "thinking": result.reasoning, "signature": ""})
+    if result.text:
+        blocks.append({"type": "text", "text": result.text})
+    blocks += [{"type": "tool_use", "id": tool_use_id(c.id), "name": c.name, "input": tool_input(c.arguments)}
+               for c in result.tool_calls]
+    return blocks
+
+
+def message(mid: str, model: str, content: list[dict], finished: Optional[Finished], use: dict) -> dict:
+    """A ``message`` object (``finished`` None: the start of a stream)."""
+    reason = STOP_REASONS.get(finished.reason, "end_turn") if finished is not None else None
+    return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": reason, "stop_sequence": finished.stop_sequence if finished is not None else None,
+            "usage": use}
+
+
+class BlockStream:
+    """Turns :class:`Piece` s into content-block events; one block is open at a time
+    (the current one is closed before another opens), indexes count from 0."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.kind: Optional[str] = None
+
+    def open(self, kind: str, block: dict) -> bytes:
+        out = self.close()
+        self.index += 1
+        self.kind = kind
+        return out + named_event("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                         "content_block": block})
+
+    def delta(self, delta: dict) -> bytes:
+        return named_event("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                                   "delta": delta})
+
+    def close(self) -> bytes:
+        """Close the open block, if any."""
+        if self.kind is None:
+            return b""
+        out = self.delta({"type": "signature_delta", "signature": ""}) if self.kind == "thinking" else b""
+        self.kind = None
+        return out + named_event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+
+    def feed(self, piece: Piece) -> bytes:
+        """The events for one piece: reasoning, then text, then tool-call pieces."""
+        out = b""
+        if piece.reasoning:
+            if self.kind != "thinking":
+                out += self.open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            out += self.delta({"type": "thinking_delta", "thinking": piece.reasoning})
+        if piece.text:
+            if self.kind != "text":
+                out += self.open("text", {"type": "text", "text": ""})
+            out += self.delta({"type": "text_delta", "text": piece.text})
+        for d in piece.tool_calls:
+            if d.id is not None:
+                out += self.open("tool_use", {"type": "tool_use", "id": tool_use_id(d.id), "name": d.name,
+                                              "input": {}})
+            if d.arguments:
+                out += self.delta({"type": "input_json_delta", "partial_json": d.arguments})
+        return out
+
+
+# ---------------------------------------------------------------------- routes
+async def messages(request: Request) -> Response:
+    """``POST /v1/messages``: a message, or its stream of events.
+
+    Raises:
+        APIError: 400 for a bad body (Anthropic's error shape, by the middleware), 401,
+            403/404 for the model, 413/429/503 when it cannot be queued.
+    """
+    state: "ServerState" = request.app.state.gateway
+    call = await admit(state, request, "messages", "messages")
+    req = parse(MessagesRequest, call.body)
+    run = await start_conversation(state, call, to_conversation(req))
+    mid, model = message_id(), state.model_id
+
+    if req.stream:
+
+        async def events() -> AsyncIterator[bytes]:
+            blocks, started = BlockStream(), False
+            async for ev in run.events():
+                if isinstance(ev, Comment):
+                    yield comment(ev.text)
+                    continue
+                if not started:  # after the prompt event: the cache read is known
+                    started = True
+                    u = Usage(len(run.prompt.tokens), 0, run.cached)
+                    yield named_event("message_start", {"type": "message_start", "message": message(
+                        mid, model, [], None, usage(u, cache_written=0))}) + named_event("ping", {"type": "ping"})
+                if isinstance(ev, Piece):
+                    out = blocks.feed(ev)
+                    if out:
+                        yield out
+                else:
+                    yield blocks.close() + named_event("message_delta", {
+                        "type": "message_delta",
+                        "delta": {"stop_reason": STOP_REASONS.get(ev.reason, "end_turn"),
+                                  "stop_sequence": ev.stop_sequence},
+                        "usage": usage(ev.usage)}) + named_event("message_stop", {"type": "message_stop"})
+
+        return SSEResponse(guarded(events(), lambda e: named_event("error", e.anthropic_body())),
+                           send_timeout=state.config.client_timeout)
+
+    result = await run.collect(request)
+    if result is None:
+        return Response(status_code=499)
+    return JSONResponse(message(mid, model, content_blocks(result), result.finished, usage(result.finished.usage)))
+
+
+def _count(state: "ServerState", conv: Conversation) -> int:
+    """Prompt tokens of ``conv`` with the served chat template (worker thread)."""
+    plan = plan_tools(conv, state.tokenizer)
+    if conv.output_schema is not None:
+        check_schema(conv.output_schema, conv.output_param)
+    cfg = state.config
+    return len(render_chat(state.tokenizer, conv, cfg.chat_template_args, cfg.checkpoint_every, plan).tokens)
+
+
+async def count_tokens(request: Request) -> Response:
+    """``POST /v1/messages/count_tokens``: ``{"input_tokens": N}``, the prompt a
+    ``/v1/messages`` request with this body would have (nothing is generated).
+
+    Raises:
+        APIError: 400 for a bad body or conversation, 401, 403/404 for the model, 429.
+    """
+    state: "ServerState" = request.app.state.gateway
+    call = await admit(state, request, "count_tokens", "messages")
+    conv = to_conversation(parse(CountTokensRequest, call.body))
+    check_model(state, call.tenant, conv.model)
+    n = await anyio.to_thread.run_sync(_count, state, conv)
+    return JSONResponse({"input_tokens": n})

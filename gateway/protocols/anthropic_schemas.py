@@ -1,0 +1,226 @@
+"""Request schemas for Anthropic's Messages API (``POST /v1/messages`` and
+``POST /v1/messages/count_tokens``), pydantic v2.
+
+Types are strict (``"max_tokens": "32"`` or ``"stream": "yes"`` is a 400, as on
+Anthropic's API); unknown fields are accepted and ignored (``cache_control``,
+``citations``, ``service_tier``, ...). Content blocks the gateway cannot use (images,
+documents, server tools) are refused with a 400 naming the field. Recent SDKs take
+``temperature``/``top_p``/``top_k`` and the gateway's extra sampling settings
+(``min_p``, ``seed``, penalties, ``logit_bias``) through ``extra_body``: they are plain
+body fields here.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, \
+    field_validator, model_validator
+
+from gateway.http.errors import APIError
+from gateway.protocols.openai_schemas import MAX_STOP_SEQUENCES, MAX_TOKEN_ID, SEED_RANGE
+
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,128}$"  # Anthropic's rule for tool names
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+# ---------------------------------------------------------------------- content blocks
+class TextBlock(_Strict):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ToolUseBlock(_Strict):
+    """An earlier call of the assistant; ``input`` is its arguments object."""
+
+    type: Literal["tool_use"]
+    id: StrictStr
+    name: StrictStr
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Strict):
+    """The result of call ``tool_use_id`` (text only)."""
+
+    type: Literal["tool_result"]
+    tool_use_id: StrictStr
+    content: Union[StrictStr, list[TextBlock]] = ""
+    is_error: Optional[StrictBool] = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+
+
+class ThinkingBlock(_Strict):
+    """Earlier reasoning of the assistant (its ``signature`` is not checked)."""
+
+    type: Literal["thinking"]
+    thinking: StrictStr
+    signature: Optional[StrictStr] = None
+
+
+class RedactedThinkingBlock(_Strict):
+    """Encrypted reasoning from Anthropic's models: accepted and dropped."""
+
+    type: Literal["redacted_thinking"]
+    data: Optional[StrictStr] = None
+
+
+Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock],
+                  Field(discriminator="type")]
+
+
+class MessageParam(_Strict):
+    """One message: ``content`` is a string or a list of blocks."""
+
+    role: Literal["user", "assistant"]
+    content: Union[StrictStr, list[Block]]
+
+
+# ---------------------------------------------------------------------- tools
+class Tool(_Strict):
+    """A client tool (``type`` ``custom`` or absent); server tools are refused."""
+
+    type: Optional[Literal["custom"]] = None
+    name: str = Field(pattern=TOOL_NAME)
+    description: Optional[StrictStr] = None
+    input_schema: dict[str, Any] = Field(description="a JSON Schema of the tool's input object")
+
+
+class ToolChoice(_Strict):
+    """``tool_choice``: ``auto``, ``any`` (some tool must be called), ``tool`` (``name``
+    must be called) or ``none``."""
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: Optional[StrictStr] = None
+    disable_parallel_tool_use: Optional[StrictBool] = None
+
+    @model_validator(mode="after")
+    def _named(self):
+        if self.type == "tool" and self.name is None:
+            raise ValueError("a tool_choice of type 'tool' needs a name")
+        return self
+
+
+class ThinkingConfig(_Strict):
+    """``thinking``: ``enabled`` (with ``budget_tokens``), ``adaptive`` or
+    ``between_tools`` turn the template's thinking on, ``disabled`` off."""
+
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
+    budget_tokens: Optional[StrictInt] = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _budget(self):
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise ValueError("thinking of type 'enabled' needs budget_tokens")
+        return self
+
+
+class JSONOutputFormat(_Strict):
+    """Structured output: the answer is JSON valid for ``schema``."""
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    """``output_config``: ``format`` constrains the output; ``effort`` is ignored."""
+
+    format: Optional[JSONOutputFormat] = None
+    effort: Optional[StrictStr] = None
+
+
+# ---------------------------------------------------------------------- requests
+class CountTokensRequest(_Strict):
+    """``POST /v1/messages/count_tokens`` body (and the base of :class:`MessagesRequest`)."""
+
+    model: Optional[StrictStr] = None
+    system: Union[StrictStr, list[TextBlock], None] = None
+    messages: list[MessageParam] = Field(min_length=1)
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[ToolChoice] = None
+    thinking: Optional[ThinkingConfig] = None
+    output_config: Optional[OutputConfig] = None
+    output_format: Optional[JSONOutputFormat] = Field(
+        default=None, description="the structured-outputs beta's form of output_config.format")
+
+    def system_text(self) -> Optional[str]:
+        """The system prompt as one string (blocks joined), or None."""
+        if self.system is None or isinstance(self.system, str):
+            return self.system
+        return "".join(b.text for b in self.system)
+
+
+class MessagesRequest(CountTokensRequest):
+    """``POST /v1/messages`` body."""
+
+    max_tokens: StrictInt = Field(ge=1)
+    stop_sequences: Optional[list[StrictStr]] = Field(default=None, max_length=MAX_STOP_SEQUENCES)
+    stream: StrictBool = False
+    temperature: Optional[float] = Field(default=None, ge=0, le=1)
+    top_p: Optional[float] = Field(default=None, gt=0, le=1)
+    top_k: Optional[StrictInt] = Field(default=None, ge=0)
+    metadata: Optional[dict[str, Any]] = None
+    # gateway extensions (extra_body), as on /v1/chat/completions
+    min_p: Optional[float] = Field(default=None, ge=0, le=1)
+    seed: Optional[StrictInt] = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    presence_penalty: Optional[float] = Field(default=None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2, le=2)
+    repetition_penalty: Optional[float] = Field(default=None, ge=0.01, le=100)
+    logit_bias: Optional[dict[str, float]] = None
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v):
+        return None if v is None else v % 2**64
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        for k, b in (v or {}).items():
+            if not (k.isascii() and k.isdigit() and int(k) <= MAX_TOKEN_ID):
+                raise ValueError(f"logit_bias keys must be token ids (0 to {MAX_TOKEN_ID}), got {k!r}")
+            if not -100 <= b <= 100:
+                raise ValueError("logit_bias values must be within [-100, 100]")
+        return v
+
+
+def _param(data: Any, err: dict) -> list[str]:
+    """The path of a validation error in the request's own terms: parts of pydantic's
+    location that are not keys or indexes of the data (union branches, discriminator
+    tags) are dropped; a missing field keeps its name."""
+    loc, parts, node = err["loc"], [], data
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and isinstance(part, str) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif not (err["type"] == "missing" and i == len(loc) - 1):
+            continue
+        parts.append(str(part))
+    return parts
+
+
+def parse(model: type[BaseModel], data: Any) -> Any:
+    """Validate a request body against ``model``.
+
+    Of a union's failed branches, the error reaching deepest into the data is reported
+    (a list of blocks is judged as blocks, not as "not a string").
+
+    Raises:
+        APIError: 400 naming the offending field (dotted path, e.g.
+            ``messages.0.content.1.input``).
+    """
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        errors = e.errors()
+        paths = [_param(data, err) for err in errors]
+        best = max(range(len(errors)), key=lambda i: len(paths[i]))
+        loc = ".".join(paths[best])
+        raise APIError(400, errors[best]["msg"], param=loc or None)
