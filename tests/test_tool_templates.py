@@ -79,13 +79,14 @@ def test_llama3_renders_tools_and_calls_as_json(tokenizer):
 @pytest.mark.parametrize("tokenizer", ["gemma3"], indirect=True)
 def test_template_without_tools_gets_them_in_the_system_message(tokenizer):
     plan, text = render(tokenizer, LOOP + [{"role": "tool", "tool_call_id": "x", "name": "get_time",
-                                            "content": "noon"}])
+                                            "content": "noon"}, {"role": "user", "content": "And tomorrow?"}])
     assert plan.format is JSON_FORMAT and not plan.in_template
     assert "You can call these functions:" in text and '"name": "get_weather"' in text
     assert text.index("You are terse.") < text.index("You can call these functions:")
     assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
-    # Both results in one user turn, so the template's user/model alternation holds.
-    assert "Result of get_weather: 18 C, sunny\nResult of get_time: noon" in text
+    # Results and the user's next words in one user turn, so the template's
+    # user/model alternation holds.
+    assert "Result of get_weather: 18 C, sunny\nResult of get_time: noon\n\nAnd tomorrow?" in text
     _, text = render(tokenizer, LOOP[1:2], tool_choice={"type": "function", "function": {"name": "get_time"}})
     assert "You must call get_time." in text
     _, text = render(tokenizer, LOOP[1:2], tool_choice="none")

@@ -200,6 +200,9 @@ def template_messages(turns: list[Turn], plan: Optional[ToolPlan]) -> list[dict[
                 d = {"role": "user", "content": result, "_results": True}
         elif t.name is not None:
             d["name"] = t.name
+        if fallback and t.role == "user" and out and out[-1].get("_results"):
+            out[-1]["content"] += "\n\n" + t.text  # one user turn: templates that alternate roles
+            continue
         out.append(d)
     for d in out:
         d.pop("_results", None)
