@@ -219,7 +219,7 @@ def main() -> None:
             port = free_port()
             env = dict(os.environ, MLX_GATEWAY_HOME=home)
             t0 = time.monotonic()
-            proc, _ = start([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)], port, env=env)
+            proc, _ = start([sys.executable, "-m", "gateway.cli", "serve", "--model", "demo", "--port", str(port)], port, env=env)
             r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
                            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
             r.raise_for_status()
