@@ -14,14 +14,15 @@ from gateway.conversation.generation import new_id
 from gateway.conversation.run import start_conversation
 from gateway.http.calls import admit
 from gateway.http.errors import APIError
-from gateway.http.sse import SSEResponse, comment, guarded, sse
-from gateway.protocols.openai_format import LogprobFormatter, chat_chunk, chat_completion, usage, usage_chunk
+from gateway.http.sse import comment, sse
+from gateway.protocols.openai_format import (
+    LogprobFormatter, chat_chunk, chat_completion, finish_reason, stream_response, usage, usage_chunk,
+)
 from gateway.protocols.openai_schemas import ChatRequest, parse
 
 if TYPE_CHECKING:
     from gateway.http.app import ServerState
 
-FINISH = {"stop_sequence": "stop"}  # OpenAI has one "stop" for both
 
 
 def to_conversation(req: ChatRequest) -> Conversation:
@@ -98,14 +99,13 @@ async def chat_completions(request: Request) -> Response:
                     if d or lps:
                         yield sse(chat_chunk(rid, model, created, d, None, lps))
                 else:
-                    yield sse(chat_chunk(rid, model, created, {}, FINISH.get(ev.reason, ev.reason)))
+                    yield sse(chat_chunk(rid, model, created, {}, finish_reason(ev.reason)))
                     if include_usage:
                         u = ev.usage
                         yield sse(usage_chunk(rid, model, created, "chat.completion.chunk",
                                               usage(u.prompt, u.completion, u.cached)))
 
-        return SSEResponse(guarded(chunks(), lambda e: sse(e.body()), sse("[DONE]")),
-                           send_timeout=state.config.client_timeout)
+        return stream_response(state, chunks())
 
     result = await run.collect(request)
     if result is None:
@@ -113,6 +113,6 @@ async def chat_completions(request: Request) -> Response:
     u = result.finished.usage
     lps = [fmt.chat_entry(t) for t in result.tokens] if fmt else None
     return JSONResponse(chat_completion(
-        rid, model, result.text, result.reasoning, FINISH.get(result.finished.reason, result.finished.reason), lps,
+        rid, model, result.text, result.reasoning, finish_reason(result.finished.reason), lps,
         usage(u.prompt, u.completion, u.cached), _tool_call_dicts(result.tool_calls)))
 

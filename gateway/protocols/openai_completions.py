@@ -15,14 +15,15 @@ from gateway.conversation.generation import new_id
 from gateway.conversation.prompts import render_completion
 from gateway.conversation.run import Run, sampling_params, text_assembler
 from gateway.http.calls import admit, check_model
-from gateway.http.sse import SSEResponse, comment, guarded, sse
-from gateway.protocols.openai_format import LogprobFormatter, text_completion, usage, usage_chunk
+from gateway.http.sse import comment, sse
+from gateway.protocols.openai_format import (
+    LogprobFormatter, finish_reason, stream_response, text_completion, usage, usage_chunk,
+)
 from gateway.protocols.openai_schemas import CompletionRequest, parse
 
 if TYPE_CHECKING:
     from gateway.http.app import ServerState
 
-FINISH = {"stop_sequence": "stop"}
 
 
 async def completions(request: Request) -> Response:
@@ -57,19 +58,18 @@ async def completions(request: Request) -> Response:
                         yield sse(text_completion(rid, model, ev.text, None, lp, None, created))
                     offset += len(ev.text)
                 else:
-                    yield sse(text_completion(rid, model, "", FINISH.get(ev.reason, ev.reason), None, None, created))
+                    yield sse(text_completion(rid, model, "", finish_reason(ev.reason), None, None, created))
                     if include_usage:
                         u = ev.usage
                         yield sse(usage_chunk(rid, model, created, "text_completion",
                                               usage(u.prompt, u.completion, u.cached)))
 
-        return SSEResponse(guarded(chunks(), lambda e: sse(e.body()), sse("[DONE]")),
-                           send_timeout=state.config.client_timeout)
+        return stream_response(state, chunks())
 
     result = await run.collect(request)
     if result is None:
         return Response(status_code=499)
     u = result.finished.usage
     lp = fmt.completion_entries(result.tokens, 0) if fmt else None
-    return JSONResponse(text_completion(rid, model, result.text, FINISH.get(result.finished.reason, result.finished.reason),
+    return JSONResponse(text_completion(rid, model, result.text, finish_reason(result.finished.reason),
                                         lp, usage(u.prompt, u.completion, u.cached)))

@@ -5,7 +5,21 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from gateway.http.sse import SSEResponse, guarded, sse
 from scheduler.request import TokenEvent
+
+
+def finish_reason(reason: str) -> str:
+    """OpenAI's ``finish_reason`` for an internal one (OpenAI has one ``stop`` for the
+    end of a turn and a stop string)."""
+    return "stop" if reason == "stop_sequence" else reason
+
+
+def stream_response(state, chunks) -> SSEResponse:
+    """An OpenAI SSE stream of ``chunks``: an error after the start becomes an error
+    event, and the stream ends with ``data: [DONE]``."""
+    return SSEResponse(guarded(chunks, lambda e: sse(e.body()), sse("[DONE]")),
+                       send_timeout=state.config.client_timeout)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
