@@ -43,6 +43,8 @@ class ServeConfig:
     max_prompt_tokens: Optional[int] = None
     client_timeout: float = 30.0
     sse_keepalive: float = 10.0
+    responses_store_count: int = 1000
+    responses_store_bytes: int = 64 << 20
 
 
 def _json_object(text: str) -> dict:
@@ -131,6 +133,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sse-keepalive", type=float, default=d.sse_keepalive,
                    help="seconds of silence after which a stream gets a ': keep-alive' comment "
                    "(default %(default)s)")
+    add_responses_arguments(p)
+
+
+def add_responses_arguments(p: argparse.ArgumentParser) -> None:
+    """The bounds of the Responses API's per-tenant store."""
+    d = ServeConfig()
+    p.add_argument("--responses-store-count", type=int, default=d.responses_store_count,
+                   help="stored responses kept per tenant for previous_response_id and GET /v1/responses/{id}; "
+                   "the least recently used go first (default %(default)s)")
+    p.add_argument("--responses-store-bytes", type=parse_size, default=d.responses_store_bytes,
+                   help="bytes of stored responses (as JSON) kept per tenant (default 64M)")
 
 
 def config_from_args(ns: argparse.Namespace) -> ServeConfig:

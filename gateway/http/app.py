@@ -26,6 +26,8 @@ from gateway.http.middleware import GatewayMiddleware
 from gateway.http.openapi import openapi_json
 from gateway.protocols.openai_chat import chat_completions
 from gateway.protocols.openai_completions import completions
+from gateway.protocols.responses import create_response, delete_response, retrieve_response
+from gateway.protocols.responses_store import ResponseStore
 from gateway.protocols.anthropic import count_tokens, messages
 from gateway.telemetry.metrics import GatewayMetrics, prime
 from gateway.tenancy.limits import Limiter
@@ -40,6 +42,9 @@ log = logging.getLogger("mlx_gateway.app")
 ROUTES = [
     ("POST", "/v1/chat/completions", chat_completions),
     ("POST", "/v1/completions", completions),
+    ("POST", "/v1/responses", create_response),
+    ("GET", "/v1/responses/{response_id}", retrieve_response),
+    ("DELETE", "/v1/responses/{response_id}", delete_response),
     ("POST", "/v1/messages", messages),
     ("POST", "/v1/messages/count_tokens", count_tokens),
     ("GET", "/v1/models", service.models),
@@ -74,8 +79,10 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     usage: UsageBook = field(default_factory=UsageBook)
     limiter: Limiter = field(default_factory=Limiter)
+    responses: ResponseStore = field(default_factory=ResponseStore)
 
     def __post_init__(self) -> None:
+        self.responses = ResponseStore(self.config.responses_store_count, self.config.responses_store_bytes)
         self.limiter.on_limited = lambda tenant, limit: self.metrics.rate_limited.labels(tenant, limit).inc()
 
     def set_tenants(self, table: TenantTable) -> None:
@@ -112,7 +119,7 @@ def create_app(state: ServerState) -> Starlette:
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(state.config.allowed_origins),
-            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
             allow_headers=["*"],
             expose_headers=["Retry-After", "x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
                             "x-ratelimit-reset-requests", "x-ratelimit-limit-tokens",

@@ -1,0 +1,293 @@
+"""OpenAI Responses API: ``POST /v1/responses``, ``GET /v1/responses/{id}`` and
+``DELETE /v1/responses/{id}``, a thin adapter between the API's items and the internal
+:class:`Conversation` and its events.
+
+Input items (``message``, ``function_call``, ``function_call_output``, ``reasoning``)
+become turns: ``instructions`` is a system turn first, ``developer`` a system turn, and
+a ``reasoning`` item, an assistant ``message`` and the ``function_call`` items after it
+make one assistant turn (consecutive calls are one turn with several calls).
+``reasoning.effort`` ``none`` sets the chat template's ``enable_thinking`` to false,
+any other effort to true; without it the template's default holds. ``text.format``
+``json_object``/``json_schema`` constrain the output like chat's ``response_format``.
+
+Output items are made by :class:`OutputBuilder` (:mod:`gateway.protocols.responses_events`).
+``usage`` comes from the prefix cache: ``input_tokens_details.cached_tokens`` were read
+from it, ``cache_write_tokens`` stored in it by this request.
+
+With ``store`` (the default) a finished response is kept in the tenant's
+:class:`ResponseStore` with its whole conversation, for ``GET`` and for
+``previous_response_id`` (whose conversation then comes before the new input; the
+previous ``instructions`` are not carried over). Another tenant's ids answer 404 exactly
+like unknown ones. Failed or abandoned responses are not stored.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, AsyncIterator, Optional
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.conversation.form import (Comment, Conversation, Finished, FunctionTool, Piece, Sampling, ToolCall,
+                                       Turn, Usage)
+from gateway.conversation.run import Run, start_conversation
+from gateway.http.calls import admit
+from gateway.http.errors import APIError
+from gateway.http.sse import SSEResponse, comment, guarded, named_event, wait_for_disconnect
+from gateway.protocols.responses_events import OutputBuilder, object_id
+from gateway.protocols.responses_schemas import (FunctionCallItem, FunctionCallOutputItem, MessageItem,
+                                                 ReasoningItem, ResponsesRequest, parse_items, parse_request)
+from gateway.protocols.responses_store import ResponseStore  # noqa: F401 (the app's import)
+from gateway.tenancy.auth import authenticate
+
+if TYPE_CHECKING:
+    from gateway.http.app import ServerState
+
+
+PARAMS = {"max_tokens": "max_output_tokens", "messages": "input"}
+
+
+def not_found(rid: str, param: Optional[str] = None) -> APIError:
+    """The 404 for a response id that is missing, deleted, evicted or another tenant's."""
+    return APIError(404, f"no response with id '{rid}' found", param=param, code="not_found")
+
+
+# ---------------------------------------------------------------------- request
+def to_turns(items: list) -> list[Turn]:
+    """Input items as turns (see the module docstring for how assistant items merge)."""
+    turns: list[Turn] = []
+    cur: Optional[Turn] = None  # the assistant turn being built
+    for it in items:
+        if isinstance(it, ReasoningItem):
+            if cur is None or cur.text or cur.tool_calls or cur.reasoning is not None:
+                cur = Turn("assistant")
+                turns.append(cur)
+            cur.reasoning = it.text()
+        elif isinstance(it, FunctionCallItem):
+            if cur is None:
+                cur = Turn("assistant")
+                turns.append(cur)
+            cur.tool_calls.append(ToolCall(it.call_id, it.name, it.arguments))
+        elif isinstance(it, MessageItem) and it.role == "assistant":
+            if cur is None or cur.text or cur.tool_calls:
+                cur = Turn("assistant")
+                turns.append(cur)
+            cur.text = it.text()
+        elif isinstance(it, FunctionCallOutputItem):
+            cur = None
+            turns.append(Turn("tool", it.text(), tool_call_id=it.call_id))
+        else:
+            cur = None
+            turns.append(Turn("system" if it.role == "developer" else it.role, it.text()))
+    return turns
+
+
+def to_conversation(req: ResponsesRequest, items: list) -> Conversation:
+    """The request as the internal form; ``items`` is the whole input (a previous
+    response's conversation first).
+
+    Raises:
+        APIError: 400 for a ``json_schema`` format without a schema.
+    """
+    turns = ([Turn("system", req.instructions)] if req.instructions is not None else []) + to_turns(items)
+    tools = [FunctionTool(t.name, t.description, t.parameters, f"tools.{i}", "parameters")
+             for i, t in enumerate(req.tools or [])]
+    choice, forced = req.tool_choice or "auto", None
+    if not isinstance(choice, str):
+        choice, forced = "function", choice.name
+    fmt = req.text.format if req.text is not None else None
+    schema, param = None, "text.format.schema"
+    if fmt is not None and fmt.type == "json_object":
+        schema, param = {"type": "object"}, "text.format"
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.schema_ is None:
+            raise APIError(400, "text.format of type json_schema needs a schema", param="text.format.schema")
+        schema = fmt.schema_
+    kwargs = {}
+    if req.reasoning is not None and req.reasoning.effort is not None:
+        kwargs["enable_thinking"] = req.reasoning.effort != "none"
+    sampling = Sampling(max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p)
+    return Conversation(turns, sampling, tools, choice, forced, req.parallel_tool_calls is not False, schema,
+                        param, template_kwargs=kwargs, model=req.model, stream=req.stream)
+
+
+def dump_items(items: list) -> list[dict]:
+    """Parsed input items as the JSON dicts the store keeps."""
+    return [it.model_dump(mode="json", by_alias=True, exclude_none=True) for it in items]
+
+
+# ---------------------------------------------------------------------- response
+def usage(u: Usage, reasoning_tokens: int) -> dict:
+    """The Responses API's ``usage`` (``input_tokens`` include the cached ones)."""
+    return {"input_tokens": u.prompt,
+            "input_tokens_details": {"cached_tokens": u.cached, "cache_write_tokens": u.cache_written},
+            "output_tokens": u.completion, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": u.prompt + u.completion}
+
+
+def base_response(state: "ServerState", req: ResponsesRequest, rid: str) -> dict:
+    """The response object as it starts (``in_progress``, no output), echoing the request."""
+    choice = req.tool_choice or "auto"
+    cfg = state.config
+    return {
+        "id": rid, "object": "response", "created_at": int(time.time()), "status": "in_progress",
+        "background": False, "completed_at": None, "error": None, "incomplete_details": None,
+        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "max_tool_calls": None,
+        "model": state.model_id, "output": [], "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": req.previous_response_id,
+        "reasoning": req.reasoning.model_dump(exclude_none=True) if req.reasoning is not None else None,
+        "store": req.store, "temperature": req.temperature if req.temperature is not None else cfg.temp,
+        "text": {"format": (req.text.format.model_dump(by_alias=True, exclude_none=True)
+                            if req.text is not None and req.text.format is not None else {"type": "text"})},
+        "tool_choice": choice if isinstance(choice, str) else {"type": "function", "name": choice.name},
+        "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+        "top_p": req.top_p if req.top_p is not None else cfg.top_p, "truncation": "disabled",
+        "usage": None, "user": req.user, "metadata": dict(req.metadata or {}),
+    }
+
+
+def final_response(base: dict, out: OutputBuilder, finished: Finished) -> dict:
+    """The finished response object: ``completed``, or ``incomplete`` when cut by length."""
+    cut = finished.reason == "length"
+    return {**base, "status": "incomplete" if cut else "completed",
+            "completed_at": None if cut else int(time.time()),
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "output": out.items, "usage": usage(finished.usage, out.reasoning_tokens)}
+
+
+def failed_response(base: dict, out: OutputBuilder, error: APIError) -> dict:
+    """The response object of a generation that failed after the stream began."""
+    code = "rate_limit_exceeded" if error.status == 429 else "server_error"
+    return {**base, "status": "failed", "output": out.items,
+            "error": {"code": code, "message": error.message}}
+
+
+async def drain(run: Run, request: Request, out: OutputBuilder) -> Optional[Finished]:
+    """Feed the whole answer to ``out``; None when the client left first (the
+    generation is then cancelled).
+
+    Raises:
+        APIError: the generation failed.
+    """
+    done: list[Finished] = []
+    error: list[APIError] = []
+    events = run.events()
+    async with anyio.create_task_group() as tg:
+
+        async def consume() -> None:
+            try:
+                async for ev in events:
+                    if isinstance(ev, Piece):
+                        out.feed(ev)
+                    elif isinstance(ev, Finished):
+                        done.append(ev)
+                        out.finish(ev)
+            except APIError as e:
+                error.append(e)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await events.aclose()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(consume)
+        await wait_for_disconnect(request.receive)
+        tg.cancel_scope.cancel()
+    if error:
+        raise error[0]
+    return done[0] if done else None
+
+
+# ---------------------------------------------------------------------- routes
+def _encode(ev: dict) -> bytes:
+    return named_event(ev["type"], ev)
+
+
+async def create_response(request: Request) -> Response:
+    """``POST /v1/responses``: a response object, or its stream of events.
+
+    Raises:
+        APIError: 400 for a bad body (dotted parameter path), 401, 404 for an unknown
+            ``previous_response_id`` or model, 403, 413/429/503 when it cannot be queued.
+    """
+    state: "ServerState" = request.app.state.gateway
+    call = await admit(state, request, "responses", "responses")
+    req, items = parse_request(call.body)
+    tenant = call.tenant.name
+    history: list[dict] = []
+    if req.previous_response_id is not None:
+        prev = state.responses.get(tenant, req.previous_response_id)
+        if prev is None:
+            raise not_found(req.previous_response_id, "previous_response_id")
+        history = prev.items
+    conv = to_conversation(req, parse_items(history, "previous_response_id") + items)
+    try:
+        run = await start_conversation(state, call, conv)
+    except APIError as e:
+        e.param = PARAMS.get(e.param, e.param)  # the shared code names chat's parameters
+        raise
+    base, out = base_response(state, req, object_id("resp")), OutputBuilder()
+    new_items = dump_items(items)
+
+    def keep(response: dict) -> None:
+        if req.store:
+            state.responses.put(tenant, response, history + new_items + response["output"])
+
+    if req.stream:
+
+        async def events() -> AsyncIterator[bytes]:
+            yield b"".join(_encode(out.event(kind, response=base))
+                           for kind in ("response.created", "response.in_progress"))
+            async for ev in run.events():
+                if isinstance(ev, Comment):
+                    yield comment(ev.text)
+                elif isinstance(ev, Piece):
+                    evs = out.feed(ev)
+                    if evs:
+                        yield b"".join(map(_encode, evs))
+                else:
+                    evs = out.finish(ev)
+                    response = final_response(base, out, ev)
+                    keep(response)
+                    kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
+                    yield b"".join(map(_encode, evs + [out.event(kind, response=response)]))
+
+        return SSEResponse(guarded(events(), lambda e: _encode(out.event(
+            "response.failed", response=failed_response(base, out, e)))), send_timeout=state.config.client_timeout)
+
+    finished = await drain(run, request, out)
+    if finished is None:
+        return Response(status_code=499)
+    response = final_response(base, out, finished)
+    keep(response)
+    return JSONResponse(response)
+
+
+async def retrieve_response(request: Request) -> Response:
+    """``GET /v1/responses/{response_id}``: the stored response object.
+
+    Raises:
+        APIError: 401; 404 for an id that is unknown, deleted, evicted or another tenant's.
+    """
+    state: "ServerState" = request.app.state.gateway
+    tenant = authenticate(state.tenants, request)
+    rid = request.path_params["response_id"]
+    entry = state.responses.get(tenant.name, rid)
+    if entry is None:
+        raise not_found(rid)
+    return JSONResponse(entry.response)
+
+
+async def delete_response(request: Request) -> Response:
+    """``DELETE /v1/responses/{response_id}``: ``{"id", "object": "response", "deleted": true}``.
+
+    Raises:
+        APIError: 401; 404 for an id that is unknown, already deleted, evicted or another tenant's.
+    """
+    state: "ServerState" = request.app.state.gateway
+    tenant = authenticate(state.tenants, request)
+    rid = request.path_params["response_id"]
+    if not state.responses.delete(tenant.name, rid):
+        raise not_found(rid)
+    return JSONResponse({"id": rid, "object": "response", "deleted": True})
