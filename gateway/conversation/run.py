@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Optional
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional
 
 import anyio
 
-from gateway.conversation.form import ChatResult, Comment, Conversation, Finished, Piece, Sampling, Usage
+from gateway.conversation.form import (
+    ChatEvent, ChatResult, Comment, Conversation, Finished, Piece, Sampling, Usage,
+)
 from gateway.conversation.generation import Generation, KeepAlive
 from gateway.conversation.prompts import Prompt, render_chat
 from gateway.conversation.structured import output_mask
@@ -205,9 +207,10 @@ class Run:
         yield Finished(reason, Usage(len(self.prompt.tokens), len(self.tokens), self.cached, self.cache_written),
                        matched)
 
-    async def collect(self, request) -> Optional[ChatResult]:
-        """The whole answer; None when the client left before anything was generated
-        (the generation is cancelled as soon as it leaves).
+    async def collect(self, request, on_event: Optional[Callable[[ChatEvent], None]] = None
+                      ) -> Optional[ChatResult]:
+        """The whole answer; None when the client left before it ended (the generation
+        is cancelled as soon as it leaves). ``on_event`` sees every event on the way.
 
         Raises:
             APIError: the generation failed.
@@ -219,6 +222,8 @@ class Run:
             async def consume() -> None:
                 try:
                     async for ev in events:
+                        if on_event is not None:
+                            on_event(ev)
                         if isinstance(ev, Piece):
                             text.append(ev.text)
                             reasoning.append(ev.reasoning)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Optional
 
-import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -35,7 +34,7 @@ from gateway.conversation.form import (Comment, Conversation, Finished, Function
 from gateway.conversation.run import Run, start_conversation
 from gateway.http.calls import admit
 from gateway.http.errors import APIError
-from gateway.http.sse import SSEResponse, comment, guarded, named_event, wait_for_disconnect
+from gateway.http.sse import SSEResponse, comment, guarded, named_event
 from gateway.protocols.responses_events import OutputBuilder, object_id
 from gateway.protocols.responses_schemas import (FunctionCallItem, FunctionCallOutputItem, MessageItem,
                                                  ReasoningItem, ResponsesRequest, parse_items, parse_request)
@@ -171,32 +170,15 @@ async def drain(run: Run, request: Request, out: OutputBuilder) -> Optional[Fini
     Raises:
         APIError: the generation failed.
     """
-    done: list[Finished] = []
-    error: list[APIError] = []
-    events = run.events()
-    async with anyio.create_task_group() as tg:
 
-        async def consume() -> None:
-            try:
-                async for ev in events:
-                    if isinstance(ev, Piece):
-                        out.feed(ev)
-                    elif isinstance(ev, Finished):
-                        done.append(ev)
-                        out.finish(ev)
-            except APIError as e:
-                error.append(e)
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await events.aclose()
-            tg.cancel_scope.cancel()
+    def feed(ev) -> None:
+        if isinstance(ev, Piece):
+            out.feed(ev)
+        elif isinstance(ev, Finished):
+            out.finish(ev)
 
-        tg.start_soon(consume)
-        await wait_for_disconnect(request.receive)
-        tg.cancel_scope.cancel()
-    if error:
-        raise error[0]
-    return done[0] if done else None
+    result = await run.collect(request, feed)
+    return result.finished if result is not None else None
 
 
 # ---------------------------------------------------------------------- routes
