@@ -101,18 +101,15 @@ async def chat_completions(request: Request) -> Response:
                 else:
                     yield sse(chat_chunk(rid, model, created, {}, finish_reason(ev.reason)))
                     if include_usage:
-                        u = ev.usage
-                        yield sse(usage_chunk(rid, model, created, "chat.completion.chunk",
-                                              usage(u.prompt, u.completion, u.cached)))
+                        yield sse(usage_chunk(rid, model, created, "chat.completion.chunk", usage(ev.usage)))
 
         return stream_response(state, chunks())
 
     result = await run.collect(request)
     if result is None:
         return Response(status_code=499)
-    u = result.finished.usage
     lps = [fmt.chat_entry(t) for t in result.tokens] if fmt else None
     return JSONResponse(chat_completion(
         rid, model, result.text, result.reasoning, finish_reason(result.finished.reason), lps,
-        usage(u.prompt, u.completion, u.cached), _tool_call_dicts(result.tool_calls)))
+        usage(result.finished.usage), _tool_call_dicts(result.tool_calls)))
 

@@ -60,16 +60,13 @@ async def completions(request: Request) -> Response:
                 else:
                     yield sse(text_completion(rid, model, "", finish_reason(ev.reason), None, None, created))
                     if include_usage:
-                        u = ev.usage
-                        yield sse(usage_chunk(rid, model, created, "text_completion",
-                                              usage(u.prompt, u.completion, u.cached)))
+                        yield sse(usage_chunk(rid, model, created, "text_completion", usage(ev.usage)))
 
         return stream_response(state, chunks())
 
     result = await run.collect(request)
     if result is None:
         return Response(status_code=499)
-    u = result.finished.usage
     lp = fmt.completion_entries(result.tokens, 0) if fmt else None
     return JSONResponse(text_completion(rid, model, result.text, finish_reason(result.finished.reason),
-                                        lp, usage(u.prompt, u.completion, u.cached)))
+                                        lp, usage(result.finished.usage)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from gateway.conversation.form import Usage
 from gateway.http.sse import SSEResponse, guarded, sse
 from scheduler.request import TokenEvent
 
@@ -22,13 +23,13 @@ def stream_response(state, chunks) -> SSEResponse:
                        send_timeout=state.config.client_timeout)
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+def usage(u: Usage) -> dict:
     """The ``usage`` object, with ``prompt_tokens_details.cached_tokens``."""
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens": u.prompt,
+        "completion_tokens": u.completion,
+        "total_tokens": u.prompt + u.completion,
+        "prompt_tokens_details": {"cached_tokens": u.cached},
     }
 
 
