@@ -45,6 +45,11 @@ class ServeConfig:
     sse_keepalive: float = 10.0
     responses_store_count: int = 1000
     responses_store_bytes: int = 64 << 20
+    api_key_file: Optional[str] = None
+    metrics_key: Optional[str] = None
+    allowed_hosts: list[str] = field(default_factory=list)
+    shutdown_grace: float = 30.0
+    prefill_budget: int = 256
 
 
 def _json_object(text: str) -> dict:
@@ -94,7 +99,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-concurrency", type=int, default=d.decode_concurrency,
                    help="sequences decoded together in one batch (default %(default)s)")
     p.add_argument("--prefill-step-size", type=int, default=d.prefill_step_size,
-                   help="prompt tokens per request per prefill step (default %(default)s)")
+                   help="most prompt tokens per request per prefill step when nothing is decoding "
+                   "(default %(default)s)")
+    p.add_argument("--prefill-budget", type=int, default=d.prefill_budget,
+                   help="most prompt tokens prefilled per engine step, across the batch, while other "
+                   "sequences decode: long prompts are chunked so decoding streams stall at most one "
+                   "chunk; 0 = no budget (default %(default)s)")
     p.add_argument("--prompt-cache-bytes", type=parse_size, default=d.prompt_cache_bytes,
                    help="byte bound of the prefix cache, e.g. 8G (default 8G)")
     p.add_argument("--prompt-cache-size", type=int, default=d.prompt_cache_size,
@@ -115,7 +125,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="add each request's prompt text to its log line (off: logs hold no prompt text)")
     p.add_argument("--tenants", metavar="FILE",
                    help="tenants file (TOML): API key hashes, limits, weights, cache groups; reloaded on SIGHUP")
-    p.add_argument("--api-key", help="serve one tenant that must send this key (ignored with --tenants)")
+    p.add_argument("--api-key", help="serve one tenant that must send this key; prefer the MLX_GATEWAY_API_KEY "
+                   "environment variable or --api-key-file, since arguments are visible in `ps` "
+                   "(an error with --tenants)")
+    p.add_argument("--api-key-file", metavar="FILE",
+                   help="read the single tenant's API key from FILE (first line; an error with --tenants)")
+    p.add_argument("--metrics-key", help="key /metrics requires as a Bearer token (it reveals tenant names); "
+                   "also MLX_GATEWAY_METRICS_KEY (default: /metrics is open)")
+    p.add_argument("--allowed-hosts", type=lambda s: [h.strip() for h in s.split(",") if h.strip()], default=[],
+                   help="Host header values accepted, comma-separated, e.g. 'gateway.lan,10.0.0.5:8080'; "
+                   "'*' accepts any (default: localhost names and the bound address; blocks DNS rebinding)")
+    p.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace,
+                   help="seconds running requests get to finish after SIGTERM; new ones get 503 meanwhile, "
+                   "and those still running at the end get a final error event (default %(default)s)")
     p.add_argument("--allow-unauthenticated", action="store_true",
                    help="allow serving without any key on a non-loopback --host")
     p.add_argument("--allowed-origins", type=lambda s: [o.strip() for o in s.split(",") if o.strip()],

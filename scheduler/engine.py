@@ -165,6 +165,7 @@ class Engine:
         self._gen: Optional[BatchGenerator] = None
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
+        self._stop_reason = "engine stopped"
         self._idle = threading.Condition()
         self._is_idle = True  # updated between steps only, so readers see a consistent state
         self.error: Optional[BaseException] = None
@@ -184,8 +185,10 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="mlx-gateway-engine", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop the thread; requests still running end with a 503 error event."""
+    def stop(self, timeout: float = 10.0, reason: str = "engine stopped") -> None:
+        """Stop the thread; requests still waiting or running end with a 503 error event
+        whose message is ``reason``."""
+        self._stop_reason = reason
         self._stopping = True
         self._inbox.put(("stop", None))
         if self._thread is not None:
@@ -297,7 +300,7 @@ class Engine:
             self.error = e
             log.error("engine thread died:\n%s", traceback.format_exc())
         finally:
-            reason = f"engine stopped: {self.error!r}" if self.error else "engine stopped"
+            reason = f"engine stopped: {self.error!r}" if self.error else self._stop_reason
             for a in list(self._active.values()):
                 self._send(a.request, [ErrorEvent(503, reason)])
                 self.prompt_cache.release(a.lease)

@@ -76,6 +76,7 @@ class ServerState:
     vocab_size: int = 0
     grammars: Optional[Grammars] = None
     load_error: Optional[str] = None
+    draining: bool = False  # set at SIGTERM: no new generation requests (503), running ones finish
     created: int = field(default_factory=lambda: int(time.time()))
     usage: UsageBook = field(default_factory=UsageBook)
     limiter: Limiter = field(default_factory=Limiter)
