@@ -28,7 +28,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_serve import free_port, start, words  # noqa: E402
+from scenarios import free_port, start, words  # noqa: E402
 
 TOOL = {"name": "read_file", "description": "Read a file of the project",
         "parameters": {"type": "object", "properties": {"path": {"type": "string", "maxLength": 24}},

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_serve import free_port, start, stream_chat, words  # noqa: E402
+from scenarios import free_port, start, stream_chat, words  # noqa: E402
 
 from gateway.tenancy.tenants import hash_key  # noqa: E402
 

@@ -49,7 +49,7 @@ class ServeConfig:
     metrics_key: Optional[str] = None
     allowed_hosts: list[str] = field(default_factory=list)
     shutdown_grace: float = 30.0
-    prefill_budget: int = 256
+    prefill_budget: float = 0.25
 
 
 def _json_object(text: str) -> dict:
@@ -101,10 +101,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-step-size", type=int, default=d.prefill_step_size,
                    help="most prompt tokens per request per prefill step when nothing is decoding "
                    "(default %(default)s)")
-    p.add_argument("--prefill-budget", type=int, default=d.prefill_budget,
-                   help="most prompt tokens prefilled per engine step, across the batch, while other "
-                   "sequences decode: long prompts are chunked so decoding streams stall at most one "
-                   "chunk; 0 = no budget (default %(default)s)")
+    p.add_argument("--prefill-budget", type=float, default=d.prefill_budget,
+                   help="seconds a prefill step may take while other sequences decode: long prompts are "
+                   "prefilled in chunks sized to it, so decoding streams pause at most about that long; "
+                   "0 = no budget, prompts prefill in --prefill-step-size chunks (default %(default)s)")
     p.add_argument("--prompt-cache-bytes", type=parse_size, default=d.prompt_cache_bytes,
                    help="byte bound of the prefix cache, e.g. 8G (default 8G)")
     p.add_argument("--prompt-cache-size", type=int, default=d.prompt_cache_size,

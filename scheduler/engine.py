@@ -30,6 +30,8 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from prometheus_client import CollectorRegistry
 
 from cache import PromptCacheManager
+from scheduler.chunking import ChunkPlanner
+from scheduler.faults import RowFault
 from scheduler.metrics import SchedulerMetrics
 from scheduler.policy import Admission, InFlight, WaitingQueue
 from scheduler.request import (
@@ -93,6 +95,16 @@ class _Active:
     generated: int = 0
     decoding: bool = False
     stored: int = 0  # longest prompt prefix this request stored in the prefix cache (tokens)
+    fault: RowFault = field(default_factory=RowFault)
+
+    def error(self) -> Optional[str]:
+        """Why this row must fail now (its sampler, a processor or its grammar raised), or None."""
+        if self.fault.error is not None:
+            return f"sampling failed: {self.fault.error}"
+        mask = self.request.mask
+        if mask is not None and mask.error is not None:
+            return f"constrained decoding failed: {mask.error}"
+        return None
 
 
 @dataclass
@@ -124,7 +136,9 @@ class Engine:
             checkpoints and after it finishes (prompt + completion).
         prompt_concurrency: prompts prefilled together (prefill batch size).
         decode_concurrency: sequences decoded together (decode batch size).
-        prefill_step_size: tokens per prompt per prefill step.
+        prefill_step_size: most tokens per prompt per prefill step while nothing decodes.
+        prefill_budget: seconds a prefill step may take while other sequences decode
+            (0: no budget). See :mod:`scheduler.chunking`.
         max_waiting: waiting requests before :meth:`submit` raises :class:`EngineOverloaded`.
         registry: where the scheduler metrics are registered.
         pad_free_prefill: when true, only prompts that need no padding prefill
@@ -141,6 +155,7 @@ class Engine:
         prompt_concurrency: int = 8,
         decode_concurrency: int = 32,
         prefill_step_size: int = 2048,
+        prefill_budget: float = 0.0,
         max_waiting: int = 1024,
         registry: Optional[CollectorRegistry] = None,
         pad_free_prefill: bool = False,
@@ -151,6 +166,7 @@ class Engine:
         self.prompt_concurrency = max(1, prompt_concurrency)
         self.decode_concurrency = max(self.prompt_concurrency, decode_concurrency)
         self.prefill_step_size = prefill_step_size
+        self.chunks = ChunkPlanner(prefill_step_size, prefill_budget)
         self.max_waiting = max_waiting
         self.pad_free_prefill = pad_free_prefill
         self.metrics = SchedulerMetrics(registry or CollectorRegistry())
@@ -406,13 +422,15 @@ class Engine:
             cuts = [cached, *marks, len(r.tokens)]
             segments = [r.tokens[a:b] for a, b in zip(cuts, cuts[1:])]
             stop = StopSequences([[t] for t in sorted(self.eos_token_ids)])
+            fault = RowFault()
+            processors = make_processors(r.params) + ([r.mask] if r.mask is not None else [])
             (uid,) = self._gen.insert_segments(
                 [segments],
                 max_tokens=[r.params.max_tokens],
                 caches=[hit.cache],
                 all_tokens=[list(r.tokens[:cached])],
-                samplers=[make_sampler(r.params)],
-                logits_processors=[make_processors(r.params) + ([r.mask] if r.mask is not None else [])],
+                samplers=[fault.sampler(make_sampler(r.params))],
+                logits_processors=[fault.processors(processors)],
                 stop_sequences=[stop],
             )
         except Exception as e:
@@ -423,7 +441,7 @@ class Engine:
             return
         # The final one-token segment ends at len-1: save that too (exact repeats).
         snapshots = [p for p in marks] + ([len(r.tokens) - 1] if len(r.tokens) - 1 > cached else [])
-        active = _Active(r, uid, lease, cached, sorted(set(snapshots)))
+        active = _Active(r, uid, lease, cached, sorted(set(snapshots)), fault=fault)
         self._active[uid] = active
         self._by_id[r.id] = active
         self.stats.admitted += 1
@@ -464,11 +482,15 @@ class Engine:
     def _step(self) -> None:
         prefilling = self._num_prefilling()
         decoding = len(self._active) - prefilling
+        chunk = self.chunks.next_chunk(prefilling, decoding)
+        self._gen.prefill_step_size = chunk
+        tic = time.perf_counter()
         try:
             prompt_responses, gen_responses = self._gen.next()
         except Exception as e:
             self._fail_batch(e)
             return
+        seconds = time.perf_counter() - tic
         self.stats.steps += 1
         if prefilling:
             self.metrics.prefill_batch.observe(prefilling)
@@ -476,25 +498,20 @@ class Engine:
         if decoding:
             self.metrics.decode_batch.observe(decoding)
             self.stats.max_decode_batch = max(self.stats.max_decode_batch, decoding)
+        prefilled = 0
         for pr in prompt_responses:
             a = self._active.get(pr.uid)
             if a is not None:
-                self._on_prompt_progress(a, pr)
+                prefilled += self._on_prompt_progress(a, pr)
+        self.chunks.record(chunk, prefilled, decoding, seconds)
         self.metrics.prefill_remaining.set(sum(
             len(a.request.tokens) - a.cached - a.processed for a in self._active.values() if not a.decoding
         ))
+        self._fail_faulty_rows()
         events: dict[int, list[Event]] = {}
         for gr in gen_responses:
             a = self._active.get(gr.uid)
             if a is None:
-                continue
-            if a.request.mask is not None and a.request.mask.error is not None:
-                # Its grammar failed this step: fail it alone, before the unmasked token.
-                if gr.finish_reason is None:
-                    self._gen.remove([a.uid])
-                self.stats.failed += 1
-                self._finish(a, ErrorEvent(500, f"constrained decoding failed: {a.request.mask.error}"))
-                events.pop(gr.uid, None)
                 continue
             try:
                 events.setdefault(gr.uid, []).append(self._token_event(a, gr))
@@ -513,6 +530,18 @@ class Engine:
             a = self._active.get(uid)
             if a is not None:
                 self._send(a.request, evs)
+
+    def _fail_faulty_rows(self) -> None:
+        """Fail, alone, each row whose sampler, processors or grammar raised this step;
+        its pending token (sampled by the broken callable) is never sent."""
+        for a in list(self._active.values()):
+            reason = a.error()
+            if reason is None:
+                continue
+            log.error("request %s failed: %s", a.request.id, reason)
+            self._gen.remove([a.uid])
+            self.stats.failed += 1
+            self._finish(a, ErrorEvent(500, reason))
 
     def _update_rates(self, idle: bool) -> None:
         """Publish prefill/decode tokens per second once a second of work has passed;
@@ -553,8 +582,10 @@ class Engine:
             top = list(zip(idx[order].tolist(), vals[order].tolist()))
         return TokenEvent(gr.token, chosen, top)
 
-    def _on_prompt_progress(self, a: _Active, pr) -> None:
+    def _on_prompt_progress(self, a: _Active, pr) -> int:
+        """Account ``a``'s prefill progress; returns the prompt tokens prefilled this step."""
         done = pr.progress[0] if isinstance(pr.progress, tuple) else 0
+        delta = max(0, done - a.processed)
         if done > a.processed:
             self.stats.prefill_tokens += done - a.processed
             self.metrics.prefill_tokens.inc(done - a.processed)
@@ -567,13 +598,21 @@ class Engine:
             a.decoding = True
             self.prompt_cache.release(a.lease)
             a.lease = None
-            return
+            return delta
         if pr.end_of_segment and a.pending_snapshots and position in a.pending_snapshots:
             a.pending_snapshots = [p for p in a.pending_snapshots if p > position]
-            extracted = self._gen.extract_cache([a.uid]).get(a.uid)
+            try:
+                extracted = self._gen.extract_cache([a.uid]).get(a.uid)
+            except Exception as e:  # fails this request alone
+                log.exception("extracting the cache of request %s failed", a.request.id)
+                self._gen.remove([a.uid])
+                self.stats.failed += 1
+                self._finish(a, ErrorEvent(500, f"saving its prompt cache failed: {e}"))
+                return delta
             if extracted is not None:
                 cache, tokens = extracted
                 self._save_snapshot(a, tokens, cache)
+        return delta
 
     def _save_snapshot(self, a: _Active, tokens, cache) -> None:
         """Store ``cache`` (covering ``tokens``) for ``a``'s namespace.

@@ -64,8 +64,9 @@ def test_dead_engine_gives_503_not_a_hang():
 
 def test_a_failed_batch_step_leaves_sampling_working():
     """A sampler that raises inside mlx-lm's batched step (top_k equal to the vocabulary,
-    which the gateway itself never sends) fails that step; afterwards sampled requests,
-    which use MLX's global random key, still work."""
+    which the gateway itself never sends) fails its request (alone: see
+    test_row_faults.py); afterwards sampled requests, which use MLX's global random key,
+    still work."""
     with live_server(model_path("qwen3")) as server:
         engine = server.engine
         bad = Collector()

@@ -1,0 +1,235 @@
+"""Workloads for the serving benchmarks: each drives a running server over HTTP and
+returns figures (seconds, tokens, tokens/s); none asserts anything.
+
+Every scenario takes the server's base URL and the model name it serves, so the same
+workload runs against mlx-gateway and ``mlx_lm.server``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+WORDS = ("the model cache token prompt server batch request tenant prefix memory apple code agent "
+         "browser extension stream answer question system user assistant reason think water").split()
+
+
+def words(n: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cmd: list[str], port: int, env=None, timeout: float = 300) -> tuple[subprocess.Popen, float]:
+    """Start a server; returns (process, seconds until /v1/models answered)."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    url = f"http://127.0.0.1:{port}"
+    while time.monotonic() - t0 < timeout:
+        try:
+            r = httpx.get(url + "/health", timeout=1)
+            if r.status_code == 200:
+                return proc, time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {cmd}")
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+async def stream_chat(c: httpx.AsyncClient, messages, max_tokens: int, model: str, **extra) -> dict:
+    t0 = time.monotonic()
+    first, n, text, use = None, 0, "", {}
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, **extra}
+    async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                use = chunk["usage"]
+            for ch in chunk.get("choices", []):
+                d = ch.get("delta", {})
+                piece = (d.get("content") or "") + (d.get("reasoning_content") or "")
+                if piece:
+                    first = first or time.monotonic()
+                    n += 1
+                    text += piece
+    end = time.monotonic()
+    cached = ((use.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
+    return {"ttft": (first or end) - t0, "total": end - t0, "chunks": n, "text": text,
+            "prompt": use.get("prompt_tokens", 0), "cached": cached,
+            "completion": use.get("completion_tokens", n), "decode_s": end - (first or end)}
+
+
+def summarize(results: list[dict], wall: float) -> dict:
+    ttfts = sorted(r["ttft"] for r in results)
+    p95 = ttfts[min(len(ttfts) - 1, int(round(0.95 * (len(ttfts) - 1))))]
+    prompt = sum(r["prompt"] for r in results)
+    cached = sum(r["cached"] for r in results)
+    return {"ttft_p50": statistics.median(ttfts), "ttft_p95": p95, "computed": prompt - cached,
+            "cached_frac": cached / prompt if prompt else 0.0,
+            "tok_s": sum(r["completion"] for r in results) / wall}
+
+
+async def burst(url: str, model: str, rounds: int = 3) -> dict:
+    system = "You are a careful assistant. " + words(560, 0)
+    users = [f"Page {i}: " + words(280, 100 + i) for i in range(6)]
+    out = []
+    async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+        t0 = time.monotonic()
+        for _ in range(rounds):
+            out += await asyncio.gather(*(stream_chat(c, [{"role": "system", "content": system},
+                                                          {"role": "user", "content": u}], 16, model) for u in users))
+        return summarize(out, time.monotonic() - t0)
+
+
+async def conversation(url: str, model: str, turns: int = 20) -> dict:
+    messages = [{"role": "system", "content": "You help with code. " + words(200, 1)}]
+    out = []
+    async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+        t0 = time.monotonic()
+        for t in range(turns):
+            messages.append({"role": "user", "content": words(60, 500 + t)})
+            r = await stream_chat(c, messages, 24, model)
+            out.append(r)
+            messages.append({"role": "assistant", "content": r["text"]})
+        return summarize(out, time.monotonic() - t0)
+
+
+async def decode_speed(url: str, model: str, n: int) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+        t0 = time.monotonic()
+        rs = await asyncio.gather(*(stream_chat(c, [{"role": "user", "content": words(30 + 20 * i, i)}], 64, model)
+                                    for i in range(n)))
+        wall = time.monotonic() - t0
+    return {"ttft_p50": statistics.median(r["ttft"] for r in rs),
+            "tok_s_per_request": statistics.median(r["completion"] / max(r["decode_s"], 1e-9) for r in rs),
+            "tok_s_total": sum(r["completion"] for r in rs) / wall}
+
+
+# Exactly 48 one-digit integers: longer than max_tokens, so constrained rows decode as
+# long as free ones and the batch keeps its size.
+DIGITS = {"type": "json_schema", "json_schema": {"name": "digits", "schema": {
+    "type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 48, "maxItems": 48}}}
+
+
+async def constrained(url: str, model: str, n: int = 8, rounds: int = 3) -> dict:
+    """Decode tokens/s of ``n`` concurrent requests, none or half of them constrained
+    (median of ``rounds``), and the ratio half/none. Free rows get EOS banned
+    (``logit_bias``) so that every row decodes all 64 tokens in both runs."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    no_eos = {"logit_bias": {str(t): -100 for t in load_tokenizer(Path(model)).eos_token_ids}}
+    out = {}
+    async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+        for k in (0, n // 2):
+            speeds = []
+            for r in range(rounds):
+                rs = await asyncio.gather(*(
+                    stream_chat(c, [{"role": "user", "content": words(30, 1000 * r + 100 * k + i)}], 64, model,
+                                **({"response_format": DIGITS} if i < k else no_eos))
+                    for i in range(n)))
+                # Decode only: from the first token of any row to the end of the last.
+                window = max(x["total"] for x in rs) - min(x["ttft"] for x in rs)
+                speeds.append(sum(x["completion"] for x in rs) / window)
+            out[f"tok_s_{k}_of_{n}"] = statistics.median(speeds)
+    out["ratio"] = out[f"tok_s_{n // 2}_of_{n}"] / out[f"tok_s_0_of_{n}"]
+    return out
+
+
+async def _timed_stream(c: httpx.AsyncClient, body: dict, times: list[float], texts=None) -> None:
+    """Stream ``body`` and append the arrival time (monotonic seconds) of every content chunk."""
+    async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            deltas = [ch.get("delta") or {} for ch in json.loads(line[6:]).get("choices", [])]
+            piece = "".join((d.get("content") or "") + (d.get("reasoning_content") or "") for d in deltas)
+            if piece:
+                times.append(time.monotonic())
+                if texts is not None:
+                    texts.append(piece)
+
+
+def steady_stream_bias(model: str) -> dict[str, int]:
+    """A ``logit_bias`` that bans EOS and, for vocabularies up to 4096 tokens, the byte
+    tokens that decode to part of a UTF-8 character: random weights otherwise emit runs
+    of them that a server holds back until the character completes, which would read as
+    a stall of the stream."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tok = load_tokenizer(Path(model))
+    banned = set(tok.eos_token_ids)
+    vocab = len(tok._tokenizer.get_vocab())
+    if vocab <= 4096:
+        banned |= {i for i in range(vocab) if "\ufffd" in tok.decode([i])}
+    return {str(t): -100 for t in sorted(banned)}
+
+
+def long_text(model: str, tokens: int, seed: int) -> str:
+    """Random words that the model's tokenizer turns into at least ``tokens`` tokens."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tok = load_tokenizer(Path(model))
+    n = tokens
+    while True:
+        text = words(n, seed)
+        got = len(tok.encode(text))
+        if got >= tokens:
+            return text
+        n += max(16, (tokens - got) * n // max(got, 1))
+
+
+async def stall(url: str, model: str, streams: int = 4, long_tokens: int = 3000, seed: int = 7) -> dict:
+    """Decode stall: ``streams`` requests are decoding when a ``long_tokens``-token prompt
+    arrives. Reports the decoding streams' inter-token gaps (seconds) before it arrived
+    (``gap_alone_p50``) and from its arrival to its first token (``gap_max``,
+    ``gap_p50``), and the long prompt's TTFT. EOS is banned so the streams outlast the
+    prefill."""
+    no_eos = steady_stream_bias(model)
+    text = long_text(model, long_tokens, seed)
+    times: list[list[float]] = [[] for _ in range(streams)]
+    texts: list[list[str]] = [[] for _ in range(streams)]
+    async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+        tasks = [asyncio.create_task(_timed_stream(c, {
+            "model": model, "messages": [{"role": "user", "content": words(20, seed * 100 + i)}],
+            "max_tokens": 4000, "temperature": 0, "stream": True, "logit_bias": no_eos}, times[i], texts[i]))
+            for i in range(streams)]
+        while min(len(t) for t in times) < 24:  # all decoding, past their first tokens
+            await asyncio.sleep(0.01)
+        t_long = time.monotonic()
+        r = await stream_chat(c, [{"role": "user", "content": text}], 8, model)
+        t_first = t_long + r["ttft"]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    alone = [b - a for ts in times for a, b in zip(ts[8:], ts[9:]) if b < t_long]
+    during = [b - a for ts in times for a, b in zip(ts, ts[1:]) if b > t_long and a < t_first]
+    if os.environ.get("BENCH_DEBUG"):
+        worst = sorted(((ts[j + 1] - ts[j], ts[j] - t_long, k, texts[k][j + 1]) for k, ts in enumerate(times)
+                        for j in range(len(ts) - 1) if ts[j + 1] > t_long and ts[j] < t_first), reverse=True)[:6]
+        print("worst gaps (gap, start after arrival, stream, text after):",
+              [(round(g, 3), round(s, 3), k, x) for g, s, k, x in worst], "first token at", round(t_first - t_long, 3))
+    return {"gap_alone_p50": statistics.median(alone), "gap_max": max(during, default=float("nan")),
+            "gap_p50": statistics.median(during) if during else float("nan"),
+            "long_ttft": r["ttft"], "long_prompt": r["prompt"]}

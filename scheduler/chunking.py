@@ -1,0 +1,88 @@
+"""Chunked prefill: how many prompt tokens each engine step may prefill, so that a
+long prompt never stalls the sequences that are decoding.
+
+mlx-lm's ``BatchGenerator.next()`` runs one decode step of the decoding batch, then one
+prefill step of up to ``prefill_step_size`` tokens per prompt. With the default 2048, a
+long prompt stops every decoding stream for the whole chunk (seconds on a CPU). While
+sequences decode, the planner instead:
+
+* sizes each prefill chunk so that the step takes about ``budget`` seconds, from the
+  time per prompt token measured on the previous chunk (a chunk's cost grows with the
+  context it attends to, so the size adapts as a long prompt advances); sizes are
+  multiples of :data:`ALIGN` tokens, the first chunk is :data:`FIRST_CHUNK` tokens;
+* after each prefill chunk, runs decode-only steps (a prefill step size of 0, which
+  makes ``next()`` advance only the decoding batch) until they have had
+  :data:`DECODE_SHARE` of the chunk's time, so most inter-token gaps stay those of
+  decoding alone.
+
+With nothing decoding, prompts prefill in full ``prefill_step_size`` chunks: TTFT is
+then what it would be without a budget.
+
+How this compares: vLLM (V1) schedules decode tokens first and fills the rest of a
+per-step token budget (``max_num_batched_tokens``) with prefill chunks, all in one
+forward pass; SGLang caps each prefill at ``--chunked-prefill-size`` tokens and
+alternates prefill and decode batches (or mixes them with ``--enable-mixed-chunk``).
+Ours alternates like SGLang's default, because mlx-lm keeps prompt and decode rows in
+separate batch caches, and adds the decode-only steps so that decoding keeps a share of
+the time.
+"""
+
+from __future__ import annotations
+
+ALIGN = 32  # chunk sizes are multiples of this many tokens
+FIRST_CHUNK = 128  # tokens per prompt before any chunk has been timed
+HEADROOM = 0.85  # aim this fraction of the budget, as the next chunk attends to more context
+DECODE_SHARE = 0.1  # decode-only time owed after a prefill chunk, as a fraction of its time
+
+
+class ChunkPlanner:
+    """Chooses each step's prefill chunk (tokens per prompt); engine thread only.
+
+    Args:
+        step_size: tokens per prompt per step when nothing decodes (``--prefill-step-size``).
+        budget: seconds a prefill step may take while sequences decode
+            (``--prefill-budget``); 0 disables chunking under decode.
+    """
+
+    def __init__(self, step_size: int, budget: float) -> None:
+        self.step_size = max(1, step_size)
+        self.budget = max(0.0, budget)
+        self._per_token = 0.0  # seconds per prompt token of the last timed chunk
+        self._decode_owed = 0.0  # seconds of decode-only steps owed to the decoding rows
+        self.decode_only_steps = 0  # steps that advanced only the decoding batch
+        self.budgeted_steps = 0  # prefill steps whose chunk the budget cut below step_size
+
+    def next_chunk(self, prefilling: int, decoding: int) -> int:
+        """Tokens per prompt for the next step; 0 for a decode-only step.
+
+        Args:
+            prefilling: requests admitted and still in prefill.
+            decoding: requests decoding.
+        """
+        if not prefilling or not decoding or not self.budget:
+            self._decode_owed = 0.0
+            return self.step_size
+        if self._decode_owed > 0:
+            return 0
+        if self._per_token <= 0:
+            per_row = FIRST_CHUNK
+        else:
+            per_row = int(HEADROOM * self.budget / self._per_token) // prefilling
+        per_row = max(ALIGN, per_row - per_row % ALIGN)
+        if per_row < self.step_size:
+            self.budgeted_steps += 1
+            return per_row
+        return self.step_size
+
+    def record(self, chunk: int, prefilled: int, decoding: int, seconds: float) -> None:
+        """Account a finished step that took ``seconds``: planned with ``chunk`` tokens
+        per prompt, it prefilled ``prefilled`` prompt tokens in all while ``decoding``
+        sequences decoded."""
+        if chunk == 0:
+            self.decode_only_steps += 1
+            self._decode_owed -= seconds
+            return
+        if prefilled and decoding and self.budget:
+            self._decode_owed = DECODE_SHARE * seconds
+        if prefilled >= ALIGN:
+            self._per_token = seconds / prefilled

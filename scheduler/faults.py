@@ -1,0 +1,67 @@
+"""Per-row fault isolation: an exception in one request's sampler or logits processors
+is recorded on that request instead of being raised inside mlx-lm's batched step,
+where it would fail every request in the batch.
+
+The engine checks :attr:`RowFault.error` after each step and fails only that request,
+before the token its broken sampler produced is sent (mlx-lm samples a row's next token
+one step before it returns it).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+from scheduler.sampling import greedy
+
+
+class RowFault:
+    """The first error raised by one request's sampler or logits processors.
+
+    Wrap the row's callables with :meth:`sampler` and :meth:`processors` before inserting
+    it into the batch. A failing sampler returns the greedy token (``[1]``) and a failing
+    processor returns its input logits ``[1, V]`` unchanged, so the batch step completes;
+    the row is failed right after it.
+    """
+
+    def __init__(self) -> None:
+        self.error: Optional[BaseException] = None
+
+    def _record(self, e: BaseException) -> None:
+        if self.error is None:
+            self.error = e
+        # mlx-lm's samplers are compiled with MLX's global PRNG key as state; one that
+        # raises mid-trace leaves that key a placeholder without a primitive, which would
+        # fail every later unseeded sample: start a fresh key.
+        mx.random.seed(int.from_bytes(os.urandom(4), "little"))
+
+    def sampler(self, sample: Callable[[mx.array], mx.array]) -> Callable[[mx.array], mx.array]:
+        """``sample`` guarded; greedy is returned as is (it cannot fail, and mlx-lm
+        samples a batch whose rows share one sampler object in one call)."""
+        if sample is greedy:
+            return sample
+
+        def guarded(logprobs: mx.array) -> mx.array:
+            try:
+                return sample(logprobs)
+            except Exception as e:
+                self._record(e)
+                return greedy(logprobs)
+
+        return guarded
+
+    def processors(self, processors: list) -> list:
+        """Each of mlx-lm's ``processor(tokens, logits) -> logits`` guarded."""
+        return [self._processor(p) for p in processors]
+
+    def _processor(self, process):
+        def guarded(tokens: mx.array, logits: mx.array) -> mx.array:
+            try:
+                return process(tokens, logits)
+            except Exception as e:
+                self._record(e)
+                return logits
+
+        return guarded
