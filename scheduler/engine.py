@@ -353,6 +353,10 @@ class Engine:
                 self._waiting_by_tenant.pop(request.tenant, None)
 
     def _notify_idle(self) -> None:
+        # After every loop turn, so that a cancelled or failed prefill leaves the gauge too.
+        self.metrics.prefill_remaining.set(sum(
+            len(a.request.tokens) - a.cached - a.processed for a in self._active.values() if not a.decoding
+        ))
         self.metrics.running.set(len(self._active))
         self.metrics.waiting.set(self._waiting_count)
         self._update_rates(idle=not self._active)
@@ -504,9 +508,6 @@ class Engine:
             if a is not None:
                 prefilled += self._on_prompt_progress(a, pr)
         self.chunks.record(chunk, prefilled, decoding, seconds)
-        self.metrics.prefill_remaining.set(sum(
-            len(a.request.tokens) - a.cached - a.processed for a in self._active.values() if not a.decoding
-        ))
         self._fail_faulty_rows()
         events: dict[int, list[Event]] = {}
         for gr in gen_responses:
