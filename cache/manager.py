@@ -125,6 +125,9 @@ class PromptCacheManager:
         self.metrics = CacheMetrics(registry)
         self.registry = self.metrics.registry
         self._lock = threading.RLock()
+        # Bumped whenever an entry is stored or dropped: a match_length answer stays
+        # valid while it is unchanged (the admission policy memoizes on it).
+        self.version = 0
         self._trees: dict[str, RadixTree] = {}
         self._lru: OrderedDict[_Entry, None] = OrderedDict()  # unleased entries, oldest first
         self._bytes = 0
@@ -333,6 +336,7 @@ class PromptCacheManager:
                 self.metrics.evictions.labels(reason=reason).inc()
             node = tree.insert(tokens)
             tree.set_value(node, entry)
+            self.version += 1
             entry.node = node
             self._lru[entry] = None
             self._bytes += entry.nbytes
@@ -381,6 +385,7 @@ class PromptCacheManager:
         self._lru.pop(entry, None)
         tree = self._trees[entry.namespace]
         tree.remove_value(entry.node)
+        self.version += 1
         entry.alive = False
         entry.node = None
         entry.cache = None

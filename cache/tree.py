@@ -60,12 +60,18 @@ def _common(a: Sequence[int], a0: int, b: tuple[int, ...]) -> int:
     """Length of the common prefix of ``a[a0:]`` and ``b``."""
     n = min(len(a) - a0, len(b))
     i = 0
-    # compare in blocks at C speed (tuple equality), then token by token
+    # compare in blocks at C speed (tuple equality)
     block = 256
     while i + block <= n and tuple(a[a0 + i : a0 + i + block]) == b[i : i + block]:
         i += block
-    while i < n and a[a0 + i] == b[i]:
-        i += 1
+    # then bisect the first mismatch in the last block, still comparing slices in C
+    hi = min(n, i + block)
+    while i < hi:
+        mid = (i + hi + 1) // 2
+        if tuple(a[a0 + i : a0 + mid]) == b[i:mid]:
+            i = mid
+        else:
+            hi = mid - 1
     return i
 
 

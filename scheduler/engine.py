@@ -409,6 +409,7 @@ class Engine:
             1 if self.pad_free_prefill else free,
             lambda r: self.prompt_cache.match_length(r.namespace, r.tokens),
             self._in_flight(),
+            self.prompt_cache.version,
         )
         for admission in picks:
             self._uncount_waiting(admission.request)

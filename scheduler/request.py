@@ -109,3 +109,4 @@ class EngineRequest:
     max_queued: Optional[int] = None
     mask: Optional[Any] = None
     arrival: float = field(default_factory=time.monotonic)
+    prefix_key: Optional[Any] = field(default=None, repr=False, compare=False)  # set by the policy
