@@ -1,23 +1,103 @@
 """Shared fixtures: tiny random-weight models of real architectures, built once per run.
 
 Models are written by :func:`gateway.models.demo_model.build_model_dir` and loaded through the
-real ``mlx_lm.load`` path. Real tokenizers come from ``../shared/fixtures/tokenizers``
-(override with ``MLX_GATEWAY_TOKENIZERS``).
+real ``mlx_lm.load`` path. Real tokenizers come from ``tests/fixtures/tokenizers`` (origin and
+licences in its ``SOURCES.md``; override with ``MLX_GATEWAY_TOKENIZERS``). Their big files are
+stored xz-compressed; :data:`TOKENIZERS` is a decompressed copy made once under
+``.test-models/``, so tests can hand ``TOKENIZERS / "qwen3"`` to any tokenizer loader.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import lzma
 import os
+import shutil
+import socket
+import threading
+import time
 from pathlib import Path
+from typing import Callable, TypeVar
 
+import httpx
 import pytest
 
-from gateway.models.demo_model import build_model_dir
+from gateway.models.demo_model import build_model_dir, copy_tokenizer_files
 
 ROOT = Path(__file__).resolve().parents[1]
-TOKENIZERS = Path(
-    os.environ.get("MLX_GATEWAY_TOKENIZERS", ROOT.parent / "shared" / "fixtures" / "tokenizers")
-)
+_MODEL_CACHE = Path(os.environ.get("MLX_GATEWAY_TEST_MODELS", ROOT / ".test-models"))
+
+# ---------------------------------------------------------------------- tokenizers
+FIXTURE_TOKENIZERS = Path(__file__).resolve().parent / "fixtures" / "tokenizers"
+TOKENIZER_SOURCE = Path(os.environ.get("MLX_GATEWAY_TOKENIZERS") or FIXTURE_TOKENIZERS)
+TOKENIZER_FAMILIES = ("qwen3", "llama3", "gemma3")
+_NEEDED = ("tokenizer.json", "tokenizer_config.json")
+
+
+def _materialize_tokenizers(src: Path, cache: Path) -> tuple[Path, dict[str, str]]:
+    """Decompressed copies of the tokenizer families in ``src``, under ``cache``.
+
+    Returns the directory holding one subdirectory per family found, and the families that
+    are missing (name -> why). The copy's name carries a hash of the source files, so a
+    changed fixture gets a fresh copy (and the models built on it are rebuilt), and test
+    runs in parallel never rewrite a directory another one reads.
+    """
+    missing: dict[str, str] = {}
+    files: dict[str, list[Path]] = {}
+    digest = hashlib.sha256()
+    for name in TOKENIZER_FAMILIES:
+        d = src / name
+        absent = [f for f in _NEEDED if not (d / f).is_file() and not (d / f"{f}.xz").is_file()]
+        if not d.is_dir():
+            missing[name] = f"no directory {d}"
+        elif absent:
+            missing[name] = f"{d} has no {' or '.join(absent)} (nor its .xz)"
+        else:
+            files[name] = sorted(f for f in d.iterdir() if f.is_file())
+            for f in files[name]:
+                digest.update(f"{name}/{f.name}\0".encode())
+                digest.update(f.read_bytes())
+    out = cache / f"tokenizers-{digest.hexdigest()[:16]}"
+    if files and not (out / ".complete").exists():
+        tmp = cache / f".{out.name}.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        for name in files:
+            (tmp / name).mkdir(parents=True)
+            try:
+                copy_tokenizer_files(src / name, tmp / name)
+            except (OSError, lzma.LZMAError) as e:
+                missing[name] = f"{src / name} could not be read: {e}"
+                shutil.rmtree(tmp / name)
+        (tmp / ".complete").touch()
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another test run made it first
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not (out / ".complete").exists():
+                raise
+    for name in files:
+        if name not in missing and not all((out / name / f).is_file() for f in _NEEDED):
+            missing[name] = f"{src / name} could not be copied and decompressed into {out / name}"
+    return out, missing
+
+
+TOKENIZERS, MISSING_TOKENIZERS = _materialize_tokenizers(TOKENIZER_SOURCE, _MODEL_CACHE)
+
+
+def require_tokenizers(*names: str) -> None:
+    """Skip the calling test, saying how to get them, unless the fixture tokenizers
+    ``names`` are available."""
+    gone = {n: MISSING_TOKENIZERS[n] for n in names if n in MISSING_TOKENIZERS}
+    if gone:
+        pytest.skip(
+            "tokenizer fixture(s) missing: " + "; ".join(f"{n}: {why}" for n, why in gone.items())
+            + ". They ship with the repository in tests/fixtures/tokenizers/ (see SOURCES.md there):"
+            " restore them with `git checkout -- tests/fixtures/tokenizers`, or set"
+            " MLX_GATEWAY_TOKENIZERS to a directory holding <family>/tokenizer.json(.xz) and"
+            " tokenizer_config.json(.xz)."
+        )
+
 
 # Architecture -> (tokenizer fixture directory or None for the project's own BPE, vocab_size).
 ARCH_TOKENIZERS = {
@@ -29,20 +109,21 @@ ARCH_TOKENIZERS = {
     "nemotron_h": ("qwen3", 151936),
 }
 
-_MODEL_CACHE = Path(os.environ.get("MLX_GATEWAY_TEST_MODELS", ROOT / ".test-models"))
-
 
 def model_path(arch: str, tokenizer: str | None = "default") -> Path:
     """Build (once) and return the directory of the tiny ``arch`` model.
 
     ``tokenizer="default"`` uses :data:`ARCH_TOKENIZERS`; ``"qwen3"`` etc. picks a
-    fixture tokenizer explicitly (with its family's vocabulary size).
+    fixture tokenizer explicitly (with its family's vocabulary size). Skips the test if
+    that fixture tokenizer is missing.
     """
     if tokenizer == "default":
         tok_name, vocab = ARCH_TOKENIZERS[arch]
     else:
         tok_name = tokenizer
         vocab = {"qwen3": 151936, "llama3": 128256, "gemma3": 262208, None: None}[tokenizer]
+    if tok_name:
+        require_tokenizers(tok_name)
     tok_dir = TOKENIZERS / tok_name if tok_name else None
     return build_model_dir(
         _MODEL_CACHE / f"{arch}-{tok_name or 'own'}", arch, tokenizer_dir=tok_dir, vocab_size=vocab
@@ -51,16 +132,41 @@ def model_path(arch: str, tokenizer: str | None = "default") -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizers_dir() -> Path:
+    """:data:`TOKENIZERS`; skips the test unless every fixture tokenizer is there."""
+    require_tokenizers(*TOKENIZER_FAMILIES)
     return TOKENIZERS
 
 
-# ---------------------------------------------------------------------- live servers
-import contextlib
-import socket
-import threading
-import time
+@pytest.fixture(scope="module", autouse=True)
+def _tokenizers_of_module(request):
+    """A module that reads ``TOKENIZERS`` directly (``from conftest import TOKENIZERS``)
+    is skipped, with how to get them, when a fixture tokenizer is missing."""
+    if MISSING_TOKENIZERS and request.module is not None and "TOKENIZERS" in vars(request.module):
+        require_tokenizers(*TOKENIZER_FAMILIES)
 
-import httpx
+
+# ---------------------------------------------------------------------- waiting
+T = TypeVar("T")
+
+
+def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.01) -> T:
+    """Poll ``predicate`` until it returns a truthy value, and return that value.
+
+    Raises AssertionError naming ``what`` (what the test waits for) once ``timeout`` seconds
+    have passed. ``predicate`` may itself raise to stop waiting early, e.g. when the process
+    it waits on has exited.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+# ---------------------------------------------------------------------- live servers
 
 
 def free_port() -> int:
@@ -111,12 +217,14 @@ def live_server(model_dir, **config):
                                            h11_max_incomplete_event_size=cfg.max_header_bytes))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("server did not start")
-        time.sleep(0.01)
+
+    def started() -> bool:
+        if not thread.is_alive():
+            raise RuntimeError("the server thread exited before it started serving")
+        return server.started
+
     try:
+        wait_until(started, 30, "the server to start")
         yield LiveServer(state, server, thread, f"http://127.0.0.1:{cfg.port}")
     finally:
         server.should_exit = True

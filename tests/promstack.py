@@ -283,6 +283,32 @@ class Prometheus:
         active = self._get("/api/v1/targets")["activeTargets"]
         return bool(active) and all(t["health"] == "up" for t in active)
 
+    def _rounds(self) -> dict[str, str]:
+        """When each target was last scraped and each rule group last evaluated, as
+        Prometheus reports it (a new value per scrape or evaluation)."""
+        rounds = {f"scrape {t['scrapeUrl']}": t.get("lastScrape", "")
+                  for t in self._get("/api/v1/targets")["activeTargets"]}
+        for g in self._get("/api/v1/rules")["groups"]:
+            rounds[f"rules {g['file']}:{g['name']}"] = g.get("lastEvaluation", "")
+        return rounds
+
+    def wait_rounds(self, n: int = 2, timeout: float = 15) -> None:
+        """Wait until every target has been scraped, and every rule group evaluated, ``n``
+        more times. Each round starts when the previous one has ended, so after ``n = 2``
+        the rules have been evaluated after a scrape that followed this call."""
+        deadline = time.monotonic() + timeout
+        for i in range(n):
+            before = self._rounds()
+            while True:
+                now = self._rounds()
+                if all(now.get(k) != v for k, v in before.items()):
+                    break
+                if time.monotonic() > deadline:
+                    stuck = sorted(k for k, v in before.items() if now.get(k) == v)
+                    raise AssertionError(f"Prometheus finished {i} of {n} rounds of scrapes and rule "
+                                         f"evaluations in {timeout} s; not done again: {stuck}")
+                time.sleep(0.05)
+
     def wait_for(self, expr: str, want: float, timeout: float = 15) -> None:
         """Wait up to ``timeout`` seconds until ``expr`` (one series) equals ``want``: the
         gateway state ``want`` was read from has been scraped."""

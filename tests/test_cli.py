@@ -3,33 +3,45 @@ reloading the tenants file on SIGHUP without dropping a request in flight."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import time
+import threading
 
 import httpx
 import pytest
 
-from conftest import free_port, model_path
+from conftest import free_port, model_path, wait_until
 
 CLI = [sys.executable, "-m", "gateway.cli"]
 
 
-def new_key(tenant: str) -> tuple[str, str]:
+def keys_new(tenant: str) -> tuple[str, str, str]:
+    """``mlx-gateway keys new tenant``: its output, the key and the ``key_sha256`` line."""
     out = subprocess.run([*CLI, "keys", "new", tenant], capture_output=True, text=True, check=True).stdout
     key = re.search(r"(mgw-\S+)", out).group(1)
     line = re.search(r'^key_sha256 = \["[0-9a-f]{64}"\]$', out, re.M).group(0)
     assert f"[tenants.{tenant}]" in out
+    return out, key, line
+
+
+def new_key(tenant: str) -> tuple[str, str]:
+    _, key, line = keys_new(tenant)
     return key, line
 
 
 def test_keys_new_prints_a_key_and_only_its_hash():
-    key, line = new_key("browser")
-    assert key not in line and len(key) > 40
+    out, key, line = keys_new("browser")
+    assert len(key) > 40
+    # The line to paste holds the key's SHA-256 (computed here, not by the code under test)...
+    assert line == f'key_sha256 = ["{hashlib.sha256(key.encode()).hexdigest()}"]'
+    # ...and the key itself is printed once, before the lines that go into the tenants file.
+    assert out.count(key) == 1
+    assert key not in out[out.index("[tenants.browser]"):]
     again, _ = new_key("browser")
     assert again != key
 
@@ -61,19 +73,32 @@ def test_sighup_reloads_tenants_without_dropping_requests(tmp_path):
          "--log-format", "json"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
+    # The server's output, read as it comes, so that the test can wait for a log line.
+    output: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            output.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     url = f"http://127.0.0.1:{port}"
     body = {"messages": [{"role": "user", "content": "hi quokka"}], "max_tokens": 2}
+
+    def logged(text: str) -> bool:
+        return any(text in line for line in list(output))
+
     try:
         with httpx.Client(base_url=url, timeout=60) as c:
-            deadline = time.monotonic() + 90
-            while True:
+
+            def healthy() -> bool:
+                assert proc.poll() is None, "the server exited:\n" + "".join(output)
                 try:
-                    if c.get("/health").status_code == 200:
-                        break
+                    return c.get("/health").status_code == 200
                 except httpx.TransportError:
-                    pass
-                assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-                time.sleep(0.2)
+                    return False
+
+            wait_until(healthy, 90, "the server to answer /health", interval=0.2)
             old = {"Authorization": f"Bearer {old_key}"}
             new = {"Authorization": f"Bearer {new_key_}"}
             assert c.post("/v1/chat/completions", json=body, headers=old).status_code == 200
@@ -86,23 +111,23 @@ def test_sighup_reloads_tenants_without_dropping_requests(tmp_path):
                 os.kill(proc.pid, signal.SIGHUP)
                 rest = list(lines)  # the request that started before the reload runs to its end
             assert [x for x in rest if x][-1] == "data: [DONE]" and not any('"error"' in x for x in rest)
-            deadline = time.monotonic() + 10
-            while c.post("/v1/chat/completions", json=body, headers=new).status_code != 200:
-                assert time.monotonic() < deadline, "reload did not take effect"
-                time.sleep(0.1)
+            wait_until(lambda: c.post("/v1/chat/completions", json=body, headers=new).status_code == 200,
+                       10, "the reload to accept the new key", interval=0.1)
             assert c.post("/v1/chat/completions", json=body, headers=old).status_code == 401
             # A broken file on reload keeps the tenants in use.
             tenants.write_text("this is not toml [")
             os.kill(proc.pid, signal.SIGHUP)
-            time.sleep(0.5)
+            wait_until(lambda: logged("tenants file not reloaded"), 10, "the server to log the failed reload")
             assert c.post("/v1/chat/completions", json=body, headers=new).status_code == 200
     finally:
         proc.terminate()
         try:
-            out, _ = proc.communicate(timeout=20)
+            proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
-            out, _ = proc.communicate()
+            proc.wait()
+        reader.join(10)
+    out = "".join(output)
     assert "tenants file not reloaded" in out
     assert old_key not in out and new_key_ not in out
     # --log-format json: every line is a JSON object; each request has one line with its figures.

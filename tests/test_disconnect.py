@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import json
 
-from conftest import live_server, model_path
+from conftest import live_server, model_path, wait_until
 
 MAX = 100_000
 
@@ -15,22 +15,19 @@ def raw_post(url: str, body: dict) -> socket.socket:
     data = json.dumps(body).encode()
     s = socket.create_connection((host, int(port)))
     s.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         + f"Content-Length: {len(data)}\r\n\r\n".encode() + data
     )
     return s
 
 
 def wait_generating(engine, n_tokens: int = 3) -> str:
-    import time
+    """The id of a request once it has generated ``n_tokens`` tokens."""
 
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        got = {k: v for k, v in engine.stats.generated_by_request.items() if v >= n_tokens}
-        if got:
-            return next(iter(got))
-        time.sleep(0.005)
-    raise AssertionError("the request never started generating")
+    def generating() -> str | None:
+        return next((k for k, v in list(engine.stats.generated_by_request.items()) if v >= n_tokens), None)
+
+    return wait_until(generating, 60, f"a request to generate {n_tokens} tokens", interval=0.005)
 
 
 def test_streaming_and_non_streaming_clients_that_leave_are_cancelled():

@@ -12,11 +12,10 @@ from __future__ import annotations
 import math
 import re
 import subprocess
-import time
 
 import pytest
 
-from conftest import live_server, model_path
+from conftest import live_server, model_path, wait_until
 from promstack import (
     PROM_CONFIG,
     RULES,
@@ -75,6 +74,19 @@ def _by(result: list[dict], label: str) -> dict[str, float]:
 def _regex(values: list[str]) -> str:
     """Grafana's multi-value regex: metacharacters escaped for a PromQL string."""
     return "(" + "|".join(re.sub(r"([\\^$*+?.()|\[\]{}])", r"\\\\\1", v) for v in values) + ")"
+
+
+def _metrics_counting(client, n: int) -> str:
+    """The gateway's ``/metrics`` once it has counted ``n`` chat requests: the middleware
+    counts a request (last of all its figures) just after the client has the answer."""
+
+    def text():
+        t = client.get("/metrics").text
+        counted = series_values(t, "mlx_gateway_requests_total", "endpoint").get("/v1/chat/completions", 0)
+        assert counted <= n, f"the gateway counted {counted} chat requests, {n} were sent"
+        return t if counted == n else None
+
+    return wait_until(text, 10, f"the gateway to count the {n} chat requests sent")
 
 
 def _evaluate_all(prom: Prometheus, dashboard: list, rules: list) -> list[str]:
@@ -143,19 +155,17 @@ def test_prometheus_evaluates_dashboard_and_rules(tmp_path):
         client = server.client()
         # Before Prometheus starts: create every series, so that its first sample is this
         # baseline and rates over the whole window are (final - baseline) / time.
-        workload(server.url, keys)
-        time.sleep(0.2)
-        before = client.get("/metrics").text
+        sent = len(workload(server.url, keys))
+        before = _metrics_counting(client, sent)
         with Prometheus(server.url.removeprefix("http://"), binary=prometheus) as prom:
             _promtool(promtool, "check", "config", str(prom.config_path))
             prom.wait_for(f"sum({QUERIES})", sum(series_values(before, QUERIES, "cache_group").values()))
             assert prom.targets_up()
-            workload(server.url, keys)
-            time.sleep(0.2)
-            after = client.get("/metrics").text
+            sent += len(workload(server.url, keys))
+            after = _metrics_counting(client, sent)
             for name in (QUERIES, HITS):
                 prom.wait_for(f"sum({name})", sum(series_values(after, name, "cache_group").values()))
-            time.sleep(2.5)  # two more scrapes and rule evaluations with the final values
+            prom.wait_rounds(2)  # two more scrapes and rule evaluations with the final values
             failures = _evaluate_all(prom, dashboard, rule_queries())
             assert not failures, "\n".join(failures)
             _check_hit_rates(prom, before, after)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import live_server, model_path
+from conftest import live_server, model_path, wait_until
 from gateway.tenancy.tenants import hash_key
 
 KEYS = {name: f"mgw-test-{name}-key" for name in
@@ -167,6 +167,9 @@ def test_61_requests_at_60_rpm_get_exactly_one_429(server):
     assert ok.headers["x-ratelimit-limit-requests"] == "60"
     with server.client() as c:
         assert_ok(c)  # another tenant is not affected
+        # Not a wait on a condition: the client does what a 429 tells it, sleeps Retry-After
+        # seconds, and the test asserts that one request after that succeeds (polling
+        # instead would send more requests to be refused, and not test the header).
         time.sleep(int(r.headers["retry-after"]))
         assert chat(c, "limited").status_code == 200  # and the limited tenant recovers
     text = server.client().get("/metrics").text
@@ -289,7 +292,7 @@ def test_hardening_limits(server):
     # A client that stops sending its body gets 408 after --client-timeout.
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Authorization: Bearer " + KEYS["bob"].encode() + b"\r\nContent-Length: 100\r\n\r\n{\"mess")
         s.settimeout(10)
         head = s.recv(4096)
@@ -302,12 +305,12 @@ def test_hardening_limits(server):
 def request_records(caplog, n, timeout=10.0):
     """The request-log records in ``caplog``, waiting for ``n`` of them: the middleware
     writes a request's line just after the client has its answer."""
-    deadline = time.monotonic() + timeout
-    while True:
-        recs = [r for r in caplog.records if r.name == "mlx_gateway.requests"]
-        if len(recs) >= n or time.monotonic() > deadline:
-            return recs
-        time.sleep(0.02)
+
+    def records():
+        recs = [r for r in list(caplog.records) if r.name == "mlx_gateway.requests"]
+        return recs if len(recs) >= n else None
+
+    return wait_until(records, timeout, f"{n} request-log records", interval=0.02)
 
 
 def test_logs_hold_no_keys_or_prompts_unless_asked(server, caplog):

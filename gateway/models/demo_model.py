@@ -158,16 +158,30 @@ def _write_own_tokenizer(path: Path, vocab_size: int) -> int:
     return tok.get_vocab_size()
 
 
-def _copy_tokenizer(src: Path, dst: Path) -> int:
-    """Copy a real tokenizer's files (decompressing ``tokenizer.json.xz``); returns its vocabulary size."""
-    from tokenizers import Tokenizer
+def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
+    """Copy a real tokenizer's files from ``src`` into the existing directory ``dst``.
 
+    A file may be stored xz-compressed as ``NAME.xz`` (e.g. ``tokenizer.json.xz``); it is
+    written decompressed as ``NAME``. Where both exist, the plain file is taken. Returns the
+    names written.
+    """
+    written = []
     for name in _TOKENIZER_FILES:
         if (src / name).exists():
             shutil.copyfile(src / name, dst / name)
-    xz = src / "tokenizer.json.xz"
-    if not (dst / "tokenizer.json").exists() and xz.exists():
-        (dst / "tokenizer.json").write_bytes(lzma.decompress(xz.read_bytes()))
+        elif (src / f"{name}.xz").exists():
+            (dst / name).write_bytes(lzma.decompress((src / f"{name}.xz").read_bytes()))
+        else:
+            continue
+        written.append(name)
+    return written
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> int:
+    """Copy a real tokenizer's files (decompressing ``*.xz``); returns its vocabulary size."""
+    from tokenizers import Tokenizer
+
+    copy_tokenizer_files(src, dst)
     return Tokenizer.from_file(str(dst / "tokenizer.json")).get_vocab_size()
 
 
