@@ -1,17 +1,59 @@
-"""Reading a request body: bounded in bytes, time and JSON nesting."""
+"""Reading a request body: declared as JSON, bounded in bytes, time and JSON nesting.
+
+The ``Content-Type`` check matters for browsers: a ``text/plain`` or form-encoded POST is
+a CORS "simple" request, which a web page on any origin may send without a preflight;
+requiring ``application/json`` makes every such request a preflighted one, which CORS
+then refuses for origins outside ``--allowed-origins``.
+"""
 
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 import anyio
 from starlette.requests import Request
 
 from gateway.http.errors import APIError
 
+JSON_MEDIA_TYPE = "application/json"
+
+
+class UnsupportedMediaType(APIError):
+    """415: a body that is not declared as ``application/json`` (an invalid-request
+    error in both the OpenAI and the Anthropic format)."""
+
+    def __init__(self, got: Optional[str]):
+        shown = "no Content-Type" if not got else f"Content-Type '{got[:100]}'"
+        super().__init__(415, f"the request body must be sent with Content-Type: {JSON_MEDIA_TYPE} "
+                         f"(got {shown})", code="unsupported_media_type")
+
+    def body(self) -> dict:
+        out = super().body()
+        out["error"]["type"] = "invalid_request_error"
+        return out
+
+    def anthropic_body(self) -> dict:
+        out = super().anthropic_body()
+        out["error"]["type"] = "invalid_request_error"
+        return out
+
+
+def check_json_content_type(request: Request) -> None:
+    """Check that the body is declared as ``application/json`` (parameters such as
+    ``; charset=utf-8`` allowed, case-insensitive).
+
+    Raises:
+        UnsupportedMediaType: 415 for any other Content-Type, or none.
+    """
+    declared = request.headers.get("content-type")
+    media_type = (declared or "").split(";", 1)[0].strip().lower()
+    if media_type != JSON_MEDIA_TYPE:
+        raise UnsupportedMediaType(declared)
+
 
 async def read_json(request: Request, limit: int, timeout: float, max_depth: int) -> object:
-    """The request body as JSON.
+    """The request body as JSON, after checking its ``Content-Type`` (before reading it).
 
     Args:
         limit: largest body, bytes.
@@ -19,9 +61,11 @@ async def read_json(request: Request, limit: int, timeout: float, max_depth: int
         max_depth: deepest nesting of arrays and objects allowed.
 
     Raises:
+        UnsupportedMediaType: 415 for a body not declared as ``application/json``.
         APIError: 413 over ``limit`` bytes, 408 when the body takes over ``timeout``
             seconds, 400 for a body that is not JSON or is nested too deeply.
     """
+    check_json_content_type(request)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body over the {limit}-byte limit", code="request_too_large")

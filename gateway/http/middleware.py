@@ -1,18 +1,30 @@
-"""The outermost layer of the app (inside CORS): header limits, errors in OpenAI's
-format, rate-limit headers, per-request metrics and the request log."""
+"""The outermost layer of the app (inside CORS): header limits, the Host allow-list, the
+metrics key, errors in OpenAI's format, rate-limit headers, per-request metrics and the
+request log."""
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
 import time
+from typing import Optional
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.http.errors import APIError, error_style
+from gateway.http.hosts import HostPolicy
 
 log = logging.getLogger("mlx_gateway.app")
 
 MAX_HEADERS = 100
+METRICS_KEY_ENV = "MLX_GATEWAY_METRICS_KEY"
+
+
+def metrics_key(config) -> Optional[str]:
+    """The key ``GET /metrics`` requires: ``config.metrics_key`` (``--metrics-key``), else
+    the ``MLX_GATEWAY_METRICS_KEY`` environment variable; None (open) when neither is set."""
+    return config.metrics_key or os.environ.get(METRICS_KEY_ENV) or None
 
 
 class GatewayMiddleware:
@@ -20,6 +32,11 @@ class GatewayMiddleware:
 
     * Refuses requests with more than :data:`MAX_HEADERS` headers or more than
       ``config.max_header_bytes`` of them with 431, before any route runs.
+    * Then refuses a ``Host`` header outside the allow-list with 421
+      (:class:`gateway.http.hosts.HostPolicy`: localhost names, IP addresses, the bound
+      ``--host`` and ``config.allowed_hosts``).
+    * With a metrics key (:func:`metrics_key`), answers ``/metrics`` without
+      ``Authorization: Bearer <key>`` with 401 and ``WWW-Authenticate: Bearer``.
     * Answers :class:`APIError` (and any other exception, as 500) in OpenAI's format.
     * Adds the tenant's ``x-ratelimit-*`` headers to answers of admitted requests.
     * Releases the request's rate-limit ticket once the answer (or stream) ends.
@@ -41,6 +58,8 @@ class GatewayMiddleware:
     def __init__(self, app: ASGIApp, state) -> None:
         self.app = app
         self.state = state
+        self.hosts = HostPolicy(state.config.host, state.config.allowed_hosts)
+        self.metrics_key = metrics_key(state.config)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -64,6 +83,9 @@ class GatewayMiddleware:
 
         try:
             self._check_headers(scope)
+            self.hosts.check(scope.get("headers", []))
+            if scope.get("path") == "/metrics":
+                self._check_metrics_key(scope)
             await self.app(scope, receive, send_wrapper)
         except APIError as e:
             status["code"] = e.status
@@ -88,6 +110,22 @@ class GatewayMiddleware:
         if len(headers) > MAX_HEADERS or size > limit:
             raise APIError(431, f"request headers over the limit ({MAX_HEADERS} headers, {limit} bytes)",
                            code="headers_too_large")
+
+    def _check_metrics_key(self, scope: Scope) -> None:
+        """Raises:
+            APIError: 401 when a metrics key is set and the request does not carry it."""
+        if self.metrics_key is None:
+            return
+        sent = b""
+        for key, value in scope.get("headers", []):
+            if key.lower() == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() == b"bearer":
+                    sent = token.strip()
+        if not hmac.compare_digest(sent, self.metrics_key.encode()):
+            msg = ("/metrics needs the metrics key: send 'Authorization: Bearer KEY'" if not sent
+                   else "the metrics key is not valid")
+            raise APIError(401, msg, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     def _account(self, scope: Scope, local: dict, code: int, seconds: float) -> None:
         path = scope.get("path", "")

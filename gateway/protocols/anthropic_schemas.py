@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
     field_validator, model_validator
 
 from gateway.http.errors import APIError
-from gateway.protocols.openai_schemas import MAX_STOP_SEQUENCES, MAX_TOKEN_ID, SEED_RANGE
+from gateway.protocols.openai_schemas import MAX_STOP_SEQUENCES, MAX_TOKEN_ID, SEED_RANGE, deepest, describe
 
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,128}$"  # Anthropic's rule for tool names
 
@@ -212,7 +212,8 @@ def parse(model: type[BaseModel], data: Any) -> Any:
 
     Raises:
         APIError: 400 naming the offending field (dotted path, e.g.
-            ``messages.0.content.1.input``).
+            ``messages.0.content.1.input``) and, for a value of the wrong type, the type
+            expected.
     """
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
@@ -220,7 +221,5 @@ def parse(model: type[BaseModel], data: Any) -> Any:
         return model.model_validate(data)
     except ValidationError as e:
         errors = e.errors()
-        paths = [_param(data, err) for err in errors]
-        best = max(range(len(errors)), key=lambda i: len(paths[i]))
-        loc = ".".join(paths[best])
-        raise APIError(400, errors[best]["msg"], param=loc or None)
+        loc, group = deepest(errors, [".".join(_param(data, err)) for err in errors])
+        raise APIError(400, describe(group), param=loc or None)  # the error body prefixes the param

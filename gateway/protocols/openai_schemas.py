@@ -1,6 +1,8 @@
 """Request schemas for the OpenAI-compatible endpoints (pydantic v2).
 
-Unknown fields are accepted and ignored, as OpenAI clients send many optional ones;
+Types are strict, as on OpenAI's API: ``"stream": "yes"`` or ``"max_tokens": "32"`` is a
+400 naming the field and the type expected (an integer is a valid number, a boolean is
+not). Unknown fields are accepted and ignored, as OpenAI clients send many optional ones;
 fields we do not support with a value that would change the result (``n`` > 1, image
 content, ``echo``) are refused with a 400 naming the field. Numbers must be finite (JSON's
 non-standard ``NaN``/``Infinity`` are refused). Constraints checked by validators are
@@ -12,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from gateway.http.errors import APIError
 
@@ -40,7 +43,7 @@ def _document(kind: str, **constraints: Any) -> Callable[[dict], None]:
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["text"]
     text: str
 
@@ -49,7 +52,7 @@ TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function and schema na
 
 
 class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     name: str
     arguments: str = Field(description="the arguments as a JSON text")
 
@@ -57,14 +60,14 @@ class FunctionCall(BaseModel):
 class ToolCall(BaseModel):
     """A call the assistant made earlier in the conversation."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     reasoning_content: Optional[str] = None
@@ -82,7 +85,7 @@ class Message(BaseModel):
 
 
 class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     name: str = Field(pattern=TOOL_NAME)
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = Field(default=None, description="a JSON Schema of the arguments object")
@@ -92,26 +95,26 @@ class FunctionDef(BaseModel):
 class Tool(BaseModel):
     """A function the model may call (``tools`` item)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["function"]
     function: FunctionDef
 
 
 class ChosenFunction(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     name: str
 
 
 class NamedToolChoice(BaseModel):
     """``tool_choice`` naming one function the model must call."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["function"]
     function: ChosenFunction
 
 
 class JSONSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
     name: str = Field(pattern=TOOL_NAME)
     description: Optional[str] = None
     schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
@@ -121,18 +124,18 @@ class JSONSchemaFormat(BaseModel):
 class ResponseFormat(BaseModel):
     """``response_format``: free text, any JSON object, or JSON valid for a schema."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JSONSchemaFormat] = None
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = Field(default=None, ge=0, le=2)
@@ -194,7 +197,8 @@ class ChatRequest(_Common):
     parallel_tool_calls: Optional[StrictBool] = None
     response_format: Optional[ResponseFormat] = None
     chat_template_kwargs: Optional[dict[str, Any]] = Field(default=None, json_schema_extra=_document(
-        "object", propertyNames={"not": {"enum": sorted(RESERVED_TEMPLATE_KWARGS)}}))
+        "object", propertyNames={"not": {"enum": sorted(RESERVED_TEMPLATE_KWARGS)}},
+        properties={"enable_thinking": {"type": "boolean"}}))
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -202,6 +206,10 @@ class ChatRequest(_Common):
         reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(v or {}))
         if reserved:
             raise ValueError(f"{reserved[0]!r} is set by the server, not by chat_template_kwargs")
+        thinking = (v or {}).get("enable_thinking", False)
+        if not isinstance(thinking, bool):  # "false" would be true to the template
+            raise PydanticCustomError("enable_thinking_type", "enable_thinking: expected a boolean, but got {got} "
+                                      "instead", {"got": json_type(thinking)})
         return v
 
 
@@ -225,6 +233,47 @@ class CompletionRequest(_Common):
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 
+# pydantic's type errors -> the JSON type expected, in OpenAI's words.
+EXPECTED = {
+    "string_type": "a string", "int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",
+    "list_type": "an array", "dict_type": "an object", "model_type": "an object",
+    "model_attributes_type": "an object", "none_required": "null",
+}
+
+
+def json_type(value: Any) -> str:
+    """The JSON type of a parsed JSON value, with its article (``a string``, ``an integer``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    return {str: "a string", float: "a number", list: "an array", dict: "an object"}.get(type(value), "a value")
+
+
+def describe(errors: list[dict], loc: Optional[str] = None) -> str:
+    """The message for pydantic ``errors`` at one field ``loc`` (all of a union's
+    branches, when it has several): ``invalid type for 'stream': expected a boolean, but
+    got a string instead`` when each is a wrong type, else ``invalid value for ...`` with
+    the first error's message. Without ``loc``, the part after the field's name."""
+    expected = [EXPECTED.get(e["type"]) for e in errors]
+    if errors and all(expected):
+        kinds = " or ".join(dict.fromkeys(expected))
+        detail = f"expected {kinds}, but got {json_type(errors[0].get('input'))} instead"
+        return detail if loc is None else f"invalid type for '{loc}': {detail}"
+    return errors[0]["msg"] if loc is None else f"invalid value for '{loc}': {errors[0]['msg']}"
+
+
+def deepest(errors: list[dict], paths: list[str]) -> tuple[str, list[dict]]:
+    """The path reaching deepest into the data among ``errors`` (their dotted ``paths``;
+    the first on a tie), and the errors at that path: in a union, the branch that got
+    furthest tells what is wrong (a list of parts is judged as parts, not as "not a
+    string")."""
+    depth = [len(p.split(".")) if p else 0 for p in paths]
+    best = paths[max(range(len(errors)), key=depth.__getitem__)]
+    return best, [e for e, p in zip(errors, paths) if p == best]
+
 
 def _is_union_tag(part: Any) -> bool:
     """True for the parts pydantic adds to an error location for a union's branches
@@ -234,16 +283,20 @@ def _is_union_tag(part: Any) -> bool:
 
 
 def parse(model: type[BaseModel], data: Any) -> Any:
-    """Validate ``data`` against ``model``.
+    """Validate ``data`` against ``model``. Types are strict: no string is read as a
+    number or a boolean, no number or boolean as a string, no boolean as a number (an
+    integer is a valid number).
 
     Raises:
-        APIError: 400 naming the first offending field (dotted path).
+        APIError: 400 naming the offending field (dotted path, e.g. ``messages.0.content``)
+            and, for a value of the wrong type, the type expected.
     """
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"] if not _is_union_tag(x))
-        raise APIError(400, f"invalid value for '{loc}': {err['msg']}", param=loc or None)
+        errors = e.errors()
+        paths = [".".join(str(x) for x in err["loc"] if not _is_union_tag(x)) for err in errors]
+        loc, group = deepest(errors, paths)
+        raise APIError(400, describe(group, loc), param=loc or None)

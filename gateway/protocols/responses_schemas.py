@@ -1,9 +1,9 @@
 """Request schemas of the OpenAI Responses API (``POST /v1/responses``, pydantic v2).
 
 As for chat completions, unknown fields are accepted and ignored, numbers must be
-finite and types are strict where a lax reading would change the meaning
-(``"stream": "yes"`` is a 400). Input items are told apart by ``type``; an item with no
-``type`` but a ``role`` is a message. Item kinds this gateway cannot serve (images,
+finite and types are strict (``"stream": "yes"`` or ``"max_output_tokens": "32"`` is a
+400 naming the field and the type expected). Input items are told apart by ``type``; an
+item with no ``type`` but a ``role`` is a message. Item kinds this gateway cannot serve (images,
 files, built-in tools) are refused with a 400 naming the item's ``type``.
 """
 
@@ -15,7 +15,7 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, S
                       ValidationError, field_validator)
 
 from gateway.http.errors import APIError
-from gateway.protocols.openai_schemas import TOOL_NAME
+from gateway.protocols.openai_schemas import TOOL_NAME, deepest, describe
 
 MAX_METADATA = 16  # OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512
 
@@ -24,7 +24,7 @@ class TextContent(BaseModel):
     """A text part of a message: ``input_text`` (any role) or ``output_text`` (an
     assistant's earlier answer, as the API returns it)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["input_text", "output_text"]
     text: StrictStr
 
@@ -32,7 +32,7 @@ class TextContent(BaseModel):
 class MessageItem(BaseModel):
     """A ``message`` input item (``type`` may be left out)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: Union[StrictStr, list[TextContent]]
@@ -46,7 +46,7 @@ class MessageItem(BaseModel):
 class FunctionCallItem(BaseModel):
     """A call the assistant made earlier (``function_call`` item)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["function_call"]
     call_id: StrictStr
     name: StrictStr
@@ -57,7 +57,7 @@ class FunctionCallItem(BaseModel):
 class FunctionCallOutputItem(BaseModel):
     """The result of call ``call_id`` (``function_call_output`` item)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["function_call_output"]
     call_id: StrictStr
     output: Union[StrictStr, list[TextContent]]
@@ -70,7 +70,7 @@ class FunctionCallOutputItem(BaseModel):
 class ReasoningPart(BaseModel):
     """A text part of a ``reasoning`` item (its content or its summary)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["reasoning_text", "summary_text"]
     text: StrictStr
 
@@ -79,7 +79,7 @@ class ReasoningItem(BaseModel):
     """An earlier answer's reasoning (``reasoning`` item, as the API returns it): its
     ``content`` (else its ``summary``) becomes the next assistant turn's reasoning."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["reasoning"]
     summary: list[ReasoningPart] = Field(default_factory=list)
     content: Optional[list[ReasoningPart]] = None
@@ -110,7 +110,7 @@ ITEMS = TypeAdapter(list[InputItem])
 class FunctionToolParam(BaseModel):
     """A function the model may call (flat, unlike chat completions' ``function`` object)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["function"]
     name: str = Field(pattern=TOOL_NAME)
     description: Optional[str] = None
@@ -121,7 +121,7 @@ class FunctionToolParam(BaseModel):
 class NamedFunction(BaseModel):
     """``tool_choice`` naming one function the model must call."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["function"]
     name: StrictStr
 
@@ -129,7 +129,7 @@ class NamedFunction(BaseModel):
 class TextFormat(BaseModel):
     """``text.format``: free text, any JSON object, or JSON valid for ``schema``."""
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
     type: Literal["text", "json_object", "json_schema"]
     name: Optional[str] = Field(default=None, pattern=TOOL_NAME)
     description: Optional[str] = None
@@ -140,7 +140,7 @@ class TextFormat(BaseModel):
 class TextConfig(BaseModel):
     """``text``: the output's ``format`` (``verbosity`` and the rest are ignored)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     format: Optional[TextFormat] = None
 
 
@@ -148,7 +148,7 @@ class ReasoningConfig(BaseModel):
     """``reasoning``: ``effort`` ``none`` turns thinking off, any other effort turns it
     on (the chat template's ``enable_thinking``); ``summary`` is accepted and ignored."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = None
     summary: Optional[str] = None
 
@@ -156,7 +156,7 @@ class ReasoningConfig(BaseModel):
 class ResponsesRequest(BaseModel):
     """``POST /v1/responses`` body (``input`` items are checked by :func:`parse_request`)."""
 
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     model: Optional[str] = None
     input: Union[StrictStr, list[Any], None] = None
     instructions: Optional[StrictStr] = None
@@ -204,11 +204,11 @@ def _loc(err: dict, prefix: tuple = ()) -> str:
 
 
 def _fail(e: ValidationError, prefix: tuple = ()) -> APIError:
-    """A 400 for the deepest error (in a union, the branch that got furthest)."""
+    """A 400 for the deepest error (in a union, the branch that got furthest), naming
+    the type expected for a value of the wrong type."""
     errors = e.errors()
-    err = max(errors, key=lambda x: len(_loc(x, prefix).split(".")))
-    loc = _loc(err, prefix)
-    return APIError(400, f"invalid value for '{loc}': {err['msg']}", param=loc or None)
+    loc, group = deepest(errors, [_loc(err, prefix) for err in errors])
+    return APIError(400, describe(group, loc), param=loc or None)
 
 
 def parse_items(items: list[Any], param: str = "input") -> list:
