@@ -45,15 +45,41 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "fetch-default-model":
         return _fetch_default_model(ns.source, ns.force)
     if ns.command == "serve":
-        from gateway.server import serve
-
-        serve(config_from_args(ns))
+        _serve_and_exit(ns)
     else:
         from gateway.models.demo_model import build_model_dir
 
         path = build_model_dir(ns.dir, ns.arch, ns.tokenizer, ns.vocab_size, ns.seed)
         print(path)
     return 0
+
+
+def _serve_and_exit(ns: argparse.Namespace) -> None:
+    """Run ``serve`` until it returns (after SIGTERM/SIGINT and the drain), then end the
+    process at once, with status 0, or 1 and its message for a ``SystemExit`` with a
+    message (its own code for one with a number).
+
+    The interpreter's teardown is skipped on purpose (logs and standard streams are
+    flushed first): MLX threads that have just ended still run their C++ thread-exit
+    destructors, which take the GIL, and a teardown running at the same time aborts the
+    process (``terminate called without an active exception``).
+    """
+    import logging
+    import os
+
+    from gateway.server import serve
+
+    code = 0
+    try:
+        serve(config_from_args(ns))
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _progress_logging() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import signal
+import os
 import threading
 from typing import Optional
 
@@ -54,8 +54,6 @@ def resolve_model(cfg: ServeConfig) -> tuple[str, str]:
         SystemExit: the default model cannot be prepared; the message names the commands
             that prepare it by hand.
     """
-    import os
-
     if cfg.model == "demo" and not os.path.isdir("demo"):
         from gateway.models.demo_model import build_model_dir, default_demo_dir
 
@@ -88,8 +86,12 @@ def load_into(state: ServerState, path: str) -> None:
 
     cfg = state.config
     try:
+        # Every MLX call of start-up (loading, the batch-equivalence and logits probes) is
+        # made here, on this thread, before the engine thread exists; from engine.start()
+        # on only the engine thread uses MLX (MLX from several threads is a crash class).
         model, tokenizer = mlx_lm.load(path)
         exact = batch_is_exact(model)
+        vocab_size = logits_size(model)
         if not exact:
             log.warning("padded batches of this model do not match single requests; "
                         "prompts will only be batched when they need no padding")
@@ -102,18 +104,19 @@ def load_into(state: ServerState, path: str) -> None:
             prompt_concurrency=cfg.prompt_concurrency,
             decode_concurrency=cfg.decode_concurrency,
             prefill_step_size=cfg.prefill_step_size,
+            prefill_budget=cfg.prefill_budget,
             max_waiting=cfg.max_waiting,
             registry=state.registry,
             pad_free_prefill=not exact,
         )
-        engine.start()
         state.tokenizer = tokenizer
         state.context_length = context_length(model, tokenizer)
-        state.vocab_size = logits_size(model)
+        state.vocab_size = vocab_size
         state.grammars = Grammars(tokenizer._tokenizer, state.vocab_size, tokenizer.eos_token_ids)
         state.grammars.check(json_schema_grammar({"type": "object"}))  # builds the vocabulary index now
+        engine.start()
         state.engine = engine
-        state.prime_metrics()
+        state.set_tenants(state.tenants)  # metric series, and quotas of a table reloaded while loading
         log.info("model %s ready (context %d tokens)", state.model_id, state.context_length)
     except Exception as e:
         log.exception("loading %s failed", path)
@@ -130,24 +133,68 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+KEY_ENV = "MLX_GATEWAY_API_KEY"
+
+
+def single_api_key(cfg: ServeConfig) -> Optional[str]:
+    """The single tenant's key: ``--api-key``, else the first line of ``--api-key-file``
+    (stripped), else the ``MLX_GATEWAY_API_KEY`` environment variable (empty: unset);
+    None when none is given.
+
+    Raises:
+        ValueError: both ``--api-key`` and ``--api-key-file``, or a key file that cannot
+            be read or whose first line is empty.
+    """
+    if cfg.api_key and cfg.api_key_file:
+        raise ValueError("give the key once: --api-key or --api-key-file, not both")
+    if cfg.api_key:
+        return cfg.api_key
+    if cfg.api_key_file:
+        try:
+            with open(cfg.api_key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--api-key-file {cfg.api_key_file}: cannot read it: {e}") from e
+        if not key:
+            raise ValueError(f"--api-key-file {cfg.api_key_file}: the first line is empty; it must hold the key")
+        return key
+    return os.environ.get(KEY_ENV, "").strip() or None
+
+
 def tenant_table(cfg: ServeConfig) -> TenantTable:
-    """The tenants to serve: ``--tenants FILE``, else one keyed tenant with
-    ``--api-key``, else one open tenant.
+    """The tenants to serve: ``--tenants FILE``, else one keyed tenant with the key of
+    :func:`single_api_key`, else one open tenant (a WARNING is logged when that open
+    tenant listens on a non-loopback address, with ``--allow-unauthenticated``).
 
     Raises:
         TenantsFileError: the tenants file is invalid.
-        ValueError: no key on a non-loopback host without ``--allow-unauthenticated``.
+        ValueError: ``--tenants`` with a single key (``--api-key``, ``--api-key-file`` or
+            ``MLX_GATEWAY_API_KEY``), an unreadable or empty key file, or no key on a
+            non-loopback host without ``--allow-unauthenticated``.
     """
+    key = single_api_key(cfg)
     if cfg.tenants:
+        if key is not None:
+            given = ("--api-key" if cfg.api_key else "--api-key-file" if cfg.api_key_file
+                     else f"the {KEY_ENV} environment variable")
+            raise ValueError(
+                f"--tenants and {given} were both given: with --tenants FILE the keys are the key_sha256 "
+                f"lists of that file, and a single key would be ignored; remove {given} "
+                "(or add its hash to the file: `mlx-gateway keys new NAME`)"
+            )
         return load_tenants(cfg.tenants)
-    if cfg.api_key:
-        return single_key_table(cfg.api_key)
+    if key is not None:
+        return single_key_table(key)
     loopback = is_loopback(cfg.host)
     if not loopback and not cfg.allow_unauthenticated:
         raise ValueError(
-            f"refusing to serve on {cfg.host} without API keys: give --tenants FILE or --api-key KEY, "
+            f"refusing to serve on {cfg.host} without API keys: give --tenants FILE, --api-key-file FILE or "
+            f"{KEY_ENV} (or --api-key KEY, visible in `ps`), "
             "or --allow-unauthenticated to serve anyone who can reach this address"
         )
+    if not loopback:
+        log.warning("serving on %s WITHOUT API keys (--allow-unauthenticated): anyone who can reach this "
+                    "address may generate, and read usage", cfg.host)
     return open_table(loopback)
 
 
@@ -173,6 +220,7 @@ def reload_tenants(state: ServerState) -> bool:
     """
     path = state.config.tenants
     if not path:
+        log.info("no --tenants file to reload")
         return False
     try:
         table = load_tenants(path)
@@ -207,9 +255,17 @@ def _version(dist: str) -> str:
 
 
 def serve(cfg: ServeConfig) -> None:
-    """Run the gateway until interrupted. The model loads in the background; ``/health``
-    answers 503 until it is ready."""
+    """Run the gateway until SIGTERM or SIGINT (see :mod:`gateway.shutdown`: running
+    requests get ``--shutdown-grace`` seconds to finish). The model loads in the
+    background; ``/health`` answers 503 until it is ready. SIGHUP reloads ``--tenants``.
+
+    Raises:
+        SystemExit: a bad tenants file or key flags, an open non-loopback host (see
+            :func:`tenant_table`), or uvicorn could not start.
+    """
     import uvicorn
+
+    from gateway.shutdown import UVICORN_GRACE, GatewayServer
 
     configure_logging(cfg.log_level, cfg.log_format)
     try:
@@ -219,13 +275,15 @@ def serve(cfg: ServeConfig) -> None:
     path, model_id = resolve_model(cfg)
     state = build_state(cfg, model_id, tenants)
     app = create_app(state)
-    if hasattr(signal, "SIGHUP"):  # not on Windows
-        signal.signal(signal.SIGHUP, lambda *_: reload_tenants(state))
     threading.Thread(target=load_into, args=(state, path), name="model-loader", daemon=True).start()
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(),
+                            timeout_graceful_shutdown=UVICORN_GRACE,
+                            h11_max_incomplete_event_size=cfg.max_header_bytes, log_config=None)
+    server = GatewayServer(config, state, on_reload=lambda: reload_tenants(state))
     try:
-        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(),
-                    timeout_graceful_shutdown=5, h11_max_incomplete_event_size=cfg.max_header_bytes,
-                    log_config=None)
+        server.run()
     finally:
         if state.engine is not None:
             state.engine.stop()
+    if not server.started:
+        raise SystemExit(3)

@@ -235,9 +235,12 @@ class Engine:
         if not self._thread.is_alive():  # died between the check and the put
             self._drain_inbox_after_stop(f"engine stopped: {self.error!r}")
 
-    def cancel(self, request_id: str) -> None:
-        """Cancel a request (thread-safe); it leaves the batch on the engine's next step."""
-        self._inbox.put(("cancel", request_id))
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        """End a request early (thread-safe); it leaves the batch on the engine's next step
+        with a :class:`DoneEvent` whose finish reason is ``reason``: ``"cancelled"`` (the
+        client left; counted as a cancellation) or ``"stop"`` (the gateway matched a stop
+        string; counted as finished, and its prompt + completion are cached)."""
+        self._inbox.put(("cancel", (request_id, reason)))
 
     def call(self, fn, timeout: float = 60.0):
         """Run ``fn()`` on the engine thread between steps and return its result.
@@ -325,10 +328,23 @@ class Engine:
             for r in self._waiting.drain():
                 self._send(r, [ErrorEvent(503, reason)])
             self._drain_inbox_after_stop(reason)
+            self._drop_generator()
             with self._count_lock:
                 self._waiting_count = 0
                 self._waiting_by_tenant.clear()
             self._notify_idle()
+
+    def _drop_generator(self) -> None:
+        """Close the batch generator and drop it here, so that its clean-up (it restores
+        Metal's wired-memory limit) runs on the engine thread, not wherever the garbage
+        collector would find it."""
+        gen, self._gen = self._gen, None
+        if gen is not None:
+            try:
+                gen.close()
+            except Exception:
+                log.exception("closing the batch generator failed")
+            del gen
 
     def _drain_inbox_after_stop(self, reason: str) -> None:
         while True:
@@ -369,7 +385,7 @@ class Engine:
         if kind == "submit":
             self._waiting.add(payload)
         elif kind == "cancel":
-            self._cancel(payload)
+            self._cancel(*payload)
         elif kind == "call":
             fn, box, done = payload
             try:
@@ -459,21 +475,34 @@ class Engine:
         self.metrics.queue_time.labels(r.tenant).observe(time.monotonic() - r.arrival)
         self._send(r, [PromptEvent(cached), ProgressEvent(cached, len(r.tokens))])
 
-    def _cancel(self, request_id: str) -> None:
+    def _cancel(self, request_id: str, reason: str = "cancelled") -> None:
         r = self._waiting.remove(request_id)
         if r is not None:
             self._uncount_waiting(r)
-            self._send(r, [DoneEvent("cancelled")])
-            self.stats.cancelled += 1
-            self.metrics.cancelled.inc()
+            self._send(r, [DoneEvent(reason)])
+            self._count_early_end(reason)
             return
         a = self._by_id.get(request_id)
         if a is None:
             return
+        if reason == "stop" and a.decoding:  # a complete answer: cache it like any other
+            try:
+                extracted = self._gen.extract_cache([a.uid]).get(a.uid)
+            except Exception:
+                log.exception("extracting the cache of request %s failed", a.request.id)
+                extracted = None
+            if extracted is not None:
+                self._save_snapshot(a, extracted[1], extracted[0])
         self._gen.remove([a.uid])
-        self._finish(a, DoneEvent("cancelled"))
-        self.stats.cancelled += 1
-        self.metrics.cancelled.inc()
+        self._finish(a, DoneEvent(reason, max(0, a.stored - a.cached)))
+        self._count_early_end(reason)
+
+    def _count_early_end(self, reason: str) -> None:
+        if reason == "cancelled":
+            self.stats.cancelled += 1
+            self.metrics.cancelled.inc()
+        else:
+            self.stats.finished += 1
 
     def _finish(self, a: _Active, event: Event, before: Optional[list[Event]] = None) -> None:
         """Drop ``a`` from the engine, release its lease, send ``before`` then ``event``."""
@@ -642,6 +671,7 @@ class Engine:
         for a in list(self._active.values()):
             self.stats.failed += 1
             self._finish(a, ErrorEvent(500, f"engine step failed: {error}"))
+        self._drop_generator()
         self._gen = self._new_generator()
         # MLX's global PRNG key may now be an array of the failed graph, which would fail
         # every later unseeded sample: start a fresh key.

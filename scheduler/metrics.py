@@ -81,7 +81,7 @@ class SchedulerMetrics:
         )
         self.cancelled = Counter(
             "mlx_gateway_requests_cancelled",
-            "Requests cancelled before they finished (client left or stop string).",
+            "Requests cancelled before they finished because the client left.",
             registry=registry,
         )
         self.engine_errors = Counter(

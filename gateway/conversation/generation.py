@@ -100,7 +100,9 @@ class Generation:
                     self.finished = True
                 yield event
 
-    def cancel(self) -> None:
+    def cancel(self, reason: str = "cancelled") -> None:
+        """End the request early; ``reason`` is its finish reason (``"stop"`` when a stop
+        string matched, ``"cancelled"`` when the client left)."""
         if not self.finished:
             self.finished = True
-            self.engine.cancel(self.id)
+            self.engine.cancel(self.id, reason)

@@ -138,6 +138,11 @@ class Run:
     """A prompt in the engine, seen as :data:`ChatEvent` s.
 
     Built by :meth:`submit`; iterate :meth:`events` (streaming) or await :meth:`collect`.
+
+    Its outcome is booked once (:meth:`_settle`), in the request log record, the metrics
+    and the tenant's usage alike: the engine's reason (``stop``, ``length``), ``stop`` for
+    a stop string, ``tool_calls`` when the answer is tool calls, ``error`` when it failed,
+    and ``cancelled`` when the client left (or the answer was dropped) before it ended.
     """
 
     state: "ServerState"
@@ -150,7 +155,11 @@ class Run:
     calls: list = field(default_factory=list)
     cached: int = 0
     cache_written: int = 0
-    finish: str = "stop"
+    finish: str = "stop"  # how it ended; meaningful once ``ended``
+    ended: bool = False  # the generation ended by itself: done, a stop string, or an error
+    error_status: Optional[int] = None
+    settled: bool = False
+    first_at: Optional[float] = None  # monotonic seconds of the first token
 
     @classmethod
     def submit(cls, state: "ServerState", call: Call, prompt: Prompt, params: SamplingParams,
@@ -177,7 +186,9 @@ class Run:
             if e.status == 429:
                 state.metrics.rate_limited.labels(t.name, "queue").inc()
             raise
-        return cls(state, call, prompt, gen, asm, plan)
+        run = cls(state, call, prompt, gen, asm, plan)
+        call.record.settle = run._settle  # at the latest when the request's line is written
+        return run
 
     async def events(self) -> AsyncIterator[Piece | Comment | Finished]:
         """The answer as it is generated, ending with :class:`Finished`.
@@ -186,26 +197,36 @@ class Run:
             APIError: the engine failed the request.
         """
         tools = ToolCallStream(self.plan) if self.plan is not None and self.plan.parses else None
-        async for piece in self._pieces():
-            if isinstance(piece, Comment):
-                yield piece
-                continue
-            if tools is not None and piece.text:
-                piece.text, piece.tool_calls = tools.feed(piece.text)
-            if piece.text or piece.reasoning or piece.tool_calls or piece.tokens:
-                yield piece
-        if tools is not None:
-            text, deltas = tools.finish()
-            if text or deltas:
-                yield Piece(text=text, tool_calls=deltas)
-        reason, matched = self.finish, self.asm.matched
-        if tools is not None and tools.calls and reason == "stop":
-            reason = "tool_calls"
-        elif reason == "stop" and matched is not None:
-            reason = "stop_sequence"
-        self.calls = tools.calls if tools is not None else []
-        yield Finished(reason, Usage(len(self.prompt.tokens), len(self.tokens), self.cached, self.cache_written),
-                       matched)
+        pieces = self._pieces()
+        try:
+            async for piece in pieces:
+                if isinstance(piece, Comment):
+                    yield piece
+                    continue
+                if tools is not None and piece.text:
+                    piece.text, piece.tool_calls = tools.feed(piece.text)
+                if piece.text or piece.reasoning or piece.tool_calls or piece.tokens:
+                    yield piece
+            if tools is not None:
+                text, deltas = tools.finish()
+                if text or deltas:
+                    yield Piece(text=text, tool_calls=deltas)
+            self.calls = tools.calls if tools is not None else []
+            reason, matched = self.finish, self.asm.matched
+            if self.calls and reason == "stop":
+                reason = self.finish = "tool_calls"
+            elif reason == "stop" and matched is not None:
+                reason = "stop_sequence"
+            self._settle()
+            yield Finished(reason, Usage(len(self.prompt.tokens), len(self.tokens), self.cached, self.cache_written),
+                           matched)
+        except Exception:
+            self._end("error")  # no-op when the engine's error already ended it
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                await pieces.aclose()
+            self._settle()
 
     async def collect(self, request, on_event: Optional[Callable[[ChatEvent], None]] = None
                       ) -> Optional[ChatResult]:
@@ -245,61 +266,86 @@ class Run:
             return None
         return ChatResult("".join(text), "".join(reasoning), self.calls, done[0], self.tokens)
 
+    def _end(self, reason: str) -> None:
+        """Record that the generation ended by itself, with ``reason`` (first call wins)."""
+        if not self.ended:
+            self.ended, self.finish = True, reason
+
     async def _pieces(self) -> AsyncIterator[Piece | Comment]:
-        """Engine events as text pieces, with the bookkeeping (usage, metrics, log)."""
+        """Engine events as text pieces; books prompt usage, time to first token, and how
+        the generation ended (:meth:`_end`)."""
         state, call, gen = self.state, self.call, self.gen
         tenant, rec, m = call.tenant.name, call.record, state.metrics
         labels = (tenant, state.model_id, call.api)
         prompt_len = len(self.prompt.tokens)
-        first_at: Optional[float] = None
-        try:
-            async for ev in gen.events(keepalive=state.config.sse_keepalive):
-                if isinstance(ev, KeepAlive):
-                    yield Comment("keep-alive")
-                elif isinstance(ev, ProgressEvent):
-                    yield Comment(f"prefill {ev.done}/{ev.total}")
-                elif isinstance(ev, PromptEvent):
-                    self.cached = ev.cached_tokens
-                    rec.queue_seconds = time.monotonic() - gen.arrival
-                    rec.cached_tokens = ev.cached_tokens
-                    m.prompt_tokens.labels(*labels).inc(prompt_len)
-                    m.cached_tokens.labels(*labels).inc(ev.cached_tokens)
-                    state.usage.add(tenant, prompt=prompt_len, cached=ev.cached_tokens)
-                elif isinstance(ev, TokenEvent):
-                    if first_at is None:
-                        first_at = time.monotonic()
-                        rec.ttft_seconds = first_at - gen.arrival
-                        m.ttft.labels(*labels).observe(first_at - gen.arrival)
-                    self.tokens.append(ev)
-                    call.ticket.charge_completion(1)
-                    d = self.asm.feed(ev.token)
-                    yield Piece(d.content, d.reasoning, tokens=[ev])
-                    if self.asm.stopped:
-                        gen.cancel()
-                        self.finish = "stop"
-                        break
-                elif isinstance(ev, DoneEvent):
-                    if ev.finish_reason in ("stop", "length"):
-                        self.finish = ev.finish_reason
-                    self.cache_written = ev.cache_written
+        async for ev in gen.events(keepalive=state.config.sse_keepalive):
+            if isinstance(ev, KeepAlive):
+                yield Comment("keep-alive")
+            elif isinstance(ev, ProgressEvent):
+                yield Comment(f"prefill {ev.done}/{ev.total}")
+            elif isinstance(ev, PromptEvent):
+                self.cached = ev.cached_tokens
+                rec.queue_seconds = time.monotonic() - gen.arrival
+                rec.cached_tokens = ev.cached_tokens
+                m.prompt_tokens.labels(*labels).inc(prompt_len)
+                m.cached_tokens.labels(*labels).inc(ev.cached_tokens)
+                state.usage.add(tenant, prompt=prompt_len, cached=ev.cached_tokens)
+            elif isinstance(ev, TokenEvent):
+                if self.first_at is None:
+                    self.first_at = time.monotonic()
+                    rec.ttft_seconds = self.first_at - gen.arrival
+                    m.ttft.labels(*labels).observe(self.first_at - gen.arrival)
+                self.tokens.append(ev)
+                call.ticket.charge_completion(1)
+                d = self.asm.feed(ev.token)
+                if self.asm.stopped:  # a stop string: the answer is complete, the engine need not go on
+                    self._end("stop")
+                    gen.cancel("stop")
+                yield Piece(d.content, d.reasoning, tokens=[ev])
+                if self.asm.stopped:
                     break
-                elif isinstance(ev, ErrorEvent):
-                    raise APIError(ev.status, ev.message)
-            tail = self.asm.finish()
-            if tail:
-                yield Piece(tail.content, tail.reasoning)
-        finally:
-            gen.cancel()
+            elif isinstance(ev, DoneEvent):
+                if ev.finish_reason in ("stop", "length"):  # else the engine cancelled it: not an end
+                    self._end(ev.finish_reason)
+                self.cache_written = ev.cache_written
+                break
+            elif isinstance(ev, ErrorEvent):
+                self._end("error")
+                self.error_status = ev.status
+                raise APIError(ev.status, ev.message)
+        tail = self.asm.finish()
+        if tail:
+            yield Piece(tail.content, tail.reasoning)
+
+    def _settle(self) -> None:
+        """Book the outcome once (idempotent): completion tokens, ``finish_reason`` and
+        timings in the request record, the metrics and the tenant's usage. Runs when the
+        answer ends, or when the request's log line is written, whichever comes first; a
+        generation that has not ended by then was left by its client and is cancelled."""
+        if self.settled:
+            return
+        self.settled = True
+        self.gen.cancel()
+        state, call = self.state, self.call
+        rec, m = call.record, state.metrics
+        labels = (call.tenant.name, state.model_id, call.api)
+        if self.ended:
+            outcome = self.finish
+        else:  # dropped before it ended: the client left, or the answer failed on the way out
+            outcome = "error" if rec.status >= 500 else "cancelled"
+        n = len(self.tokens)
+        rec.completion_tokens = n
+        rec.finish_reason = outcome
+        if self.error_status is not None:
+            rec.error_status = self.error_status
+        m.completion_tokens.labels(*labels).inc(n)
+        m.generations.labels(*labels, outcome).inc()
+        state.usage.add(call.tenant.name, completion=n)
+        if self.first_at is not None:
             now = time.monotonic()
-            n = len(self.tokens)
-            rec.completion_tokens = n
-            rec.finish_reason = self.finish if gen.finished else "cancelled"
-            m.completion_tokens.labels(*labels).inc(n)
-            state.usage.add(tenant, completion=n)
-            if first_at is not None:
-                m.e2e.labels(*labels).observe(now - gen.arrival)
-                if n > 1:
-                    m.tpot.labels(*labels).observe((now - first_at) / (n - 1))
+            m.e2e.labels(*labels).observe(now - self.gen.arrival)
+            if n > 1:
+                m.tpot.labels(*labels).observe((now - self.first_at) / (n - 1))
 
     async def aclose(self) -> None:
         """Cancel the generation if it still runs (idempotent)."""

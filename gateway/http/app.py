@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -21,6 +22,7 @@ from starlette.routing import Route
 
 from gateway.config import ServeConfig
 from gateway.http import service
+from gateway.http.engine_calls import post_to_engine
 from gateway.http.errors import APIError, error_style
 from gateway.http.middleware import GatewayMiddleware
 from gateway.http.openapi import openapi_json
@@ -86,15 +88,26 @@ class ServerState:
         self.responses = ResponseStore(self.config.responses_store_count, self.config.responses_store_bytes)
         self.limiter.on_limited = lambda tenant, limit: self.metrics.rate_limited.labels(tenant, limit).inc()
 
-    def set_tenants(self, table: TenantTable) -> None:
-        """Use ``table`` from now on, apply its cache-group quotas and create its metric series."""
+    def set_tenants(self, table: TenantTable) -> Optional[Future]:
+        """Use ``table`` from now on, create its metric series and apply its cache-group quotas.
+
+        The quotas are applied on the engine thread (a smaller quota evicts snapshots, and
+        only that thread may free their MLX arrays), without waiting for it: this runs in
+        the SIGHUP handler, on the event loop's thread. Returns a Future done once they
+        are applied (it holds the error if they could not be), or None while no engine
+        runs (:func:`gateway.server.load_into` applies the table in use once it starts one).
+        """
         self.tenants = table
         self.prime_metrics()
-        if self.engine is not None:
-            self.engine.prompt_cache.set_quotas(table.quotas())
+        engine = self.engine
+        if engine is None or not engine.alive:
+            return None
+        cache = engine.prompt_cache
+        return post_to_engine(engine, lambda: cache.set_quotas(self.tenants.quotas()))  # the newest table
 
     def prime_metrics(self) -> None:
-        """Create the configured tenants' and cache groups' series at 0 (see :func:`prime`)."""
+        """Create the configured tenants' and cache groups' series at 0 (see :func:`prime`).
+        Metric series only (no MLX, no cache entries): safe on any thread."""
         tenants = self.tenants.all()
         prime(self.metrics, [t.name for t in tenants], self.model_id)
         if self.engine is not None:

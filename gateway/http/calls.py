@@ -3,6 +3,7 @@ the engine and the tenant's limits, read the body, and check the model."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from gateway.http.app import ServerState
 
 
-@dataclass
+@dataclass(eq=False)
 class Call:
     """One admitted HTTP call: who made it, on which ``api`` (``chat``, ``completions``,
     ``messages``, ``responses``), and the record the middleware logs."""
@@ -33,12 +34,26 @@ class Call:
     body: object = None
 
 
+# Calls admitted and not yet garbage, for the shutdown to find those still running.
+_admitted: "weakref.WeakSet[Call]" = weakref.WeakSet()
+
+
+def running_calls(engine: Engine) -> list[Call]:
+    """The calls admitted on ``engine`` and not yet answered (their record is not yet
+    logged): the ones a shutdown waits for, and cuts when it stops the engine."""
+    return [c for c in list(_admitted) if c.engine is engine and not c.record.status]
+
+
 def ready_engine(state: "ServerState") -> Engine:
     """The engine, when it can take requests.
 
     Raises:
-        APIError: 503 while the model loads (with Retry-After) or after the engine stopped.
+        APIError: 503 while the server shuts down (``shutting_down``) or the model loads
+            (both with Retry-After), or after the engine stopped.
     """
+    if state.draining:
+        raise APIError(503, "the server is shutting down: send the request again, to another server or "
+                       "after the restart", code="shutting_down", headers={"Retry-After": "5"})
     if state.engine is None:
         msg = state.load_error or "the model is still loading"
         raise APIError(503, msg, code="model_not_ready", headers={"Retry-After": "5"})
@@ -80,4 +95,6 @@ async def admit(state: "ServerState", request: Request, endpoint: str, api: str)
     state.usage.add(tenant.name, requests=1)
     cfg = state.config
     body = await read_json(request, cfg.max_body_bytes, cfg.client_timeout, cfg.max_json_depth)
-    return Call(tenant, ticket, record, engine, api, body)
+    call = Call(tenant, ticket, record, engine, api, body)
+    _admitted.add(call)
+    return call

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import anyio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.http.body import read_json
 from gateway.http.calls import model_names, ready_engine
+from gateway.http.engine_calls import on_engine
 from gateway.http.errors import APIError
 from gateway.tenancy.auth import authenticate, authenticate_admin, identify
 
@@ -50,7 +50,8 @@ async def usage_report(request: Request) -> Response:
 
 async def flush_cache(request: Request) -> Response:
     """``POST /admin/cache/flush`` with an optional body ``{"cache_group": NAME}``
-    (absent or null: every group). Leased snapshots stay."""
+    (absent or null: every group). Leased snapshots stay. The flush runs on the engine
+    thread between two steps: dropping snapshots frees MLX arrays."""
     state: "ServerState" = request.app.state.gateway
     authenticate_admin(state.tenants, request)
     engine = ready_engine(state)
@@ -62,12 +63,15 @@ async def flush_cache(request: Request) -> Response:
     group = body.get("cache_group")
     if group is not None and not isinstance(group, str):
         raise APIError(400, "cache_group must be a string", param="cache_group")
-    dropped = await anyio.to_thread.run_sync(engine.prompt_cache.flush, group)
+    cache = engine.prompt_cache
+    dropped = await on_engine(engine, lambda: cache.flush(group))
     return JSONResponse({"object": "cache.flush", "cache_group": group, "dropped_snapshots": dropped})
 
 
 async def health(request: Request) -> Response:
     state: "ServerState" = request.app.state.gateway
+    if state.draining:
+        return JSONResponse({"status": "draining", "detail": "the server is shutting down"}, status_code=503)
     if state.engine is None:
         status = "error" if state.load_error else "loading"
         return JSONResponse({"status": status, "detail": state.load_error}, status_code=503)

@@ -61,6 +61,13 @@ class GatewayMetrics:
             "mlx_gateway_completion_tokens", "Generated tokens.", ["tenant", "model", "api"],
             registry=registry,
         )
+        self.generations = Counter(
+            "mlx_gateway_generations",
+            "Generations by how they ended (finish_reason): stop (end of sequence or a stop string), "
+            "length, tool_calls, cancelled (the client left first) or error.",
+            ["tenant", "model", "api", "finish_reason"],
+            registry=registry,
+        )
         self.rate_limited = Counter(
             "mlx_gateway_rate_limited",
             "Requests refused with 429, by the limit they hit "
@@ -73,6 +80,8 @@ class GatewayMetrics:
 RATE_LIMITS = ("requests", "prompt_tokens", "completion_tokens", "concurrency", "queue")
 # The ``api`` label: which protocol a generation came in on.
 APIS = ("chat", "completions", "messages", "responses")
+# The ``finish_reason`` label of ``mlx_gateway_generations_total``.
+FINISH_REASONS = ("stop", "length", "tool_calls", "cancelled", "error")
 
 
 def prime(metrics: GatewayMetrics, tenants, model: str) -> None:
@@ -86,6 +95,9 @@ def prime(metrics: GatewayMetrics, tenants, model: str) -> None:
         for c in (metrics.prompt_tokens, metrics.cached_tokens, metrics.completion_tokens):
             for api in APIS:
                 c.labels(t, model, api)
+        for api in APIS:
+            for reason in FINISH_REASONS:
+                metrics.generations.labels(t, model, api, reason)
         for limit in RATE_LIMITS:
             metrics.rate_limited.labels(t, limit)
 
@@ -97,6 +109,10 @@ class MLXMemoryCollector:
     (``mx.get_peak_memory()``: the highest active since start) or ``cache``
     (``mx.get_cache_memory()``: freed buffers MLX keeps for reuse). On the CPU backend
     these count the same allocator as on Metal.
+
+    Read on the scraping thread, not the engine's: each is a plain read of a counter the
+    allocator keeps (no device, stream or array is touched), so a scrape never waits for
+    an engine step and never races one.
     """
 
     def collect(self):

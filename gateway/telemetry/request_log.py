@@ -9,16 +9,32 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
+from typing import Callable, Optional
 
 log = logging.getLogger("mlx_gateway.requests")
+
+# Status logged for a generation the client left before it ended (nginx's "client closed request").
+CLIENT_CLOSED = 499
+_UNLOGGED = {"log": False}
 
 
 @dataclass
 class RequestRecord:
     """What one request did. Times in seconds (None where the request never got there),
-    tokens as counted by the engine."""
+    tokens as counted by the engine. ``error`` is set when the server cut the request
+    before it ended (e.g. at the end of the shutdown grace period); its ``finish_reason``
+    is then logged as ``error``.
+
+    ``finish_reason`` of a generation: ``stop`` (end of sequence or a stop string),
+    ``length``, ``tool_calls``, ``cancelled`` (the client left first) or ``error``.
+    ``status`` is the HTTP status; the line logs the outcome's status instead where a
+    streamed 200 was already sent (see :meth:`final_status`). ``settle``, when set, is
+    called once just before the line is written, so that the generation can fill in its
+    outcome (the end of a stream whose client left is otherwise only noticed later).
+    ``error_status`` and ``settle`` are not logged.
+    """
 
     request_id: Optional[str] = None
     tenant: Optional[str] = None
@@ -34,10 +50,32 @@ class RequestRecord:
     ttft_seconds: Optional[float] = None
     total_seconds: float = 0.0
     prompt: Optional[str] = None
+    error: Optional[str] = None
+    error_status: Optional[int] = field(default=None, metadata=_UNLOGGED)
+    settle: Optional[Callable[[], None]] = field(default=None, repr=False, compare=False, metadata=_UNLOGGED)
+
+    def final_status(self) -> int:
+        """The status to log: ``status``, except after a 200 whose generation did not
+        end well: :data:`CLIENT_CLOSED` (499) when the client left first, the error's
+        status (``error_status``, else 500) when it failed."""
+        if self.status >= 400:
+            return self.status
+        if self.error is not None or self.finish_reason == "error":
+            return self.error_status or 500
+        if self.finish_reason == "cancelled":
+            return CLIENT_CLOSED
+        return self.status
 
     def emit(self) -> None:
-        """Log this record at INFO on ``mlx_gateway.requests``."""
-        fields = {k: v for k, v in asdict(self).items() if v is not None}
+        """Settle the record (``settle``), then log it at INFO on ``mlx_gateway.requests``."""
+        settle, self.settle = self.settle, None
+        if settle is not None:
+            settle()
+        fields = {f.name: getattr(self, f.name) for f in dataclass_fields(self) if f.metadata.get("log", True)}
+        fields = {k: v for k, v in fields.items() if v is not None}
+        fields["status"] = self.final_status()
+        if self.error is not None:
+            fields["finish_reason"] = "error"
         for k in ("queue_seconds", "ttft_seconds", "total_seconds"):
             if k in fields:
                 fields[k] = round(fields[k], 6)

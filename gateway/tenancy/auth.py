@@ -47,11 +47,14 @@ def authenticate(table: TenantTable, request: Request) -> Tenant:
     """The calling tenant (see :func:`identify`).
 
     Raises:
-        APIError: 401 for a missing or unknown key, or an admin key that is no tenant's.
+        APIError: 401 for a missing or unknown key, or an admin key that is no tenant's
+            (its message says so: admin keys may not generate).
     """
     tenant, _ = identify(table, request)
-    if tenant is None:
-        raise _unauthorized(api_key(request))
+    if tenant is None:  # an admin key that is no tenant's (identify refused every other key)
+        raise APIError(401, f"this is an admin key: it may use /admin/... and /v1/usage but not "
+                       f"{request.url.path}: use a tenant's key to generate",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     return tenant
 
 
