@@ -268,6 +268,9 @@ def serve(cfg: ServeConfig) -> None:
     from gateway.shutdown import UVICORN_GRACE, GatewayServer
 
     configure_logging(cfg.log_level, cfg.log_format)
+    from gateway.fast_blas import ensure_fast_blas
+
+    ensure_fast_blas()  # Linux CPU: re-executes with OpenBLAS preloaded, or warns (before any thread)
     try:
         tenants = tenant_table(cfg)  # refuse a bad tenants file or an open non-loopback host before any work
     except (TenantsFileError, ValueError) as e:
