@@ -1,29 +1,34 @@
-"""Serving benchmark: prints figures, asserts nothing.
+"""Serving benchmark: mlx-gateway side by side with ``mlx_lm.server``; prints figures,
+asserts nothing.
 
-Scenarios, each against a real server process on loopback:
+Each scenario runs against a fresh server process on loopback (``benchmarks/scenarios.py``):
 
-* ``startup``: process start to first answer of ``mlx-gateway serve`` on the demo model.
-* ``single`` / ``concurrent``: TTFT and decode tokens/s for 1 and 8 streaming requests.
-* ``burst``: 6 concurrent chat requests sharing a ~600-token system prompt with different
-  ~300-token user texts, 3 rounds (cold, then repeated).
+* ``stall``: 4 streams decoding when a 3000-token prompt arrives: their inter-token gaps
+  (max, median, and median before it arrived) and the long prompt's TTFT.
+* ``burst``: 6 concurrent chats sharing a ~600-token system prompt with different
+  ~300-token user texts: the cold round's wall time, then TTFT of 2 fully cached rounds.
 * ``conversation``: a 20-turn chat where each turn sends the whole history.
-* ``constrained``: decode tokens/s of 8 concurrent requests with 0 and with 4 of them
-  constrained by a JSON schema (``response_format``); the ratio is the mask's cost.
+* ``load``: 16 agents at once, 4 turns each: output tokens/s, TTFT p50/p95, failures,
+  prompt tokens computed against the ideal (every distinct prompt prefix once).
+* with ``--decode``: TTFT and decode tokens/s for 1 and 8 streams, and the cost of
+  constrained decoding (8 streams, 0 or 4 of them with a JSON schema).
 
-For burst and conversation it reports TTFT p50/p95 (seconds), prompt tokens computed
-(prompt - cached, from ``usage``), the cached-token fraction and decode tokens/s, for each
-``--prompt-concurrency`` given. ``--compare`` runs the same workload against
-``mlx_lm.server`` on the same model.
+``--compare`` runs the same workload against ``mlx_lm.server`` on the same model in the
+same run, then prints the issue's goals as a table of ratios; ``--out DIR`` also writes
+``results.json``, ``goals.md`` and ``compare.png`` (matplotlib: ``pip install -e '.[bench]'``).
+On Linux, preload the system OpenBLAS (``gateway/fast_blas.py``) for both servers.
 
 Usage::
 
-    python benchmarks/bench_serve.py [--model DIR] [--concurrency 1 2 4 8] [--compare]
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
+        python benchmarks/bench_serve.py --compare [--out benchmarks/results] [--model DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import tempfile
@@ -36,13 +41,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scenarios import (  # noqa: E402
-    burst, constrained, conversation, decode_speed, free_port, stall, start,
+    burst, constrained, conversation, decode_speed, free_port, load, phase_breakdown, stall, start,
 )
+
+
+GATEWAY_ARGS: list[str] = []  # extra `serve` flags (--gateway-args)
 
 
 def gateway_cmd(model: str, port: int, pc: int) -> list[str]:
     return [sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--port", str(port),
-            "--prompt-concurrency", str(pc), "--decode-concurrency", "32", "--log-level", "WARNING"]
+            "--prompt-concurrency", str(pc), "--decode-concurrency", "32", "--log-format", "json", *GATEWAY_ARGS]
 
 
 def mlx_lm_cmd(model: str, port: int, pc: int) -> list[str]:
@@ -50,34 +58,114 @@ def mlx_lm_cmd(model: str, port: int, pc: int) -> list[str]:
             "--prompt-concurrency", str(pc), "--decode-concurrency", "32", "--log-level", "WARNING"]
 
 
-def run_server(cmd_fn, model: str, pc: int, served: str, scenarios) -> dict:
+def run_server(cmd_fn, model: str, pc: int, served: str, scenarios, log_path: Path | None = None) -> dict:
+    """Run ``scenarios`` against a fresh server; its output goes to ``log_path`` if given."""
     port = free_port()
-    proc, _ = start(cmd_fn(model, port, pc), port)
+    log = open(log_path, "w") if log_path else None
+    proc, _ = start(cmd_fn(model, port, pc), port, log=log)
     try:
         url = f"http://127.0.0.1:{port}"
         return {name: asyncio.run(fn(url, served)) for name, fn in scenarios}
     finally:
         proc.terminate()
         proc.wait(30)
+        if log:
+            log.close()
 
 
 def fmt(d: dict) -> str:
     return "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in d.items())
 
 
+# (scenario, metric, goal as text, check on the gateway/mlx_lm ratio or on the gateway's
+# own value, "ratio" or "value"): issue-13 goals, measured side by side in one run.
+GOALS = [
+    ("stall", "gap_max", "<= 0.35 s", lambda v: v <= 0.35, "value"),
+    ("stall", "gap_p50 / gap_alone_p50", "<= 1.5", lambda v: v <= 1.5, "value"),
+    ("stall", "long_ttft", "<= 1.15x", lambda v: v <= 1.15, "ratio"),
+    ("burst", "warm_ttft_p50", "<= 0.8x", lambda v: v <= 0.8, "ratio"),
+    ("burst", "cold_wall", "<= 0.5x", lambda v: v <= 0.5, "ratio"),
+    ("conversation", "ttft_p50", "<= 0.9x", lambda v: v <= 0.9, "ratio"),
+    ("load", "tok_s", ">= 1.2x", lambda v: v >= 1.2, "ratio"),
+    ("load", "ttft_p50", "<= 0.8x", lambda v: v <= 0.8, "ratio"),
+    ("load", "ttft_p95", "<= 0.5x", lambda v: v <= 0.5, "ratio"),
+    ("load", "errors", "0", lambda v: v == 0, "value"),
+    ("load", "computed / ideal", "<= 1.05", lambda v: v <= 1.05, "value"),
+]
+SCENARIOS = {"stall": stall, "burst": burst, "conversation": conversation, "load": load}
+
+
+def metric(res: dict, name: str) -> float:
+    if " / " in name:
+        a, b = name.split(" / ")
+        return res[a] / res[b] if res[b] else float("nan")
+    return res[name]
+
+
+def goals_table(results: dict) -> str:
+    """Markdown: each goal with both servers' figures, the ratio and whether it is met."""
+    ours, theirs = results["mlx-gateway"], results.get("mlx_lm.server")
+    rows = ["| scenario | metric | mlx-gateway | mlx_lm.server | ratio | goal | met |", "|---|---|---|---|---|---|---|"]
+    for scenario, name, goal, ok, kind in GOALS:
+        if scenario not in ours:
+            continue
+        a = metric(ours[scenario], name)
+        b = metric(theirs[scenario], name) if theirs and scenario in theirs else float("nan")
+        ratio = a / b if b else float("nan")
+        judged = ratio if kind == "ratio" else a
+        met = "yes" if judged == judged and ok(judged) else "no"
+        rows.append(f"| {scenario} | {name} | {a:.3f} | {b:.3f} | {ratio:.2f} | {goal} | {met} |")
+    return "\n".join(rows)
+
+
+def plot(results: dict, path: Path) -> bool:
+    """Bar charts of each scenario's figures for both servers (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    panels = [("stall", ["gap_max", "gap_p50", "long_ttft"], "seconds"),
+              ("burst", ["cold_wall", "cold_ttft_p50", "warm_ttft_p50", "warm_ttft_p95"], "seconds"),
+              ("conversation", ["ttft_p50", "ttft_p95"], "seconds"),
+              ("load", ["ttft_p50", "ttft_p95"], "seconds"),
+              ("load", ["tok_s"], "output tokens/s")]
+    panels = [p for p in panels if p[0] in results["mlx-gateway"]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6))
+    for ax, (scenario, names, unit) in zip(list(axes) if len(panels) > 1 else [axes], panels):
+        for k, (server, res) in enumerate(results.items()):
+            vals = [res[scenario][n] for n in names]
+            ax.bar([i + 0.4 * k for i in range(len(names))], vals, width=0.4, label=server)
+        ax.set_xticks([i + 0.2 for i in range(len(names))], names, rotation=30, ha="right", fontsize=8)
+        ax.set_title(scenario)
+        ax.set_ylabel(unit)
+    axes_list = list(axes) if len(panels) > 1 else [axes]
+    axes_list[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model directory (default: a tiny qwen3 demo model)")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--prompt-concurrency", type=int, default=8, help="for both servers (default %(default)s)")
     ap.add_argument("--compare", action="store_true", help="also run mlx_lm.server on the same model")
-    ap.add_argument("--skip-startup", action="store_true")
-    ap.add_argument("--only", choices=["decode", "stall"], help="decode: only the decode scenarios (single, "
-                    "concurrent, constrained) on the gateway; stall: only the decode-stall scenario")
+    ap.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
+    ap.add_argument("--decode", action="store_true", help="also the decode scenarios (single, concurrent, "
+                    "constrained) on the gateway")
+    ap.add_argument("--startup", action="store_true", help="also time start-up on the demo model")
+    ap.add_argument("--out", type=Path, help="write results.json, goals.md and compare.png here")
+    ap.add_argument("--gateway-args", default="", help="extra flags for `mlx-gateway serve`, e.g. "
+                    "'--prefill-budget 0'")
     args = ap.parse_args()
+    GATEWAY_ARGS.extend(args.gateway_args.split())
 
     from gateway.models.demo_model import build_model_dir
 
-    if not args.skip_startup:
+    if args.startup:
         with tempfile.TemporaryDirectory() as home:
             port = free_port()
             env = dict(os.environ, MLX_GATEWAY_HOME=home)
@@ -98,25 +186,36 @@ def main() -> None:
     model = args.model or str(build_model_dir(Path(tempfile.gettempdir()) / "mlx-gateway-bench-qwen3-medium",
                                               "qwen3", overrides=medium))
     print(f"model: {model}")
-    servers = [("mlx-gateway", gateway_cmd)] + ([("mlx_lm.server", mlx_lm_cmd)] if args.compare else [])
-    if args.only == "stall":
-        for name, cmd in servers:
-            res = run_server(cmd, model, 8, model, [("stall", stall)])
-            print(f"{name:14s} stall        {fmt(res['stall'])}")
-        return
-    res = run_server(gateway_cmd, model, 8, model, [("single", lambda u, m: decode_speed(u, m, 1)),
-                                                    ("concurrent8", lambda u, m: decode_speed(u, m, 8)),
-                                                    ("constrained", constrained)])
-    for k, v in res.items():
-        print(f"mlx-gateway {k:12s} {fmt(v)}")
-    if args.only == "decode":
-        return
+    if args.decode:
+        res = run_server(gateway_cmd, model, 8, model, [("single", lambda u, m: decode_speed(u, m, 1)),
+                                                        ("concurrent8", lambda u, m: decode_speed(u, m, 8)),
+                                                        ("constrained", constrained)])
+        for k, v in res.items():
+            print(f"mlx-gateway    {k:12s} {fmt(v)}")
 
-    for pc in args.concurrency:
-        for name, cmd in servers:
-            res = run_server(cmd, model, pc, model, [("burst", burst), ("conversation", conversation)])
-            for k, v in res.items():
-                print(f"{name:14s} pc={pc} {k:12s} {fmt(v)}")
+    servers = [("mlx-gateway", gateway_cmd)] + ([("mlx_lm.server", mlx_lm_cmd)] if args.compare else [])
+    results: dict = {}
+    for name, cmd in servers:
+        # A fresh server per scenario, so that no scenario starts with another's cache.
+        results[name] = {}
+        for scenario in args.scenarios:
+            with tempfile.TemporaryDirectory() as tmp:
+                log_path = Path(tmp) / "server.log" if name == "mlx-gateway" else None
+                res = run_server(cmd, model, args.prompt_concurrency, model, [(scenario, SCENARIOS[scenario])], log_path)
+                results[name].update(res)
+                print(f"{name:14s} {scenario:12s} {fmt(res[scenario])}", flush=True)
+                if log_path is not None and scenario in ("burst", "conversation"):
+                    phases = phase_breakdown(log_path)
+                    results[name][f"{scenario}_warm_phases"] = phases
+                    print(f"{'':14s} {scenario + ' warm-hit phases (median s)':12s} {fmt(phases)}", flush=True)
+    table = goals_table(results)
+    print(table)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+        (args.out / "goals.md").write_text(table + "\n")
+        if not plot(results, args.out / "compare.png"):
+            print("matplotlib is not installed: no plot (pip install -e '.[bench]')")
 
 
 if __name__ == "__main__":

@@ -34,10 +34,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(cmd: list[str], port: int, env=None, timeout: float = 300) -> tuple[subprocess.Popen, float]:
-    """Start a server; returns (process, seconds until /v1/models answered)."""
+def start(cmd: list[str], port: int, env=None, timeout: float = 300, log=None) -> tuple[subprocess.Popen, float]:
+    """Start a server (its output to the file ``log``, else discarded); returns
+    (process, seconds until /health answered)."""
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    out = log if log is not None else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, stdout=out, stderr=out, env=env)
     url = f"http://127.0.0.1:{port}"
     while time.monotonic() - t0 < timeout:
         try:
@@ -91,15 +93,26 @@ def summarize(results: list[dict], wall: float) -> dict:
 
 
 async def burst(url: str, model: str, rounds: int = 3) -> dict:
+    """6 concurrent chats sharing a ~600-token system prompt with different ~300-token
+    user texts: round 1 cold (``cold_wall``: seconds until all six finished,
+    ``cold_ttft_p50``), then ``rounds - 1`` repeats whose prompts are all cached
+    (``warm_ttft_p50``/``p95``)."""
     system = "You are a careful assistant. " + words(560, 0)
     users = [f"Page {i}: " + words(280, 100 + i) for i in range(6)]
-    out = []
+    out, cold = [], {}
     async with httpx.AsyncClient(base_url=url, timeout=600) as c:
         t0 = time.monotonic()
-        for _ in range(rounds):
-            out += await asyncio.gather(*(stream_chat(c, [{"role": "system", "content": system},
-                                                          {"role": "user", "content": u}], 16, model) for u in users))
-        return summarize(out, time.monotonic() - t0)
+        for k in range(rounds):
+            t_round = time.monotonic()
+            rs = await asyncio.gather(*(stream_chat(c, [{"role": "system", "content": system},
+                                                        {"role": "user", "content": u}], 16, model) for u in users))
+            if k == 0:
+                cold = {"cold_wall": time.monotonic() - t_round, "cold_ttft_p50": statistics.median(r["ttft"] for r in rs)}
+            out += rs
+        res = summarize(out, time.monotonic() - t0)
+    warm = sorted(r["ttft"] for r in out[len(users):])
+    return {**cold, "warm_ttft_p50": statistics.median(warm), "warm_ttft_p95": warm[int(0.95 * (len(warm) - 1))],
+            "computed": res["computed"], "cached_frac": res["cached_frac"]}
 
 
 async def conversation(url: str, model: str, turns: int = 20) -> dict:
@@ -233,3 +246,68 @@ async def stall(url: str, model: str, streams: int = 4, long_tokens: int = 3000,
     return {"gap_alone_p50": statistics.median(alone), "gap_max": max(during, default=float("nan")),
             "gap_p50": statistics.median(during) if during else float("nan"),
             "long_ttft": r["ttft"], "long_prompt": r["prompt"]}
+
+
+async def load(url: str, model: str, clients: int = 16, turns: int = 4) -> dict:
+    """``clients`` agents at once, each a ``turns``-turn chat (a shared ~400-token system
+    prompt, ~100 new tokens per turn, 32-token answers sent back in the next turn).
+    Reports output tokens/s, TTFT p50/p95, failed requests, and prompt tokens computed
+    (prompt - cached) against the ideal: the distinct prompt prefixes, i.e. every token
+    of every prompt counted once however many prompts share it."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tok = load_tokenizer(Path(model))
+    system = "You are a coding agent. " + words(380, 3)
+    results, prompts = [], []
+
+    async def agent(c: httpx.AsyncClient, i: int) -> None:
+        messages = [{"role": "system", "content": system}]
+        for t in range(turns):
+            messages.append({"role": "user", "content": words(100, 10_000 + 100 * i + t)})
+            prompts.append(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+            try:
+                r = await stream_chat(c, messages, 32, model)
+            except httpx.HTTPError:
+                return  # counted as failed, with the turns it did not get to
+            results.append(r)
+            messages.append({"role": "assistant", "content": r["text"]})
+
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=64)) as c:
+        t0 = time.monotonic()
+        await asyncio.gather(*(agent(c, i) for i in range(clients)))
+        wall = time.monotonic() - t0
+    trie: dict = {}
+    ideal = 0
+    for p in prompts:
+        node = trie
+        for t in p:
+            if t not in node:
+                node[t] = {}
+                ideal += 1
+            node = node[t]
+    res = summarize(results, wall) if results else {}
+    return {"tok_s": res.get("tok_s", 0.0), "ttft_p50": res.get("ttft_p50", float("nan")),
+            "ttft_p95": res.get("ttft_p95", float("nan")), "errors": clients * turns - len(results),
+            "computed": res.get("computed", 0), "ideal": ideal}
+
+
+def phase_breakdown(log_path: Path, min_cached_frac: float = 0.9) -> dict[str, float]:
+    """Median seconds per TTFT phase (the request log's ``phases``) over the streamed
+    requests in a gateway's JSON log whose prompt was at least ``min_cached_frac``
+    cached: the per-phase breakdown of a warm hit. Also ``ttft`` and ``requests``."""
+    rows = []
+    for line in log_path.read_text().splitlines():
+        try:
+            d = json.loads(line)
+        except ValueError:
+            continue
+        if d.get("stream") and d.get("phases") and d.get("prompt_tokens") and \
+                d.get("cached_tokens", 0) >= min_cached_frac * d["prompt_tokens"]:
+            rows.append(d)
+    if not rows:
+        return {}
+    names = list(rows[0]["phases"])
+    out = {n: statistics.median(r["phases"].get(n, 0.0) for r in rows) for n in names}
+    out["sum"] = sum(out[n] for n in names)
+    out["requests"] = len(rows)
+    return out

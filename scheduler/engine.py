@@ -182,6 +182,7 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self._stop_reason = "engine stopped"
+        self._step_prefilled_at = 0.0
         self._idle = threading.Condition()
         self._is_idle = True  # updated between steps only, so readers see a consistent state
         self.error: Optional[BaseException] = None
@@ -434,8 +435,10 @@ class Engine:
     def _insert(self, admission: Admission) -> None:
         r = admission.request
         lease = None
+        r.timings["engine_admitted"] = time.monotonic()
         try:
             hit = self.prompt_cache.fetch(r.namespace, r.tokens)
+            r.timings["engine_restored"] = time.monotonic()
             lease, cached = hit.lease, hit.cached_tokens
             marks = sorted(
                 {p for p in list(r.checkpoints) + admission.extra_checkpoints if cached < p < len(r.tokens)}
@@ -525,6 +528,7 @@ class Engine:
             self._fail_batch(e)
             return
         seconds = time.perf_counter() - tic
+        self._step_prefilled_at = time.monotonic()  # the step's prompts are in the cache now
         self.stats.steps += 1
         if prefilling:
             self.metrics.prefill_batch.observe(prefilling)
@@ -589,6 +593,8 @@ class Engine:
             self._rate_window = [now, 0, 0]
 
     def _token_event(self, a: _Active, gr) -> TokenEvent:
+        if not a.generated:
+            a.request.timings["engine_first_token"] = time.monotonic()
         a.generated += 1
         self.stats.decode_tokens += 1
         recent = self.stats.generated_by_request
@@ -626,6 +632,7 @@ class Engine:
                 self._send(a.request, [ProgressEvent(a.cached + done, len(a.request.tokens))])
         position = a.cached + a.processed
         if pr.end_of_prompt:
+            a.request.timings["engine_prefilled"] = self._step_prefilled_at
             a.decoding = True
             self.prompt_cache.release(a.lease)
             a.lease = None

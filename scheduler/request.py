@@ -110,3 +110,6 @@ class EngineRequest:
     mask: Optional[Any] = None
     arrival: float = field(default_factory=time.monotonic)
     prefix_key: Optional[Any] = field(default=None, repr=False, compare=False)  # set by the policy
+    # Monotonic times (s) the engine passed its stages: engine_admitted, engine_restored,
+    # engine_prefilled, engine_first_token (written on the engine thread only).
+    timings: dict = field(default_factory=dict, repr=False, compare=False)

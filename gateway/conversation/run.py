@@ -92,7 +92,8 @@ def fit_context(state: "ServerState", prompt: Prompt, params: SamplingParams) ->
     return params
 
 
-def prepare_chat(state: "ServerState", conv: Conversation) -> tuple[Prompt, Optional[ToolPlan], Optional[TokenMask]]:
+def prepare_chat(state: "ServerState", conv: Conversation, marks: Optional[dict] = None
+                 ) -> tuple[Prompt, Optional[ToolPlan], Optional[TokenMask]]:
     """Tools, prompt and output grammar of a conversation. Runs in a worker thread:
     template, tokenizer and grammar compilation are CPU work that must not stall the
     event loop, and none of it touches MLX.
@@ -100,10 +101,14 @@ def prepare_chat(state: "ServerState", conv: Conversation) -> tuple[Prompt, Opti
     Raises:
         APIError: 400 for bad tools, schemas or a conversation the template rejects.
     """
+    if marks is not None:
+        marks["render_in"] = time.monotonic()
     plan = plan_tools(conv, state.tokenizer)
     mask = output_mask(state.grammars, conv, plan)
     cfg = state.config
     prompt = render_chat(state.tokenizer, conv, cfg.chat_template_args, cfg.checkpoint_every, plan)
+    if marks is not None:
+        marks["render_out"] = time.monotonic()
     return prompt, plan, mask
 
 
@@ -128,7 +133,10 @@ async def start_conversation(state: "ServerState", call: Call, conv: Conversatio
     check_model(state, call.tenant, conv.model)
     call.record.stream = conv.stream
     params = sampling_params(state, call.tenant, conv.sampling)
-    prompt, plan, mask = await anyio.to_thread.run_sync(prepare_chat, state, conv)
+    marks = call.record.marks
+    marks["render_start"] = time.monotonic()
+    prompt, plan, mask = await anyio.to_thread.run_sync(prepare_chat, state, conv, marks)
+    marks["render_end"] = time.monotonic()
     asm = text_assembler(state, conv.stop, prompt.opens_reasoning)
     return Run.submit(state, call, prompt, params, asm, plan, mask)
 
@@ -180,6 +188,7 @@ class Run:
         call.record.prompt_tokens = len(prompt.tokens)
         if state.config.log_prompts:
             call.record.prompt = state.tokenizer.decode(prompt.tokens)
+        call.record.marks["submitted"] = time.monotonic()
         try:
             gen.submit()
         except APIError as e:
@@ -293,6 +302,8 @@ class Run:
             elif isinstance(ev, TokenEvent):
                 if self.first_at is None:
                     self.first_at = time.monotonic()
+                    rec.marks["first_token"] = self.first_at
+                    rec.marks.update(gen.request.timings)  # the engine's marks, all set by now
                     rec.ttft_seconds = self.first_at - gen.arrival
                     m.ttft.labels(*labels).observe(self.first_at - gen.arrival)
                 self.tokens.append(ev)

@@ -4,6 +4,7 @@ the engine and the tenant's limits, read the body, and check the model."""
 from __future__ import annotations
 
 import weakref
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -86,6 +87,7 @@ async def admit(state: "ServerState", request: Request, endpoint: str, api: str)
         APIError: 401, 503, 429, 408, 413 or 400, in the order checked.
     """
     record = RequestRecord(model=state.model_id, endpoint=endpoint)
+    record.marks["received"] = time.monotonic()
     request.state.record = record  # logged by the middleware whatever the outcome
     tenant = authenticate(state.tenants, request)
     record.tenant = tenant.name
@@ -95,6 +97,7 @@ async def admit(state: "ServerState", request: Request, endpoint: str, api: str)
     state.usage.add(tenant.name, requests=1)
     cfg = state.config
     body = await read_json(request, cfg.max_body_bytes, cfg.client_timeout, cfg.max_json_depth)
+    record.marks["admitted"] = time.monotonic()
     call = Call(tenant, ticket, record, engine, api, body)
     _admitted.add(call)
     return call

@@ -80,6 +80,10 @@ class GatewayMiddleware:
                              if k.encode() not in present]
                     message = {**message, "headers": list(message.get("headers", [])) + extra}
             await send(message)
+            if message["type"] == "http.response.body":
+                record = local.get("record")
+                if record is not None and record.stream and "first_token" in record.marks:
+                    record.marks.setdefault("first_write", time.monotonic())  # the first token's write
 
         try:
             self._check_headers(scope)

@@ -15,6 +15,25 @@ from typing import Callable, Optional
 
 log = logging.getLogger("mlx_gateway.requests")
 
+# The phases of a request up to its first token, as (name, start mark, end mark):
+# HTTP admission (key, limits, body read and JSON parse), the API's schema parse,
+# chat template and tokenizer (in a worker thread; the hop to it and back is
+# thread_hop), waiting for an engine step, the prefix-cache fetch (lookup, copy,
+# restore), the uncached suffix's prefill, the first decode step, the hand-over of the
+# first token from the engine thread to the event loop, and its first SSE write.
+PHASES = (
+    ("http_admit", "received", "admitted"),
+    ("parse", "admitted", "render_start"),
+    ("template_tokenize", "render_in", "render_out"),
+    ("thread_hop", "render_start", "render_end"),
+    ("queue", "submitted", "engine_admitted"),
+    ("cache_fetch", "engine_admitted", "engine_restored"),
+    ("prefill", "engine_restored", "engine_prefilled"),
+    ("first_decode", "engine_prefilled", "engine_first_token"),
+    ("to_event_loop", "engine_first_token", "first_token"),
+    ("first_write", "first_token", "first_write"),
+)
+
 # Status logged for a generation the client left before it ended (nginx's "client closed request").
 CLIENT_CLOSED = 499
 _UNLOGGED = {"log": False}
@@ -34,6 +53,10 @@ class RequestRecord:
     called once just before the line is written, so that the generation can fill in its
     outcome (the end of a stream whose client left is otherwise only noticed later).
     ``error_status`` and ``settle`` are not logged.
+
+    ``marks`` are monotonic times (seconds) at which the request passed each stage of
+    :data:`PHASES` (the engine's come from its thread); :meth:`emit` logs the time spent
+    in each phase reached as ``phases`` (seconds), the per-phase breakdown of TTFT.
     """
 
     request_id: Optional[str] = None
@@ -51,6 +74,8 @@ class RequestRecord:
     total_seconds: float = 0.0
     prompt: Optional[str] = None
     error: Optional[str] = None
+    phases: Optional[dict] = None
+    marks: dict = field(default_factory=dict, metadata=_UNLOGGED)
     error_status: Optional[int] = field(default=None, metadata=_UNLOGGED)
     settle: Optional[Callable[[], None]] = field(default=None, repr=False, compare=False, metadata=_UNLOGGED)
 
@@ -66,11 +91,23 @@ class RequestRecord:
             return CLIENT_CLOSED
         return self.status
 
+    def phase_seconds(self) -> dict[str, float]:
+        """Seconds spent in each phase of :data:`PHASES` whose marks are both set;
+        ``thread_hop`` excludes the template work done in the thread."""
+        m, out = self.marks, {}
+        for name, a, b in PHASES:
+            if a in m and b in m:
+                out[name] = round(m[b] - m[a], 6)
+        if "thread_hop" in out and "template_tokenize" in out:
+            out["thread_hop"] = round(out["thread_hop"] - out["template_tokenize"], 6)
+        return out
+
     def emit(self) -> None:
         """Settle the record (``settle``), then log it at INFO on ``mlx_gateway.requests``."""
         settle, self.settle = self.settle, None
         if settle is not None:
             settle()
+        self.phases = self.phase_seconds() or None
         fields = {f.name: getattr(self, f.name) for f in dataclass_fields(self) if f.metadata.get("log", True)}
         fields = {k: v for k, v in fields.items() if v is not None}
         fields["status"] = self.final_status()
