@@ -285,6 +285,18 @@ class PromptCacheManager:
             self.metrics.leases.set(self._num_leases)
 
     # -- insert / evict -------------------------------------------------------
+    def refresh(self, namespace: str, tokens: Sequence[int]) -> bool:
+        """If a snapshot keyed exactly ``tokens`` is stored, mark it recently used and
+        return True (the caller need not build one to :meth:`insert`)."""
+        with self._lock:
+            tree = self._trees.get(namespace)
+            node = tree.find(tokens) if tree is not None else None
+            if node is None or node.value is None:
+                return False
+            if node.value.leases == 0:
+                self._lru.move_to_end(node.value)
+            return True
+
     def insert(self, namespace: str, tokens: Sequence[int], cache: list[Any]) -> bool:
         """Store ``cache`` as the snapshot after ``tokens``; the manager takes ownership.
 
@@ -309,15 +321,8 @@ class PromptCacheManager:
         off = rules.token_count(cache)
         if off is not None and off != n:
             raise ValueError(f"cache covers {off} tokens but the key has {n}")
-        with self._lock:
-            tree = self._trees.get(namespace)
-            if tree is not None:
-                node = tree.find(tokens)
-                if node is not None and node.value is not None:
-                    e = node.value
-                    if e.leases == 0:
-                        self._lru.move_to_end(e)
-                    return True
+        if self.refresh(namespace, tokens):
+            return True
         by_type = rules.nbytes_by_type(cache)
         mx.eval(rules.cache_arrays(cache))
         entry = _Entry(namespace, list(cache), n, by_type)

@@ -49,7 +49,7 @@ class ServeConfig:
     metrics_key: Optional[str] = None
     allowed_hosts: list[str] = field(default_factory=list)
     shutdown_grace: float = 30.0
-    prefill_budget: float = 0.25
+    prefill_budget: float = 0.2
 
 
 def _json_object(text: str) -> dict:

@@ -6,7 +6,9 @@ prefill step of up to ``prefill_step_size`` tokens per prompt. With the default 
 long prompt stops every decoding stream for the whole chunk (seconds on a CPU). While
 sequences decode, the planner instead:
 
-* sizes each prefill chunk so that the step takes about ``budget`` seconds, from the
+* sizes each prefill chunk so that the step takes about ``budget`` seconds (times the
+  ratio of prompts in prefill to streams decoding, when above 1: a cold burst whose
+  first request already decodes is not slowed to protect that one stream), from the
   time per prompt token measured on the previous chunk (a chunk's cost grows with the
   context it attends to, so the size adapts as a long prompt advances); sizes are
   multiples of :data:`ALIGN` tokens, the first chunk is :data:`FIRST_CHUNK` tokens;
@@ -40,8 +42,8 @@ class ChunkPlanner:
 
     Args:
         step_size: tokens per prompt per step when nothing decodes (``--prefill-step-size``).
-        budget: seconds a prefill step may take while sequences decode
-            (``--prefill-budget``); 0 disables chunking under decode.
+        budget: seconds a prefill step may take while at least as many sequences
+            decode as prompts prefill (``--prefill-budget``); 0 disables chunking.
     """
 
     def __init__(self, step_size: int, budget: float) -> None:
@@ -64,10 +66,13 @@ class ChunkPlanner:
             return self.step_size
         if self._decode_owed > 0:
             return 0
+        # A prompt waiting for its first token is a user waiting too: when more prompts
+        # prefill than streams decode, the step may take proportionally longer.
+        budget = self.budget * max(1.0, prefilling / decoding)
         if self._per_token <= 0:
             per_row = FIRST_CHUNK
         else:
-            per_row = int(HEADROOM * self.budget / self._per_token) // prefilling
+            per_row = int(HEADROOM * budget / self._per_token) // prefilling
         per_row = max(ALIGN, per_row - per_row % ALIGN)
         if per_row < self.step_size:
             self.budgeted_steps += 1

@@ -662,6 +662,9 @@ class Engine:
         if not tokens or cache is None:
             return
         try:
+            if self.prompt_cache.refresh(a.request.namespace, tokens):  # e.g. an exact repeat: no copy
+                a.stored = max(a.stored, min(len(tokens), len(a.request.tokens)))
+                return
             for layer in cache:
                 layer.state = tree_map(_compact, layer.state)
             mx.eval([layer.state for layer in cache])

@@ -85,6 +85,11 @@ def check_books(line: dict, before: Books, after: Books, reason: str, status: in
     assert after.usage["requests"] - before.usage["requests"] == 1
     cancelled = after.metric("mlx_gateway_requests_cancelled_total") - before.metric("mlx_gateway_requests_cancelled_total")
     assert engine_cancelled is None or cancelled == engine_cancelled, line
+    # requests_total counts the outcome's status too (499, or the error's), not the 200 a stream began with.
+    counted = {k[1]: after.metrics[k] - before.metrics.get(k, 0.0) for k in after.metrics
+               if k[0] == "mlx_gateway_requests_total"}
+    statuses = {dict(labels)["status"]: d for labels, d in counted.items() if d}
+    assert statuses.get(str(status)) == 1.0, (statuses, line)
 
 
 def ask(server, stream: bool, **body) -> tuple[str, str]:

@@ -137,10 +137,11 @@ class GatewayMiddleware:
         endpoint = path if path in self.ENDPOINTS else prefix + "{id}" if prefix else "other"
         tenant = local.get("tenant")
         name = tenant.name if tenant is not None else "unauthenticated"
-        if endpoint not in self.UNCOUNTED or code >= 400:
-            self.state.metrics.requests.labels(name, self.state.model_id, endpoint, str(code)).inc()
         record = local.get("record")
         if record is not None:
             record.status = code
             record.total_seconds = seconds
             record.emit()
+            code = record.final_status()  # a stream's outcome: 499 when its client left, its error's status
+        if endpoint not in self.UNCOUNTED or code >= 400:
+            self.state.metrics.requests.labels(name, self.state.model_id, endpoint, str(code)).inc()
