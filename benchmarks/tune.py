@@ -46,8 +46,8 @@ sys.path.insert(0, str(ROOT))
 
 from scenarios import free_port, start, steady_stream_bias  # noqa: E402
 
-BASE = {"prompt_concurrency": 8, "decode_concurrency": 32, "prefill_budget": 0.25}
-SWEEP = {"prompt_concurrency": [1, 2, 4, 8], "decode_concurrency": [8, 32], "prefill_budget": [0, 0.1, 0.25, 0.5]}
+BASE = {"prompt_concurrency": 8, "decode_concurrency": 32, "prefill_budget": 0.2}
+SWEEP = {"prompt_concurrency": [1, 2, 4, 8], "decode_concurrency": [8, 32], "prefill_budget": [0, 0.1, 0.2, 0.4]}
 
 
 def synthetic() -> list[dict]:
