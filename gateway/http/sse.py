@@ -15,9 +15,22 @@ import anyio
 from starlette.types import Receive, Scope, Send
 
 
+# Characters that are legal inside JSON strings but that common line readers (Python's
+# str.splitlines, JavaScript line-based parsers) take as line breaks: escaped, so that an
+# event never splits however the client reads lines. SSE itself breaks only at CR and LF,
+# which JSON always escapes.
+# (The control characters among them, below U+0020, JSON escapes already.)
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def to_json(data: dict) -> str:
+    """``data`` as one line of JSON, UTF-8 text kept, line-break-like characters escaped."""
+    return json.dumps(data, ensure_ascii=False).translate(_LINE_BREAKS)
+
+
 def sse(data: dict | str) -> bytes:
-    """One SSE ``data:`` event; dicts are JSON-encoded."""
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    """One SSE ``data:`` event; dicts are JSON-encoded (:func:`to_json`)."""
+    payload = data if isinstance(data, str) else to_json(data)
     return f"data: {payload}\n\n".encode()
 
 
@@ -103,4 +116,4 @@ def guarded(chunks: AsyncIterator[bytes], on_error, tail: bytes = b"") -> AsyncI
 def named_event(event: str, data: dict) -> bytes:
     """One SSE event with an ``event:`` name line (Anthropic's and the Responses API's
     streams), its data JSON-encoded."""
-    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+    return f"event: {event}\ndata: {to_json(data)}\n\n".encode()
