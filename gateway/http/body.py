@@ -28,16 +28,6 @@ class UnsupportedMediaType(APIError):
         super().__init__(415, f"the request body must be sent with Content-Type: {JSON_MEDIA_TYPE} "
                          f"(got {shown})", code="unsupported_media_type")
 
-    def body(self) -> dict:
-        out = super().body()
-        out["error"]["type"] = "invalid_request_error"
-        return out
-
-    def anthropic_body(self) -> dict:
-        out = super().anthropic_body()
-        out["error"]["type"] = "invalid_request_error"
-        return out
-
 
 def check_json_content_type(request: Request) -> None:
     """Check that the body is declared as ``application/json`` (parameters such as

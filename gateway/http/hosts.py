@@ -53,16 +53,6 @@ class HostNotAllowed(APIError):
                          f"start the server with --allowed-hosts {shown or '<name>'} to accept it",
                          code="host_not_allowed")
 
-    def body(self) -> dict:
-        out = super().body()
-        out["error"]["type"] = "invalid_request_error"
-        return out
-
-    def anthropic_body(self) -> dict:
-        out = super().anthropic_body()
-        out["error"]["type"] = "invalid_request_error"
-        return out
-
 
 def host_name(value: str) -> Optional[str]:
     """The name in a Host header value or an allow-list entry: lowercased, without the
