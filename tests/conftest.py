@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from gateway.models.demo_model import build_model_dir, copy_tokenizer_files
+from scheduler.request import DoneEvent, ErrorEvent, TokenEvent
 
 ROOT = Path(__file__).resolve().parents[1]
 _MODEL_CACHE = Path(os.environ.get("MLX_GATEWAY_TEST_MODELS", ROOT / ".test-models"))
@@ -230,3 +231,21 @@ def live_server(model_dir, **config):
         server.should_exit = True
         thread.join(10)
         state.engine.stop()
+
+
+class EventSink:
+    """An engine request's ``sink`` that keeps its events; ``done`` is set at its
+    DoneEvent or ErrorEvent; ``tokens`` are the generated token ids."""
+
+    def __init__(self):
+        self.events, self.done = [], threading.Event()
+
+    def __call__(self, events):
+        self.events.extend(events)
+        if any(isinstance(e, (DoneEvent, ErrorEvent)) for e in events):
+            self.done.set()
+
+    @property
+    def tokens(self) -> list[int]:
+        return [e.token for e in self.events if isinstance(e, TokenEvent)]
+

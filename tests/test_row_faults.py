@@ -4,34 +4,18 @@ other rows keep exactly their solo tokens and the engine thread never dies."""
 
 from __future__ import annotations
 
-import threading
-
-from conftest import live_server, model_path
+from conftest import EventSink, live_server, model_path
 from scheduler import EngineRequest, SamplingParams
-from scheduler.request import DoneEvent, ErrorEvent, TokenEvent
+from scheduler.request import DoneEvent, ErrorEvent
 
 GOOD = [list(range(5 + i, 40 + 3 * i)) for i in range(3)]
 
 
-class Collector:
-    def __init__(self):
-        self.events, self.done = [], threading.Event()
-
-    def __call__(self, events):
-        self.events.extend(events)
-        if any(isinstance(e, (DoneEvent, ErrorEvent)) for e in events):
-            self.done.set()
-
-    @property
-    def tokens(self) -> list[int]:
-        return [e.token for e in self.events if isinstance(e, TokenEvent)]
-
-
-def run(engine, requests: list[tuple[str, list[int], SamplingParams, dict]]) -> dict[str, Collector]:
+def run(engine, requests: list[tuple[str, list[int], SamplingParams, dict]]) -> dict[str, EventSink]:
     """Submit all requests at once (they share a batch) and wait for each to end."""
     out = {}
     for rid, tokens, params, extra in requests:
-        out[rid] = Collector()
+        out[rid] = EventSink()
         engine.submit(EngineRequest(rid, tokens, params, out[rid], **extra))
     for c in out.values():
         assert c.done.wait(120)

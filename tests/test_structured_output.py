@@ -12,11 +12,11 @@ import jsonschema
 import openai
 import pytest
 
-from conftest import live_server, model_path
+from conftest import EventSink, live_server, model_path
 from gateway.conversation.form import Conversation
 from gateway.conversation.structured import output_mask
 from scheduler import EngineRequest, SamplingParams
-from scheduler.request import DoneEvent, ErrorEvent, TokenEvent
+from scheduler.request import ErrorEvent
 from test_tools_api import ADD, TOOLS, calls_of
 
 PERSON = {"type": "object", "properties": {
@@ -135,20 +135,6 @@ def test_bad_response_format_gets_a_400_naming_the_parameter(server, fmt, param)
     assert server.engine.alive
 
 
-class Collector:
-    def __init__(self):
-        self.events, self.done = [], threading.Event()
-
-    def __call__(self, events):
-        self.events.extend(events)
-        if any(isinstance(e, (DoneEvent, ErrorEvent)) for e in events):
-            self.done.set()
-
-    @property
-    def tokens(self):
-        return [e.token for e in self.events if isinstance(e, TokenEvent)]
-
-
 class BrokenMatcher:
     """A real llguidance matcher that raises on its ``fail_at``-th token (fault injection)."""
 
@@ -171,7 +157,7 @@ def test_a_grammar_failure_fails_only_its_request(server):
     prompt = list(range(20, 60))
 
     def run_alone(mask):
-        c = Collector()
+        c = EventSink()
         engine.submit(EngineRequest(f"solo-{id(c)}", prompt, SamplingParams(max_tokens=60), c, mask=mask))
         assert c.done.wait(60)
         return c
@@ -180,7 +166,7 @@ def test_a_grammar_failure_fails_only_its_request(server):
     good_solo = run_alone(output_mask(state.grammars, fmt, None))
     broken_mask = output_mask(state.grammars, fmt, None)
     broken_mask.matcher = BrokenMatcher(broken_mask.matcher, fail_at=3)
-    collectors = {"free": Collector(), "good": Collector(), "broken": Collector()}
+    collectors = {"free": EventSink(), "good": EventSink(), "broken": EventSink()}
     masks = {"free": None, "good": output_mask(state.grammars, fmt, None), "broken": broken_mask}
     for name, c in collectors.items():
         engine.submit(EngineRequest(f"mix-{name}", prompt, SamplingParams(max_tokens=60), c, mask=masks[name]))
