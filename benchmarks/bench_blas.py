@@ -24,8 +24,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MEDIUM = {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 768,
-          "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32}
 
 
 def measure(tokens: int, out: str) -> None:
@@ -34,7 +32,7 @@ def measure(tokens: int, out: str) -> None:
     import numpy as np
 
     from gateway.fast_blas import openblas_loaded
-    from gateway.models.demo_model import build_model_dir
+    from scenarios import medium_model
 
     res = {"openblas_loaded": openblas_loaded()}
     for n in (512, 2048):
@@ -45,8 +43,7 @@ def measure(tokens: int, out: str) -> None:
             mx.eval(a @ b)
             reps += 1
         res[f"gflops_{n}"] = 2 * n ** 3 * reps / (time.perf_counter() - t0) / 1e9
-    path = build_model_dir(Path(tempfile.gettempdir()) / "mlx-gateway-bench-qwen3-medium", "qwen3", overrides=MEDIUM)
-    model, _ = mlx_lm.load(str(path))
+    model, _ = mlx_lm.load(medium_model())
     from mlx_lm.models.cache import make_prompt_cache
 
     prompt = mx.array([[(i * 7919) % 900 + 5 for i in range(tokens)]])

@@ -41,7 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scenarios import (  # noqa: E402
-    burst, constrained, conversation, decode_speed, free_port, load, phase_breakdown, stall, start,
+    burst, constrained, conversation, decode_speed, free_port, load, medium_model, phase_breakdown, pyplot, stall,
+    start,
 )
 
 
@@ -120,12 +121,8 @@ def goals_table(results: dict) -> str:
 
 def plot(results: dict, path: Path) -> bool:
     """Bar charts of each scenario's figures for both servers (needs matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     panels = [("stall", ["gap_max", "gap_p50", "long_ttft"], "seconds"),
               ("burst", ["cold_wall", "cold_ttft_p50", "warm_ttft_p50", "warm_ttft_p95"], "seconds"),
@@ -133,16 +130,16 @@ def plot(results: dict, path: Path) -> bool:
               ("load", ["ttft_p50", "ttft_p95"], "seconds"),
               ("load", ["tok_s"], "output tokens/s")]
     panels = [p for p in panels if p[0] in results["mlx-gateway"]]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6))
-    for ax, (scenario, names, unit) in zip(list(axes) if len(panels) > 1 else [axes], panels):
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
+    axes = list(axes[0])
+    for ax, (scenario, names, unit) in zip(axes, panels):
         for k, (server, res) in enumerate(results.items()):
             vals = [res[scenario][n] for n in names]
             ax.bar([i + 0.4 * k for i in range(len(names))], vals, width=0.4, label=server)
         ax.set_xticks([i + 0.2 for i in range(len(names))], names, rotation=30, ha="right", fontsize=8)
         ax.set_title(scenario)
         ax.set_ylabel(unit)
-    axes_list = list(axes) if len(panels) > 1 else [axes]
-    axes_list[0].legend(fontsize=8)
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True
@@ -163,8 +160,6 @@ def main() -> None:
     args = ap.parse_args()
     GATEWAY_ARGS.extend(args.gateway_args.split())
 
-    from gateway.models.demo_model import build_model_dir
-
     if args.startup:
         with tempfile.TemporaryDirectory() as home:
             port = free_port()
@@ -179,12 +174,7 @@ def main() -> None:
             proc.terminate()
             proc.wait(30)
 
-    # A qwen3 larger than the test models (4 layers, hidden 256, ~3M parameters) so that
-    # prefill cost is visible on a CPU; still random weights.
-    medium = {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 768,
-              "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32}
-    model = args.model or str(build_model_dir(Path(tempfile.gettempdir()) / "mlx-gateway-bench-qwen3-medium",
-                                              "qwen3", overrides=medium))
+    model = args.model or medium_model()
     print(f"model: {model}")
     if args.decode:
         res = run_server(gateway_cmd, model, 8, model, [("single", lambda u, m: decode_speed(u, m, 1)),

@@ -203,13 +203,9 @@ def main() -> None:
     if args.load:
         data = json.loads(args.load.read_text())
     else:
-        from gateway.models.demo_model import build_model_dir
+        from scenarios import medium_model  # the same model as bench_serve.py
 
-        # The same model as bench_serve.py: large enough that prefill time is visible on a CPU.
-        medium = {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 768,
-                  "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32}
-        model = args.model or str(build_model_dir(Path(tempfile.gettempdir()) / "mlx-gateway-bench-qwen3-medium",
-                                                  "qwen3", overrides=medium))
+        model = args.model or medium_model()
         data = record(model, args.duration)
         args.save.parent.mkdir(parents=True, exist_ok=True)
         args.save.write_text(json.dumps(data))

@@ -19,6 +19,35 @@ from pathlib import Path
 
 import httpx
 
+# A qwen3 larger than the test models (4 layers, hidden 256, ~3M parameters) so that
+# prefill cost is visible on a CPU; still random weights. Every benchmark's default model.
+MEDIUM = {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 768,
+          "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32}
+
+
+def medium_model() -> str:
+    """Directory of the medium benchmark model (built once, in the temp directory)."""
+    import tempfile
+
+    from gateway.models.demo_model import build_model_dir
+
+    return str(build_model_dir(Path(tempfile.gettempdir()) / "mlx-gateway-bench-qwen3-medium", "qwen3",
+                               overrides=MEDIUM))
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None when matplotlib is not installed
+    (``pip install -e '.[bench]'``)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 WORDS = ("the model cache token prompt server batch request tenant prefix memory apple code agent "
          "browser extension stream answer question system user assistant reason think water").split()
 

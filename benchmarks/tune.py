@@ -35,7 +35,6 @@ import json
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -44,7 +43,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scenarios import free_port, start, steady_stream_bias  # noqa: E402
+from scenarios import free_port, medium_model, pyplot, start, steady_stream_bias  # noqa: E402
 
 BASE = {"prompt_concurrency": 8, "decode_concurrency": 32, "prefill_budget": 0.2}
 SWEEP = {"prompt_concurrency": [1, 2, 4, 8], "decode_concurrency": [8, 32], "prefill_budget": [0, 0.1, 0.2, 0.4]}
@@ -141,12 +140,8 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     labels = [f"pc={r['prompt_concurrency']}\ndc={r['decode_concurrency']}\nbudget={r['prefill_budget']}" for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
@@ -177,12 +172,7 @@ def main() -> None:
 
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from gateway.models.demo_model import build_model_dir
-
-    medium = {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 768,
-              "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32}
-    model = args.model or str(build_model_dir(Path(tempfile.gettempdir()) / "mlx-gateway-bench-qwen3-medium",
-                                              "qwen3", overrides=medium))
+    model = args.model or medium_model()
     specs = from_log(args.replay) if args.replay else synthetic()
     vocab = len(load_tokenizer(Path(model))._tokenizer.get_vocab())
     token_prompts = prompts(specs, vocab)
