@@ -552,9 +552,7 @@ class Engine:
                 events.setdefault(gr.uid, []).append(self._token_event(a, gr))
             except Exception as e:
                 log.exception("request %s failed while decoding", a.request.id)
-                self._gen.remove([a.uid])
-                self.stats.failed += 1
-                self._finish(a, ErrorEvent(500, f"decoding failed: {e}"))
+                self._fail_row(a, f"decoding failed: {e}")
                 events.pop(gr.uid, None)
                 continue
             if gr.finish_reason is not None:
@@ -566,6 +564,12 @@ class Engine:
             if a is not None:
                 self._send(a.request, evs)
 
+    def _fail_row(self, a: _Active, message: str) -> None:
+        """Take ``a`` out of the batch and end it with a 500 ``message``; the other rows go on."""
+        self._gen.remove([a.uid])
+        self.stats.failed += 1
+        self._finish(a, ErrorEvent(500, message))
+
     def _fail_faulty_rows(self) -> None:
         """Fail, alone, each row whose sampler, processors or grammar raised this step;
         its pending token (sampled by the broken callable) is never sent."""
@@ -574,9 +578,7 @@ class Engine:
             if reason is None:
                 continue
             log.error("request %s failed: %s", a.request.id, reason)
-            self._gen.remove([a.uid])
-            self.stats.failed += 1
-            self._finish(a, ErrorEvent(500, reason))
+            self._fail_row(a, reason)
 
     def _update_rates(self, idle: bool) -> None:
         """Publish prefill/decode tokens per second once a second of work has passed;
@@ -643,9 +645,7 @@ class Engine:
                 extracted = self._gen.extract_cache([a.uid]).get(a.uid)
             except Exception as e:  # fails this request alone
                 log.exception("extracting the cache of request %s failed", a.request.id)
-                self._gen.remove([a.uid])
-                self.stats.failed += 1
-                self._finish(a, ErrorEvent(500, f"saving its prompt cache failed: {e}"))
+                self._fail_row(a, f"saving its prompt cache failed: {e}")
                 return delta
             if extracted is not None:
                 cache, tokens = extracted
