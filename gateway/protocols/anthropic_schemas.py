@@ -14,11 +14,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, \
-    field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, \
+    model_validator
 
-from gateway.http.errors import APIError
-from gateway.protocols.openai_schemas import MAX_STOP_SEQUENCES, MAX_TOKEN_ID, SEED_RANGE, deepest, describe
+from gateway.protocols.openai_schemas import MAX_STOP_SEQUENCES, MAX_TOKEN_ID, SEED_RANGE, validate
 
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,128}$"  # Anthropic's rule for tool names
 
@@ -215,11 +214,5 @@ def parse(model: type[BaseModel], data: Any) -> Any:
             ``messages.0.content.1.input``) and, for a value of the wrong type, the type
             expected.
     """
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        errors = e.errors()
-        loc, group = deepest(errors, [".".join(_param(data, err)) for err in errors])
-        raise APIError(400, describe(group), param=loc or None)  # the error body prefixes the param
+    # Anthropic's messages do not name the field: the error body prefixes the param.
+    return validate(model, data, lambda err: ".".join(_param(data, err)), name_field=False)

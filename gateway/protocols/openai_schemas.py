@@ -291,12 +291,24 @@ def parse(model: type[BaseModel], data: Any) -> Any:
         APIError: 400 naming the offending field (dotted path, e.g. ``messages.0.content``)
             and, for a value of the wrong type, the type expected.
     """
+    return validate(model, data, lambda err: ".".join(str(x) for x in err["loc"] if not _is_union_tag(x)))
+
+
+def validate(model: type[BaseModel], data: Any, path: Callable[[dict], str], name_field: bool = True) -> Any:
+    """Validate the JSON object ``data`` against ``model``; each API's ``parse``.
+
+    ``path`` gives a pydantic error's dotted parameter path; of a union's failed branches
+    the one reaching deepest into the data is reported (:func:`deepest`). With
+    ``name_field`` the message names the field (OpenAI's style), else only what is wrong.
+
+    Raises:
+        APIError: 400 with ``param`` the offending field's path.
+    """
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
         return model.model_validate(data)
     except ValidationError as e:
         errors = e.errors()
-        paths = [".".join(str(x) for x in err["loc"] if not _is_union_tag(x)) for err in errors]
-        loc, group = deepest(errors, paths)
-        raise APIError(400, describe(group, loc), param=loc or None)
+        loc, group = deepest(errors, [path(err) for err in errors])
+        raise APIError(400, describe(group, loc if name_field else None), param=loc or None)
