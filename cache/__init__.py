@@ -16,10 +16,11 @@ Modules: ``tree`` (radix tree), ``manager`` (leases, LRU, bounds), ``restore``
 
 from .checkpoints import (
     DEFAULT_INTERVAL,
-    message_boundaries,
+    encode_with_ends,
     periodic_checkpoints,
     plan_chat_checkpoints,
     plan_completion_checkpoints,
+    render_text,
 )
 from .manager import CacheHit, Lease, PromptCacheManager
 from .metrics import CacheMetrics
@@ -37,10 +38,11 @@ __all__ = [
     "RULES",
     "can_restore",
     "chunk_boundaries",
+    "encode_with_ends",
     "is_trimmable",
-    "message_boundaries",
     "periodic_checkpoints",
     "plan_chat_checkpoints",
     "plan_completion_checkpoints",
+    "render_text",
     "safe_copy",
 ]

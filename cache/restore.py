@@ -73,6 +73,18 @@ def is_trimmable(cache: Sequence[Any]) -> bool:
     return all(layer_trimmable(c) for c in cache)
 
 
+def always_trimmable(cache: Sequence[Any]) -> bool:
+    """True if every layer of ``cache`` can be trimmed whatever it holds (rule ``any``, or a
+    ``CacheList`` of such): a model whose caches need no checkpoint at a boundary, because
+    any longer snapshot serves it. A sliding window is not (it stops being trimmable once
+    it rotates), nor is recurrent state."""
+    def rule_any(layer: Any) -> bool:
+        rule = RULES.get(type(layer).__name__, "exact")
+        return rule == "any" or (rule == "members" and all(rule_any(c) for c in layer.caches))
+
+    return all(rule_any(c) for c in cache)
+
+
 def can_restore(cache: Sequence[Any], stored_tokens: int, wanted_tokens: int) -> bool:
     """Can a snapshot of ``stored_tokens`` tokens be brought to exactly ``wanted_tokens``?
 

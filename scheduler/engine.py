@@ -27,9 +27,11 @@ from typing import Any, Optional
 import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import make_prompt_cache
 from prometheus_client import CollectorRegistry
 
 from cache import PromptCacheManager
+from cache.restore import always_trimmable
 from scheduler.chunking import ChunkPlanner
 from scheduler.faults import RowFault
 from scheduler.metrics import SchedulerMetrics
@@ -169,6 +171,7 @@ class Engine:
         self.chunks = ChunkPlanner(prefill_step_size, prefill_budget)
         self.max_waiting = max_waiting
         self.pad_free_prefill = pad_free_prefill
+        self.trimmable = always_trimmable(make_prompt_cache(model))
         self.metrics = SchedulerMetrics(registry or CollectorRegistry())
         self.stats = EngineStats()
         # Recent admissions in order, for tests, benchmarks and debugging; bounded.
@@ -463,8 +466,14 @@ class Engine:
             log.exception("request %s could not be admitted", r.id)
             self._send(r, [ErrorEvent(500, f"could not start the request: {e}")])
             return
-        # The final one-token segment ends at len-1: save that too (exact repeats).
-        snapshots = [p for p in marks] + ([len(r.tokens) - 1] if len(r.tokens) - 1 > cached else [])
+        # The final one-token segment ends at len-1: save that too (exact repeats). A
+        # checkpoint at len (the next turn shares the whole prompt) is saved right after
+        # prefill, for caches that cannot be trimmed: a trimmable one gets it from the
+        # prompt + completion snapshot saved when the request finishes.
+        n = len(r.tokens)
+        snapshots = [*marks, *([n - 1] if n - 1 > cached else [])]
+        if n in r.checkpoints and n > cached and not self.trimmable:
+            snapshots.append(n)
         active = _Active(r, uid, lease, cached, sorted(set(snapshots)), fault=fault)
         self._active[uid] = active
         self._by_id[r.id] = active
@@ -638,8 +647,10 @@ class Engine:
             a.decoding = True
             self.prompt_cache.release(a.lease)
             a.lease = None
-            return delta
-        if pr.end_of_segment and a.pending_snapshots and position in a.pending_snapshots:
+            # The row's cache now holds exactly the prompt (its first token is sampled,
+            # not yet fed back): the moment for a checkpoint at len(prompt).
+            position = len(a.request.tokens)
+        if (pr.end_of_segment or pr.end_of_prompt) and position in a.pending_snapshots:
             a.pending_snapshots = [p for p in a.pending_snapshots if p > position]
             try:
                 extracted = self._gen.extract_cache([a.uid]).get(a.uid)

@@ -193,12 +193,12 @@ def test_thinking_next_turn(arch, thinking):
     p2 = render(tok, msgs2, **kw)
     # the old <think> block is gone (thinking off: only the new generation prompt has one)
     assert tok.decode(p2).count("<think>") == (0 if thinking else 1)
-    before_suffix = max(ck1)
-    assert tok.decode(p1[before_suffix:]).startswith("<|im_start|>assistant\n")
+    next_turn = max(ck1)  # where turn 2 diverges: after "<|im_start|>assistant\n"
+    assert tok.decode(p1[:next_turn]).endswith("<|im_start|>assistant\n")
     r2 = sess.prefill(p2)
-    # thinking on: turn 1's whole prompt prefixes turn 2; off: only up to the suffix
-    want = len(p1) if thinking else before_suffix
-    assert common_prefix(p1, p2) >= want
+    # thinking on: turn 1's whole prompt prefixes turn 2; off: all but its empty think block
+    want = len(p1) if thinking else len(p1) - 4
+    assert next_turn == want == common_prefix(p1 + completion, p2)
     assert r2.cached_tokens == want
     check_equal(model, r2, p2, lineage(r1, upto=want))
     mgr.sanity_check()

@@ -114,10 +114,12 @@ def test_mixed_lengths_checkpoint_their_own_prefix():
         model, manager = engine.model, engine.prompt_cache
         checked = 0
         for b in bodies:
-            prompt = render_chat(tok, to_conversation(ChatRequest.model_validate(b)), {}, 4096)
+            prompt = render_chat(tok, to_conversation(ChatRequest.model_validate(b)), {}, 4096,
+                                 boundaries=not engine.trimmable)
             assert prompt.checkpoints, "chat prompts have checkpoints"
+            assert not engine.trimmable and len(prompt.tokens) in prompt.checkpoints  # the next-turn point
             for p in prompt.checkpoints:
-                toks = prompt.tokens
+                toks = prompt.tokens + prompt.tokens[-1:]  # one more token, so that p = len(prompt) is checked too
 
                 def check(p=p, toks=toks):
                     hit = manager.fetch("default", toks[: p + 1])

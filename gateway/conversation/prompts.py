@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from cache.checkpoints import plan_chat_checkpoints, plan_completion_checkpoints
+from cache.checkpoints import encode_with_ends, plan_chat_checkpoints, plan_completion_checkpoints, render_text
 from gateway.http.errors import APIError
 from gateway.conversation.form import Conversation
 from gateway.protocols.openai_schemas import CompletionRequest
@@ -32,10 +32,15 @@ class Prompt:
 
 def render_chat(
     tokenizer, conv: Conversation, default_template_kwargs: dict, checkpoint_every: int,
-    tools: Optional[ToolPlan] = None,
+    tools: Optional[ToolPlan] = None, boundaries: bool = False,
 ) -> Prompt:
-    """Apply the chat template (with ``tools`` as :mod:`gateway.conversation.tools` renders them) and
-    tokenize.
+    """Apply the chat template (with ``tools`` as :mod:`gateway.conversation.tools` renders them),
+    tokenize, and plan the prompt's checkpoints (``boundaries``: also at message starts,
+    for models whose cache cannot be trimmed; see :mod:`cache.checkpoints`).
+
+    The template renders text, which is tokenized without special tokens added, the
+    way ``apply_chat_template(tokenize=True)`` does; the token offsets of the text let
+    the checkpoint planner place its offsets without tokenizing again.
 
     Raises:
         APIError: 400 when the template rejects the conversation.
@@ -47,14 +52,16 @@ def render_chat(
     if tools is not None and tools.in_template:
         kwargs["tools"] = tools.tools
     try:
-        tokens = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
+        text = render_text(tokenizer, messages, True, kwargs)
     except APIError:
         raise
     except Exception as e:  # jinja's raise_exception, bad kwargs, ...
         raise APIError(400, f"the chat template rejected the conversation: {e}", param="messages")
+    tokens, ends = encode_with_ends(tokenizer, text)
     if not tokens:
         raise APIError(400, "the rendered prompt is empty", param="messages")
-    checkpoints = plan_chat_checkpoints(tokenizer, messages, tokens, kwargs, interval=checkpoint_every)
+    checkpoints = plan_chat_checkpoints(tokenizer, messages, tokens, kwargs, interval=checkpoint_every,
+                                        prompt_text=text, token_ends=ends, boundaries=boundaries)
     return Prompt(tokens, checkpoints, _opens_reasoning(tokenizer, tokens))
 
 

@@ -106,7 +106,9 @@ def prepare_chat(state: "ServerState", conv: Conversation, marks: Optional[dict]
     plan = plan_tools(conv, state.tokenizer)
     mask = output_mask(state.grammars, conv, plan)
     cfg = state.config
-    prompt = render_chat(state.tokenizer, conv, cfg.chat_template_args, cfg.checkpoint_every, plan)
+    trimmable = state.engine is None or state.engine.trimmable
+    prompt = render_chat(state.tokenizer, conv, cfg.chat_template_args, cfg.checkpoint_every, plan,
+                         boundaries=not trimmable)
     if marks is not None:
         marks["render_out"] = time.monotonic()
     return prompt, plan, mask
