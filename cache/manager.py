@@ -163,7 +163,8 @@ class PromptCacheManager:
         """Set per-namespace byte quotas (within ``max_bytes``), replacing earlier ones.
 
         A namespace over its new quota sheds unleased snapshots, oldest first, now
-        (eviction reason ``quota``); namespaces absent from ``quotas`` have none.
+        (eviction reason ``quota``); one leased now goes when its last lease is released.
+        Namespaces absent from ``quotas`` have none.
 
         Raises:
             ValueError: for a negative quota.
@@ -176,11 +177,19 @@ class PromptCacheManager:
             self._quotas = {ns: int(q) for ns, q in quotas.items()}
             for ns, q in self._quotas.items():
                 self.metrics.quota.labels(cache_group=ns).set(q)
-                for e in [e for e in self._lru if e.namespace == ns]:
-                    if self.namespace_bytes(ns) <= q:
-                        break
-                    self._drop(e)
-                    self.metrics.evictions.labels(reason="quota").inc()
+                self._shed(ns)
+
+    def _shed(self, namespace: str) -> None:
+        """Drop unleased snapshots of ``namespace``, oldest first, while it is over its
+        quota (eviction reason ``quota``). Lock held."""
+        q = self._quotas.get(namespace)
+        if q is None or self.namespace_bytes(namespace) <= q:
+            return
+        for e in [e for e in self._lru if e.namespace == namespace]:
+            if self.namespace_bytes(namespace) <= q:
+                break
+            self._drop(e)
+            self.metrics.evictions.labels(reason="quota").inc()
 
     # -- lookup ---------------------------------------------------------------
     def _select(self, namespace: str, tokens: Sequence[int]) -> tuple[_Entry, int] | None:
@@ -282,6 +291,7 @@ class PromptCacheManager:
                 self._leased_bytes -= entry.nbytes
                 if entry.alive:
                     self._lru[entry] = None  # most recently used end
+                    self._shed(entry.namespace)  # its quota shrank while it was leased
             self.metrics.leases.set(self._num_leases)
 
     # -- insert / evict -------------------------------------------------------

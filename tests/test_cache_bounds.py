@@ -246,6 +246,12 @@ def test_group_quota_evicts_only_its_own_group():
     # Lowering a quota sheds the group's oldest snapshots at once.
     mgr.set_quotas({"a": one})
     assert mgr.namespace_bytes("a") == one and mgr.match_length("a", [7] * 11) == 10
+    # A snapshot leased while its quota shrinks goes when the lease is released.
+    hit = mgr.fetch("a", [7] * 11)
+    mgr.set_quotas({"a": 0})
+    assert mgr.namespace_bytes("a") == one
+    mgr.release(hit.lease)
+    assert mgr.namespace_bytes("a") == 0 and mgr.match_length("a", [7] * 11) == 0
     mgr.sanity_check()
     big = list(range(300))
     assert not mgr.insert("a", big, make("kv", big))  # larger than the quota
