@@ -50,6 +50,7 @@ class ServeConfig:
     allowed_hosts: list[str] = field(default_factory=list)
     shutdown_grace: float = 30.0
     prefill_budget: float = 0.2
+    precompute_next_turn: bool = True
 
 
 def _json_object(text: str) -> dict:
@@ -105,6 +106,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a prefill step may take while other sequences decode: long prompts are "
                    "prefilled in chunks sized to it, so decoding streams pause at most about that long; "
                    "0 = no budget, prompts prefill in --prefill-step-size chunks (default %(default)s)")
+    p.add_argument("--precompute-next-turn", action=argparse.BooleanOptionalAction, default=d.precompute_next_turn,
+                   help="when a chat reply ends and nothing waits, prefill the prefix its next request will "
+                   "share (the reply as the template will show it) at the lowest priority; any request "
+                   "preempts it (default: on)")
     p.add_argument("--prompt-cache-bytes", type=parse_size, default=d.prompt_cache_bytes,
                    help="byte bound of the prefix cache, e.g. 8G (default 8G)")
     p.add_argument("--prompt-cache-size", type=int, default=d.prompt_cache_size,

@@ -68,7 +68,18 @@ class ChunkPlanner:
             return 0
         # A prompt waiting for its first token is a user waiting too: when more prompts
         # prefill than streams decode, the step may take proportionally longer.
-        budget = self.budget * max(1.0, prefilling / decoding)
+        return self._sized(prefilling, self.budget * max(1.0, prefilling / decoding))
+
+    def idle_chunk(self, prefilling: int) -> int:
+        """Tokens per prompt for a step that prefills only preemptible work (next-turn
+        precompute) while nothing decodes: sized to the budget like a chunk beside decoding
+        rows, so that a request arriving meanwhile waits at most about one budget; no
+        decode-only steps follow it."""
+        if not prefilling or not self.budget:
+            return self.step_size
+        return self._sized(prefilling, self.budget)
+
+    def _sized(self, prefilling: int, budget: float) -> int:
         if self._per_token <= 0:
             per_row = FIRST_CHUNK
         else:

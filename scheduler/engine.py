@@ -36,6 +36,7 @@ from scheduler.chunking import ChunkPlanner
 from scheduler.faults import RowFault
 from scheduler.metrics import SchedulerMetrics
 from scheduler.policy import Admission, InFlight, WaitingQueue
+from scheduler.precompute import Precompute, PrecomputeBook, PrecomputeMetrics
 from scheduler.request import (
     DoneEvent,
     EngineRequest,
@@ -43,6 +44,7 @@ from scheduler.request import (
     Event,
     ProgressEvent,
     PromptEvent,
+    SamplingParams,
     TokenEvent,
 )
 from scheduler.sampling import greedy, make_processors, make_sampler
@@ -98,6 +100,7 @@ class _Active:
     decoding: bool = False
     stored: int = 0  # longest prompt prefix this request stored in the prefix cache (tokens)
     fault: RowFault = field(default_factory=RowFault)
+    precompute: Optional[Precompute] = None  # a next-turn precompute: no client, lowest priority
 
     def error(self) -> Optional[str]:
         """Why this row must fail now (its sampler, a processor or its grammar raised), or None."""
@@ -172,7 +175,9 @@ class Engine:
         self.max_waiting = max_waiting
         self.pad_free_prefill = pad_free_prefill
         self.trimmable = always_trimmable(make_prompt_cache(model))
-        self.metrics = SchedulerMetrics(registry or CollectorRegistry())
+        registry = registry or CollectorRegistry()
+        self.metrics = SchedulerMetrics(registry)
+        self.precomputes = PrecomputeBook(PrecomputeMetrics(registry))
         self.stats = EngineStats()
         # Recent admissions in order, for tests, benchmarks and debugging; bounded.
         self.admission_log: deque[AdmissionRecord] = deque(maxlen=_RECENT)
@@ -238,6 +243,16 @@ class Engine:
         self._inbox.put(("submit", request))
         if not self._thread.is_alive():  # died between the check and the put
             self._drain_inbox_after_stop(f"engine stopped: {self.error!r}")
+
+    def submit_precompute(self, p: Precompute) -> None:
+        """Queue a next-turn precompute (thread-safe; see :mod:`scheduler.precompute`). It
+        runs only while no request waits and is dropped when one arrives; a dead engine
+        ignores it."""
+        if not self.alive:
+            return
+        with self._idle:
+            self._is_idle = False
+        self._inbox.put(("precompute", p))
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         """End a request early (thread-safe); it leaves the batch on the engine's next step
@@ -305,7 +320,7 @@ class Engine:
         try:
             self._gen = self._new_generator()
             while not self._stopping:
-                busy = bool(self._active) or len(self._waiting) > 0
+                busy = bool(self._active) or len(self._waiting) > 0 or len(self.precomputes) > 0
                 if not busy:
                     self._handle(self._inbox.get())
                 while True:
@@ -381,13 +396,15 @@ class Engine:
         self.metrics.waiting.set(self._waiting_count)
         self._update_rates(idle=not self._active)
         with self._idle:
-            self._is_idle = not (self._active or len(self._waiting) or self._waiting_count)
+            self._is_idle = not (self._active or len(self._waiting) or self._waiting_count or len(self.precomputes))
             self._idle.notify_all()
 
     def _handle(self, item) -> None:
         kind, payload = item
         if kind == "submit":
             self._waiting.add(payload)
+        elif kind == "precompute":
+            self.precomputes.add(payload)
         elif kind == "cancel":
             self._cancel(*payload)
         elif kind == "call":
@@ -416,12 +433,18 @@ class Engine:
         ]
 
     def _admit(self) -> None:
+        if len(self._waiting):
+            self._preempt_precomputes()
         prefilling = self._num_prefilling()
         free = min(
             self.prompt_concurrency - prefilling,
             self.decode_concurrency - len(self._active),
         )
-        if free <= 0 or not len(self._waiting):
+        if free <= 0:
+            return
+        if not len(self._waiting):
+            if not prefilling and len(self.precomputes):
+                self._start_precompute()
             return
         if self.pad_free_prefill and prefilling:
             return
@@ -435,17 +458,16 @@ class Engine:
             self._uncount_waiting(admission.request)
             self._insert(admission)
 
-    def _insert(self, admission: Admission) -> None:
-        r = admission.request
+    def _start_row(self, r: EngineRequest, extra_checkpoints=()) -> Optional[_Active]:
+        """Fetch ``r``'s cached prefix and put its prompt into the batch, cut into segments at
+        its checkpoints; None (``r`` failed with a 500) if that raised."""
         lease = None
         r.timings["engine_admitted"] = time.monotonic()
         try:
             hit = self.prompt_cache.fetch(r.namespace, r.tokens)
             r.timings["engine_restored"] = time.monotonic()
             lease, cached = hit.lease, hit.cached_tokens
-            marks = sorted(
-                {p for p in list(r.checkpoints) + admission.extra_checkpoints if cached < p < len(r.tokens)}
-            )
+            marks = sorted({p for p in [*r.checkpoints, *extra_checkpoints] if cached < p < len(r.tokens)})
             cuts = [cached, *marks, len(r.tokens)]
             segments = [r.tokens[a:b] for a, b in zip(cuts, cuts[1:])]
             stop = StopSequences([[t] for t in sorted(self.eos_token_ids)])
@@ -462,10 +484,9 @@ class Engine:
             )
         except Exception as e:
             self.prompt_cache.release(lease)
-            self.stats.failed += 1
             log.exception("request %s could not be admitted", r.id)
             self._send(r, [ErrorEvent(500, f"could not start the request: {e}")])
-            return
+            return None
         # The final one-token segment ends at len-1: save that too (exact repeats). A
         # checkpoint at len (the next turn shares the whole prompt) is saved right after
         # prefill, for caches that cannot be trimmed: a trimmable one gets it from the
@@ -477,6 +498,15 @@ class Engine:
         active = _Active(r, uid, lease, cached, sorted(set(snapshots)), fault=fault)
         self._active[uid] = active
         self._by_id[r.id] = active
+        return active
+
+    def _insert(self, admission: Admission) -> None:
+        r = admission.request
+        a = self._start_row(r, admission.extra_checkpoints)
+        if a is None:
+            self.stats.failed += 1
+            return
+        cached = a.cached
         self.stats.admitted += 1
         self.stats.cached_tokens += cached
         self.admission_log.append(AdmissionRecord(r.id, r.tenant, len(r.tokens), cached))
@@ -485,7 +515,51 @@ class Engine:
             self.stats.grouping_saved_tokens += cached
             self.metrics.grouping_saved_tokens.inc(cached)
         self.metrics.queue_time.labels(r.tenant).observe(time.monotonic() - r.arrival)
+        if cached:
+            self.precomputes.on_hit(r.namespace, r.tokens, cached, self.prompt_cache.match_length)
         self._send(r, [PromptEvent(cached), ProgressEvent(cached, len(r.tokens))])
+
+    # ----------------------------------------------------------------- precompute
+    def _start_precompute(self) -> None:
+        """Prefill the newest pending next-turn precompute (nothing else prefills and no
+        request waits). It is snapshotted at its full length right after prefill, then
+        leaves the batch without generating (:meth:`_finish_precompute`)."""
+        p = self.precomputes.pop()
+        n = len(p.tokens)
+        if n < 2 or self.prompt_cache.match_length(p.namespace, p.tokens) >= n - 1:
+            self.precomputes.outcome("cached")
+            return
+        r = EngineRequest(p.id, p.tokens, SamplingParams(max_tokens=1), sink=lambda events: None,
+                          checkpoints=[n], namespace=p.namespace, tenant=p.tenant)
+        a = self._start_row(r)
+        if a is None:
+            self.precomputes.outcome("failed")
+            return
+        a.precompute = p
+        a.pending_snapshots = sorted({*a.pending_snapshots, n})
+
+    def _finish_precompute(self, a: _Active) -> None:
+        """``a``'s prefix is stored (or could not be): take it out of the batch."""
+        self._gen.remove([a.uid])
+        self._active.pop(a.uid, None)
+        self._by_id.pop(a.request.id, None)
+        self.prompt_cache.release(a.lease)
+        a.lease = None
+        if a.stored >= len(a.request.tokens):
+            self.precomputes.stored(a.precompute, a.cached)
+        else:
+            self.precomputes.outcome("failed")
+
+    def _preempt_precomputes(self) -> None:
+        """A request waits: drop every precompute in the batch now (its finished chunks are
+        lost; at most one chunk of work delayed the request)."""
+        for a in [a for a in self._active.values() if a.precompute is not None]:
+            self._gen.remove([a.uid])
+            self._active.pop(a.uid, None)
+            self._by_id.pop(a.request.id, None)
+            self.prompt_cache.release(a.lease)
+            a.lease = None
+            self.precomputes.outcome("preempted")
 
     def _cancel(self, request_id: str, reason: str = "cancelled") -> None:
         r = self._waiting.remove(request_id)
@@ -528,7 +602,10 @@ class Engine:
     def _step(self) -> None:
         prefilling = self._num_prefilling()
         decoding = len(self._active) - prefilling
-        chunk = self.chunks.next_chunk(prefilling, decoding)
+        if prefilling and not decoding and all(a.precompute is not None for a in self._active.values()):
+            chunk = self.chunks.idle_chunk(prefilling)  # preemptible: a request waits at most one chunk
+        else:
+            chunk = self.chunks.next_chunk(prefilling, decoding)
         self._gen.prefill_step_size = chunk
         tic = time.perf_counter()
         try:
@@ -661,6 +738,8 @@ class Engine:
             if extracted is not None:
                 cache, tokens = extracted
                 self._save_snapshot(a, tokens, cache)
+        if pr.end_of_prompt and a.precompute is not None:
+            self._finish_precompute(a)
         return delta
 
     def _save_snapshot(self, a: _Active, tokens, cache) -> None:

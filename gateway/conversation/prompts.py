@@ -22,12 +22,15 @@ class Prompt:
 
     ``tokens``: prompt token ids; ``checkpoints``: offsets (tokens) where the engine
     saves prefix-cache snapshots; ``opens_reasoning``: the template already opened a
-    think block, so generation starts inside reasoning.
+    think block, so generation starts inside reasoning; ``messages`` and
+    ``template_kwargs``: what a chat prompt was rendered from (for the next turn).
     """
 
     tokens: list[int]
     checkpoints: list[int] = field(default_factory=list)
     opens_reasoning: bool = False
+    messages: Optional[list[dict]] = field(default=None, repr=False)  # the template messages (chat only)
+    template_kwargs: dict = field(default_factory=dict, repr=False)
 
 
 def render_chat(
@@ -62,7 +65,7 @@ def render_chat(
         raise APIError(400, "the rendered prompt is empty", param="messages")
     checkpoints = plan_chat_checkpoints(tokenizer, messages, tokens, kwargs, interval=checkpoint_every,
                                         prompt_text=text, token_ends=ends, boundaries=boundaries)
-    return Prompt(tokens, checkpoints, _opens_reasoning(tokenizer, tokens))
+    return Prompt(tokens, checkpoints, _opens_reasoning(tokenizer, tokens), messages, kwargs)
 
 
 def render_completion(tokenizer, req: CompletionRequest, checkpoint_every: int) -> Prompt:

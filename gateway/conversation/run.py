@@ -19,6 +19,7 @@ from gateway.conversation.form import (
     ChatEvent, ChatResult, Comment, Conversation, Finished, Piece, Sampling, Usage,
 )
 from gateway.conversation.generation import Generation, KeepAlive
+from gateway.conversation.next_turn import schedule_next_turn
 from gateway.conversation.prompts import Prompt, render_chat
 from gateway.conversation.structured import output_mask
 from gateway.conversation.textout import TextAssembler
@@ -209,6 +210,7 @@ class Run:
         """
         tools = ToolCallStream(self.plan) if self.plan is not None and self.plan.parses else None
         pieces = self._pieces()
+        reply: list[str] = []
         try:
             async for piece in pieces:
                 if isinstance(piece, Comment):
@@ -217,10 +219,12 @@ class Run:
                 if tools is not None and piece.text:
                     piece.text, piece.tool_calls = tools.feed(piece.text)
                 if piece.text or piece.reasoning or piece.tool_calls or piece.tokens:
+                    reply.append(piece.text)
                     yield piece
             if tools is not None:
                 text, deltas = tools.finish()
                 if text or deltas:
+                    reply.append(text)
                     yield Piece(text=text, tool_calls=deltas)
             self.calls = tools.calls if tools is not None else []
             reason, matched = self.finish, self.asm.matched
@@ -229,6 +233,9 @@ class Run:
             elif reason == "stop" and matched is not None:
                 reason = "stop_sequence"
             self._settle()
+            if reason in ("stop", "stop_sequence", "length"):
+                t = self.call.tenant
+                schedule_next_turn(self.state, self.prompt, "".join(reply), t.cache_group, t.name)
             yield Finished(reason, Usage(len(self.prompt.tokens), len(self.tokens), self.cached, self.cache_written),
                            matched)
         except Exception:

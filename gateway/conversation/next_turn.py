@@ -1,0 +1,76 @@
+"""Next-turn precompute, the gateway's half: render what a conversation's next request
+will start with, and queue it on the engine (see :mod:`scheduler.precompute`).
+
+The next request of a chat is this one's messages, the reply as the client got it, and
+a new user message. Rendering that with the chat template, with a placeholder for the
+new message, and cutting where the placeholder begins gives the shared prefix exactly
+as the template will show it: a thinking model's old ``<think>`` block dropped, the
+reply re-tokenized the way the next request's prompt will be. Rendering and
+tokenizing run on a worker thread, never the event loop or the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from bisect import bisect_right
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+
+from cache.checkpoints import common_prefix, encode_with_ends, render_text
+from scheduler.precompute import Precompute
+
+if TYPE_CHECKING:
+    from gateway.conversation.prompts import Prompt
+    from gateway.http.app import ServerState
+
+log = logging.getLogger("mlx_gateway.next_turn")
+
+_PLACEHOLDER = "\ue002next\ue003"
+_STAND_IN = "Next"  # tokenized in the placeholder's place: a user message starts with some text
+_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-gateway-next-turn")
+
+
+def next_turn_prefix(tokenizer: Any, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any],
+                     reply: str) -> Optional[list[int]]:
+    """Tokens the next request of this conversation starts with, up to where its new user
+    message begins; None when the template cannot show it (it raises, or drops the
+    placeholder).
+
+    Args:
+        tokenizer: mlx-lm's ``TokenizerWrapper``.
+        messages: this request's template messages (:attr:`Prompt.messages`).
+        template_kwargs: the template arguments this request was rendered with.
+        reply: the reply's content as the client received it (no reasoning).
+    """
+    msgs = [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": _PLACEHOLDER}]
+    try:
+        text = render_text(tokenizer, msgs, True, template_kwargs)
+    except Exception:
+        log.debug("the template cannot render the next turn", exc_info=True)
+        return None
+    cut = text.find(_PLACEHOLDER)
+    if cut <= 0:
+        return None
+    ids, ends = encode_with_ends(tokenizer, text.replace(_PLACEHOLDER, _STAND_IN))
+    if ends is not None:
+        return ids[:bisect_right(ends, cut)]
+    head = list(tokenizer.encode(text[:cut], add_special_tokens=False))
+    return ids[:common_prefix(head, ids)]
+
+
+def schedule_next_turn(state: "ServerState", prompt: "Prompt", reply: str, namespace: str, tenant: str) -> None:
+    """Render the next turn's prefix on a worker thread and queue it on the engine, when
+    ``--precompute-next-turn`` is on and the prompt came from a chat template."""
+    engine = state.engine
+    if not state.config.precompute_next_turn or prompt.messages is None or engine is None:
+        return
+
+    def work() -> None:
+        tokens = next_turn_prefix(state.tokenizer, prompt.messages, prompt.template_kwargs, reply)
+        if tokens and len(tokens) > len(prompt.tokens) // 2 and len(tokens) < state.context_length:
+            engine.submit_precompute(Precompute(tokens, namespace, tenant))
+
+    try:
+        _POOL.submit(work)
+    except RuntimeError:  # interpreter shutting down
+        pass

@@ -1,0 +1,152 @@
+"""Next-turn precompute: prefill what a conversation's next request will start with.
+
+When a chat reply finishes, the gateway renders the conversation plus that reply the
+way the template will show it in the next request (a thinking model's ``<think>``
+block dropped, the reply re-tokenized as the client will send it back) up to where
+the next user message begins, and hands the tokens to the engine as a
+:class:`Precompute`. The engine prefills it only while no real request waits, in
+budget-sized chunks, and drops it the moment one arrives (chunk granularity: a real
+request's first token waits at most one chunk). The prefix lands in the prompt cache
+like any snapshot.
+
+This module is the bookkeeping: the pending queue (newest first, bounded) and the
+accounting of precomputed tokens later *used* by a real request's cache hit or
+*wasted* (evicted, or forgotten, unused).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from prometheus_client import CollectorRegistry, Counter
+
+_IDS = itertools.count(1)
+
+
+@dataclass
+class Precompute:
+    """A lowest-priority prefill of ``tokens`` (the next turn's shared prefix) into the
+    prefix cache of ``namespace``; nothing is generated for it."""
+
+    tokens: list[int]
+    namespace: str = "default"
+    tenant: str = "default"
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            self.id = f"precompute-{next(_IDS)}"
+
+
+@dataclass
+class _Stored:
+    namespace: str
+    tokens: list[int]
+    start: int  # tokens already cached when it was prefilled
+    used: bool = False
+
+
+class PrecomputeMetrics:
+    """``mlx_gateway_precompute_total{outcome}`` and ``mlx_gateway_precompute_tokens_total{outcome}``."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.runs = Counter(
+            "mlx_gateway_precompute", "Next-turn precomputes by outcome: stored, preempted (a request "
+            "arrived), dropped (queue full), cached (nothing to compute), failed.",
+            ["outcome"], registry=registry)
+        self.tokens = Counter(
+            "mlx_gateway_precompute_tokens", "Next-turn precompute tokens: computed, later used by a "
+            "request's cache hit, or wasted (evicted or forgotten before any use).",
+            ["outcome"], registry=registry)
+        for o in ("stored", "preempted", "dropped", "cached", "failed"):
+            self.runs.labels(o)
+        for o in ("computed", "used", "wasted"):
+            self.tokens.labels(o)
+
+
+class PrecomputeBook:
+    """Pending precomputes and the use of stored ones (engine thread only).
+
+    Args:
+        metrics: where outcomes are counted.
+        max_pending: precomputes waiting to run; adding one more drops the oldest.
+        max_tracked: stored precomputes whose later use is tracked; the oldest beyond
+            this are forgotten (counted wasted if never used).
+    """
+
+    def __init__(self, metrics: PrecomputeMetrics, max_pending: int = 16, max_tracked: int = 256):
+        self.metrics = metrics
+        self.max_pending = max_pending
+        self._pending: deque[Precompute] = deque()
+        self._stored: deque[_Stored] = deque(maxlen=None)
+        self.max_tracked = max_tracked
+        self.used_tokens = 0
+        self.wasted_tokens = 0
+        self.computed_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, p: Precompute) -> None:
+        """Queue ``p``; a newer precompute of the same namespace replaces older ones whose
+        tokens it extends (the conversation moved on)."""
+        kept = deque(q for q in self._pending if not (q.namespace == p.namespace and _extends(p.tokens, q.tokens)))
+        for _ in range(len(self._pending) - len(kept)):
+            self.metrics.runs.labels("dropped").inc()
+        kept.appendleft(p)
+        while len(kept) > self.max_pending:
+            kept.pop()
+            self.metrics.runs.labels("dropped").inc()
+        self._pending = kept
+
+    def pop(self) -> Optional[Precompute]:
+        """The newest pending precompute, or None."""
+        return self._pending.popleft() if self._pending else None
+
+    def outcome(self, name: str) -> None:
+        self.metrics.runs.labels(name).inc()
+
+    def stored(self, p: Precompute, start: int) -> None:
+        """``p`` is in the prefix cache; tokens ``start:`` were computed for it."""
+        computed = len(p.tokens) - start
+        self.computed_tokens += computed
+        self.metrics.tokens.labels("computed").inc(computed)
+        self.metrics.runs.labels("stored").inc()
+        self._stored.append(_Stored(p.namespace, list(p.tokens), start))
+        while len(self._stored) > self.max_tracked:
+            self._forget(self._stored.popleft())
+
+    def on_hit(self, namespace: str, tokens: list[int], cached: int, cached_length: Callable[[str, list[int]], int]
+               ) -> None:
+        """A real request of ``namespace`` restored ``cached`` tokens: credit the stored
+        precompute it used (the first time only), and count those the prefix cache no
+        longer holds as wasted (``cached_length(namespace, tokens)``: how many tokens of
+        ``tokens`` a fetch would restore now)."""
+        keep: deque[_Stored] = deque()
+        for s in self._stored:
+            m = min(cached, len(s.tokens))
+            if not s.used and s.namespace == namespace and m > s.start and tokens[:m] == s.tokens[:m]:
+                gain = m - s.start
+                s.used = True
+                self.used_tokens += gain
+                self.metrics.tokens.labels("used").inc(gain)
+                continue
+            if not s.used and cached_length(s.namespace, [*s.tokens, -1]) < len(s.tokens):
+                self._forget(s)
+                continue
+            if not s.used:
+                keep.append(s)
+        self._stored = keep
+
+    def _forget(self, s: _Stored) -> None:
+        if not s.used:
+            wasted = len(s.tokens) - s.start
+            self.wasted_tokens += wasted
+            self.metrics.tokens.labels("wasted").inc(wasted)
+
+
+def _extends(longer: list[int], shorter: list[int]) -> bool:
+    return len(longer) >= len(shorter) and longer[:len(shorter)] == shorter

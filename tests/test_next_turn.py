@@ -1,0 +1,113 @@
+"""Next-turn precompute: when a chat reply ends, the prefix the next request will share
+is prefilled at the lowest priority. Checked with real chat templates (the prefix is
+exactly what any next request shares), through the serving path on every cache type
+(the next turn restores the precomputed prefix and still answers exactly like a cold
+run), and with a request arriving while a precompute runs (it is preempted, and the
+request is exact)."""
+
+from __future__ import annotations
+
+import pytest
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+from cache.checkpoints import common_prefix, render_text
+from conftest import TOKENIZERS, live_server, model_path, wait_until
+from gateway.conversation.next_turn import next_turn_prefix
+
+SYSTEM = "You are terse. You answer questions about caches."
+U1 = "What is a prefix cache, and why would a server keep one?"
+REPLY = "It keeps computed prompt state, so a repeated prefix is not computed again."
+
+
+def conversation(extra: str = "") -> list[dict]:
+    return [{"role": "system", "content": SYSTEM + extra}, {"role": "user", "content": U1}]
+
+
+@pytest.mark.parametrize("family,kw", [("qwen3", {}), ("qwen3", {"enable_thinking": False}),
+                                       ("llama3", {}), ("gemma3", {})])
+def test_prefix_is_what_every_next_request_shares(family, kw):
+    tok = load_tokenizer(TOKENIZERS / family)
+    msgs = conversation()
+    prefix = next_turn_prefix(tok, msgs, kw, REPLY)
+    nexts = []
+    for user in ("And how is it evicted?", "Zebra crossing, 42 times.", " leading space"):
+        m = [*msgs, {"role": "assistant", "content": REPLY}, {"role": "user", "content": user}]
+        nexts.append(list(tok.apply_chat_template(m, tokenize=True, add_generation_prompt=True, **kw)))
+    assert all(n[:len(prefix)] == prefix for n in nexts[:2])
+    assert len(prefix) == common_prefix(nexts[0], nexts[1])  # all of it, not less
+    text = tok.decode(prefix)
+    assert text.endswith(("user\n", "user<|end_header_id|>\n\n"))
+    assert REPLY in text and "<think>" not in text.split(U1)[-1]
+
+
+def test_template_that_rejects_the_next_turn_gives_nothing():
+    tok = load_tokenizer(TOKENIZERS / "gemma3")  # Gemma's template requires alternating roles
+    msgs = [{"role": "user", "content": U1}, {"role": "assistant", "content": "a"}, {"role": "assistant",
+                                                                                       "content": "b"}]
+    with pytest.raises(Exception):
+        render_text(tok, msgs, True)
+    assert next_turn_prefix(tok, msgs[:2], {}, REPLY) is None
+
+
+def sample(registry, name, **labels):
+    return registry.get_sample_value(name, labels) or 0.0
+
+
+def chat(client, messages, max_tokens=8, **extra):
+    body = {"model": "test-model", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "logprobs": True, **extra}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    lp = [(t["token"], t["logprob"]) for t in out["choices"][0]["logprobs"]["content"]]
+    return out["choices"][0]["message"]["content"], lp, out["usage"]
+
+
+def assert_same(got, want, what):
+    assert [t for t, _ in got] == [t for t, _ in want], what
+    assert max(abs(a - b) for (_, a), (_, b) in zip(got, want)) < 1e-4, what
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "gemma3_text", "nemotron_h"])
+def test_next_turn_uses_the_precomputed_prefix_and_matches_cold(arch):
+    with live_server(model_path(arch), prefill_budget=1e-4) as server:
+        reg, tok, engine = server.state.registry, server.state.tokenizer, server.engine
+        stored = lambda: sample(reg, "mlx_gateway_precompute_total", outcome="stored")  # noqa: E731
+        with server.client() as c:
+            msgs = conversation(" Be exact." * 8)
+            reply, _, _ = chat(c, msgs, max_tokens=16)
+            wait_until(lambda: stored() == 1, 60, "the next-turn precompute to be stored")
+            prefix = next_turn_prefix(tok, msgs, {}, reply)
+            msgs2 = [*msgs, {"role": "assistant", "content": reply}, {"role": "user", "content": "Why?"}]
+            _, warm, usage = chat(c, msgs2)
+            assert usage["prompt_tokens_details"]["cached_tokens"] == len(prefix)
+            assert sample(reg, "mlx_gateway_precompute_tokens_total", outcome="used") > 0
+            wait_until(lambda: engine.wait_idle(1) and stored() == 2, 60, "the second precompute")
+            engine.call(engine.prompt_cache.flush)
+            _, cold, usage = chat(c, msgs2)
+            assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert_same(warm, cold, f"{arch}: next turn from the precomputed prefix")
+
+
+def test_a_request_preempts_a_running_precompute():
+    """A long reply's precompute runs in 32-token chunks; a request arriving meanwhile
+    drops it at the next step, and is answered exactly like a cold run."""
+    with live_server(model_path("qwen3_5"), prefill_budget=1e-4) as server:
+        reg, engine = server.state.registry, server.engine
+        no_eos = {str(t): -100 for t in server.state.tokenizer.eos_token_ids}
+        with server.client() as c:
+            reply, _, _ = chat(c, conversation(), max_tokens=400, logit_bias=no_eos)
+            def precompute_running():
+                return engine.call(lambda: any(a.precompute is not None for a in engine._active.values()))
+
+            wait_until(precompute_running, 60, "the precompute to start")
+            other = [{"role": "user", "content": "Something else entirely, about " + "memory " * 30}]
+            _, warm, _ = chat(c, other)
+            assert sample(reg, "mlx_gateway_precompute_total", outcome="preempted") == 1
+            prefix = next_turn_prefix(server.state.tokenizer, conversation(), {}, reply)
+            held = engine.call(lambda: engine.prompt_cache.match_length("default", [*prefix, -1]))
+            assert held < len(prefix) - 32  # dropped, not finished
+            engine.wait_idle(60)
+            engine.call(engine.prompt_cache.flush)
+            _, cold, _ = chat(c, other)
+    assert_same(warm, cold, "request that preempted a precompute")
