@@ -224,12 +224,14 @@ class PromptCacheManager:
             sel = self._select(namespace, tokens)
         return 0 if sel is None else sel[1]
 
-    def fetch(self, namespace: str, tokens: Sequence[int]) -> CacheHit:
+    def fetch(self, namespace: str, tokens: Sequence[int], count: bool = True) -> CacheHit:
         """Find, lease, copy and restore the best snapshot for ``tokens``.
 
         Args:
             namespace: the cache group; entries of other namespaces are never used.
             tokens: the full prompt (token ids).
+            count: count the lookup in the hit-rate metrics (False for the server's
+                own background work, e.g. next-turn precompute).
 
         Returns:
             A :class:`CacheHit`; ``hit.cache`` is None on a miss. The caller owns
@@ -243,12 +245,14 @@ class PromptCacheManager:
                 entry, _ = sel
                 lease = Lease(entry, next(self._lease_ids))
                 self._acquire(entry)
-            self.metrics.queries.labels(cache_group=namespace).inc()
-            self.metrics.query_tokens.labels(cache_group=namespace).inc(len(tokens))
+            if count:
+                self.metrics.queries.labels(cache_group=namespace).inc()
+                self.metrics.query_tokens.labels(cache_group=namespace).inc(len(tokens))
         t1 = time.perf_counter()
         timings = {"lookup": t1 - t0, "copy": 0.0, "restore": 0.0}
         if sel is None:
-            self.metrics.fetch_seconds.labels(phase="lookup").observe(timings["lookup"])
+            if count:
+                self.metrics.fetch_seconds.labels(phase="lookup").observe(timings["lookup"])
             return CacheHit(None, 0, None, timings)
         entry, target = sel
         try:
@@ -261,10 +265,11 @@ class PromptCacheManager:
             raise
         timings["copy"] = t2 - t1
         timings["restore"] = t3 - t2
-        for phase, secs in timings.items():
-            self.metrics.fetch_seconds.labels(phase=phase).observe(secs)
-        self.metrics.hits.labels(cache_group=namespace).inc()
-        self.metrics.hit_tokens.labels(cache_group=namespace).inc(target)
+        if count:
+            for phase, secs in timings.items():
+                self.metrics.fetch_seconds.labels(phase=phase).observe(secs)
+            self.metrics.hits.labels(cache_group=namespace).inc()
+            self.metrics.hit_tokens.labels(cache_group=namespace).inc(target)
         return CacheHit(cache, target, lease, timings)
 
     # -- leases ---------------------------------------------------------------

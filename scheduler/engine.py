@@ -195,6 +195,7 @@ class Engine:
         self._is_idle = True  # updated between steps only, so readers see a consistent state
         self.error: Optional[BaseException] = None
         self._waiting_count = 0  # submitted, not yet admitted or cancelled
+        self._reserved = 0  # next-turn precomputes being rendered (reserve_precompute)
         self._waiting_by_tenant: dict[str, int] = {}
         self._count_lock = threading.Lock()
         self._rate_window = [time.monotonic(), 0, 0]  # [start, prefill tokens, decode tokens]
@@ -244,15 +245,24 @@ class Engine:
         if not self._thread.is_alive():  # died between the check and the put
             self._drain_inbox_after_stop(f"engine stopped: {self.error!r}")
 
-    def submit_precompute(self, p: Precompute) -> None:
-        """Queue a next-turn precompute (thread-safe; see :mod:`scheduler.precompute`). It
-        runs only while no request waits and is dropped when one arrives; a dead engine
-        ignores it."""
-        if not self.alive:
-            return
+    def reserve_precompute(self, limit: int = 8) -> bool:
+        """Announce a next-turn precompute that is being rendered (thread-safe): until its
+        :meth:`submit_precompute`, the engine does not count as idle. False (nothing
+        reserved) when ``limit`` renders are already in flight or the engine is not running."""
         with self._idle:
+            if self._reserved >= limit or not self.alive:
+                return False
+            self._reserved += 1
             self._is_idle = False
-        self._inbox.put(("precompute", p))
+            return True
+
+    def submit_precompute(self, p: Optional[Precompute]) -> None:
+        """Queue a reserved next-turn precompute, or None when its render gave nothing
+        (thread-safe; see :mod:`scheduler.precompute`). It runs only while the engine has
+        nothing else to do, and is dropped when a request arrives."""
+        self._inbox.put(("precompute", p))  # the reservation ends when the engine takes it
+        if not self.alive:  # stopped meanwhile: nothing will take it
+            self._notify_idle_state()
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         """End a request early (thread-safe); it leaves the batch on the engine's next step
@@ -348,6 +358,7 @@ class Engine:
                 self._send(r, [ErrorEvent(503, reason)])
             self._drain_inbox_after_stop(reason)
             self._drop_generator()
+            self.precomputes.clear()
             with self._count_lock:
                 self._waiting_count = 0
                 self._waiting_by_tenant.clear()
@@ -395,8 +406,13 @@ class Engine:
         self.metrics.running.set(len(self._active))
         self.metrics.waiting.set(self._waiting_count)
         self._update_rates(idle=not self._active)
+        self._notify_idle_state()
+
+    def _notify_idle_state(self) -> None:
         with self._idle:
-            self._is_idle = not (self._active or len(self._waiting) or self._waiting_count or len(self.precomputes))
+            running = not self._stopping and self.error is None
+            self._is_idle = not (self._active or len(self._waiting) or self._waiting_count
+                                 or (running and (len(self.precomputes) or self._reserved)))
             self._idle.notify_all()
 
     def _handle(self, item) -> None:
@@ -404,7 +420,10 @@ class Engine:
         if kind == "submit":
             self._waiting.add(payload)
         elif kind == "precompute":
-            self.precomputes.add(payload)
+            with self._idle:
+                self._reserved = max(0, self._reserved - 1)
+            if payload is not None:
+                self.precomputes.add(payload)
         elif kind == "cancel":
             self._cancel(*payload)
         elif kind == "call":
@@ -443,7 +462,7 @@ class Engine:
         if free <= 0:
             return
         if not len(self._waiting):
-            if not prefilling and len(self.precomputes):
+            if not self._active and len(self.precomputes):  # only when there is nothing else to do
                 self._start_precompute()
             return
         if self.pad_free_prefill and prefilling:
@@ -458,13 +477,14 @@ class Engine:
             self._uncount_waiting(admission.request)
             self._insert(admission)
 
-    def _start_row(self, r: EngineRequest, extra_checkpoints=()) -> Optional[_Active]:
+    def _start_row(self, r: EngineRequest, extra_checkpoints=(), background: bool = False) -> Optional[_Active]:
         """Fetch ``r``'s cached prefix and put its prompt into the batch, cut into segments at
-        its checkpoints; None (``r`` failed with a 500) if that raised."""
+        its checkpoints; None (``r`` failed with a 500) if that raised. A ``background``
+        row's lookup stays out of the hit-rate metrics."""
         lease = None
         r.timings["engine_admitted"] = time.monotonic()
         try:
-            hit = self.prompt_cache.fetch(r.namespace, r.tokens)
+            hit = self.prompt_cache.fetch(r.namespace, r.tokens, count=not background)
             r.timings["engine_restored"] = time.monotonic()
             lease, cached = hit.lease, hit.cached_tokens
             marks = sorted({p for p in [*r.checkpoints, *extra_checkpoints] if cached < p < len(r.tokens)})
@@ -516,7 +536,7 @@ class Engine:
             self.metrics.grouping_saved_tokens.inc(cached)
         self.metrics.queue_time.labels(r.tenant).observe(time.monotonic() - r.arrival)
         if cached:
-            self.precomputes.on_hit(r.namespace, r.tokens, cached, self.prompt_cache.match_length)
+            self.precomputes.on_hit(r.namespace, r.tokens, cached)
         self._send(r, [PromptEvent(cached), ProgressEvent(cached, len(r.tokens))])
 
     # ----------------------------------------------------------------- precompute
@@ -531,12 +551,12 @@ class Engine:
             return
         r = EngineRequest(p.id, p.tokens, SamplingParams(max_tokens=1), sink=lambda events: None,
                           checkpoints=[n], namespace=p.namespace, tenant=p.tenant)
-        a = self._start_row(r)
+        a = self._start_row(r, background=True)
         if a is None:
             self.precomputes.outcome("failed")
             return
         a.precompute = p
-        a.pending_snapshots = sorted({*a.pending_snapshots, n})
+        a.pending_snapshots = [n]  # the one snapshot it exists for
 
     def _finish_precompute(self, a: _Active) -> None:
         """``a``'s prefix is stored (or could not be): take it out of the batch."""
@@ -653,8 +673,14 @@ class Engine:
     def _fail_row(self, a: _Active, message: str) -> None:
         """Take ``a`` out of the batch and end it with a 500 ``message``; the other rows go on."""
         self._gen.remove([a.uid])
-        self.stats.failed += 1
+        self._count_failure(a)
         self._finish(a, ErrorEvent(500, message))
+
+    def _count_failure(self, a: _Active) -> None:
+        if a.precompute is not None:
+            self.precomputes.outcome("failed")
+        else:
+            self.stats.failed += 1
 
     def _fail_faulty_rows(self) -> None:
         """Fail, alone, each row whose sampler, processors or grammar raised this step;
@@ -769,7 +795,7 @@ class Engine:
         log.error("engine step failed; failing %d requests:\n%s", len(self._active), traceback.format_exc())
         self.metrics.engine_errors.inc()
         for a in list(self._active.values()):
-            self.stats.failed += 1
+            self._count_failure(a)
             self._finish(a, ErrorEvent(500, f"engine step failed: {error}"))
         self._drop_generator()
         self._gen = self._new_generator()

@@ -11,15 +11,16 @@ like any snapshot.
 
 This module is the bookkeeping: the pending queue (newest first, bounded) and the
 accounting of precomputed tokens later *used* by a real request's cache hit or
-*wasted* (evicted, or forgotten, unused).
+*wasted* (the conversation went on without them).
 """
 
 from __future__ import annotations
 
 import itertools
+from array import array
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -44,9 +45,8 @@ class Precompute:
 @dataclass
 class _Stored:
     namespace: str
-    tokens: list[int]
+    tokens: array
     start: int  # tokens already cached when it was prefilled
-    used: bool = False
 
 
 class PrecomputeMetrics:
@@ -59,7 +59,7 @@ class PrecomputeMetrics:
             ["outcome"], registry=registry)
         self.tokens = Counter(
             "mlx_gateway_precompute_tokens", "Next-turn precompute tokens: computed, later used by a "
-            "request's cache hit, or wasted (evicted or forgotten before any use).",
+            "request's cache hit, or wasted (the conversation moved on without using them).",
             ["outcome"], registry=registry)
         for o in ("stored", "preempted", "dropped", "cached", "failed"):
             self.runs.labels(o)
@@ -70,19 +70,24 @@ class PrecomputeMetrics:
 class PrecomputeBook:
     """Pending precomputes and the use of stored ones (engine thread only).
 
+    A stored precompute is *used* when a request's cache hit reaches into the tokens it
+    computed (counted once), and *wasted* when it is forgotten unused: a newer stored
+    precompute of the same namespace extends its tokens (the conversation moved on
+    without it), or more than ``max_tracked`` of the namespace are tracked. Tokens are
+    kept as compact arrays (8 bytes each).
+
     Args:
         metrics: where outcomes are counted.
         max_pending: precomputes waiting to run; adding one more drops the oldest.
-        max_tracked: stored precomputes whose later use is tracked; the oldest beyond
-            this are forgotten (counted wasted if never used).
+        max_tracked: stored precomputes tracked per namespace.
     """
 
-    def __init__(self, metrics: PrecomputeMetrics, max_pending: int = 16, max_tracked: int = 256):
+    def __init__(self, metrics: PrecomputeMetrics, max_pending: int = 16, max_tracked: int = 32):
         self.metrics = metrics
         self.max_pending = max_pending
-        self._pending: deque[Precompute] = deque()
-        self._stored: deque[_Stored] = deque(maxlen=None)
         self.max_tracked = max_tracked
+        self._pending: deque[Precompute] = deque()
+        self._stored: dict[str, deque[_Stored]] = {}
         self.used_tokens = 0
         self.wasted_tokens = 0
         self.computed_tokens = 0
@@ -91,8 +96,8 @@ class PrecomputeBook:
         return len(self._pending)
 
     def add(self, p: Precompute) -> None:
-        """Queue ``p``; a newer precompute of the same namespace replaces older ones whose
-        tokens it extends (the conversation moved on)."""
+        """Queue ``p``; it replaces pending precomputes of its namespace whose tokens it
+        extends (the conversation moved on)."""
         kept = deque(q for q in self._pending if not (q.namespace == p.namespace and _extends(p.tokens, q.tokens)))
         for _ in range(len(self._pending) - len(kept)):
             self.metrics.runs.labels("dropped").inc()
@@ -101,6 +106,10 @@ class PrecomputeBook:
             kept.pop()
             self.metrics.runs.labels("dropped").inc()
         self._pending = kept
+
+    def clear(self) -> None:
+        """Drop every pending precompute (the engine stops)."""
+        self._pending.clear()
 
     def pop(self) -> Optional[Precompute]:
         """The newest pending precompute, or None."""
@@ -115,37 +124,34 @@ class PrecomputeBook:
         self.computed_tokens += computed
         self.metrics.tokens.labels("computed").inc(computed)
         self.metrics.runs.labels("stored").inc()
-        self._stored.append(_Stored(p.namespace, list(p.tokens), start))
-        while len(self._stored) > self.max_tracked:
-            self._forget(self._stored.popleft())
+        tracked = self._stored.setdefault(p.namespace, deque())
+        tokens = array("q", p.tokens)
+        for s in [s for s in tracked if len(s.tokens) <= len(tokens) and tokens[:len(s.tokens)] == s.tokens]:
+            tracked.remove(s)  # superseded by this one
+            self._forget(s)
+        tracked.append(_Stored(p.namespace, tokens, start))
+        while len(tracked) > self.max_tracked:
+            self._forget(tracked.popleft())
 
-    def on_hit(self, namespace: str, tokens: list[int], cached: int, cached_length: Callable[[str, list[int]], int]
-               ) -> None:
-        """A real request of ``namespace`` restored ``cached`` tokens: credit the stored
-        precompute it used (the first time only), and count those the prefix cache no
-        longer holds as wasted (``cached_length(namespace, tokens)``: how many tokens of
-        ``tokens`` a fetch would restore now)."""
-        keep: deque[_Stored] = deque()
-        for s in self._stored:
+    def on_hit(self, namespace: str, tokens: list[int], cached: int) -> None:
+        """A request of ``namespace`` restored ``cached`` tokens of ``tokens``: credit the
+        stored precompute whose computed tokens that reached into (once; it is then no
+        longer tracked)."""
+        tracked = self._stored.get(namespace)
+        if not tracked:
+            return
+        for s in tracked:
             m = min(cached, len(s.tokens))
-            if not s.used and s.namespace == namespace and m > s.start and tokens[:m] == s.tokens[:m]:
-                gain = m - s.start
-                s.used = True
-                self.used_tokens += gain
-                self.metrics.tokens.labels("used").inc(gain)
-                continue
-            if not s.used and cached_length(s.namespace, [*s.tokens, -1]) < len(s.tokens):
-                self._forget(s)
-                continue
-            if not s.used:
-                keep.append(s)
-        self._stored = keep
+            if m > s.start and array("q", tokens[:m]) == s.tokens[:m]:
+                tracked.remove(s)
+                self.used_tokens += m - s.start
+                self.metrics.tokens.labels("used").inc(m - s.start)
+                return
 
     def _forget(self, s: _Stored) -> None:
-        if not s.used:
-            wasted = len(s.tokens) - s.start
-            self.wasted_tokens += wasted
-            self.metrics.tokens.labels("wasted").inc(wasted)
+        wasted = len(s.tokens) - s.start
+        self.wasted_tokens += wasted
+        self.metrics.tokens.labels("wasted").inc(wasted)
 
 
 def _extends(longer: list[int], shorter: list[int]) -> bool:

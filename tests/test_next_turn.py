@@ -11,8 +11,9 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from cache.checkpoints import common_prefix, render_text
-from conftest import TOKENIZERS, live_server, model_path, wait_until
+from conftest import TOKENIZERS, EventSink, live_server, model_path, wait_until
 from gateway.conversation.next_turn import next_turn_prefix
+from scheduler.request import EngineRequest, SamplingParams, TokenEvent
 
 SYSTEM = "You are terse. You answer questions about caches."
 U1 = "What is a prefix cache, and why would a server keep one?"
@@ -76,7 +77,7 @@ def test_next_turn_uses_the_precomputed_prefix_and_matches_cold(arch):
         with server.client() as c:
             msgs = conversation(" Be exact." * 8)
             reply, _, _ = chat(c, msgs, max_tokens=16)
-            wait_until(lambda: stored() == 1, 60, "the next-turn precompute to be stored")
+            assert engine.wait_idle(60) and stored() == 1  # idle only once the precompute is done
             prefix = next_turn_prefix(tok, msgs, {}, reply)
             msgs2 = [*msgs, {"role": "assistant", "content": reply}, {"role": "user", "content": "Why?"}]
             _, warm, usage = chat(c, msgs2)
@@ -89,25 +90,59 @@ def test_next_turn_uses_the_precomputed_prefix_and_matches_cold(arch):
     assert_same(warm, cold, f"{arch}: next turn from the precomputed prefix")
 
 
-def test_a_request_preempts_a_running_precompute():
-    """A long reply's precompute runs in 32-token chunks; a request arriving meanwhile
-    drops it at the next step, and is answered exactly like a cold run."""
-    with live_server(model_path("qwen3_5"), prefill_budget=1e-4) as server:
+def test_no_precompute_while_streams_decode():
+    """A reply that ends while another stream decodes is precomputed only once the engine
+    has nothing else to do."""
+    with live_server(model_path("qwen3")) as server:
         reg, engine = server.state.registry, server.engine
         no_eos = {str(t): -100 for t in server.state.tokenizer.eos_token_ids}
+        body = {"model": "test-model", "messages": conversation(), "max_tokens": 300, "temperature": 0,
+                "stream": True, "logit_bias": no_eos}
+        with server.client() as c, c.stream("POST", "/v1/chat/completions", json=body) as long_stream:
+            lines = long_stream.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))  # decoding now
+            chat(c, [{"role": "user", "content": "Short one."}], max_tokens=4)
+            for _ in range(20):  # engine steps while the long stream decodes
+                assert not engine.call(lambda: any(a.precompute is not None for a in engine._active.values()))
+            assert sample(reg, "mlx_gateway_precompute_total", outcome="stored") == 0
+            assert sum(1 for line in lines if line.startswith("data: {")) > 100  # it was still decoding
+        assert engine.wait_idle(60)
+        outcomes = {o: sample(reg, "mlx_gateway_precompute_total", outcome=o) for o in ("stored", "cached", "failed", "dropped", "preempted")}
+        assert outcomes["stored"] == 2, str(outcomes)
+
+
+def test_a_request_preempts_a_running_precompute():
+    """A long reply's precompute runs in 32-token chunks. A request submitted between two
+    of its steps (from inside the engine's own call, so the timing is certain) drops it at
+    the next step, and gets exactly the tokens and logprobs of a cold run."""
+    with live_server(model_path("qwen3_5"), prefill_budget=1e-4) as server:
+        reg, engine, tok = server.state.registry, server.engine, server.state.tokenizer
+        no_eos = {str(t): -100 for t in tok.eos_token_ids}
         with server.client() as c:
             reply, _, _ = chat(c, conversation(), max_tokens=400, logit_bias=no_eos)
-            def precompute_running():
-                return engine.call(lambda: any(a.precompute is not None for a in engine._active.values()))
+        other = list(tok.encode("Something else entirely, about " + "memory " * 30))
 
-            wait_until(precompute_running, 60, "the precompute to start")
-            other = [{"role": "user", "content": "Something else entirely, about " + "memory " * 30}]
-            _, warm, _ = chat(c, other)
-            assert sample(reg, "mlx_gateway_precompute_total", outcome="preempted") == 1
-            prefix = next_turn_prefix(server.state.tokenizer, conversation(), {}, reply)
-            held = engine.call(lambda: engine.prompt_cache.match_length("default", [*prefix, -1]))
-            assert held < len(prefix) - 32  # dropped, not finished
-            engine.wait_idle(60)
-            engine.call(engine.prompt_cache.flush)
-            _, cold, _ = chat(c, other)
+        def run(cold: bool):
+            sink = EventSink()
+            req = EngineRequest(f"other-{cold}", other, SamplingParams(max_tokens=8, logprobs=True), sink)
+
+            def submit_if_precompute_runs():
+                if not cold and not any(a.precompute is not None for a in engine._active.values()):
+                    return False
+                engine.submit(req)
+                return True
+
+            wait_until(lambda: engine.call(submit_if_precompute_runs), 60, "a precompute step")
+            assert sink.done.wait(60)
+            return [(e.token, e.logprob) for e in sink.events if isinstance(e, TokenEvent)]
+
+        warm = run(cold=False)
+        assert sample(reg, "mlx_gateway_precompute_total", outcome="preempted") == 1
+        prefix = next_turn_prefix(tok, conversation(), {}, reply)
+        held = engine.call(lambda: engine.prompt_cache.match_length("default", [*prefix, -1]))
+        assert held < len(prefix) - 32  # dropped, not finished
+        assert engine.wait_idle(60)
+        engine.call(engine.prompt_cache.flush)
+        cold = run(cold=True)
+    assert len(warm) == 8
     assert_same(warm, cold, "request that preempted a precompute")

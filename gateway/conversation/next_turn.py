@@ -60,17 +60,26 @@ def next_turn_prefix(tokenizer: Any, messages: Sequence[Mapping[str, Any]], temp
 
 def schedule_next_turn(state: "ServerState", prompt: "Prompt", reply: str, namespace: str, tenant: str) -> None:
     """Render the next turn's prefix on a worker thread and queue it on the engine, when
-    ``--precompute-next-turn`` is on and the prompt came from a chat template."""
+    ``--precompute-next-turn`` is on, the server is not draining and the prompt came from
+    a chat template. The engine is told at once (it does not count as idle until the
+    render is done); at most 8 renders are in flight, more are skipped. Never raises."""
     engine = state.engine
-    if not state.config.precompute_next_turn or prompt.messages is None or engine is None:
+    if (not state.config.precompute_next_turn or state.draining or prompt.messages is None or engine is None
+            or not engine.reserve_precompute()):
         return
 
     def work() -> None:
-        tokens = next_turn_prefix(state.tokenizer, prompt.messages, prompt.template_kwargs, reply)
-        if tokens and len(tokens) > len(prompt.tokens) // 2 and len(tokens) < state.context_length:
-            engine.submit_precompute(Precompute(tokens, namespace, tenant))
+        p = None
+        try:
+            tokens = next_turn_prefix(state.tokenizer, prompt.messages, prompt.template_kwargs, reply)
+            if tokens and len(tokens) > len(prompt.tokens) // 2 and len(tokens) < state.context_length:
+                p = Precompute(tokens, namespace, tenant)
+        except Exception:
+            log.exception("rendering the next turn failed")
+        finally:
+            engine.submit_precompute(p)
 
     try:
         _POOL.submit(work)
     except RuntimeError:  # interpreter shutting down
-        pass
+        engine.submit_precompute(None)

@@ -235,7 +235,7 @@ class Run:
             self._settle()
             if reason in ("stop", "stop_sequence", "length"):
                 t = self.call.tenant
-                schedule_next_turn(self.state, self.prompt, "".join(reply), t.cache_group, t.name)
+                schedule_next_turn(self.state, self.prompt, "".join(reply), t.cache_group, t.name)  # never raises
             yield Finished(reason, Usage(len(self.prompt.tokens), len(self.tokens), self.cached, self.cache_written),
                            matched)
         except Exception:
