@@ -192,6 +192,7 @@ def plan_chat_checkpoints(
     prompt_text: Optional[str] = None,
     token_ends: Optional[Sequence[int]] = None,
     boundaries: bool = False,
+    trimmable: bool = False,
 ) -> list[int]:
     """Plan snapshot offsets for a chat prompt (see the module docstring).
 
@@ -210,6 +211,9 @@ def plan_chat_checkpoints(
             before it.
         boundaries: also checkpoint message starts (thinned, :func:`thin_boundaries`);
             for models whose cache cannot be trimmed (recurrent, sliding window).
+        trimmable: the model's cache can be trimmed: only the system end (which other
+            requests of a burst wait for while this one prefills) and the periodic
+            offsets; the prompt + completion snapshot stored at the end serves the rest.
 
     Returns:
         Sorted, deduplicated offsets in ``1 .. len(prompt_tokens)``; ``len(prompt_tokens)``
@@ -239,6 +243,10 @@ def plan_chat_checkpoints(
     first = next((i for i, r in enumerate(roles) if r not in ("system", "developer")), None)
     if first and first in starts:  # system end: there is a system prompt before it
         points.add(starts[first])
+    if trimmable:
+        if n > interval:
+            points.update(periodic_checkpoints(n, interval, set(starts.values()) | points))
+        return sorted(p for p in points if 0 < p < n)
     last_user = max((i for i, r in enumerate(roles) if r == "user"), default=None)
     if last_user in starts:
         points.add(starts[last_user])

@@ -330,9 +330,14 @@ class Engine:
         try:
             self._gen = self._new_generator()
             while not self._stopping:
-                busy = bool(self._active) or len(self._waiting) > 0 or len(self.precomputes) > 0
-                if not busy:
-                    self._handle(self._inbox.get())
+                if not (self._active or len(self._waiting)):
+                    # Idle: block until something arrives, or until a precompute is due.
+                    due = self.precomputes.seconds_until_due()
+                    try:
+                        self._handle(self._inbox.get(timeout=due) if due is None or due > 0 else
+                                     self._inbox.get_nowait())
+                    except queue.Empty:
+                        pass
                 while True:
                     try:
                         self._handle(self._inbox.get_nowait())
@@ -462,7 +467,7 @@ class Engine:
         if free <= 0:
             return
         if not len(self._waiting):
-            if not self._active and len(self.precomputes):  # only when there is nothing else to do
+            if not self._active and self.precomputes.seconds_until_due() == 0:  # nothing else to do
                 self._start_precompute()
             return
         if self.pad_free_prefill and prefilling:
@@ -507,14 +512,13 @@ class Engine:
             log.exception("request %s could not be admitted", r.id)
             self._send(r, [ErrorEvent(500, f"could not start the request: {e}")])
             return None
-        # The final one-token segment ends at len-1: save that too (exact repeats). A
-        # checkpoint at len (the next turn shares the whole prompt) is saved right after
-        # prefill, for caches that cannot be trimmed: a trimmable one gets it from the
-        # prompt + completion snapshot saved when the request finishes.
+        # Caches that cannot be trimmed also get a snapshot where the final one-token
+        # segment starts, len-1 (exact repeats), and at len right after prefill when the
+        # next turn shares the whole prompt.
         n = len(r.tokens)
-        snapshots = [*marks, *([n - 1] if n - 1 > cached else [])]
-        if n in r.checkpoints and n > cached and not self.trimmable:
-            snapshots.append(n)
+        snapshots = list(marks)
+        if not self.trimmable:  # a trimmable cache gets both from the prompt + completion snapshot
+            snapshots += [*([n - 1] if n - 1 > cached else []), *([n] if n in r.checkpoints and n > cached else [])]
         active = _Active(r, uid, lease, cached, sorted(set(snapshots)), fault=fault)
         self._active[uid] = active
         self._by_id[r.id] = active
@@ -591,7 +595,10 @@ class Engine:
         a = self._by_id.get(request_id)
         if a is None:
             return
-        if reason == "stop" and a.decoding:  # a complete answer: cache it like any other
+        # A complete answer is cached like any other; so is a cancelled one's prompt on a
+        # trimmable cache, which keeps no len-1 snapshot (a client's regenerate is often a
+        # cancel and the same prompt again).
+        if a.decoding and (reason == "stop" or self.trimmable):
             try:
                 extracted = self._gen.extract_cache([a.uid]).get(a.uid)
             except Exception:

@@ -7,7 +7,9 @@ the next user message begins, and hands the tokens to the engine as a
 :class:`Precompute`. The engine prefills it only while no real request waits, in
 budget-sized chunks, and drops it the moment one arrives (chunk granularity: a real
 request's first token waits at most one chunk). The prefix lands in the prompt cache
-like any snapshot.
+like any snapshot. It becomes due :data:`GRACE` seconds after the reply ended: a client
+that sends its next request at once (an agent, a script) finds the engine free rather
+than busy with a chunk of precompute.
 
 This module is the bookkeeping: the pending queue (newest first, bounded) and the
 accounting of precomputed tokens later *used* by a real request's cache hit or
@@ -19,12 +21,14 @@ from __future__ import annotations
 import itertools
 from array import array
 from collections import deque
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter
 
 _IDS = itertools.count(1)
+GRACE = 0.1  # seconds from a reply's end before its precompute may start
 
 
 @dataclass
@@ -36,6 +40,7 @@ class Precompute:
     namespace: str = "default"
     tenant: str = "default"
     id: str = ""
+    due: float = field(default_factory=lambda: time.monotonic() + GRACE)  # monotonic seconds
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -110,6 +115,12 @@ class PrecomputeBook:
     def clear(self) -> None:
         """Drop every pending precompute (the engine stops)."""
         self._pending.clear()
+
+    def seconds_until_due(self) -> Optional[float]:
+        """Seconds until the newest pending precompute may start (0: now); None if none."""
+        if not self._pending:
+            return None
+        return max(0.0, self._pending[0].due - time.monotonic())
 
     def pop(self) -> Optional[Precompute]:
         """The newest pending precompute, or None."""

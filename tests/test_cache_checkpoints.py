@@ -184,3 +184,19 @@ def test_periodic_and_completion_variants():
 def test_common_chars():
     assert common_chars("abcdef", "abcxyz") == 3
     assert common_chars("", "abc") == 0 and common_chars("abc", "abc") == 3 and common_chars("ab", "abc") == 2
+
+
+def test_trimmable_caches_keep_the_system_end_and_periodic_ones(qwen3_tok):
+    """A trimmable cache's prompt + completion snapshot serves every shorter prefix: only
+    the system end (a burst's shared prefix) and the periodic offsets remain."""
+    tok = qwen3_tok
+    msgs = conversation()
+    prompt = render(tok, msgs)
+    full = plan_chat_checkpoints(tok, msgs, prompt)
+    assert plan_chat_checkpoints(tok, msgs, prompt, trimmable=True) == full[:1]
+    msgs = long_conversation()
+    prompt = render(tok, msgs)
+    cps = plan_chat_checkpoints(tok, msgs, prompt, interval=128, trimmable=True)
+    assert cps[0] == plan_chat_checkpoints(tok, msgs, prompt)[0]  # the system end
+    assert len(prompt) not in cps  # no next-turn point
+    assert all(b - a <= 128 for a, b in zip([0, *cps], cps)) and len(prompt) - cps[-1] <= 128

@@ -115,7 +115,7 @@ def test_mixed_lengths_checkpoint_their_own_prefix():
         checked = 0
         for b in bodies:
             prompt = render_chat(tok, to_conversation(ChatRequest.model_validate(b)), {}, 4096,
-                                 boundaries=not engine.trimmable)
+                                 trimmable=engine.trimmable)
             assert prompt.checkpoints, "chat prompts have checkpoints"
             assert not engine.trimmable and len(prompt.tokens) in prompt.checkpoints  # the next-turn point
             for p in prompt.checkpoints:

@@ -35,11 +35,13 @@ class Prompt:
 
 def render_chat(
     tokenizer, conv: Conversation, default_template_kwargs: dict, checkpoint_every: int,
-    tools: Optional[ToolPlan] = None, boundaries: bool = False,
+    tools: Optional[ToolPlan] = None, trimmable: bool = False,
 ) -> Prompt:
     """Apply the chat template (with ``tools`` as :mod:`gateway.conversation.tools` renders them),
-    tokenize, and plan the prompt's checkpoints (``boundaries``: also at message starts,
-    for models whose cache cannot be trimmed; see :mod:`cache.checkpoints`).
+    tokenize, and plan the prompt's checkpoints (:mod:`cache.checkpoints`). A model whose
+    cache can be trimmed (``trimmable``) needs only the system end and the periodic ones of
+    long prompts: the prompt + completion snapshot saved when a request ends serves every
+    shorter prefix.
 
     The template renders text, which is tokenized without special tokens added, the
     way ``apply_chat_template(tokenize=True)`` does; the token offsets of the text let
@@ -64,7 +66,8 @@ def render_chat(
     if not tokens:
         raise APIError(400, "the rendered prompt is empty", param="messages")
     checkpoints = plan_chat_checkpoints(tokenizer, messages, tokens, kwargs, interval=checkpoint_every,
-                                        prompt_text=text, token_ends=ends, boundaries=boundaries)
+                                        prompt_text=text, token_ends=ends, boundaries=not trimmable,
+                                        trimmable=trimmable)
     return Prompt(tokens, checkpoints, _opens_reasoning(tokenizer, tokens), messages, kwargs)
 
 

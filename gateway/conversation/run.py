@@ -109,7 +109,7 @@ def prepare_chat(state: "ServerState", conv: Conversation, marks: Optional[dict]
     cfg = state.config
     trimmable = state.engine is None or state.engine.trimmable
     prompt = render_chat(state.tokenizer, conv, cfg.chat_template_args, cfg.checkpoint_every, plan,
-                         boundaries=not trimmable)
+                         trimmable=trimmable)
     if marks is not None:
         marks["render_out"] = time.monotonic()
     return prompt, plan, mask
