@@ -565,10 +565,7 @@ class Engine:
     def _finish_precompute(self, a: _Active) -> None:
         """``a``'s prefix is stored (or could not be): take it out of the batch."""
         self._gen.remove([a.uid])
-        self._active.pop(a.uid, None)
-        self._by_id.pop(a.request.id, None)
-        self.prompt_cache.release(a.lease)
-        a.lease = None
+        self._finish(a, DoneEvent("stop"))  # its sink discards events
         if a.stored >= len(a.request.tokens):
             self.precomputes.stored(a.precompute, a.cached)
         else:
@@ -579,10 +576,7 @@ class Engine:
         lost; at most one chunk of work delayed the request)."""
         for a in [a for a in self._active.values() if a.precompute is not None]:
             self._gen.remove([a.uid])
-            self._active.pop(a.uid, None)
-            self._by_id.pop(a.request.id, None)
-            self.prompt_cache.release(a.lease)
-            a.lease = None
+            self._finish(a, DoneEvent("cancelled"))  # its sink discards events
             self.precomputes.outcome("preempted")
 
     def _cancel(self, request_id: str, reason: str = "cancelled") -> None:

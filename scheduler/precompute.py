@@ -137,7 +137,7 @@ class PrecomputeBook:
         self.metrics.runs.labels("stored").inc()
         tracked = self._stored.setdefault(p.namespace, deque())
         tokens = array("q", p.tokens)
-        for s in [s for s in tracked if len(s.tokens) <= len(tokens) and tokens[:len(s.tokens)] == s.tokens]:
+        for s in [s for s in tracked if _extends(tokens, s.tokens)]:
             tracked.remove(s)  # superseded by this one
             self._forget(s)
         tracked.append(_Stored(p.namespace, tokens, start))
@@ -165,5 +165,6 @@ class PrecomputeBook:
         self.metrics.tokens.labels("wasted").inc(wasted)
 
 
-def _extends(longer: list[int], shorter: list[int]) -> bool:
+def _extends(longer, shorter) -> bool:
+    """``longer`` starts with ``shorter`` (token lists or arrays of one kind)."""
     return len(longer) >= len(shorter) and longer[:len(shorter)] == shorter
