@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import lzma
 import os
 import shutil
@@ -231,6 +232,34 @@ def live_server(model_dir, **config):
         server.should_exit = True
         thread.join(10)
         state.engine.stop()
+
+
+async def stream_completion_logprobs(client: httpx.AsyncClient, prompt: str, max_tokens: int,
+                                    bias: dict | None = None, started=None) -> list[tuple[int, float]]:
+    """(token, logprob) pairs of a streamed greedy ``/v1/completions`` answer; sets the
+    ``started`` event (if any) at its first token."""
+    body = {"model": "test-model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "logprobs": 0}
+    if bias:
+        body["logit_bias"] = bias
+    out = []
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                lp = chunk["choices"][0]["logprobs"] if chunk["choices"] else None
+                if lp:
+                    out.extend(zip(lp["tokens"], lp["token_logprobs"]))
+                    if started is not None:
+                        started.set()
+    return out
+
+
+def assert_same_tokens(got: list, want: list, what: str) -> None:
+    """Two answers as (token, logprob) pairs: the same tokens, logprobs within 1e-4."""
+    assert [t for t, _ in got] == [t for t, _ in want], what
+    assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(got, want)), what
 
 
 class EventSink:

@@ -7,41 +7,17 @@ hybrid with linear attention (qwen3_5), sliding window (gemma3_text) and a Mamba
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import pytest
 
-from conftest import live_server, model_path
+from conftest import assert_same_tokens, live_server, model_path, stream_completion_logprobs
 
 WORDS = "the model cache token prompt server batch request tenant prefix memory apple code agent".split()
 
 
 def text(n: int, seed: int) -> str:
     return " ".join(WORDS[(seed * 5 + k * k + k) % len(WORDS)] for k in range(n))
-
-
-async def completion(c: httpx.AsyncClient, prompt: str, max_tokens: int, bias: dict, started=None) -> list:
-    """(token, logprob) pairs of a streamed greedy completion; sets ``started`` at its first token."""
-    body = {"model": "test-model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "logprobs": 0, "logit_bias": bias}
-    out = []
-    async with c.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                lp = chunk["choices"][0]["logprobs"] if chunk["choices"] else None
-                if lp:
-                    out.extend(zip(lp["tokens"], lp["token_logprobs"]))
-                    if started is not None:
-                        started.set()
-    return out
-
-
-def assert_same(got: list, want: list, what: str) -> None:
-    assert [t for t, _ in got] == [t for t, _ in want], what
-    assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(got, want)), what
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "gemma3_text", "nemotron_h"])
@@ -56,15 +32,15 @@ def test_long_prompt_chunked_between_decode_steps_matches_solo(arch):
 
         async def run():
             async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
-                solo_long = await completion(c, long_prompt, 6, {})
-                solo_short = [await completion(c, s, 60, no_eos) for s in shorts]
+                solo_long = await stream_completion_logprobs(c, long_prompt, 6, {})
+                solo_short = [await stream_completion_logprobs(c, s, 60, no_eos) for s in shorts]
                 engine.call(engine.prompt_cache.flush)
                 before = engine.chunks.budgeted_steps
                 started = [asyncio.Event() for _ in shorts]
-                tasks = [asyncio.create_task(completion(c, s, 60, no_eos, e)) for s, e in zip(shorts, started)]
+                tasks = [asyncio.create_task(stream_completion_logprobs(c, s, 60, no_eos, e)) for s, e in zip(shorts, started)]
                 for e in started:
                     await e.wait()
-                together_long = await completion(c, long_prompt, 6, {})
+                together_long = await stream_completion_logprobs(c, long_prompt, 6, {})
                 together_short = await asyncio.gather(*tasks)
                 return solo_long, solo_short, together_long, together_short, engine.chunks.budgeted_steps - before
 
@@ -72,6 +48,6 @@ def test_long_prompt_chunked_between_decode_steps_matches_solo(arch):
     n_long = len(server.state.tokenizer.encode(long_prompt))
     assert chunked >= n_long // 32 - 2, (chunked, n_long)  # it really was chunked under decode
     assert engine.chunks.decode_only_steps > 0
-    assert_same(together_long, solo_long, f"{arch}: long prompt chunked under decode")
+    assert_same_tokens(together_long, solo_long, f"{arch}: long prompt chunked under decode")
     for i, (got, want) in enumerate(zip(together_short, solo_short)):
-        assert_same(got, want, f"{arch}: decoding request {i}")
+        assert_same_tokens(got, want, f"{arch}: decoding request {i}")

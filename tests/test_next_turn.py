@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from cache.checkpoints import common_prefix, render_text
-from conftest import TOKENIZERS, EventSink, live_server, model_path, wait_until
+from conftest import TOKENIZERS, EventSink, assert_same_tokens, live_server, model_path, wait_until
 from gateway.conversation.next_turn import next_turn_prefix
 from scheduler.request import EngineRequest, SamplingParams, TokenEvent
 
@@ -64,11 +64,6 @@ def chat(client, messages, max_tokens=8, **extra):
     return out["choices"][0]["message"]["content"], lp, out["usage"]
 
 
-def assert_same(got, want, what):
-    assert [t for t, _ in got] == [t for t, _ in want], what
-    assert max(abs(a - b) for (_, a), (_, b) in zip(got, want)) < 1e-4, what
-
-
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "gemma3_text", "nemotron_h"])
 def test_next_turn_uses_the_precomputed_prefix_and_matches_cold(arch):
     with live_server(model_path(arch), prefill_budget=1e-4) as server:
@@ -87,7 +82,7 @@ def test_next_turn_uses_the_precomputed_prefix_and_matches_cold(arch):
             engine.call(engine.prompt_cache.flush)
             _, cold, usage = chat(c, msgs2)
             assert usage["prompt_tokens_details"]["cached_tokens"] == 0
-    assert_same(warm, cold, f"{arch}: next turn from the precomputed prefix")
+    assert_same_tokens(warm, cold, f"{arch}: next turn from the precomputed prefix")
 
 
 def test_no_precompute_while_streams_decode():
@@ -145,4 +140,4 @@ def test_a_request_preempts_a_running_precompute():
         engine.call(engine.prompt_cache.flush)
         cold = run(cold=True)
     assert len(warm) == 8
-    assert_same(warm, cold, "request that preempted a precompute")
+    assert_same_tokens(warm, cold, "request that preempted a precompute")
