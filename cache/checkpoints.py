@@ -102,6 +102,15 @@ def encode_with_ends(tokenizer: Any, text: str) -> tuple[list[int], Optional[lis
     return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)], None
 
 
+def tokens_before(tokenizer: Any, text: str, ids: Sequence[int], ends: Optional[Sequence[int]], chars: int) -> int:
+    """How many of ``ids`` (the tokens of ``text``) lie wholly before character ``chars``:
+    from the token ends (:func:`encode_with_ends`) when given, else by tokenizing
+    ``text[:chars]`` and comparing."""
+    if ends is not None:
+        return bisect_right(ends, chars)
+    return common_prefix(list(tokenizer.encode(text[:chars], add_special_tokens=False)), ids)
+
+
 def _marked(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """``messages`` with a marker before each string content, then the next turn's shape."""
     out = []
@@ -232,13 +241,11 @@ def plan_chat_checkpoints(
         if ids != list(prompt_tokens):
             token_ends = None
 
-    def tokens_before(chars: int) -> int:
-        if token_ends is not None:
-            return bisect_right(token_ends, chars)
-        return common_prefix(list(tokenizer.encode(text[:chars], add_special_tokens=False)), prompt_tokens)
+    def before(chars: int) -> int:
+        return tokens_before(tokenizer, text, prompt_tokens, token_ends, chars)
 
     points: set[int] = set()
-    starts = {int(k): tokens_before(c) for k, c in found.items() if k.isdigit()}
+    starts = {int(k): before(c) for k, c in found.items() if k.isdigit()}
     roles = [m.get("role") for m in messages]
     first = next((i for i, r in enumerate(roles) if r not in ("system", "developer")), None)
     if first and first in starts:  # system end: there is a system prompt before it
@@ -251,12 +258,12 @@ def plan_chat_checkpoints(
     if last_user in starts:
         points.add(starts[last_user])
     if _REPLY in found:
-        points.add(tokens_before(found[_REPLY]))
+        points.add(before(found[_REPLY]))
     else:  # an earlier message renders differently with a marker: render the next turn alone
         try:
             nxt = render_text(tokenizer, [*messages, {"role": "assistant", "content": SENTINEL},
                                           {"role": "user", "content": SENTINEL}], True, kw)
-            points.add(tokens_before(common_chars(text, nxt)))
+            points.add(before(common_chars(text, nxt)))
         except Exception:
             pass
     if boundaries:  # not the leading system messages' own starts: nothing precedes them

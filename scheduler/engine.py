@@ -545,8 +545,8 @@ class Engine:
 
     # ----------------------------------------------------------------- precompute
     def _start_precompute(self) -> None:
-        """Prefill the newest pending next-turn precompute (nothing else prefills and no
-        request waits). It is snapshotted at its full length right after prefill, then
+        """Prefill the newest pending next-turn precompute (the engine has nothing else to
+        do). It is snapshotted at its full length right after prefill, then
         leaves the batch without generating (:meth:`_finish_precompute`)."""
         p = self.precomputes.pop()
         n = len(p.tokens)

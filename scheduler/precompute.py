@@ -4,12 +4,13 @@ When a chat reply finishes, the gateway renders the conversation plus that reply
 way the template will show it in the next request (a thinking model's ``<think>``
 block dropped, the reply re-tokenized as the client will send it back) up to where
 the next user message begins, and hands the tokens to the engine as a
-:class:`Precompute`. The engine prefills it only while no real request waits, in
-budget-sized chunks, and drops it the moment one arrives (chunk granularity: a real
-request's first token waits at most one chunk). The prefix lands in the prompt cache
-like any snapshot. It becomes due :data:`GRACE` seconds after the reply ended: a client
-that sends its next request at once (an agent, a script) finds the engine free rather
-than busy with a chunk of precompute.
+:class:`Precompute`. The engine prefills it only when it has nothing else to do (no
+request waiting, prefilling or decoding), in budget-sized chunks, and drops it the
+moment a request arrives (chunk granularity: that request's first token waits at most
+one chunk). The prefix lands in the prompt cache like any snapshot. It becomes due
+:data:`GRACE` seconds after the reply ended: a client that sends its next request at
+once (an agent, a script) finds the engine free rather than busy with a chunk of
+precompute.
 
 This module is the bookkeeping: the pending queue (newest first, bounded) and the
 accounting of precomputed tokens later *used* by a real request's cache hit or
@@ -19,9 +20,9 @@ accounting of precomputed tokens later *used* by a real request's cache hit or
 from __future__ import annotations
 
 import itertools
+import time
 from array import array
 from collections import deque
-import time
 from dataclasses import dataclass, field
 from typing import Optional
 

@@ -12,11 +12,10 @@ tokenizing run on a worker thread, never the event loop or the engine thread.
 from __future__ import annotations
 
 import logging
-from bisect import bisect_right
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
-from cache.checkpoints import common_prefix, encode_with_ends, render_text
+from cache.checkpoints import encode_with_ends, render_text, tokens_before
 from scheduler.precompute import Precompute
 
 if TYPE_CHECKING:
@@ -51,11 +50,9 @@ def next_turn_prefix(tokenizer: Any, messages: Sequence[Mapping[str, Any]], temp
     cut = text.find(_PLACEHOLDER)
     if cut <= 0:
         return None
-    ids, ends = encode_with_ends(tokenizer, text.replace(_PLACEHOLDER, _STAND_IN))
-    if ends is not None:
-        return ids[:bisect_right(ends, cut)]
-    head = list(tokenizer.encode(text[:cut], add_special_tokens=False))
-    return ids[:common_prefix(head, ids)]
+    full = text.replace(_PLACEHOLDER, _STAND_IN)
+    ids, ends = encode_with_ends(tokenizer, full)
+    return ids[:tokens_before(tokenizer, full, ids, ends, cut)]
 
 
 def schedule_next_turn(state: "ServerState", prompt: "Prompt", reply: str, namespace: str, tenant: str) -> None:
