@@ -22,7 +22,8 @@ from .checkpoints import (
     plan_completion_checkpoints,
     render_text,
 )
-from .manager import CacheHit, Lease, PromptCacheManager
+from .entries import CacheHit, Lease
+from .manager import PromptCacheManager
 from .metrics import CacheMetrics
 from .restore import RULES, can_restore, is_trimmable, safe_copy
 from .session import PrefillResult, PrefillSession, chunk_boundaries

@@ -25,92 +25,56 @@ Rules:
   an insert evicts least recently used unleased snapshots first and is refused
   (returns False, evicting nothing) when even evicting all of them would not make
   room. Inserting a longer key never drops its stored prefixes.
-- Byte accounting uses each layer's ``.nbytes`` (whole buffers); buffers shared by
-  two snapshots (copy-on-write) are counted twice, so the bound is conservative.
+- Full-attention KV is paged (``pages.py``): each unique token's KV is held once per
+  namespace, on the tree edge it belongs to, and counted once. Other layers are
+  held per snapshot and counted with their ``.nbytes``. Eviction drops whole
+  snapshots; their pages go when no snapshot at or below them remains
+  (``eviction.py`` predicts the bytes an eviction frees).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_map
 from prometheus_client import CollectorRegistry
 
 from . import restore as rules
+from .entries import CacheHit, Entry, Group, Lease, ancestors, compact, path_pages
+from .eviction import EvictionDryRun
 from .metrics import CacheMetrics
-from .tree import Node, RadixTree
+from .pages import PAGED_CLASSES, assemble, is_paged, layout, pages_bytes, token_bytes
+from .tiering import DiskLink, Spill
+from .tree import Node
+
+log = logging.getLogger(__name__)
 
 # How many subtree nodes a lookup inspects for a longer, trimmable entry.
 _BELOW_SEARCH_LIMIT = 64
 
 
-class _Entry:
-    """One stored snapshot (internal)."""
-
-    __slots__ = ("namespace", "node", "cache", "num_tokens", "nbytes", "by_type", "leases", "alive")
-
-    def __init__(self, namespace: str, cache: list[Any], num_tokens: int, by_type: dict[str, int]):
-        self.namespace = namespace
-        self.node: Node | None = None
-        self.cache = cache
-        self.num_tokens = num_tokens
-        self.by_type = by_type
-        self.nbytes = sum(by_type.values())
-        self.leases = 0
-        self.alive = True
-
-
-class Lease:
-    """An opaque hold on one snapshot; pass it to :meth:`PromptCacheManager.release`."""
-
-    __slots__ = ("_entry", "id", "released")
-
-    def __init__(self, entry: _Entry, lease_id: int):
-        self._entry = entry
-        self.id = lease_id
-        self.released = False
-
-    def __repr__(self) -> str:
-        state = "released" if self.released else "held"
-        return f"<Lease {self.id} {state} {self._entry.num_tokens} tokens>"
-
-
-@dataclass
-class CacheHit:
-    """Result of :meth:`PromptCacheManager.fetch`.
-
-    Attributes:
-        cache: a private copy of the layer caches restored to exactly
-            ``cached_tokens`` tokens, or None when nothing usable was found.
-        cached_tokens: tokens covered by ``cache`` (0 on a miss; ``<= len(tokens)-1``).
-        lease: the lease to release when the request no longer needs the snapshot
-            kept (None on a miss).
-        timings: seconds per phase: ``lookup``, ``copy``, ``restore``.
-    """
-
-    cache: list[Any] | None = None
-    cached_tokens: int = 0
-    lease: Lease | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-
-
 class PromptCacheManager:
     """A bounded, leased, namespaced prefix cache of mlx-lm prompt-cache snapshots.
 
+    Full-attention KV is stored once per unique token per namespace, in pages on the
+    tree's edges (``pages.py``); other layer types are kept whole per snapshot.
+
     Args:
-        max_bytes: bound on the bytes of all stored snapshots (sum of ``.nbytes``).
+        max_bytes: bound on the bytes held: every page once, plus every snapshot's own
+            non-paged layers (``.nbytes``).
         max_entries: bound on the number of stored snapshots.
         registry: prometheus ``CollectorRegistry`` for the metrics (see
             ``metrics.py``); a fresh private one if None (several managers may
             coexist in one process).
 
-    Thread-safe: one ``RLock`` guards the trees and the accounting; copying and
+    Thread-safe: one ``RLock`` guards the trees and the accounting; assembling and
     trimming a fetched snapshot happen outside the lock (the lease protects it).
 
     Raises:
@@ -128,22 +92,24 @@ class PromptCacheManager:
         # Bumped whenever an entry is stored or dropped: a match_length answer stays
         # valid while it is unchanged (the admission policy memoizes on it).
         self.version = 0
-        self._trees: dict[str, RadixTree] = {}
-        self._lru: OrderedDict[_Entry, None] = OrderedDict()  # unleased entries, oldest first
-        self._bytes = 0
-        self._leased_bytes = 0
+        self._groups: dict[str, Group] = {}
+        self._lru: OrderedDict[Entry, None] = OrderedDict()  # unleased entries, oldest first
         self._entries = 0
         self._num_leases = 0
         self._lease_ids = itertools.count(1)
-        self._gauge: dict[tuple[str, str], list[int]] = {}  # (type, ns) -> [bytes, entries]
-        self._ns_bytes: dict[str, int] = {}  # namespace -> bytes stored
         self._quotas: dict[str, int] = {}  # namespace -> byte quota
+        self.disk: DiskLink | None = None
+
+    def attach_disk(self, link: "DiskLink") -> None:
+        """Use a disk tier (``tiering.py``): evicted snapshots are written to it, and a
+        lookup that memory serves poorly is tried on it."""
+        self.disk = link
 
     # -- properties -----------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        """Bytes of all stored snapshots."""
-        return self._bytes
+        """Bytes held: pages once each, plus the snapshots' own layers."""
+        return sum(g.nbytes for g in self._groups.values())
 
     @property
     def num_entries(self) -> int:
@@ -156,8 +122,14 @@ class PromptCacheManager:
         return self._num_leases
 
     def namespace_bytes(self, namespace: str) -> int:
-        """Bytes stored for ``namespace``."""
-        return self._ns_bytes.get(namespace, 0)
+        """Bytes held for ``namespace``."""
+        g = self._groups.get(namespace)
+        return 0 if g is None else g.nbytes
+
+    def namespace_tokens(self, namespace: str) -> int:
+        """Unique tokens whose KV pages are held for ``namespace``."""
+        g = self._groups.get(namespace)
+        return 0 if g is None else g.tokens
 
     def set_quotas(self, quotas: dict[str, int]) -> None:
         """Set per-namespace byte quotas (within ``max_bytes``), replacing earlier ones.
@@ -192,28 +164,27 @@ class PromptCacheManager:
             self.metrics.evictions.labels(reason="quota").inc()
 
     # -- lookup ---------------------------------------------------------------
-    def _select(self, namespace: str, tokens: Sequence[int]) -> tuple[_Entry, int] | None:
+    def _select(self, namespace: str, tokens: Sequence[int]) -> tuple[Entry, int] | None:
         """The entry and restore length giving the most tokens (<= len-1), or None. Lock held."""
-        tree = self._trees.get(namespace)
+        group = self._groups.get(namespace)
         limit = len(tokens) - 1
-        if tree is None or limit < 1:
+        if group is None or limit < 1:
             return None
-        m = tree.match(tokens)
-        best: tuple[_Entry, int] | None = None
+        m = group.tree.match(tokens)
+        best: tuple[Entry, int] | None = None
         # 1) entries at or below the divergence point share `matched` tokens.
         t_below = min(m.matched, limit)
         if m.below is not None and t_below > 0:
-            for node in tree.descendants_with_value(m.below, _BELOW_SEARCH_LIMIT):
-                e = node.value
-                if rules.can_restore(e.cache, node.depth, t_below):
-                    best = (e, t_below)
+            for node in group.tree.descendants_with_value(m.below, _BELOW_SEARCH_LIMIT):
+                if node.value.can_restore(t_below):
+                    best = (node.value, t_below)
                     break
         # 2) entries on the path (whole key is a prefix of the query), deepest first.
         for node in reversed(m.path):
             t = min(node.depth, limit)
             if best is not None and t <= best[1]:
                 break
-            if rules.can_restore(node.value.cache, node.depth, t):
+            if node.value.can_restore(t):
                 best = (node.value, t)
                 break
         return best
@@ -225,7 +196,7 @@ class PromptCacheManager:
         return 0 if sel is None else sel[1]
 
     def fetch(self, namespace: str, tokens: Sequence[int], count: bool = True) -> CacheHit:
-        """Find, lease, copy and restore the best snapshot for ``tokens``.
+        """Find, lease, assemble and restore the best snapshot for ``tokens``.
 
         Args:
             namespace: the cache group; entries of other namespaces are never used.
@@ -233,11 +204,15 @@ class PromptCacheManager:
             count: count the lookup in the hit-rate metrics (False for the server's
                 own background work, e.g. next-turn precompute).
 
+        With a disk tier, an entry on disk that restores more than memory would is read
+        into memory first (``hit.source == "disk"``); that runs on the calling thread.
+
         Returns:
             A :class:`CacheHit`; ``hit.cache`` is None on a miss. The caller owns
             ``hit.cache`` and must :meth:`release` ``hit.lease`` when done.
         """
         t0 = time.perf_counter()
+        from_disk = self.disk is not None and self._load_from_disk(namespace, tokens)
         with self._lock:
             sel = self._select(namespace, tokens)
             lease = None
@@ -245,6 +220,8 @@ class PromptCacheManager:
                 entry, _ = sel
                 lease = Lease(entry, next(self._lease_ids))
                 self._acquire(entry)
+                path = path_pages(entry.node)
+                private = entry.private
             if count:
                 self.metrics.queries.labels(cache_group=namespace).inc()
                 self.metrics.query_tokens.labels(cache_group=namespace).inc(len(tokens))
@@ -256,27 +233,39 @@ class PromptCacheManager:
             return CacheHit(None, 0, None, timings)
         entry, target = sel
         try:
-            cache = rules.safe_copy(entry.cache)
+            own = rules.safe_copy(private)
+            for layer in own:
+                if layer is not None and entry.num_tokens > target:
+                    layer.trim(entry.num_tokens - target)
             t2 = time.perf_counter()
-            rules.restore(cache, entry.num_tokens, target)
+            cache = assemble(own, path, target)
+            mx.eval(rules.cache_arrays(cache))
             t3 = time.perf_counter()
         except BaseException:
             self.release(lease)
             raise
-        timings["copy"] = t2 - t1
-        timings["restore"] = t3 - t2
+        timings["copy"] = t2 - t1  # the snapshot's own layers: copied and trimmed
+        timings["restore"] = t3 - t2  # paged layers: pages concatenated
         if count:
             for phase, secs in timings.items():
                 self.metrics.fetch_seconds.labels(phase=phase).observe(secs)
             self.metrics.hits.labels(cache_group=namespace).inc()
             self.metrics.hit_tokens.labels(cache_group=namespace).inc(target)
-        return CacheHit(cache, target, lease, timings)
+        return CacheHit(cache, target, lease, timings, "disk" if from_disk else "memory")
+
+    def _load_from_disk(self, namespace: str, tokens: Sequence[int]) -> bool:
+        """Bring the disk entry that beats memory for ``tokens`` into memory; True if one did."""
+        try:
+            got = self.disk.load(namespace, tokens, self.match_length(namespace, tokens))
+            return got is not None and self.insert(namespace, *got)
+        except Exception:
+            log.exception("restoring a snapshot from the disk tier failed")
+            return False
 
     # -- leases ---------------------------------------------------------------
-    def _acquire(self, entry: _Entry) -> None:
+    def _acquire(self, entry: Entry) -> None:
         if entry.leases == 0:
             self._lru.pop(entry, None)
-            self._leased_bytes += entry.nbytes
         entry.leases += 1
         self._num_leases += 1
         self.metrics.leases.set(self._num_leases)
@@ -292,11 +281,9 @@ class PromptCacheManager:
             entry = lease._entry
             entry.leases -= 1
             self._num_leases -= 1
-            if entry.leases == 0:
-                self._leased_bytes -= entry.nbytes
-                if entry.alive:
-                    self._lru[entry] = None  # most recently used end
-                    self._shed(entry.namespace)  # its quota shrank while it was leased
+            if entry.leases == 0 and entry.alive:
+                self._lru[entry] = None  # most recently used end
+                self._shed(entry.namespace)  # its quota shrank while it was leased
             self.metrics.leases.set(self._num_leases)
 
     # -- insert / evict -------------------------------------------------------
@@ -304,8 +291,8 @@ class PromptCacheManager:
         """If a snapshot keyed exactly ``tokens`` is stored, mark it recently used and
         return True (the caller need not build one to :meth:`insert`)."""
         with self._lock:
-            tree = self._trees.get(namespace)
-            node = tree.find(tokens) if tree is not None else None
+            group = self._groups.get(namespace)
+            node = group.tree.find(tokens) if group is not None else None
             if node is None or node.value is None:
                 return False
             if node.value.leases == 0:
@@ -315,12 +302,14 @@ class PromptCacheManager:
     def insert(self, namespace: str, tokens: Sequence[int], cache: list[Any]) -> bool:
         """Store ``cache`` as the snapshot after ``tokens``; the manager takes ownership.
 
+        Only the KV of tokens not yet held in ``namespace`` is copied into new pages;
+        the other layers are compacted (a view would pin its parent's whole buffer).
+
         Args:
             namespace: the cache group.
             tokens: the key (token ids); the snapshot covers exactly these.
-            cache: list of layer caches after exactly ``len(tokens)`` tokens. The
-                caller must not write it afterwards (hand over a
-                ``restore.safe_copy`` if you keep using yours).
+            cache: list of layer caches after exactly ``len(tokens)`` tokens (views
+                into a batch buffer are fine). The caller must not write it afterwards.
 
         Returns:
             True if stored (or the key was already stored: its recency is
@@ -328,7 +317,8 @@ class PromptCacheManager:
             bounds cannot be met without evicting leased snapshots.
 
         Raises:
-            ValueError: if a layer's ``offset`` disagrees with ``len(tokens)``.
+            ValueError: if a layer's ``offset`` disagrees with ``len(tokens)``, or its
+                paged layers differ in shape or dtype from the namespace's snapshots.
         """
         n = len(tokens)
         if n == 0:
@@ -338,41 +328,54 @@ class PromptCacheManager:
             raise ValueError(f"cache covers {off} tokens but the key has {n}")
         if self.refresh(namespace, tokens):
             return True
-        by_type = rules.nbytes_by_type(cache)
-        mx.eval(rules.cache_arrays(cache))
-        entry = _Entry(namespace, list(cache), n, by_type)
+        shape = layout(cache)
+        private = [None if is_paged(c) else c for c in cache]
+        for layer in private:
+            if layer is not None:
+                layer.state = tree_map(compact, layer.state)
+        mx.eval(rules.cache_arrays([c for c in private if c is not None]))
+        entry = Entry(namespace, private, n, rules.is_trimmable(cache))
         with self._lock:
-            tree = self._trees.setdefault(namespace, RadixTree())
-            node = tree.find(tokens)
+            group = self._groups.setdefault(namespace, Group())
+            if group.layout is None or group.tree.size == 0:
+                group.layout = shape
+            elif group.layout != shape:
+                raise ValueError("snapshot's KV layers differ in shape or dtype from the namespace's")
+            m = group.tree.match(tokens)
+            node = m.below if m.matched == n and m.below is not None and m.below.depth == n else None
             if node is not None and node.value is not None:  # raced with another insert
                 if node.value.leases == 0:
                     self._lru.move_to_end(node.value)
                 return True
-            plan = self._eviction_plan(namespace, entry.nbytes)
+            new_bytes = entry.private_bytes + token_bytes(cache) * (n - m.matched)
+            plan = self._eviction_plan(namespace, new_bytes, ancestors(m.below))
             if plan is None:
                 return False
             for victim, reason in plan:
                 self._drop(victim)
                 self.metrics.evictions.labels(reason=reason).inc()
-            node = tree.insert(tokens)
-            tree.set_value(node, entry)
+            node = group.tree.insert(tokens)
+            if node.pages is None:
+                group.add_pages(node, cache)
+            group.tree.set_value(node, entry)
             self.version += 1
             entry.node = node
             self._lru[entry] = None
-            self._bytes += entry.nbytes
             self._entries += 1
-            self._account(entry, +1)
-            return True
+            self._account(group, entry, +1)
+        if self.disk is not None:
+            self.disk.spill()  # what this insert evicted
+        return True
 
-    def _eviction_plan(self, namespace: str, nbytes: int) -> list[tuple[_Entry, str]] | None:
-        """Unleased entries to drop (LRU first, with the reason) so that a new
-        ``nbytes``-byte entry of ``namespace`` fits its group's quota and the global
-        bounds; None when that is impossible. Nothing is changed. Lock held."""
+    def _eviction_plan(self, namespace: str, nbytes: int, pinned: set[int]) -> list[tuple[Entry, str]] | None:
+        """Unleased entries to drop (LRU first, with the reason) so that ``nbytes`` more
+        bytes of ``namespace`` fit its group's quota and the global bounds, never
+        freeing the ``pinned`` nodes; None when that is impossible. Nothing is
+        changed. Lock held."""
         if nbytes > self.max_bytes or self.max_entries < 1:
             return None
-        plan: list[tuple[_Entry, str]] = []
-        chosen: set[int] = set()
-        total_b, total_e = self._bytes, self._entries
+        run = EvictionDryRun(pinned)
+        total_b, total_e = self.nbytes, self._entries
         quota = self._quotas.get(namespace)
         if quota is not None:
             group_b = self.namespace_bytes(namespace)
@@ -380,47 +383,53 @@ class PromptCacheManager:
                 if group_b + nbytes <= quota:
                     break
                 if e.namespace == namespace:
-                    plan.append((e, "quota"))
-                    chosen.add(id(e))
-                    group_b -= e.nbytes
-                    total_b -= e.nbytes
+                    freed = run.drop(e, "quota")
+                    group_b -= freed
+                    total_b -= freed
                     total_e -= 1
             if group_b + nbytes > quota:
                 return None
         for e in self._lru:
             if total_e + 1 <= self.max_entries and total_b + nbytes <= self.max_bytes:
                 break
-            if id(e) in chosen:
+            if id(e) in run.dropped:
                 continue
-            plan.append((e, "bytes" if total_b + nbytes > self.max_bytes else "entries"))
-            total_b -= e.nbytes
+            reason = "bytes" if total_b + nbytes > self.max_bytes else "entries"
+            total_b -= run.drop(e, reason)
             total_e -= 1
         if total_e + 1 > self.max_entries or total_b + nbytes > self.max_bytes:
             return None
-        return plan
+        return run.plan
 
-    def _drop(self, entry: _Entry) -> None:
-        """Remove an unleased entry from its tree and the accounting. Lock held."""
+    def _drop(self, entry: Entry, spill: bool = True) -> None:
+        """Remove an unleased entry from its tree and the accounting; with a disk tier,
+        queue it for the disk unless ``spill`` is False. Lock held."""
         assert entry.leases == 0 and entry.alive
         self._lru.pop(entry, None)
-        tree = self._trees[entry.namespace]
-        tree.remove_value(entry.node)
+        group = self._groups[entry.namespace]
+        if spill and self.disk is not None:
+            self.disk.evicted(self._spill_of(group, entry))
+        group.tree.remove_value(entry.node)  # prunes the pages no snapshot needs any more
         self.version += 1
         entry.alive = False
         entry.node = None
-        entry.cache = None
-        self._bytes -= entry.nbytes
+        entry.private = None
         self._entries -= 1
-        self._account(entry, -1)
+        self._account(group, entry, -1)
 
-    def _account(self, entry: _Entry, sign: int) -> None:
+    def _account(self, group: Group, entry: Entry, sign: int) -> None:
+        """Update totals and gauges after ``entry`` was stored (+1) or dropped (-1). Lock held."""
+        group.private_bytes += sign * entry.private_bytes
         for typ, b in entry.by_type.items():
-            g = self._gauge.setdefault((typ, entry.namespace), [0, 0])
+            g = group.by_type.setdefault(typ, [0, 0])
             g[0] += sign * b
             g[1] += sign
-            self.metrics.bytes.labels(cache_type=typ, cache_group=entry.namespace).set(g[0])
-            self.metrics.entries.labels(cache_type=typ, cache_group=entry.namespace).set(g[1])
-        self._ns_bytes[entry.namespace] = self._ns_bytes.get(entry.namespace, 0) + sign * entry.nbytes
+        ns = entry.namespace
+        for typ, (b, count) in group.by_type.items():
+            paged = group.page_bytes if typ in PAGED_CLASSES else 0
+            self.metrics.bytes.labels(cache_type=typ, cache_group=ns).set(b + paged)
+            self.metrics.entries.labels(cache_type=typ, cache_group=ns).set(count)
+        self.metrics.tokens.labels(cache_group=ns).set(group.tokens)
 
     def flush(self, namespace: str | None = None) -> int:
         """Drop every unleased snapshot of ``namespace`` (all namespaces if None).
@@ -431,59 +440,92 @@ class PromptCacheManager:
         with self._lock:
             victims = [e for e in self._lru if namespace is None or e.namespace == namespace]
             for e in victims:
-                self._drop(e)
+                self._drop(e, spill=False)
             if victims:
                 self.metrics.evictions.labels(reason="flush").inc(len(victims))
-            for ns in [ns for ns, t in self._trees.items() if t.size == 0]:
-                del self._trees[ns]
             return len(victims)
+
+    # -- disk tier --------------------------------------------------------------
+    def _spill_of(self, group: Group, entry: Entry) -> Spill:
+        """What the disk tier needs of ``entry`` (references, no copy). Lock held."""
+        return Spill(entry.namespace, group.tree.key(entry.node), path_pages(entry.node),
+                     entry.private, entry.trimmable)
+
+    def persist(self, timeout: float | None = None) -> int:
+        """Write the stored snapshots to the disk tier (a graceful shutdown), most recently
+        used first, and wait up to ``timeout`` seconds for the writes. A trimmable
+        snapshot with longer ones below it is left out (they restore it). Runs on the
+        thread that owns MLX; a no-op without a disk tier.
+
+        Returns:
+            The number of snapshots submitted.
+        """
+        if self.disk is None:
+            return 0
+        with self._lock:
+            live = [e for e in (*self._lru, *self._leased()) if e.alive]
+            spills = [self._spill_of(self._groups[e.namespace], e) for e in reversed(live)
+                      if not (e.trimmable and e.node.children)]
+        sent = self.disk.spill(spills)
+        if not self.disk.close(timeout):
+            log.warning("the disk tier did not finish its writes in %s s", timeout)
+        return sent
+
+    def _leased(self) -> list[Entry]:
+        """Entries with leases (not in the LRU). Lock held."""
+        return [n.value for g in self._groups.values() for n in g.tree.nodes()
+                if n.value is not None and n.value.leases]
 
     # -- debugging ------------------------------------------------------------
     def sanity_check(self) -> None:
-        """Assert the tree invariants (``tree.py``) and the accounting. O(entries + nodes).
+        """Assert the tree invariants (``tree.py``), the pages and the accounting. O(tree size).
 
-        Checks: bounds hold; byte/entry totals and per-(type, namespace) gauges
-        equal the sums over live entries; every unleased entry is in the LRU and no
-        leased one is; lease counts add up; each snapshot's ``offset`` equals its
-        node depth.
+        Checks: bounds hold; every non-root node holds pages covering exactly its edge,
+        and the page bytes and unique tokens per namespace equal their sums; entry,
+        byte and per-(type, namespace) totals equal the sums over live entries; every
+        unleased entry is in the LRU and no leased one is; lease counts add up; each
+        snapshot's ``offset`` equals its node depth.
 
         Raises:
             AssertionError: on the first inconsistency.
         """
         with self._lock:
-            seen: list[_Entry] = []
-            current = [""]
+            seen: list[Entry] = []
+            for ns, group in self._groups.items():
+                def check(node: Node, ns: str = ns) -> None:
+                    e = node.value
+                    assert isinstance(e, Entry) and e.alive and e.node is node
+                    assert e.namespace == ns, "entry in another namespace's tree"
+                    assert e.num_tokens == node.depth
+                    off = rules.token_count([c for c in e.private if c is not None])
+                    assert off is None or off == node.depth
+                    assert (e.leases == 0) == (e in self._lru)
+                    seen.append(e)
 
-            def check(node: Node) -> None:
-                e = node.value
-                assert isinstance(e, _Entry) and e.alive and e.node is node
-                assert e.namespace == current[0], "entry in another namespace's tree"
-                assert e.num_tokens == node.depth
-                off = rules.token_count(e.cache)
-                assert off is None or off == node.depth
-                assert (e.leases == 0) == (e in self._lru)
-                seen.append(e)
-
-            for ns, tree in self._trees.items():
-                current[0] = ns
-                tree.sanity_check(check)
+                group.tree.sanity_check(check)
+                page_bytes = tokens = 0
+                for node in group.tree.nodes():
+                    if node.parent is None:
+                        continue
+                    assert node.pages is not None and sum(p.length for p in node.pages) == len(node.edge)
+                    page_bytes += pages_bytes(node.pages)
+                    tokens += len(node.edge)
+                assert (page_bytes, tokens) == (group.page_bytes, group.tokens), f"pages of {ns}"
+                mine = [e for e in seen if e.namespace == ns]
+                assert group.private_bytes == sum(e.private_bytes for e in mine)
+                sums: dict[str, list[int]] = {}
+                for e in mine:
+                    for typ, b in e.by_type.items():
+                        s = sums.setdefault(typ, [0, 0])
+                        s[0] += b
+                        s[1] += 1
+                assert {t: g for t, g in group.by_type.items() if g != [0, 0]} == sums, f"gauges of {ns}"
             assert len(seen) == self._entries
-            assert sum(e.nbytes for e in seen) == self._bytes
-            assert sum(e.nbytes for e in seen if e.leases) == self._leased_bytes
             assert sum(e.leases for e in seen) == self._num_leases
             assert len(self._lru) == sum(1 for e in seen if e.leases == 0)
-            assert self._bytes <= self.max_bytes, "byte bound broken"
+            assert self.nbytes <= self.max_bytes, "byte bound broken"
             assert self._entries <= self.max_entries, "entry bound broken"
             for ns, q in self._quotas.items():
                 assert self.namespace_bytes(ns) <= q or all(
                     e.leases for e in seen if e.namespace == ns
                 ), f"quota of {ns} broken"
-                assert self.namespace_bytes(ns) == sum(e.nbytes for e in seen if e.namespace == ns)
-            sums: dict[tuple[str, str], list[int]] = {}
-            for e in seen:
-                for typ, b in e.by_type.items():
-                    s = sums.setdefault((typ, e.namespace), [0, 0])
-                    s[0] += b
-                    s[1] += 1
-            for key, g in self._gauge.items():
-                assert sums.get(key, [0, 0]) == g, f"gauge {key}"

@@ -12,6 +12,8 @@ Exposed names (dashboards rely on them; vLLM's ``prefix_cache_queries`` /
 - ``mlx_gateway_prompt_cache_bytes{cache_type,cache_group}`` (gauge, bytes)
 - ``mlx_gateway_prompt_cache_entries{cache_type,cache_group}`` (gauge, snapshots holding
   at least one layer of that class)
+- ``mlx_gateway_prompt_cache_tokens{cache_group}`` (gauge, unique tokens whose KV is held
+  in pages; bytes / tokens is the cost per unique token)
 - ``mlx_gateway_prompt_cache_quota_bytes{cache_group}`` (gauge, bytes; only groups with a quota)
 
 A cache group is a prefix-cache namespace: the manager's ``namespace`` argument.
@@ -57,6 +59,10 @@ class CacheMetrics:
         )
         self.entries = Gauge(
             "mlx_gateway_prompt_cache_entries", "Stored snapshots", ["cache_type", "cache_group"], registry=r
+        )
+        self.tokens = Gauge(
+            "mlx_gateway_prompt_cache_tokens", "Unique tokens whose KV the prompt cache holds",
+            ["cache_group"], registry=r,
         )
         self.quota = Gauge(
             "mlx_gateway_prompt_cache_quota_bytes", "Byte quota of a cache group", ["cache_group"], registry=r

@@ -26,7 +26,7 @@ from typing import Any
 class Node:
     """One tree node: ``edge`` (tuple of token ids from the parent), ``depth`` (tokens from root)."""
 
-    __slots__ = ("edge", "depth", "parent", "children", "value")
+    __slots__ = ("edge", "depth", "parent", "children", "value", "pages")
 
     def __init__(self, edge: tuple[int, ...], depth: int, parent: "Node | None"):
         self.edge = edge
@@ -34,6 +34,7 @@ class Node:
         self.parent = parent
         self.children: dict[int, Node] = {}
         self.value: Any = None
+        self.pages: Any = None  # the edge's data, owned by the tree's hooks (pages.py)
 
 
 class Match:
@@ -79,11 +80,19 @@ class RadixTree:
     """A token radix tree mapping token sequences to values (here: snapshot entries).
 
     Not thread-safe; the manager holds its lock around every call.
+
+    Args:
+        hooks: optional object told about edge changes, to keep per-edge data
+            (``node.pages``) in step: ``split(upper, lower, k)`` after an edge was
+            split ``k`` tokens in (``upper`` is the new node), ``merge(node, child)``
+            before a valueless ``node`` is merged into its only child, and
+            ``prune(node)`` after a dead leaf was removed.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, hooks: Any = None) -> None:
         self.root = Node((), 0, None)
         self.size = 0  # nodes holding a value
+        self.hooks = hooks
 
     # -- lookup ---------------------------------------------------------------
     def match(self, tokens: Sequence[int]) -> Match:
@@ -145,6 +154,8 @@ class RadixTree:
                 child.edge = child.edge[k:]
                 child.parent = mid
                 mid.children[child.edge[0]] = child
+                if self.hooks is not None:
+                    self.hooks.split(mid, child, k)
                 child = mid
             pos += k
             node = child
@@ -169,10 +180,14 @@ class RadixTree:
             if not node.children:
                 del parent.children[node.edge[0]]
                 node.parent = None
+                if self.hooks is not None:
+                    self.hooks.prune(node)
                 node = parent
                 continue
             if len(node.children) == 1:
                 (child,) = node.children.values()
+                if self.hooks is not None:
+                    self.hooks.merge(node, child)
                 child.edge = node.edge + child.edge
                 child.parent = parent
                 parent.children[child.edge[0]] = child

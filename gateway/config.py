@@ -27,6 +27,8 @@ class ServeConfig:
     prefill_step_size: int = 2048
     prompt_cache_bytes: int = 8 << 30
     prompt_cache_size: int = 256
+    prompt_cache_dir: Optional[str] = None
+    prompt_cache_disk_bytes: int = 32 << 30
     checkpoint_every: int = 4096
     max_body_bytes: int = 8 << 20
     max_waiting: int = 1024
@@ -114,6 +116,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="byte bound of the prefix cache, e.g. 8G (default 8G)")
     p.add_argument("--prompt-cache-size", type=int, default=d.prompt_cache_size,
                    help="entry bound of the prefix cache (default %(default)s)")
+    p.add_argument("--prompt-cache-dir", default=d.prompt_cache_dir,
+                   help="keep a disk tier of the prefix cache in this directory (created 0700): snapshots "
+                   "evicted from memory, and those held at a graceful shutdown, are written there and "
+                   "restored on a later hit, also after a restart (default: no disk tier)")
+    p.add_argument("--prompt-cache-disk-bytes", type=parse_size, default=d.prompt_cache_disk_bytes,
+                   help="byte bound of the disk tier; least recently used files go first (default 32G)")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                    help="save a prefix-cache snapshot every N prompt tokens of long prompts (default %(default)s)")
     p.add_argument("--max-body-bytes", type=parse_size, default=d.max_body_bytes,

@@ -7,7 +7,8 @@ import ipaddress
 import logging
 import os
 import threading
-from typing import Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
 
 from prometheus_client import CollectorRegistry, Info
 
@@ -15,6 +16,9 @@ from gateway.http.app import ServerState, create_app
 from gateway.config import ServeConfig
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.request_log import configure_logging
+if TYPE_CHECKING:
+    from cache.tiering import DiskLink
+
 from gateway.tenancy.tenants import TenantsFileError, TenantTable, load_tenants, open_table, single_key_table
 
 log = logging.getLogger("mlx_gateway")
@@ -76,6 +80,28 @@ def resolve_model(cfg: ServeConfig) -> tuple[str, str]:
     return str(path), DEFAULT_MODEL_ID
 
 
+def open_disk_tier(cfg: ServeConfig, path: str, tokenizer, registry) -> "DiskLink":
+    """The prefix cache's disk tier in ``cfg.prompt_cache_dir``, keyed by the identity of
+    the model at ``path`` (weights, config, tokenizer, chat template).
+
+    Raises:
+        OSError: the directory cannot be created or used (another server holds it,
+            another user owns it, no permission).
+    """
+    from mlx_lm.utils import _download
+
+    from cache.disk import DiskTier
+    from cache.disk_codec import model_identity
+    from cache.tiering import DiskLink
+
+    template = getattr(tokenizer, "chat_template", None)
+    identity = model_identity(_download(path), template if isinstance(template, str) else None)
+    tier = DiskTier(Path(cfg.prompt_cache_dir).expanduser(), cfg.prompt_cache_disk_bytes, identity, registry=registry)
+    log.info("prompt-cache disk tier: %s (%d entries, %d bytes, bound %d bytes)",
+             tier.dir, tier.num_entries, tier.nbytes, tier.max_bytes)
+    return DiskLink(tier)
+
+
 def load_into(state: ServerState, path: str) -> None:
     """Load the model and start the engine; on failure set ``state.load_error``."""
     import mlx_lm
@@ -97,6 +123,8 @@ def load_into(state: ServerState, path: str) -> None:
             log.warning("padded batches of this model do not match single requests; "
                         "prompts will only be batched when they need no padding")
         manager = PromptCacheManager(cfg.prompt_cache_bytes, cfg.prompt_cache_size, registry=state.registry)
+        if cfg.prompt_cache_dir:
+            manager.attach_disk(open_disk_tier(cfg, path, tokenizer, state.registry))
         manager.set_quotas(state.tenants.quotas())
         engine = Engine(
             model,
@@ -292,7 +320,10 @@ def serve(cfg: ServeConfig) -> None:
     try:
         server.run()
     finally:
+        from scheduler.engine import PERSIST_SECONDS
+
         if state.engine is not None:
-            state.engine.stop()
+            # A graceful stop writes the prompt cache to its disk tier first.
+            state.engine.stop(timeout=PERSIST_SECONDS + 10 if cfg.prompt_cache_dir else 10)
     if not server.started:
         raise SystemExit(3)

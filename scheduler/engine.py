@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import mlx.core as mx
-from mlx.utils import tree_map
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 from prometheus_client import CollectorRegistry
@@ -54,9 +53,8 @@ log = logging.getLogger("mlx_gateway.engine")
 _RECENT = 4096  # requests remembered in admission_log and stats.generated_by_request
 
 
-def _compact(x):
-    """A compact copy of an array (a view pins its parent's buffer); other leaves as they are."""
-    return mx.contiguous(x) if isinstance(x, mx.array) else x
+# Seconds a graceful stop waits for the prompt cache's snapshots to reach the disk tier.
+PERSIST_SECONDS = 60.0
 
 
 class EngineDead(RuntimeError):
@@ -101,6 +99,7 @@ class _Active:
     stored: int = 0  # longest prompt prefix this request stored in the prefix cache (tokens)
     fault: RowFault = field(default_factory=RowFault)
     precompute: Optional[Precompute] = None  # a next-turn precompute: no client, lowest priority
+    cache_source: str = "memory"  # where its cached prefix came from: "memory" or "disk"
 
     def error(self) -> Optional[str]:
         """Why this row must fail now (its sampler, a processor or its grammar raised), or None."""
@@ -364,10 +363,22 @@ class Engine:
             self._drain_inbox_after_stop(reason)
             self._drop_generator()
             self.precomputes.clear()
+            if self.error is None:
+                self._persist_cache()
             with self._count_lock:
                 self._waiting_count = 0
                 self._waiting_by_tenant.clear()
             self._notify_idle()
+
+    def _persist_cache(self) -> None:
+        """At a graceful stop, hand the prompt cache's snapshots to its disk tier (if any)
+        and wait for the writes (at most ``PERSIST_SECONDS``)."""
+        try:
+            n = self.prompt_cache.persist(timeout=PERSIST_SECONDS)
+            if n:
+                log.info("wrote %d prompt-cache snapshots to disk", n)
+        except Exception:
+            log.exception("writing the prompt cache to disk failed")
 
     def _drop_generator(self) -> None:
         """Close the batch generator and drop it here, so that its clean-up (it restores
@@ -519,7 +530,7 @@ class Engine:
         snapshots = list(marks)
         if not self.trimmable:  # a trimmable cache gets both from the prompt + completion snapshot
             snapshots += [*([n - 1] if n - 1 > cached else []), *([n] if n in r.checkpoints and n > cached else [])]
-        active = _Active(r, uid, lease, cached, sorted(set(snapshots)), fault=fault)
+        active = _Active(r, uid, lease, cached, sorted(set(snapshots)), fault=fault, cache_source=hit.source)
         self._active[uid] = active
         self._by_id[r.id] = active
         return active
@@ -541,7 +552,7 @@ class Engine:
         self.metrics.queue_time.labels(r.tenant).observe(time.monotonic() - r.arrival)
         if cached:
             self.precomputes.on_hit(r.namespace, r.tokens, cached)
-        self._send(r, [PromptEvent(cached), ProgressEvent(cached, len(r.tokens))])
+        self._send(r, [PromptEvent(cached, a.cache_source), ProgressEvent(cached, len(r.tokens))])
 
     # ----------------------------------------------------------------- precompute
     def _start_precompute(self) -> None:
@@ -773,8 +784,8 @@ class Engine:
         """Store ``cache`` (covering ``tokens``) for ``a``'s namespace.
 
         Caches extracted from a batch are views that pin the whole batch buffer
-        ``[B, H, T, D]``; each array is compacted first, so the snapshot holds (and the
-        byte bound counts) only its own row.
+        ``[B, H, T, D]``; the manager copies out only what it keeps (the KV of tokens it
+        does not hold yet, and the other layers compacted).
         """
         if not tokens or cache is None:
             return
@@ -782,9 +793,6 @@ class Engine:
             if self.prompt_cache.refresh(a.request.namespace, tokens):  # e.g. an exact repeat: no copy
                 a.stored = max(a.stored, min(len(tokens), len(a.request.tokens)))
                 return
-            for layer in cache:
-                layer.state = tree_map(_compact, layer.state)
-            mx.eval([layer.state for layer in cache])
             if self.prompt_cache.insert(a.request.namespace, list(tokens), cache):
                 self.stats.snapshots_saved += 1
                 a.stored = max(a.stored, min(len(tokens), len(a.request.tokens)))

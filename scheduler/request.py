@@ -42,9 +42,11 @@ class TokenEvent:
 
 @dataclass
 class PromptEvent:
-    """The request's prefill started: ``cached_tokens`` of its prompt came from the prefix cache."""
+    """The request's prefill started: ``cached_tokens`` of its prompt came from the prefix
+    cache; ``cache_source`` is ``"disk"`` when they were read from its disk tier."""
 
     cached_tokens: int
+    cache_source: str = "memory"
 
 
 @dataclass

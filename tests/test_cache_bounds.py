@@ -184,7 +184,7 @@ def test_refuse_instead_of_breaking_bounds():
     assert mgr.num_entries == 1 and mgr.match_length("kv", a + [1]) == 0
     assert sample(mgr.registry, "mlx_gateway_prompt_cache_evictions_total", reason="entries") == 1
     # a snapshot bigger than max_bytes is refused outright
-    small = PromptCacheManager(max_bytes=1000, max_entries=10)
+    small = PromptCacheManager(max_bytes=100, max_entries=10)  # one snapshot takes 608 bytes
     assert not small.insert("kv", a, make("kv", a)) and small.num_entries == 0
     with pytest.raises(ValueError):
         mgr.insert("kv", a[:5], make("kv", a))  # cache covers 19 tokens, key 5
@@ -223,7 +223,9 @@ def test_metrics_counters_and_gauges():
 
 def test_group_quota_evicts_only_its_own_group():
     reg = CollectorRegistry()
-    one = sum(layer.nbytes for layer in make("kv", list(range(10))))
+    probe = PromptCacheManager(max_bytes=1 << 20, max_entries=1)
+    probe.insert("p", list(range(10)), make("kv", list(range(10))))
+    one = probe.nbytes  # one 10-token snapshot with no prefix shared
     mgr = PromptCacheManager(max_bytes=100 * one, max_entries=100, registry=reg)
     mgr.set_quotas({"a": 3 * one})
     assert sample(reg, "mlx_gateway_prompt_cache_quota_bytes", cache_group="a") == 3 * one

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from cache import PrefillSession, PromptCacheManager
+from cache.entries import path_pages as _path_pages
 from cache.restore import cache_arrays
 from conftest import model_path
 
@@ -21,12 +22,14 @@ THREADS = 8
 
 
 def stored(mgr, ns, tokens):
-    node = mgr._trees[ns].find(tokens)
-    return node.value.cache
+    """Every array the stored snapshot keyed ``tokens`` is made of: its pages and its own layers."""
+    node = mgr._groups[ns].tree.find(tokens)
+    own = [c for c in node.value.private if c is not None]
+    return [a for p in _path_pages(node) for a in p.arrays] + cache_arrays(own)
 
 
-def frozen(cache):
-    return [np.array(a) for a in cache_arrays(cache)]
+def frozen(arrays):
+    return [np.array(a) for a in arrays]
 
 
 def run_threads(fn):

@@ -305,6 +305,7 @@ class Run:
                 self.cached = ev.cached_tokens
                 rec.queue_seconds = time.monotonic() - gen.arrival
                 rec.cached_tokens = ev.cached_tokens
+                rec.cache_source = ev.cache_source if ev.cached_tokens else None
                 m.prompt_tokens.labels(*labels).inc(prompt_len)
                 m.cached_tokens.labels(*labels).inc(ev.cached_tokens)
                 state.usage.add(tenant, prompt=prompt_len, cached=ev.cached_tokens)

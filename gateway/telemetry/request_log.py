@@ -67,6 +67,7 @@ class RequestRecord:
     stream: bool = False
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    cache_source: Optional[str] = None  # "memory" or "disk" (the prompt cache's disk tier)
     completion_tokens: int = 0
     finish_reason: Optional[str] = None
     queue_seconds: Optional[float] = None

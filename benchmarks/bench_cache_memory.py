@@ -1,0 +1,232 @@
+"""Prompt-cache memory per unique token, and restart-to-hit TTFT with the disk tier;
+prints figures, asserts nothing.
+
+Memory scenarios (each against a fresh gateway; Qwen3's real chat template, thinking on):
+
+* ``chat``: a 20-turn chat, each turn resending the history with the reply the client
+  got (next-turn precompute on, as by default).
+* ``branching``: the same chat, then turns 7 and 14 regenerated (their history
+  resent) and turn 10 edited (another user message) and continued for two turns.
+
+For each, on a dense model (qwen3, 4 layers, hidden 256) and a hybrid one (qwen3_5:
+linear-attention layers whose state is kept per snapshot), it reports the bytes the
+prompt cache holds (``mlx_gateway_prompt_cache_bytes``, all types), the conversation's
+unique tokens (the size of the token trie of every prompt sent, rendered locally
+with the same template, each followed by its reply re-encoded), and
+
+    ratio = bytes held / (unique tokens x KV bytes per token + non-paged bytes held)
+
+where non-paged bytes are the layers kept whole per snapshot (recurrent state).
+
+Restart scenario (``--disk``): a 20-turn chat on a gateway with ``--prompt-cache-dir``,
+a graceful stop (SIGTERM), a new gateway on the same directory, and the next turn: its
+cached share and TTFT, against the same next turn on the first gateway (a memory hit).
+
+Usage::
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
+        python benchmarks/bench_cache_memory.py [--turns 20] [--disk] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from bench_reuse import SYSTEM, dense_model, hybrid_model  # noqa: E402
+from scenarios import free_port, start, stream_chat, words  # noqa: E402
+
+MAX_TOKENS = 24
+
+
+def gateway(model: str, port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--port", str(port),
+            "--log-level", "WARNING", *extra]
+
+
+def kv_bytes_per_token(model: str) -> int:
+    """Bytes of full-attention KV one token takes in ``model`` (one forward of one token)."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache
+
+    m, _ = mlx_lm.load(model)
+    cache = make_prompt_cache(m)
+    m(mx.array([[1]]), cache=cache)
+    return sum(a[..., :1, :].nbytes for c in cache if type(c).__name__ == "KVCache" for a in (c.keys, c.values))
+
+
+def held(url: str) -> dict[str, float]:
+    """Sum of ``mlx_gateway_prompt_cache_bytes`` per cache type, and the tokens gauge."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        m = re.match(r'mlx_gateway_prompt_cache_bytes\{cache_group="[^"]*",cache_type="(\w+)"\} (\S+)', line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0) + float(m.group(2))
+        m = re.match(r'mlx_gateway_prompt_cache_tokens\{[^}]*\} (\S+)', line)
+        if m:
+            out["tokens"] = out.get("tokens", 0) + float(m.group(1))
+    return out
+
+
+def unique_tokens(model: str, sent: list[tuple[list[dict], str]]) -> int:
+    """Nodes of the token trie of every (prompt, reply) sent: prompt rendered with the
+    model's template, reply re-encoded."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tok = load_tokenizer(Path(model))
+    trie: dict = {}
+    count = 0
+    for messages, reply in sent:
+        ids = list(tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
+        ids += tok.encode(reply, add_special_tokens=False)
+        node = trie
+        for t in ids:
+            if t not in node:
+                node[t] = {}
+                count += 1
+            node = node[t]
+    return count
+
+
+async def play(c: httpx.AsyncClient, model: str, messages: list[dict], sent: list, think: float) -> dict:
+    r = await stream_chat(c, messages, MAX_TOKENS, model)
+    sent.append((list(messages), r["text"]))
+    await asyncio.sleep(think)
+    return r
+
+
+async def conversation(url: str, model: str, turns: int, branching: bool, think: float) -> list:
+    sent: list = []
+    messages = [{"role": "system", "content": SYSTEM}]
+    async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+        for t in range(turns):
+            messages.append({"role": "user", "content": words(25 + 7 * (t % 4), 700 + t)})
+            r = await play(c, model, messages, sent, think)
+            messages.append({"role": "assistant", "content": r["text"]})
+        if branching:
+            users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+            for turn in (7, 14):
+                await play(c, model, messages[:users[turn - 1] + 1], sent, think)
+            edited = messages[:users[9]] + [{"role": "user", "content": words(30, 9000)}]
+            for t in range(3):
+                r = await play(c, model, edited, sent, think)
+                edited = edited + [{"role": "assistant", "content": r["text"]},
+                                   {"role": "user", "content": words(20, 9100 + t)}]
+        await asyncio.sleep(1.0)  # the last next-turn precompute
+    return sent
+
+
+def memory(model: str, turns: int, branching: bool, think: float) -> dict:
+    port = free_port()
+    proc, _ = start(gateway(model, port), port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        sent = asyncio.run(conversation(url, model, turns, branching, think))
+        h = held(url)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    per_token = kv_bytes_per_token(model)
+    unique = unique_tokens(model, sent)
+    tokens = h.pop("tokens", None)
+    total = sum(h.values())
+    non_paged = total - h.get("KVCache", 0)
+    return {"bytes": total, "non_paged": non_paged, "unique_tokens": unique, "tokens_held": tokens,
+            "kv_per_token": per_token, "ratio": total / (unique * per_token + non_paged),
+            "bytes_per_unique_token": total / unique}
+
+
+async def next_turn(url: str, model: str, messages: list[dict]) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+        return await stream_chat(c, messages, MAX_TOKENS, model)
+
+
+def restart(model: str, turns: int, think: float) -> dict:
+    """Memory hit vs disk hit after a graceful restart, for the same next turn."""
+    cache_dir = Path(tempfile.mkdtemp(prefix="mlx-gateway-disk-"))
+    extra = ("--prompt-cache-dir", str(cache_dir))
+    messages = [{"role": "system", "content": SYSTEM}]
+    port = free_port()
+    proc, _ = start(gateway(model, port, *extra), port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async def chat() -> None:
+            async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+                for t in range(turns):
+                    messages.append({"role": "user", "content": words(25 + 7 * (t % 4), 700 + t)})
+                    r = await stream_chat(c, messages, MAX_TOKENS, model)
+                    messages.append({"role": "assistant", "content": r["text"]})
+                    await asyncio.sleep(think)
+        asyncio.run(chat())
+        messages.append({"role": "user", "content": words(30, 5000)})
+        memory_hit = asyncio.run(next_turn(url, model, messages))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    port = free_port()
+    proc, boot = start(gateway(model, port, *extra), port)
+    try:
+        disk_hit = asyncio.run(next_turn(f"http://127.0.0.1:{port}", model, messages))
+        again = asyncio.run(next_turn(f"http://127.0.0.1:{port}", model, messages))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return {"prompt": disk_hit["prompt"], "memory_cached": memory_hit["cached"], "disk_cached": disk_hit["cached"],
+            "memory_ttft": memory_hit["ttft"], "disk_ttft": disk_hit["ttft"], "after_ttft": again["ttft"],
+            "boot_s": boot, "disk_bytes": sum(f.stat().st_size for f in cache_dir.rglob("*") if f.is_file())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--turns", type=int, default=20)
+    ap.add_argument("--think-time", type=float, default=0.3, help="seconds between a reply and the next turn")
+    ap.add_argument("--disk", action="store_true", help="also run the restart scenario")
+    ap.add_argument("--out", type=Path, help="also write cache_memory.json and cache_memory.md here")
+    args = ap.parse_args()
+
+    rows = {}
+    for kind, model in (("dense", dense_model()), ("hybrid", hybrid_model())):
+        for branching in (False, True):
+            name = f"{'branching' if branching else 'chat'} {kind}"
+            r = rows[name] = memory(model, args.turns, branching, args.think_time)
+            print(f"{name:18s} held={r['bytes'] / 1e6:.2f} MB unique={r['unique_tokens']} tokens "
+                  f"(held {r['tokens_held']}) kv/token={r['kv_per_token']} B non-paged={r['non_paged'] / 1e6:.2f} MB "
+                  f"ratio={r['ratio']:.2f} bytes/unique token={r['bytes_per_unique_token']:.0f}", flush=True)
+    lines = ["| scenario | bytes held | unique tokens | KV bytes / token | non-paged bytes | bytes / unique token | ratio |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        lines.append(f"| {name} | {r['bytes'] / 1e6:.2f} MB | {r['unique_tokens']} | {r['kv_per_token']} | "
+                     f"{r['non_paged'] / 1e6:.2f} MB | {r['bytes_per_unique_token']:.0f} | {r['ratio']:.2f} |")
+    if args.disk:
+        r = rows["restart dense"] = restart(dense_model(), args.turns, args.think_time)
+        print(f"restart: memory hit {r['memory_cached']}/{r['prompt']} ttft={r['memory_ttft'] * 1000:.1f} ms; "
+              f"disk hit {r['disk_cached']}/{r['prompt']} ttft={r['disk_ttft'] * 1000:.1f} ms "
+              f"({r['disk_ttft'] / r['memory_ttft']:.2f}x); then {r['after_ttft'] * 1000:.1f} ms; "
+              f"boot {r['boot_s']:.1f} s; disk {r['disk_bytes'] / 1e6:.2f} MB", flush=True)
+        lines += ["", "| restart (dense, 20 turns) | prompt | cached | TTFT |", "|---|---|---|---|",
+                  f"| memory hit, before the restart | {r['prompt']} | {r['memory_cached']} | {r['memory_ttft'] * 1000:.1f} ms |",
+                  f"| disk hit, first request after it | {r['prompt']} | {r['disk_cached']} | {r['disk_ttft'] * 1000:.1f} ms |",
+                  f"| the same request again (memory) | {r['prompt']} | | {r['after_ttft'] * 1000:.1f} ms |"]
+    table = "\n".join(lines)
+    print("\n" + table)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "cache_memory.md").write_text(table + "\n")
+        (args.out / "cache_memory.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""What the prompt-cache manager stores: snapshot entries, per-namespace groups whose
+radix tree edges own KV pages, leases, and fetch results (``manager.py`` is the policy)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from . import restore as rules
+from .pages import PAGED_CLASSES, Page, cut, pages_bytes, split_pages
+from .tree import Node, RadixTree
+
+
+class Entry:
+    """One stored snapshot (internal): its node, its own (non-paged) layers, its leases.
+
+    ``private`` is the layer list with ``None`` where a layer is paged (its KV lives in
+    the pages along ``node``'s path, see ``pages.py``).
+    """
+
+    __slots__ = ("namespace", "node", "private", "num_tokens", "private_bytes", "by_type",
+                 "trimmable", "leases", "alive")
+
+    def __init__(self, namespace: str, private: list[Any], num_tokens: int, trimmable: bool):
+        self.namespace = namespace
+        self.node: Node | None = None
+        self.private = private
+        self.num_tokens = num_tokens
+        self.trimmable = trimmable
+        self.by_type = rules.nbytes_by_type([c for c in private if c is not None])
+        for c in private:
+            if c is None:
+                self.by_type.setdefault(next(iter(PAGED_CLASSES)), 0)
+        self.private_bytes = sum(self.by_type.values())
+        self.leases = 0
+        self.alive = True
+
+    def can_restore(self, wanted: int) -> bool:
+        """Can this snapshot be brought to exactly ``wanted`` tokens (``restore.py`` rules)?"""
+        return 0 < wanted <= self.num_tokens and (wanted == self.num_tokens or self.trimmable)
+
+
+class Group:
+    """One namespace: its radix tree, whose edges own pages (``pages.py``), and its totals.
+
+    Also the tree's hooks: keeps ``page_bytes`` and ``tokens`` (unique tokens with
+    pages) in step when edges are split, merged or pruned.
+    """
+
+    def __init__(self) -> None:
+        self.tree = RadixTree(hooks=self)
+        self.layout: tuple | None = None  # paged-layer signature of its snapshots
+        self.page_bytes = 0
+        self.tokens = 0
+        self.private_bytes = 0
+        self.by_type: dict[str, list[int]] = {}  # class name -> [private bytes, entries]
+
+    @property
+    def nbytes(self) -> int:
+        return self.page_bytes + self.private_bytes
+
+    def split(self, upper: Node, lower: Node, k: int) -> None:
+        upper.pages, lower.pages = split_pages(lower.pages, k)
+
+    def merge(self, node: Node, child: Node) -> None:
+        child.pages = node.pages + child.pages
+
+    def prune(self, node: Node) -> None:
+        self.page_bytes -= pages_bytes(node.pages)
+        self.tokens -= len(node.edge)
+        node.pages = None
+
+    def add_pages(self, node: Node, cache: list[Any]) -> None:
+        """Give a new leaf the pages of its edge, cut from ``cache``."""
+        node.pages = [cut(cache, node.parent.depth, node.depth)]
+        self.page_bytes += node.pages[0].nbytes
+        self.tokens += len(node.edge)
+
+
+class Lease:
+    """An opaque hold on one snapshot; pass it to :meth:`PromptCacheManager.release`."""
+
+    __slots__ = ("_entry", "id", "released")
+
+    def __init__(self, entry: Entry, lease_id: int):
+        self._entry = entry
+        self.id = lease_id
+        self.released = False
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "held"
+        return f"<Lease {self.id} {state} {self._entry.num_tokens} tokens>"
+
+
+@dataclass
+class CacheHit:
+    """Result of :meth:`PromptCacheManager.fetch`.
+
+    Attributes:
+        cache: a private copy of the layer caches restored to exactly
+            ``cached_tokens`` tokens, or None when nothing usable was found.
+        cached_tokens: tokens covered by ``cache`` (0 on a miss; ``<= len(tokens)-1``).
+        lease: the lease to release when the request no longer needs the snapshot
+            kept (None on a miss).
+        timings: seconds per phase: ``lookup``, ``copy``, ``restore``.
+        source: ``"memory"``, or ``"disk"`` when the snapshot was read from the disk
+            tier for this fetch.
+    """
+
+    cache: list[Any] | None = None
+    cached_tokens: int = 0
+    lease: Lease | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    source: str = "memory"
+
+
+def path_pages(node: Node) -> list[Page]:
+    """The pages from the root down to ``node``, in token order. Lock held."""
+    parts = []
+    while node.parent is not None:
+        parts.append(node.pages)
+        node = node.parent
+    return [p for pages in reversed(parts) for p in pages]
+
+
+def ancestors(node: Node | None) -> set[int]:
+    """Ids of ``node`` and every node above it (the path a new key hangs from)."""
+    out = set()
+    while node is not None:
+        out.add(id(node))
+        node = node.parent
+    return out
+
+
+def compact(x):
+    """A compact copy of an array (a view pins its parent's buffer); other leaves as they are."""
+    return mx.contiguous(x) if isinstance(x, mx.array) else x

@@ -1,0 +1,169 @@
+"""Paged KV storage: each radix tree edge owns the KV of its own tokens, stored once.
+
+A snapshot of ``L`` tokens used to be a whole copy of every layer's KV for tokens
+``[0, L)``, so twenty snapshots along one conversation held the shared prefix twenty
+times. Here the attention KV of a stored snapshot is split into *pages* hung on the
+prefix tree's edges: the node for tokens ``[a, b)`` of a key holds the keys and
+values of exactly those tokens for every paged layer, and every snapshot below it
+shares them. Memory is then proportional to the unique tokens in the tree, like
+SGLang's RadixAttention (``mem_cache/radix_cache.py``, a KV index range per radix
+node) and vLLM's prefix caching (refcounted blocks shared by every request with
+that prefix, copy-on-write where a branch diverges).
+
+Unlike vLLM, pages are not fixed-size blocks: MLX models attend over one contiguous
+``[B, H, T, D]`` buffer (no paged-attention kernel), so a restore concatenates pages
+anyway, and aligning pages to tree edges makes that a handful of copies instead of
+``T / block`` of them, with no partially filled last block. A page belongs to one
+node; a node's pages are freed with the node when no stored snapshot is at or below
+it (:class:`cache.tree.RadixTree` prunes it), which happens exactly once.
+
+What is paged: layers of class ``KVCache`` (full attention). Everything else is kept
+whole per snapshot, as before: recurrent state (``ArraysCache``), sliding windows
+(``RotatingKVCache``, bounded by the window), quantized or list caches.
+
+Edge operations (called by the tree, see ``RadixTree`` hooks):
+
+- split an edge at ``k`` tokens: the page containing ``k`` is cut in two, each half
+  a compact copy (a view would pin the whole old buffer and break the byte count);
+- merge a valueless node into its only child: page lists are joined, no copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+# Layer cache classes stored as pages (their state is (keys, values, offset) with
+# keys/values [1, H, >= offset, D]; mlx-lm grows them in 256-token steps).
+PAGED_CLASSES = frozenset({"KVCache"})
+
+
+class Page:
+    """KV of ``length`` consecutive tokens for every paged layer of one snapshot layout.
+
+    Attributes:
+        arrays: ``(k_0, v_0, k_1, v_1, ...)``, one pair per paged layer, each
+            ``[1, H, length, D]``, compact (own buffers, evaluated).
+        length: tokens covered.
+        nbytes: bytes of ``arrays`` (exact: no growth padding).
+    """
+
+    __slots__ = ("arrays", "length", "nbytes")
+
+    def __init__(self, arrays: tuple[mx.array, ...], length: int):
+        self.arrays = arrays
+        self.length = length
+        self.nbytes = sum(int(a.nbytes) for a in arrays)
+
+
+def is_paged(layer: Any) -> bool:
+    """True if ``layer`` (one mlx-lm layer cache) is stored as pages."""
+    return type(layer).__name__ in PAGED_CLASSES and getattr(layer, "keys", None) is not None
+
+
+def layout(cache: Sequence[Any]) -> tuple:
+    """The paged-layer signature of a snapshot: ``((layer index, k shape sans T, v shape
+    sans T, dtype), ...)``. Snapshots stored in one tree must share it."""
+    return tuple(
+        (i, tuple(c.keys.shape[:2]) + tuple(c.keys.shape[3:]),
+         tuple(c.values.shape[:2]) + tuple(c.values.shape[3:]), str(c.keys.dtype))
+        for i, c in enumerate(cache) if is_paged(c)
+    )
+
+
+def cut(cache: Sequence[Any], start: int, end: int) -> Page:
+    """A compact page of tokens ``[start, end)`` of the paged layers of ``cache``.
+
+    Args:
+        cache: a snapshot (list of layer caches) covering at least ``end`` tokens.
+        start, end: token offsets, ``0 <= start < end``.
+    """
+    arrays = []
+    for c in cache:
+        if is_paged(c):
+            arrays.append(mx.contiguous(c.keys[..., start:end, :]))
+            arrays.append(mx.contiguous(c.values[..., start:end, :]))
+    mx.eval(arrays)
+    return Page(tuple(arrays), end - start)
+
+
+def token_bytes(cache: Sequence[Any]) -> int:
+    """Bytes one token's KV takes in pages, over the paged layers of ``cache``."""
+    total = 0
+    for c in cache:
+        if is_paged(c):
+            for a in (c.keys, c.values):
+                total += a.dtype.size * a.shape[0] * a.shape[1] * (a.size // (a.shape[0] * a.shape[1] * a.shape[2]))
+    return total
+
+
+def split_pages(pages: list[Page], k: int) -> tuple[list[Page], list[Page]]:
+    """Split an edge's pages at token ``k`` (``0 < k < total``) into (first k, rest).
+
+    Only the page containing ``k`` is copied (two compact halves); the others move as
+    they are.
+    """
+    upper: list[Page] = []
+    pos = 0
+    for i, p in enumerate(pages):
+        if pos + p.length <= k:
+            upper.append(p)
+            pos += p.length
+            if pos == k:
+                return upper, list(pages[i + 1 :])
+            continue
+        a = k - pos
+        head = tuple(mx.contiguous(x[..., :a, :]) for x in p.arrays)
+        tail = tuple(mx.contiguous(x[..., a:, :]) for x in p.arrays)
+        mx.eval(head + tail)
+        return upper + [Page(head, a)], [Page(tail, p.length - a), *pages[i + 1 :]]
+    raise ValueError(f"cannot split {pos} tokens of pages at {k}")
+
+
+def pages_bytes(pages: Sequence[Page]) -> int:
+    """Bytes held by ``pages``."""
+    return sum(p.nbytes for p in pages)
+
+
+def assemble(private: Sequence[Any], path: Sequence[Page], tokens: int) -> list[Any]:
+    """Rebuild a snapshot's paged layers at ``tokens`` tokens from the pages on its path.
+
+    Args:
+        private: the snapshot's layer list as stored: its own (already safe-copied and
+            trimmed) non-paged layers, and ``None`` where a layer is paged.
+        path: the pages from the root along the snapshot's key, in token order,
+            covering at least ``tokens`` tokens.
+        tokens: tokens to restore (``> 0``).
+
+    Returns:
+        The layer list with every ``None`` replaced by a fresh ``KVCache`` holding
+        ``[1, H, tokens, D]`` keys and values (new arrays: writing them never touches a
+        page).
+    """
+    used: list[Page] = []
+    need = tokens
+    for p in path:
+        used.append(p)
+        need -= p.length
+        if need <= 0:
+            break
+    if need > 0:
+        raise ValueError(f"pages cover {tokens - need} tokens, {tokens} wanted")
+    from mlx_lm.models.cache import KVCache
+
+    out = list(private)
+    slot = 0
+    for i, layer in enumerate(out):
+        if layer is not None:
+            continue
+        ks = [p.arrays[2 * slot] for p in used]
+        vs = [p.arrays[2 * slot + 1] for p in used]
+        k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
+        v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
+        c = KVCache()
+        c.state = (k[..., :tokens, :], v[..., :tokens, :], tokens)
+        out[i] = c
+        slot += 1
+    return out

@@ -1,0 +1,123 @@
+"""DiskLink: moves snapshots between the in-memory manager and the disk tier.
+
+- Evicted snapshots are queued by the manager under its lock (``evicted``: references
+  only, no copy) and encoded on the thread that owns MLX at the next :meth:`spill`
+  (the manager calls it after each insert); the disk tier's writer thread then
+  writes the numpy copies, so decoding never waits for the disk.
+- A lookup that memory serves poorly is tried on disk (:meth:`load`): the file is
+  read, verified and decoded on the calling (engine) thread, then inserted into
+  memory like any other snapshot.
+- At a graceful shutdown the manager hands its snapshots to :meth:`spill` too
+  (``PromptCacheManager.persist``).
+
+A snapshot the disk already covers (the same key, or a longer trimmable entry) is not
+written again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from . import restore as rules
+from .disk import DiskTier
+from .disk_codec import decode_snapshot, encode_snapshot
+from .pages import Page, assemble
+
+log = logging.getLogger(__name__)
+
+# Tokens a disk entry must restore beyond the memory hit before it is read: reading a
+# file for a handful of tokens costs more than computing them.
+MIN_GAIN = 16
+
+
+@dataclass
+class Spill:
+    """A snapshot leaving memory: its key, the pages on its path and its own layers."""
+
+    namespace: str
+    tokens: list[int]
+    pages: list[Page]
+    private: list[Any]
+    trimmable: bool
+
+
+class DiskLink:
+    """The manager's side of a :class:`DiskTier` (see the module docstring).
+
+    Args:
+        tier: the disk store (owned: :meth:`close` closes it).
+    """
+
+    def __init__(self, tier: DiskTier):
+        self.tier = tier
+        self._pending: list[Spill] = []
+        self._lock = threading.Lock()
+
+    def evicted(self, spill: Spill) -> None:
+        """Queue a snapshot for :meth:`spill` (any thread; cheap: keeps references)."""
+        with self._lock:
+            self._pending.append(spill)
+
+    def covered(self, namespace: str, tokens: Sequence[int]) -> bool:
+        """True if the disk can already restore all of ``tokens``."""
+        hit = self.tier.lookup(namespace, [*tokens, -1])
+        return hit is not None and hit[1] == len(tokens)
+
+    def spill(self, extra: Sequence[Spill] = ()) -> int:
+        """Encode the queued snapshots (and ``extra``) and hand them to the writer.
+
+        Runs on the thread that owns MLX. Returns the number submitted; a snapshot that
+        fails to encode is logged and skipped.
+        """
+        with self._lock:
+            todo, self._pending = [*self._pending, *extra], []
+        sent = 0
+        for s in todo:
+            if self.covered(s.namespace, s.tokens):
+                continue
+            try:
+                cache = assemble(rules.safe_copy(s.private), s.pages, len(s.tokens))
+                arrays, meta = encode_snapshot(cache)
+            except Exception:
+                log.exception("encoding a %d-token snapshot for the disk tier failed", len(s.tokens))
+                continue
+            sent += self.tier.submit(s.namespace, s.tokens, arrays, meta, s.trimmable)
+        return sent
+
+    def load(self, namespace: str, tokens: Sequence[int], have: int) -> tuple[list[int], list[Any]] | None:
+        """Read the disk entry that restores the most of ``tokens``, if it gives at least
+        :data:`MIN_GAIN` tokens more than ``have`` (what memory restores).
+
+        Returns:
+            ``(key, cache)``: the entry's own key and its decoded layer caches (covering
+            exactly ``key``), or None (nothing better, or the file was unreadable:
+            the tier logs and deletes it).
+        """
+        found = self.tier.lookup(namespace, tokens)
+        if found is None or found[1] < have + MIN_GAIN:
+            return None
+        entry, _ = found
+        got = self.tier.read(entry)
+        if got is None:
+            return None
+        arrays, meta = got
+        try:
+            cache = decode_snapshot(arrays, meta)
+            key = [int(t) for t in self.tier.key(entry)]
+        except (ValueError, KeyError) as e:
+            log.warning("disk cache: dropping entry %s, which does not decode: %s", entry.path, e)
+            self.tier.drop(entry)
+            return None
+        return key, cache
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for the queued writes, then stop the writer.
+        False if writes were still going when the time was up."""
+        done = self.tier.flush(timeout)
+        if done:
+            self.tier.close()
+        return done
