@@ -18,6 +18,12 @@ with the same template, each followed by its reply re-encoded), and
 
 where non-paged bytes are the layers kept whole per snapshot (recurrent state).
 
+Restore cost (``restore 4K``): a 4096-token conversation stored as one snapshot per
+256-token turn, for a Qwen3-0.6B-like shape (28 layers of 8 KV heads x 128 dims,
+float16), then its 4096-token prefix fetched and merged with a 64-token row into a
+``BatchKVCache``, as admission does; against the same with the whole-copy snapshots
+held before paging (``safe_copy`` + trim of one 4096-token snapshot), median of 10.
+
 Restart scenario (``--disk``): a 20-turn chat on a gateway with ``--prompt-cache-dir``,
 a graceful stop (SIGTERM), a new gateway on the same directory, and the next turn: its
 cached share and TTFT, against the same next turn on the first gateway (a memory hit).
@@ -149,6 +155,63 @@ def memory(model: str, turns: int, branching: bool, think: float) -> dict:
             "bytes_per_unique_token": total / unique}
 
 
+def restore_cost(reps: int = 10) -> dict:
+    """Seconds to fetch a 4096-token prefix and merge it into a batch: paged vs whole copy."""
+    import statistics
+    import time
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    from cache import PromptCacheManager
+    from cache.restore import safe_copy
+
+    layers, heads, dim, n, turn = 28, 8, 128, 4096, 256
+    keys = [mx.random.normal((1, heads, n, dim)).astype(mx.float16) for _ in range(layers)]
+    mx.eval(keys)
+
+    def snap(t: int) -> list:
+        out = []
+        for k in keys:
+            c = KVCache()
+            c.update_and_fetch(k[..., :t, :], k[..., :t, :])
+            out.append(c)
+        mx.eval([c.keys for c in out])
+        return out
+
+    tokens = list(range(1, n + 1))
+    mgr = PromptCacheManager(max_bytes=1 << 34, max_entries=1000)
+    for t in range(turn, n + 1, turn):
+        mgr.insert("b", tokens[:t], snap(t))
+    whole = snap(n)
+    other = snap(64)
+
+    def merge(cache: list) -> None:
+        batch = [a.merge([a, b]) for a, b in zip(cache, safe_copy(other))]  # as mlx-lm's _merge_caches
+        mx.eval([c.keys for c in batch])
+
+    def paged() -> None:
+        hit = mgr.fetch("b", tokens + [0])
+        merge(hit.cache)
+        mgr.release(hit.lease)
+
+    def copied() -> None:
+        cache = safe_copy(whole)
+        merge(cache)
+
+    out = {}
+    for name, fn in (("paged", paged), ("whole_copy", copied)):
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        out[name] = statistics.median(times)
+    out["held_paged_bytes"] = mgr.nbytes
+    return out
+
+
 async def next_turn(url: str, model: str, messages: list[dict]) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=600) as c:
         return await stream_chat(c, messages, MAX_TOKENS, model)
@@ -205,11 +268,18 @@ def main() -> None:
             print(f"{name:18s} held={r['bytes'] / 1e6:.2f} MB unique={r['unique_tokens']} tokens "
                   f"(held {r['tokens_held']}) kv/token={r['kv_per_token']} B non-paged={r['non_paged'] / 1e6:.2f} MB "
                   f"ratio={r['ratio']:.2f} bytes/unique token={r['bytes_per_unique_token']:.0f}", flush=True)
+    rc = restore_cost()
+    print(f"restore 4K into a batch: paged {rc['paged'] * 1000:.1f} ms, whole copy {rc['whole_copy'] * 1000:.1f} ms "
+          f"({rc['paged'] / rc['whole_copy']:.2f}x)", flush=True)
     lines = ["| scenario | bytes held | unique tokens | KV bytes / token | non-paged bytes | bytes / unique token | ratio |",
              "|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         lines.append(f"| {name} | {r['bytes'] / 1e6:.2f} MB | {r['unique_tokens']} | {r['kv_per_token']} | "
                      f"{r['non_paged'] / 1e6:.2f} MB | {r['bytes_per_unique_token']:.0f} | {r['ratio']:.2f} |")
+    rows["restore 4K"] = rc
+    lines += ["", "| restore a 4096-token prefix into a batch (28 x 8 x 128, fp16) | median |", "|---|---|",
+              f"| paged (16 snapshots along the conversation) | {rc['paged'] * 1000:.1f} ms |",
+              f"| whole-copy snapshot (before paging) | {rc['whole_copy'] * 1000:.1f} ms |"]
     if args.disk:
         r = rows["restart dense"] = restart(dense_model(), args.turns, args.think_time)
         print(f"restart: memory hit {r['memory_cached']}/{r['prompt']} ttft={r['memory_ttft'] * 1000:.1f} ms; "

@@ -9,7 +9,7 @@ from typing import Any
 import mlx.core as mx
 
 from . import restore as rules
-from .pages import PAGED_CLASSES, Page, cut, pages_bytes, split_pages
+from .pages import PAGED_TYPE, Page, cut, pages_bytes, split_pages
 from .tree import Node, RadixTree
 
 
@@ -32,7 +32,7 @@ class Entry:
         self.by_type = rules.nbytes_by_type([c for c in private if c is not None])
         for c in private:
             if c is None:
-                self.by_type.setdefault(next(iter(PAGED_CLASSES)), 0)
+                self.by_type.setdefault(PAGED_TYPE, 0)
         self.private_bytes = sum(self.by_type.values())
         self.leases = 0
         self.alive = True

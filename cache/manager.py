@@ -50,7 +50,7 @@ from . import restore as rules
 from .entries import CacheHit, Entry, Group, Lease, ancestors, compact, path_pages
 from .eviction import EvictionDryRun
 from .metrics import CacheMetrics
-from .pages import PAGED_CLASSES, assemble, is_paged, layout, pages_bytes, token_bytes
+from .pages import PAGED_TYPE, assemble, is_paged, layout, pages_bytes, token_bytes
 from .tiering import DiskLink, Spill
 from .tree import Node
 
@@ -238,8 +238,8 @@ class PromptCacheManager:
                 if layer is not None and entry.num_tokens > target:
                     layer.trim(entry.num_tokens - target)
             t2 = time.perf_counter()
-            cache = assemble(own, path, target)
-            mx.eval(rules.cache_arrays(cache))
+            cache = assemble(own, path, target)  # paged layers are copied where they are used
+            mx.eval(rules.cache_arrays([c for c in own if c is not None]))
             t3 = time.perf_counter()
         except BaseException:
             self.release(lease)
@@ -426,7 +426,7 @@ class PromptCacheManager:
             g[1] += sign
         ns = entry.namespace
         for typ, (b, count) in group.by_type.items():
-            paged = group.page_bytes if typ in PAGED_CLASSES else 0
+            paged = group.page_bytes if typ == PAGED_TYPE else 0
             self.metrics.bytes.labels(cache_type=typ, cache_group=ns).set(b + paged)
             self.metrics.entries.labels(cache_type=typ, cache_group=ns).set(count)
         self.metrics.tokens.labels(cache_group=ns).set(group.tokens)

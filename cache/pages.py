@@ -34,10 +34,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 # Layer cache classes stored as pages (their state is (keys, values, offset) with
 # keys/values [1, H, >= offset, D]; mlx-lm grows them in 256-token steps).
-PAGED_CLASSES = frozenset({"KVCache"})
+PAGED_CLASSES = frozenset({"KVCache", "PagedKVCache"})
+PAGED_TYPE = "KVCache"  # the cache_type label of paged bytes in the metrics
 
 
 class Page:
@@ -138,32 +140,107 @@ def assemble(private: Sequence[Any], path: Sequence[Page], tokens: int) -> list[
         tokens: tokens to restore (``> 0``).
 
     Returns:
-        The layer list with every ``None`` replaced by a fresh ``KVCache`` holding
-        ``[1, H, tokens, D]`` keys and values (new arrays: writing them never touches a
-        page).
+        The layer list with every ``None`` replaced by a :class:`PagedKVCache` over the
+        first ``tokens`` tokens of the pages (no copy yet; see that class).
+
+    Raises:
+        ValueError: if the pages cover fewer than ``tokens`` tokens.
     """
-    used: list[Page] = []
+    used: list[tuple[Page, int]] = []  # (page, tokens of it used)
     need = tokens
     for p in path:
-        used.append(p)
-        need -= p.length
         if need <= 0:
             break
+        used.append((p, min(p.length, need)))
+        need -= p.length
     if need > 0:
         raise ValueError(f"pages cover {tokens - need} tokens, {tokens} wanted")
-    from mlx_lm.models.cache import KVCache
-
     out = list(private)
     slot = 0
     for i, layer in enumerate(out):
         if layer is not None:
             continue
-        ks = [p.arrays[2 * slot] for p in used]
-        vs = [p.arrays[2 * slot + 1] for p in used]
-        k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
-        v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
-        c = KVCache()
-        c.state = (k[..., :tokens, :], v[..., :tokens, :], tokens)
-        out[i] = c
+        ks = [p.arrays[2 * slot] if n == p.length else p.arrays[2 * slot][..., :n, :] for p, n in used]
+        vs = [p.arrays[2 * slot + 1] if n == p.length else p.arrays[2 * slot + 1][..., :n, :] for p, n in used]
+        out[i] = PagedKVCache(ks, vs)
         slot += 1
     return out
+
+
+class PagedKVCache(KVCache):
+    """A ``KVCache`` restored from pages, which copies them only once, where they are used.
+
+    ``keys`` / ``values`` (``[1, H, offset, D]``) are the pages concatenated on first
+    access. :meth:`merge` (what mlx-lm's batch generator calls to put rows into a
+    ``BatchKVCache``) writes each page straight into the batch buffer instead, so a
+    restore into a batch copies the prefix once, as restoring a whole stored copy did.
+
+    Args:
+        keys, values: the pages' arrays in token order, each ``[1, H, n_i, D]``.
+    """
+
+    def __init__(self, keys: list[mx.array], values: list[mx.array]):
+        super().__init__()
+        self._pages = (list(keys), list(values))
+        self.offset = sum(k.shape[2] for k in keys)
+
+    def _materialize(self) -> None:
+        if self._pages is not None:
+            ks, vs = self._pages
+            self._pages = None
+            self._keys = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
+            self._values = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
+
+    @property
+    def keys(self):
+        self._materialize()
+        return self._keys
+
+    @keys.setter
+    def keys(self, v):
+        self._pages = None if v is not None else getattr(self, "_pages", None)
+        self._keys = v
+
+    @property
+    def values(self):
+        self._materialize()
+        return self._values
+
+    @values.setter
+    def values(self, v):
+        self._values = v
+
+    def pieces(self) -> list[tuple[mx.array, mx.array]]:
+        """The (keys, values) pieces covering ``[0, offset)`` in order, without copying."""
+        if self._pages is not None:
+            return list(zip(*self._pages))
+        return [(self._keys[..., : self.offset, :], self._values[..., : self.offset, :])]
+
+    @classmethod
+    def merge(cls, caches: Sequence[Any]) -> BatchKVCache:
+        """Left-pad and stack row caches (``KVCache`` or paged) into one ``BatchKVCache``
+        ``[B, H, max_len, D]``, copying each page once (same result as mlx-lm's
+        ``BatchKVCache.merge``)."""
+        rows = [c.pieces() if isinstance(c, PagedKVCache) else
+                ([(c.keys[..., : c.offset, :], c.values[..., : c.offset, :])] if c.keys is not None else [])
+                for c in caches]
+        lengths = [sum(k.shape[2] for k, _ in r) for r in rows]
+        longest = max(lengths)
+        if longest == 0:
+            return BatchKVCache([0] * len(caches))
+        k0, v0 = next(r[0] for r in rows if r)
+        keys = mx.zeros((len(rows), k0.shape[1], longest, k0.shape[3]), dtype=k0.dtype)
+        values = mx.zeros((len(rows), v0.shape[1], longest, v0.shape[3]), dtype=v0.dtype)
+        padding = [longest - n for n in lengths]
+        for i, (pad, r) in enumerate(zip(padding, rows)):
+            pos = pad
+            for k, v in r:
+                n = k.shape[2]
+                keys[i : i + 1, :, pos : pos + n] = k
+                values[i : i + 1, :, pos : pos + n] = v
+                pos += n
+        batch = BatchKVCache(padding)
+        batch.keys, batch.values = keys, values
+        batch.offset += longest
+        batch._idx = longest
+        return batch

@@ -47,6 +47,7 @@ from mlx.utils import tree_flatten
 # the layer's own is_trimmable() says so; "exact": no trimming; "members": CacheList.
 RULES: dict[str, str] = {
     "KVCache": "any",
+    "PagedKVCache": "any",  # pages.py: a KVCache restored from pages
     "ConcatenateKVCache": "any",
     "RotatingKVCache": "window",
     "ArraysCache": "exact",

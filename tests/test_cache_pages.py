@@ -191,3 +191,23 @@ def test_a_snapshot_of_another_layout_is_refused():
     with pytest.raises(ValueError, match="differ"):
         mgr.insert("n", [4, 5, 6], [wide, wide])
     assert mgr.insert("other", [4, 5, 6], [wide, wide])  # another namespace has its own layout
+
+
+def test_paged_restore_merges_into_a_batch_like_mlx_lm():
+    from mlx_lm.models.cache import BatchKVCache
+
+    mgr = PromptCacheManager(max_bytes=1 << 22, max_entries=10)
+    key = list(range(1, 90))
+    for end in (30, 60, 89):  # three pages along the path
+        mgr.insert("n", key[:end], make("kv", key[:end]))
+    hit = mgr.fetch("n", key[:75] + [3])  # 75 tokens: the last page is cut
+    assert hit.cached_tokens == 75
+    plain = make("kv", list(range(500, 520)))
+    for layer, other in zip(hit.cache, plain):
+        got = type(layer).merge([layer, other])  # what mlx-lm's batch generator calls
+        want = BatchKVCache.merge([make("kv", key[:75])[0], other])
+        assert got.keys.shape == want.keys.shape == (2, 1, 75, 2)
+        assert mx.array_equal(got.keys, want.keys) and mx.array_equal(got.values, want.values)
+        assert got.left_padding.tolist() == want.left_padding.tolist() == [0, 55]
+        assert got.offset.tolist() == want.offset.tolist()
+    mgr.release(hit.lease)
