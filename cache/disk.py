@@ -4,9 +4,9 @@ The store handles only numpy arrays and bytes (``disk_codec.py`` converts mlx-lm
 layer caches on the engine thread), so its threads never touch ``mlx.core``.
 
 Layout: ``root/`` (mode 0700) holds one directory per model identity
-(``root/<identity[:32]>/``, 0700; ``disk_codec.model_identity``); a tier sees only its
+(``root/<identity[:32]>/``, 0700; ``disk_format.model_identity``); a tier sees only its
 own. An entry is ``<entry_name(group, tokens)>.safetensors`` (0600) holding the arrays,
-the caller's metadata and the reserved keys listed in ``disk_codec.py``.
+the caller's metadata and the reserved keys listed in ``disk_format.py``.
 
 Writes are atomic (the classic temp file / fsync / rename / fsync-directory sequence,
 as described for SQLite's and LMDB's crash safety and done by ``atomicwrites``): a
@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from .disk_codec import RESERVED_KEYS, build_file, entry_name, parse_file, read_file_header
+from .disk_format import RESERVED_KEYS, build_file, entry_name, parse_file, read_file_header
 from .tree import Node, RadixTree
 
 try:
@@ -112,7 +112,7 @@ class DiskTier:
         root: directory holding one subdirectory per model identity; created 0700
             (set to 0700 if it exists with other permissions).
         max_bytes: bound on the sum of this model's entry file sizes (bytes).
-        model_identity: ``disk_codec.model_identity(...)``; letters, digits, ``_-.``.
+        model_identity: ``disk_format.model_identity(...)``; letters, digits, ``_-.``.
         registry: prometheus registry for the metrics (a fresh private one if None).
         queue_limit: writes that may wait for the writer thread (more are skipped).
 

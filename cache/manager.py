@@ -49,10 +49,10 @@ from prometheus_client import CollectorRegistry
 from . import restore as rules
 from .entries import CacheHit, Entry, Group, Lease, ancestors, compact, path_pages
 from .eviction import EvictionDryRun
+from .invariants import check_manager
 from .metrics import CacheMetrics
-from .pages import PAGED_TYPE, assemble, is_paged, layout, pages_bytes, token_bytes
+from .pages import PAGED_TYPE, assemble, is_paged, layout, token_bytes
 from .tiering import DiskLink, Spill
-from .tree import Node
 
 log = logging.getLogger(__name__)
 
@@ -478,54 +478,10 @@ class PromptCacheManager:
 
     # -- debugging ------------------------------------------------------------
     def sanity_check(self) -> None:
-        """Assert the tree invariants (``tree.py``), the pages and the accounting. O(tree size).
-
-        Checks: bounds hold; every non-root node holds pages covering exactly its edge,
-        and the page bytes and unique tokens per namespace equal their sums; entry,
-        byte and per-(type, namespace) totals equal the sums over live entries; every
-        unleased entry is in the LRU and no leased one is; lease counts add up; each
-        snapshot's ``offset`` equals its node depth.
+        """Assert the tree invariants, the pages and the accounting (``invariants.py``).
 
         Raises:
             AssertionError: on the first inconsistency.
         """
         with self._lock:
-            seen: list[Entry] = []
-            for ns, group in self._groups.items():
-                def check(node: Node, ns: str = ns) -> None:
-                    e = node.value
-                    assert isinstance(e, Entry) and e.alive and e.node is node
-                    assert e.namespace == ns, "entry in another namespace's tree"
-                    assert e.num_tokens == node.depth
-                    off = rules.token_count([c for c in e.private if c is not None])
-                    assert off is None or off == node.depth
-                    assert (e.leases == 0) == (e in self._lru)
-                    seen.append(e)
-
-                group.tree.sanity_check(check)
-                page_bytes = tokens = 0
-                for node in group.tree.nodes():
-                    if node.parent is None:
-                        continue
-                    assert node.pages is not None and sum(p.length for p in node.pages) == len(node.edge)
-                    page_bytes += pages_bytes(node.pages)
-                    tokens += len(node.edge)
-                assert (page_bytes, tokens) == (group.page_bytes, group.tokens), f"pages of {ns}"
-                mine = [e for e in seen if e.namespace == ns]
-                assert group.private_bytes == sum(e.private_bytes for e in mine)
-                sums: dict[str, list[int]] = {}
-                for e in mine:
-                    for typ, b in e.by_type.items():
-                        s = sums.setdefault(typ, [0, 0])
-                        s[0] += b
-                        s[1] += 1
-                assert {t: g for t, g in group.by_type.items() if g != [0, 0]} == sums, f"gauges of {ns}"
-            assert len(seen) == self._entries
-            assert sum(e.leases for e in seen) == self._num_leases
-            assert len(self._lru) == sum(1 for e in seen if e.leases == 0)
-            assert self.nbytes <= self.max_bytes, "byte bound broken"
-            assert self._entries <= self.max_entries, "entry bound broken"
-            for ns, q in self._quotas.items():
-                assert self.namespace_bytes(ns) <= q or all(
-                    e.leases for e in seen if e.namespace == ns
-                ), f"quota of {ns} broken"
+            check_manager(self)

@@ -91,7 +91,7 @@ def open_disk_tier(cfg: ServeConfig, path: str, tokenizer, registry) -> "DiskLin
     from mlx_lm.utils import _download
 
     from cache.disk import DiskTier
-    from cache.disk_codec import model_identity
+    from cache.disk_format import model_identity
     from cache.tiering import DiskLink
 
     template = getattr(tokenizer, "chat_template", None)

@@ -24,7 +24,8 @@ import safetensors.numpy as st_numpy
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from cache.disk import DiskTier
-from cache.disk_codec import decode_snapshot, encode_snapshot, entry_name, model_identity, payload_checksum
+from cache.disk_codec import decode_snapshot, encode_snapshot
+from cache.disk_format import entry_name, model_identity, payload_checksum
 from cache.restore import is_trimmable
 
 ROOT = Path(__file__).resolve().parents[1]
