@@ -76,6 +76,7 @@ def test_metric_check_reports_unknown_names():
 
 def test_every_metric_of_dashboard_and_rules_is_exposed(tmp_path):
     overrides, keys = tenant_setup(tmp_path)
+    overrides["prompt_cache_dir"] = str(tmp_path / "prompt-cache")  # the disk tier's metrics too
     with live_server(model_path("qwen3"), **overrides) as server:
         workload(server.url, keys)
         text = server.client().get("/metrics").text
