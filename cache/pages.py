@@ -167,6 +167,20 @@ def assemble(private: Sequence[Any], path: Sequence[Page], tokens: int) -> list[
     return out
 
 
+def plain(cache: Sequence[Any]) -> list[Any]:
+    """``cache`` with every :class:`PagedKVCache` turned into a plain mlx-lm ``KVCache``
+    holding its concatenated keys and values (for code that knows only mlx-lm classes,
+    e.g. the disk codec)."""
+    out = []
+    for c in cache:
+        if isinstance(c, PagedKVCache):
+            kv = KVCache()
+            kv.state = (c.keys, c.values, c.offset)
+            c = kv
+        out.append(c)
+    return out
+
+
 class PagedKVCache(KVCache):
     """A ``KVCache`` restored from pages, which copies them only once, where they are used.
 
