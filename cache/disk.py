@@ -74,8 +74,8 @@ class DiskEntry:
         return f"<DiskEntry {self.name} {self.group!r} {self.num_tokens} tokens {self.nbytes} B>"
 
 
-def _secure_dir(path: Path) -> None:
-    """Make ``path`` a directory of this user with mode exactly 0700.
+def secure_dir(path: Path) -> None:
+    """Make ``path`` a directory of this user with mode exactly 0700 (created if missing).
 
     Raises:
         NotADirectoryError / PermissionError / OSError, naming the path.
@@ -147,9 +147,9 @@ class DiskTier:
         self._queue: queue.Queue = queue.Queue(maxsize=queue_limit)
 
         self.root = Path(root)
-        _secure_dir(self.root)
+        secure_dir(self.root)
         self.dir = self.root / ident[:32]
-        _secure_dir(self.dir)
+        secure_dir(self.dir)
         self._lock_fd = self._take_dir_lock()
         try:
             self.registry = r = registry if registry is not None else CollectorRegistry()

@@ -125,15 +125,6 @@ def path_pages(node: Node) -> list[Page]:
     return [p for pages in reversed(parts) for p in pages]
 
 
-def ancestors(node: Node | None) -> set[int]:
-    """Ids of ``node`` and every node above it (the path a new key hangs from)."""
-    out = set()
-    while node is not None:
-        out.add(id(node))
-        node = node.parent
-    return out
-
-
 def compact(x):
     """A compact copy of an array (a view pins its parent's buffer); other leaves as they are."""
     return mx.contiguous(x) if isinstance(x, mx.array) else x

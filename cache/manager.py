@@ -47,8 +47,8 @@ from mlx.utils import tree_map
 from prometheus_client import CollectorRegistry
 
 from . import restore as rules
-from .entries import CacheHit, Entry, Group, Lease, ancestors, compact, path_pages
-from .eviction import EvictionDryRun
+from .entries import CacheHit, Entry, Group, Lease, compact, path_pages
+from .eviction import EvictionDryRun, NewKey
 from .invariants import check_manager
 from .metrics import CacheMetrics
 from .pages import PAGED_TYPE, assemble, is_paged, layout, token_bytes
@@ -347,8 +347,8 @@ class PromptCacheManager:
                 if node.value.leases == 0:
                     self._lru.move_to_end(node.value)
                 return True
-            new_bytes = entry.private_bytes + token_bytes(cache) * (n - m.matched)
-            plan = self._eviction_plan(namespace, new_bytes, ancestors(m.below))
+            run = EvictionDryRun(NewKey(n, m.matched, m.below, entry.private_bytes, token_bytes(cache)))
+            plan = self._eviction_plan(namespace, run)
             if plan is None:
                 return False
             for victim, reason in plan:
@@ -367,37 +367,36 @@ class PromptCacheManager:
             self.disk.spill()  # what this insert evicted
         return True
 
-    def _eviction_plan(self, namespace: str, nbytes: int, pinned: set[int]) -> list[tuple[Entry, str]] | None:
-        """Unleased entries to drop (LRU first, with the reason) so that ``nbytes`` more
-        bytes of ``namespace`` fit its group's quota and the global bounds, never
-        freeing the ``pinned`` nodes; None when that is impossible. Nothing is
-        changed. Lock held."""
-        if nbytes > self.max_bytes or self.max_entries < 1:
+    def _eviction_plan(self, namespace: str, run: EvictionDryRun) -> list[tuple[Entry, str]] | None:
+        """Unleased entries to drop (LRU first, with the reason) so that the new snapshot
+        of ``run`` fits its group's quota and the global bounds (``run.new_bytes()``
+        grows when a drop frees the path the new key shares); None when that is
+        impossible. Nothing is changed. Lock held."""
+        if self.max_entries < 1:
             return None
-        run = EvictionDryRun(pinned)
         total_b, total_e = self.nbytes, self._entries
         quota = self._quotas.get(namespace)
         if quota is not None:
             group_b = self.namespace_bytes(namespace)
             for e in self._lru:
-                if group_b + nbytes <= quota:
+                if group_b + run.new_bytes() <= quota:
                     break
                 if e.namespace == namespace:
                     freed = run.drop(e, "quota")
                     group_b -= freed
                     total_b -= freed
                     total_e -= 1
-            if group_b + nbytes > quota:
+            if group_b + run.new_bytes() > quota:
                 return None
         for e in self._lru:
-            if total_e + 1 <= self.max_entries and total_b + nbytes <= self.max_bytes:
+            if total_e + 1 <= self.max_entries and total_b + run.new_bytes() <= self.max_bytes:
                 break
             if id(e) in run.dropped:
                 continue
-            reason = "bytes" if total_b + nbytes > self.max_bytes else "entries"
+            reason = "bytes" if total_b + run.new_bytes() > self.max_bytes else "entries"
             total_b -= run.drop(e, reason)
             total_e -= 1
-        if total_e + 1 > self.max_entries or total_b + nbytes > self.max_bytes:
+        if total_e + 1 > self.max_entries or total_b + run.new_bytes() > self.max_bytes:
             return None
         return run.plan
 

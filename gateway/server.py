@@ -80,6 +80,11 @@ def resolve_model(cfg: ServeConfig) -> tuple[str, str]:
     return str(path), DEFAULT_MODEL_ID
 
 
+class DiskTierUnusable(RuntimeError):
+    """``--prompt-cache-dir`` passed the start-up check but its tier could not be opened
+    (e.g. another server holds it)."""
+
+
 def open_disk_tier(cfg: ServeConfig, path: str, tokenizer, registry) -> "DiskLink":
     """The prefix cache's disk tier in ``cfg.prompt_cache_dir``, keyed by the identity of
     the model at ``path`` (weights, config, tokenizer, chat template).
@@ -124,7 +129,10 @@ def load_into(state: ServerState, path: str) -> None:
                         "prompts will only be batched when they need no padding")
         manager = PromptCacheManager(cfg.prompt_cache_bytes, cfg.prompt_cache_size, registry=state.registry)
         if cfg.prompt_cache_dir:
-            manager.attach_disk(open_disk_tier(cfg, path, tokenizer, state.registry))
+            try:
+                manager.attach_disk(open_disk_tier(cfg, path, tokenizer, state.registry))
+            except OSError as e:
+                raise DiskTierUnusable(f"the prompt cache's disk tier cannot be used: {e}") from e
         manager.set_quotas(state.tenants.quotas())
         engine = Engine(
             model,
@@ -154,7 +162,7 @@ def load_into(state: ServerState, path: str) -> None:
         log.info("model %s ready (context %d tokens)", state.model_id, state.context_length)
     except Exception as e:
         log.exception("loading %s failed", path)
-        state.load_error = f"loading the model failed: {e}"
+        state.load_error = str(e) if isinstance(e, DiskTierUnusable) else f"loading the model failed: {e}"
 
 
 def is_loopback(host: str) -> bool:
@@ -294,7 +302,8 @@ def serve(cfg: ServeConfig) -> None:
     background; ``/health`` answers 503 until it is ready. SIGHUP reloads ``--tenants``.
 
     Raises:
-        SystemExit: a bad tenants file or key flags, an open non-loopback host (see
+        SystemExit: a bad tenants file or key flags, a ``--prompt-cache-dir`` that cannot
+            be a private directory of this user, an open non-loopback host (see
             :func:`tenant_table`), or uvicorn could not start.
     """
     import uvicorn
@@ -307,7 +316,11 @@ def serve(cfg: ServeConfig) -> None:
     ensure_fast_blas()  # Linux CPU: re-executes with OpenBLAS preloaded, or warns (before any thread)
     try:
         tenants = tenant_table(cfg)  # refuse a bad tenants file or an open non-loopback host before any work
-    except (TenantsFileError, ValueError) as e:
+        if cfg.prompt_cache_dir:  # and a disk-tier directory that cannot be used
+            from cache.disk import secure_dir
+
+            secure_dir(Path(cfg.prompt_cache_dir).expanduser())
+    except (TenantsFileError, ValueError, OSError) as e:
         raise SystemExit(f"mlx-gateway: {e}")
     path, model_id = resolve_model(cfg)
     state = build_state(cfg, model_id, tenants)

@@ -211,3 +211,25 @@ def test_paged_restore_merges_into_a_batch_like_mlx_lm():
         assert got.left_padding.tolist() == want.left_padding.tolist() == [0, 55]
         assert got.offset.tolist() == want.offset.tolist()
     mgr.release(hit.lease)
+
+
+def test_a_new_key_sharing_a_prefix_can_evict_the_snapshot_it_branches_from():
+    one = 100 * KV_PER_TOKEN
+    mgr = PromptCacheManager(max_bytes=one + one // 2, max_entries=100)  # room for one
+    a = [7] + list(range(1000, 1099))
+    b = [7] + list(range(2000, 2099))  # shares only its first token with a
+    assert mgr.insert("g", a, make("kv", a))
+    assert mgr.insert("g", b, make("kv", b))  # a is dropped, not kept for its one shared token
+    assert mgr.match_length("g", a + [0]) == 1 and mgr.match_length("g", b + [0]) == 100
+    assert mgr.nbytes == one
+    # A key extending the stored one fits by itself even if the old snapshot has to go.
+    longer = b + list(range(3000, 3040))
+    assert mgr.insert("g", longer, make("kv", longer))
+    assert mgr.match_length("g", longer + [0]) == 140 and mgr.nbytes == 140 * KV_PER_TOKEN
+    # One diverging inside the stored edge: the whole old snapshot goes, shared part and all,
+    # and the new one pays for its full key.
+    c = longer[:60] + [5] * 41
+    assert mgr.insert("g", c, make("kv", c))
+    assert mgr.match_length("g", longer + [0]) == 60 and mgr.match_length("g", c + [0]) == 101
+    assert mgr.nbytes == 101 * KV_PER_TOKEN
+    mgr.sanity_check()
