@@ -323,6 +323,7 @@ def test_entries_of_one_cache_group_are_never_served_to_another(tmp_path):
     with live_server(model, tenants=str(tenants), prompt_cache_dir=str(cache_dir)) as s, s.client() as c:
         first = post(c, "/v1/chat/completions", chat_body("test-model", messages), headers=auth["alice"])
         messages += [{"role": "assistant", "content": answer(first)}, {"role": "user", "content": "why so?"}]
+        assert s.engine.wait_idle(30)  # the next-turn precompute is stored before the stop writes it
     assert entry_files(cache_dir)
 
     body = chat_body("test-model", messages)

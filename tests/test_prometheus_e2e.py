@@ -151,6 +151,7 @@ def test_prometheus_evaluates_dashboard_and_rules(tmp_path):
         assert e in exprs, f"the dashboard no longer has {e}"
 
     overrides, keys = tenant_setup(tmp_path)
+    overrides["prompt_cache_dir"] = str(tmp_path / "prompt-cache")  # the disk tier's panel too
     with live_server(model_path("qwen3"), **overrides) as server:
         client = server.client()
         # Before Prometheus starts: create every series, so that its first sample is this
