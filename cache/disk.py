@@ -41,6 +41,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from .disk_format import RESERVED_KEYS, build_file, entry_name, parse_file, read_file_header
+from .restore import restorable
 from .tree import Node, RadixTree
 
 try:
@@ -69,6 +70,10 @@ class DiskEntry:
     @property
     def name(self) -> str:
         return self.path.name[: -len(_SUFFIX)]
+
+    def can_restore(self, wanted: int) -> bool:
+        """Can this entry be brought to exactly ``wanted`` tokens (``restore.py`` rules)?"""
+        return restorable(self.num_tokens, wanted, self.trimmable)
 
     def __repr__(self) -> str:
         return f"<DiskEntry {self.name} {self.group!r} {self.num_tokens} tokens {self.nbytes} B>"
@@ -266,27 +271,9 @@ class DiskTier:
             shared length only if ``entry.trimmable``. O(matched tokens) plus at most
             :data:`_BELOW_SEARCH_LIMIT` subtree nodes.
         """
-        limit = len(tokens) - 1
         with self._lock:
             tree = self._trees.get(group)
-            if tree is None or limit < 1:
-                return None
-            m = tree.match(tokens)
-            best: tuple[DiskEntry, int] | None = None
-            t_below = min(m.matched, limit)  # entries at/below the divergence point
-            if m.below is not None and t_below > 0:
-                for node in tree.descendants_with_value(m.below, _BELOW_SEARCH_LIMIT):
-                    if node.depth == t_below or node.value.trimmable:
-                        best = (node.value, t_below)
-                        break
-            for node in reversed(m.path):  # whole key is a prefix of the query
-                t = min(node.depth, limit)
-                if best is not None and t <= best[1]:
-                    break
-                if t == node.depth or node.value.trimmable:
-                    best = (node.value, t)
-                    break
-            return best
+            return None if tree is None else tree.best_restore(tokens, _BELOW_SEARCH_LIMIT)
 
     def read(self, entry: DiskEntry) -> tuple[dict[str, np.ndarray], dict[str, str]] | None:
         """Load and verify ``entry``'s file (any thread).

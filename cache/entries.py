@@ -39,7 +39,7 @@ class Entry:
 
     def can_restore(self, wanted: int) -> bool:
         """Can this snapshot be brought to exactly ``wanted`` tokens (``restore.py`` rules)?"""
-        return 0 < wanted <= self.num_tokens and (wanted == self.num_tokens or self.trimmable)
+        return rules.restorable(self.num_tokens, wanted, self.trimmable)
 
 
 class Group:

@@ -75,7 +75,7 @@ class EvictionDryRun:
             and len(node.children) == self._gone_children.get(id(node), 0)
             and (node.value is None or id(node.value) in self.dropped)
         ):
-            freed += pages_bytes(node.pages or ())
+            freed += pages_bytes(node.pages)
             self.freed.add(id(node))
             self._gone_children[id(node.parent)] = self._gone_children.get(id(node.parent), 0) + 1
             node = node.parent

@@ -167,27 +167,7 @@ class PromptCacheManager:
     def _select(self, namespace: str, tokens: Sequence[int]) -> tuple[Entry, int] | None:
         """The entry and restore length giving the most tokens (<= len-1), or None. Lock held."""
         group = self._groups.get(namespace)
-        limit = len(tokens) - 1
-        if group is None or limit < 1:
-            return None
-        m = group.tree.match(tokens)
-        best: tuple[Entry, int] | None = None
-        # 1) entries at or below the divergence point share `matched` tokens.
-        t_below = min(m.matched, limit)
-        if m.below is not None and t_below > 0:
-            for node in group.tree.descendants_with_value(m.below, _BELOW_SEARCH_LIMIT):
-                if node.value.can_restore(t_below):
-                    best = (node.value, t_below)
-                    break
-        # 2) entries on the path (whole key is a prefix of the query), deepest first.
-        for node in reversed(m.path):
-            t = min(node.depth, limit)
-            if best is not None and t <= best[1]:
-                break
-            if node.value.can_restore(t):
-                best = (node.value, t)
-                break
-        return best
+        return None if group is None else group.tree.best_restore(tokens, _BELOW_SEARCH_LIMIT)
 
     def match_length(self, namespace: str, tokens: Sequence[int]) -> int:
         """Tokens :meth:`fetch` would restore now, without leasing, copying or refreshing recency."""

@@ -93,12 +93,7 @@ def cut(cache: Sequence[Any], start: int, end: int) -> Page:
 
 def token_bytes(cache: Sequence[Any]) -> int:
     """Bytes one token's KV takes in pages, over the paged layers of ``cache``."""
-    total = 0
-    for c in cache:
-        if is_paged(c):
-            for a in (c.keys, c.values):
-                total += a.dtype.size * a.shape[0] * a.shape[1] * (a.size // (a.shape[0] * a.shape[1] * a.shape[2]))
-    return total
+    return sum(a.nbytes // a.shape[2] for c in cache if is_paged(c) for a in (c.keys, c.values))
 
 
 def split_pages(pages: list[Page], k: int) -> tuple[list[Page], list[Page]]:

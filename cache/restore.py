@@ -95,11 +95,13 @@ def can_restore(cache: Sequence[Any], stored_tokens: int, wanted_tokens: int) ->
         stored_tokens: tokens the snapshot covers.
         wanted_tokens: tokens wanted (``0 < wanted_tokens``).
     """
-    if wanted_tokens <= 0 or wanted_tokens > stored_tokens:
-        return False
-    if wanted_tokens == stored_tokens:
-        return True
-    return is_trimmable(cache)
+    return restorable(stored_tokens, wanted_tokens, wanted_tokens == stored_tokens or is_trimmable(cache))
+
+
+def restorable(stored_tokens: int, wanted_tokens: int, trimmable: bool) -> bool:
+    """The rule of :func:`can_restore` for a snapshot already known to be ``trimmable``
+    or not: ``0 < wanted <= stored``, and ``wanted == stored`` unless trimmable."""
+    return 0 < wanted_tokens <= stored_tokens and (wanted_tokens == stored_tokens or trimmable)
 
 
 def safe_copy(cache: Sequence[Any]) -> list[Any]:

@@ -123,6 +123,35 @@ class RadixTree:
             return node
         return None
 
+    def best_restore(self, tokens: Sequence[int], search_limit: int = 64) -> tuple[Any, int] | None:
+        """The value whose restore gives the most of ``tokens``, capped at ``len(tokens) - 1``
+        (so at least one token is computed and logits exist), and that many tokens; or None.
+
+        Values must have ``can_restore(wanted_tokens) -> bool``. Candidates: values at or
+        below the point where ``tokens`` leaves the tree (they share ``matched`` tokens;
+        BFS, at most ``search_limit`` nodes), and values on the path, deepest first.
+        O(matched tokens + search_limit).
+        """
+        limit = len(tokens) - 1
+        if limit < 1:
+            return None
+        m = self.match(tokens)
+        best: tuple[Any, int] | None = None
+        t_below = min(m.matched, limit)
+        if m.below is not None and t_below > 0:
+            for node in self.descendants_with_value(m.below, search_limit):
+                if node.value.can_restore(t_below):
+                    best = (node.value, t_below)
+                    break
+        for node in reversed(m.path):
+            t = min(node.depth, limit)
+            if best is not None and t <= best[1]:
+                break
+            if node.value.can_restore(t):
+                best = (node.value, t)
+                break
+        return best
+
     def descendants_with_value(self, node: Node, limit: int) -> Iterator[Node]:
         """Value-holding nodes in ``node``'s subtree, shallowest first (BFS), at most ``limit`` visited."""
         queue = [node]

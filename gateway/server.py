@@ -16,10 +16,10 @@ from gateway.http.app import ServerState, create_app
 from gateway.config import ServeConfig
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.request_log import configure_logging
+from gateway.tenancy.tenants import TenantsFileError, TenantTable, load_tenants, open_table, single_key_table
+
 if TYPE_CHECKING:
     from cache.tiering import DiskLink
-
-from gateway.tenancy.tenants import TenantsFileError, TenantTable, load_tenants, open_table, single_key_table
 
 log = logging.getLogger("mlx_gateway")
 
