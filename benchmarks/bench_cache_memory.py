@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from bench_reuse import SYSTEM, dense_model, hybrid_model  # noqa: E402
-from scenarios import free_port, start, stream_chat, words  # noqa: E402
+from scenarios import distinct_prefix_tokens, free_port, start, stream_chat, words  # noqa: E402
 
 MAX_TOKENS = 24
 
@@ -95,18 +95,10 @@ def unique_tokens(model: str, sent: list[tuple[list[dict], str]]) -> int:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     tok = load_tokenizer(Path(model))
-    trie: dict = {}
-    count = 0
-    for messages, reply in sent:
-        ids = list(tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
-        ids += tok.encode(reply, add_special_tokens=False)
-        node = trie
-        for t in ids:
-            if t not in node:
-                node[t] = {}
-                count += 1
-            node = node[t]
-    return count
+    return distinct_prefix_tokens(
+        list(tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
+        + tok.encode(reply, add_special_tokens=False)
+        for messages, reply in sent)
 
 
 async def play(c: httpx.AsyncClient, model: str, messages: list[dict], sent: list, think: float) -> dict:
@@ -163,7 +155,7 @@ def restore_cost(reps: int = 10) -> dict:
     import time
 
     import mlx.core as mx
-    from mlx_lm.models.cache import BatchKVCache, KVCache
+    from mlx_lm.models.cache import KVCache
 
     from cache import PromptCacheManager
     from cache.restore import safe_copy

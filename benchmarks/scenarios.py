@@ -277,6 +277,21 @@ async def stall(url: str, model: str, streams: int = 4, long_tokens: int = 3000,
             "long_ttft": r["ttft"], "long_prompt": r["prompt"]}
 
 
+def distinct_prefix_tokens(sequences) -> int:
+    """Tokens of ``sequences`` (token id lists) counted once however many share them:
+    the nodes of their token trie."""
+    trie: dict = {}
+    count = 0
+    for seq in sequences:
+        node = trie
+        for t in seq:
+            if t not in node:
+                node[t] = {}
+                count += 1
+            node = node[t]
+    return count
+
+
 async def load(url: str, model: str, clients: int = 16, turns: int = 4) -> dict:
     """``clients`` agents at once, each a ``turns``-turn chat (a shared ~400-token system
     prompt, ~100 new tokens per turn, 32-token answers sent back in the next turn).
@@ -305,15 +320,7 @@ async def load(url: str, model: str, clients: int = 16, turns: int = 4) -> dict:
         t0 = time.monotonic()
         await asyncio.gather(*(agent(c, i) for i in range(clients)))
         wall = time.monotonic() - t0
-    trie: dict = {}
-    ideal = 0
-    for p in prompts:
-        node = trie
-        for t in p:
-            if t not in node:
-                node[t] = {}
-                ideal += 1
-            node = node[t]
+    ideal = distinct_prefix_tokens(prompts)
     res = summarize(results, wall) if results else {}
     return {"tok_s": res.get("tok_s", 0.0), "ttft_p50": res.get("ttft_p50", float("nan")),
             "ttft_p95": res.get("ttft_p95", float("nan")), "errors": clients * turns - len(results),
