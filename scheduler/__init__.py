@@ -1,7 +1,8 @@
 """Admission, batching and the engine thread that owns every MLX call."""
 
-from scheduler.engine import AdmissionRecord, Engine, EngineDead, EngineOverloaded, TenantQueueFull
+from scheduler.engine import Engine
 from scheduler.request import EngineRequest, SamplingParams
+from scheduler.rows import AdmissionRecord, EngineDead, EngineOverloaded, TenantQueueFull
 
 __all__ = [
     "AdmissionRecord", "Engine", "EngineDead", "EngineOverloaded", "EngineRequest", "SamplingParams",

@@ -1,0 +1,405 @@
+"""The running batch: mlx-lm's ``BatchGenerator`` and the requests in it (engine thread only).
+
+Batching is mlx-lm's ``BatchGenerator`` (continuous batching with left padding). A
+request's prompt is inserted as *segments* cut at its own checkpoint offsets, so
+prefill never crosses a checkpoint and each request's snapshot is extracted at exactly
+its own boundary, whatever the other rows of the batch are doing.
+
+The engine (:mod:`scheduler.engine`) decides what enters the batch and when;
+:class:`Batch` steps it and accounts for every row until it leaves.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from typing import Callable, Optional
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from cache import PromptCacheManager
+from scheduler.chunking import ChunkPlanner
+from scheduler.fairness import FairShare
+from scheduler.faults import RowFault
+from scheduler.metrics import SchedulerMetrics
+from scheduler.precompute import PrecomputeBook
+from scheduler.request import DoneEvent, EngineRequest, ErrorEvent, Event, ProgressEvent, TokenEvent
+from scheduler.rows import RECENT, EngineStats, Row
+from scheduler.sampling import greedy, make_processors, make_sampler
+
+log = logging.getLogger("mlx_gateway.engine")
+
+
+class Batch:
+    """The ``BatchGenerator`` and its rows, by uid (:attr:`active`) and by request id
+    (:attr:`by_id`); used on the engine thread only.
+
+    The generator is made by :meth:`open` and dropped by :meth:`close`, both on the
+    engine thread; a failed step replaces it with a fresh one, so read :attr:`gen` each
+    time rather than keeping it.
+
+    Args:
+        model: an mlx-lm model.
+        eos_token_ids: token ids that end a generation.
+        prompt_concurrency: prompts prefilled together (prefill batch size).
+        decode_concurrency: sequences decoded together (decode batch size).
+        prefill_step_size: the generator's initial prefill step (each step sets its own
+            from ``chunks``).
+        trimmable: the model's caches can be trimmed (fewer snapshots are needed).
+        prompt_cache: where rows restore their prefix and save their snapshots.
+        chunks: sizes each step's prefill chunk.
+        metrics, stats, precomputes: where the rows are accounted.
+        fair: charged one token per generated token of a row's tenant.
+        send: delivers events to a request's sink.
+    """
+
+    def __init__(
+        self,
+        model,
+        eos_token_ids: set[int],
+        *,
+        prompt_concurrency: int,
+        decode_concurrency: int,
+        prefill_step_size: int,
+        trimmable: bool,
+        prompt_cache: PromptCacheManager,
+        chunks: ChunkPlanner,
+        metrics: SchedulerMetrics,
+        stats: EngineStats,
+        precomputes: PrecomputeBook,
+        fair: FairShare,
+        send: Callable[[EngineRequest, list[Event]], None],
+    ):
+        self.model = model
+        self.eos_token_ids = eos_token_ids
+        self.prompt_concurrency = prompt_concurrency
+        self.decode_concurrency = decode_concurrency
+        self.prefill_step_size = prefill_step_size
+        self.trimmable = trimmable
+        self.prompt_cache = prompt_cache
+        self.chunks = chunks
+        self.metrics = metrics
+        self.stats = stats
+        self.precomputes = precomputes
+        self.fair = fair
+        self._send = send
+        self.gen: Optional[BatchGenerator] = None
+        self.active: dict[int, Row] = {}
+        self.by_id: dict[str, Row] = {}
+        self._step_prefilled_at = 0.0
+        self._rate_window = [time.monotonic(), 0, 0]  # [start, prefill tokens, decode tokens]
+
+    # ----------------------------------------------------------------- the generator
+    def open(self) -> None:
+        """Make the batch generator (on the engine thread)."""
+        self.gen = self._new_generator()
+
+    def _new_generator(self) -> BatchGenerator:
+        return BatchGenerator(
+            self.model,
+            max_tokens=1 << 30,
+            sampler=greedy,
+            completion_batch_size=self.decode_concurrency,
+            prefill_batch_size=self.prompt_concurrency,
+            prefill_step_size=self.prefill_step_size,
+        )
+
+    def close(self) -> None:
+        """Close the batch generator and drop it here, so that its clean-up (it restores
+        Metal's wired-memory limit) runs on the engine thread, not wherever the garbage
+        collector would find it."""
+        gen, self.gen = self.gen, None
+        if gen is not None:
+            try:
+                gen.close()
+            except Exception:
+                log.exception("closing the batch generator failed")
+            del gen
+
+    # ----------------------------------------------------------------- rows in and out
+    def num_prefilling(self) -> int:
+        """Rows still prefilling their prompt."""
+        return sum(1 for a in self.active.values() if not a.decoding)
+
+    def start_row(self, r: EngineRequest, extra_checkpoints=(), background: bool = False) -> Optional[Row]:
+        """Fetch ``r``'s cached prefix and put its prompt into the batch, cut into segments at
+        its checkpoints; None (``r`` failed with a 500) if that raised. A ``background``
+        row's lookup stays out of the hit-rate metrics."""
+        lease = None
+        r.timings["engine_admitted"] = time.monotonic()
+        try:
+            hit = self.prompt_cache.fetch(r.namespace, r.tokens, count=not background)
+            r.timings["engine_restored"] = time.monotonic()
+            lease, cached = hit.lease, hit.cached_tokens
+            marks = sorted({p for p in [*r.checkpoints, *extra_checkpoints] if cached < p < len(r.tokens)})
+            cuts = [cached, *marks, len(r.tokens)]
+            segments = [r.tokens[a:b] for a, b in zip(cuts, cuts[1:])]
+            stop = StopSequences([[t] for t in sorted(self.eos_token_ids)])
+            fault = RowFault()
+            processors = make_processors(r.params) + ([r.mask] if r.mask is not None else [])
+            (uid,) = self.gen.insert_segments(
+                [segments],
+                max_tokens=[r.params.max_tokens],
+                caches=[hit.cache],
+                all_tokens=[list(r.tokens[:cached])],
+                samplers=[fault.sampler(make_sampler(r.params))],
+                logits_processors=[fault.processors(processors)],
+                stop_sequences=[stop],
+            )
+        except Exception as e:
+            self.prompt_cache.release(lease)
+            log.exception("request %s could not be admitted", r.id)
+            self._send(r, [ErrorEvent(500, f"could not start the request: {e}")])
+            return None
+        # Caches that cannot be trimmed also get a snapshot where the final one-token
+        # segment starts, len-1 (exact repeats), and at len right after prefill when the
+        # next turn shares the whole prompt.
+        n = len(r.tokens)
+        snapshots = list(marks)
+        if not self.trimmable:  # a trimmable cache gets both from the prompt + completion snapshot
+            snapshots += [*([n - 1] if n - 1 > cached else []), *([n] if n in r.checkpoints and n > cached else [])]
+        active = Row(r, uid, lease, cached, sorted(set(snapshots)), fault=fault, cache_source=hit.source)
+        self.active[uid] = active
+        self.by_id[r.id] = active
+        return active
+
+    def _finish_precompute(self, a: Row) -> None:
+        """``a``'s prefix is stored (or could not be): take it out of the batch."""
+        self.gen.remove([a.uid])
+        self._finish(a, DoneEvent("stop"))  # its sink discards events
+        if a.stored >= len(a.request.tokens):
+            self.precomputes.stored(a.precompute, a.cached)
+        else:
+            self.precomputes.outcome("failed")
+
+    def preempt_precomputes(self) -> None:
+        """A request waits: drop every precompute in the batch now (its finished chunks are
+        lost; at most one chunk of work delayed the request)."""
+        for a in [a for a in self.active.values() if a.precompute is not None]:
+            self.gen.remove([a.uid])
+            self._finish(a, DoneEvent("cancelled"))  # its sink discards events
+            self.precomputes.outcome("preempted")
+
+    def cancel(self, request_id: str, reason: str) -> bool:
+        """End the row of ``request_id`` with a :class:`DoneEvent` whose finish reason is
+        ``reason``; False if no such row runs. The caller counts the early end."""
+        a = self.by_id.get(request_id)
+        if a is None:
+            return False
+        # A complete answer is cached like any other; so is a cancelled one's prompt on a
+        # trimmable cache, which keeps no len-1 snapshot (a client's regenerate is often a
+        # cancel and the same prompt again).
+        if a.decoding and (reason == "stop" or self.trimmable):
+            try:
+                extracted = self.gen.extract_cache([a.uid]).get(a.uid)
+            except Exception:
+                log.exception("extracting the cache of request %s failed", a.request.id)
+                extracted = None
+            if extracted is not None:
+                self._save_snapshot(a, extracted[1], extracted[0])
+        self.gen.remove([a.uid])
+        self._finish(a, DoneEvent(reason, max(0, a.stored - a.cached)))
+        return True
+
+    def _finish(self, a: Row, event: Event, before: Optional[list[Event]] = None) -> None:
+        """Drop ``a`` from the engine, release its lease, send ``before`` then ``event``."""
+        self.active.pop(a.uid, None)
+        self.by_id.pop(a.request.id, None)
+        self.prompt_cache.release(a.lease)
+        a.lease = None
+        self._send(a.request, [*(before or []), event])
+
+    def drop_all(self, reason: str) -> None:
+        """The engine stops: end every row with a 503 ``reason`` and release its lease."""
+        for a in list(self.active.values()):
+            self._send(a.request, [ErrorEvent(503, reason)])
+            self.prompt_cache.release(a.lease)
+        self.active.clear()
+        self.by_id.clear()
+
+    # ----------------------------------------------------------------- stepping
+    def step(self) -> None:
+        """Run one step of the generator (a prefill chunk and/or one decoded token per
+        row) and account for it: progress, snapshots, tokens, finished and failed rows."""
+        prefilling = self.num_prefilling()
+        decoding = len(self.active) - prefilling
+        if prefilling and not decoding and all(a.precompute is not None for a in self.active.values()):
+            chunk = self.chunks.idle_chunk(prefilling)  # preemptible: a request waits at most one chunk
+        else:
+            chunk = self.chunks.next_chunk(prefilling, decoding)
+        self.gen.prefill_step_size = chunk
+        tic = time.perf_counter()
+        try:
+            prompt_responses, gen_responses = self.gen.next()
+        except Exception as e:
+            self._fail_batch(e)
+            return
+        seconds = time.perf_counter() - tic
+        self._step_prefilled_at = time.monotonic()  # the step's prompts are in the cache now
+        self.stats.steps += 1
+        if prefilling:
+            self.metrics.prefill_batch.observe(prefilling)
+            self.stats.max_prefill_batch = max(self.stats.max_prefill_batch, prefilling)
+        if decoding:
+            self.metrics.decode_batch.observe(decoding)
+            self.stats.max_decode_batch = max(self.stats.max_decode_batch, decoding)
+        prefilled = 0
+        for pr in prompt_responses:
+            a = self.active.get(pr.uid)
+            if a is not None:
+                prefilled += self._on_prompt_progress(a, pr)
+        self.chunks.record(chunk, prefilled, decoding, seconds)
+        self._fail_faulty_rows()
+        events: dict[int, list[Event]] = {}
+        for gr in gen_responses:
+            a = self.active.get(gr.uid)
+            if a is None:
+                continue
+            try:
+                events.setdefault(gr.uid, []).append(self._token_event(a, gr))
+            except Exception as e:
+                log.exception("request %s failed while decoding", a.request.id)
+                self._fail_row(a, f"decoding failed: {e}")
+                events.pop(gr.uid, None)
+                continue
+            if gr.finish_reason is not None:
+                self._save_snapshot(a, gr.all_tokens, gr.prompt_cache)
+                self.stats.finished += 1
+                self._finish(a, DoneEvent(gr.finish_reason, max(0, a.stored - a.cached)), events.pop(gr.uid))
+        for uid, evs in events.items():
+            a = self.active.get(uid)
+            if a is not None:
+                self._send(a.request, evs)
+
+    def _fail_row(self, a: Row, message: str) -> None:
+        """Take ``a`` out of the batch and end it with a 500 ``message``; the other rows go on."""
+        self.gen.remove([a.uid])
+        self._count_failure(a)
+        self._finish(a, ErrorEvent(500, message))
+
+    def _count_failure(self, a: Row) -> None:
+        if a.precompute is not None:
+            self.precomputes.outcome("failed")
+        else:
+            self.stats.failed += 1
+
+    def _fail_faulty_rows(self) -> None:
+        """Fail, alone, each row whose sampler, processors or grammar raised this step;
+        its pending token (sampled by the broken callable) is never sent."""
+        for a in list(self.active.values()):
+            reason = a.error()
+            if reason is None:
+                continue
+            log.error("request %s failed: %s", a.request.id, reason)
+            self._fail_row(a, reason)
+
+    def update_rates(self, idle: bool) -> None:
+        """Publish prefill/decode tokens per second once a second of work has passed;
+        0 when the engine goes idle."""
+        start, pre, dec = self._rate_window
+        now = time.monotonic()
+        if idle:
+            self.metrics.prefill_rate.set(0)
+            self.metrics.decode_rate.set(0)
+            self._rate_window = [now, 0, 0]
+        elif now - start >= 1.0:
+            self.metrics.prefill_rate.set(pre / (now - start))
+            self.metrics.decode_rate.set(dec / (now - start))
+            self._rate_window = [now, 0, 0]
+
+    def _token_event(self, a: Row, gr) -> TokenEvent:
+        if not a.generated:
+            a.request.timings["engine_first_token"] = time.monotonic()
+        a.generated += 1
+        self.stats.decode_tokens += 1
+        recent = self.stats.generated_by_request
+        recent[a.request.id] = a.generated
+        if len(recent) > RECENT:
+            del recent[next(iter(recent))]
+        self.metrics.decode_tokens.inc()
+        self.metrics.work.labels(a.request.tenant).inc()
+        self.fair.charge(a.request.tenant, 1, a.request.weight)
+        self._rate_window[2] += 1
+        p = a.request.params
+        if not p.logprobs:
+            return TokenEvent(gr.token)
+        lp = gr.logprobs
+        chosen = lp[gr.token].item()
+        top = None
+        if p.top_logprobs:
+            k = min(p.top_logprobs, lp.shape[-1])
+            idx = mx.argpartition(-lp, k - 1)[:k]
+            vals = lp[idx]
+            order = mx.argsort(-vals)
+            top = list(zip(idx[order].tolist(), vals[order].tolist()))
+        return TokenEvent(gr.token, chosen, top)
+
+    def _on_prompt_progress(self, a: Row, pr) -> int:
+        """Account ``a``'s prefill progress; returns the prompt tokens prefilled this step."""
+        done = pr.progress[0] if isinstance(pr.progress, tuple) else 0
+        delta = max(0, done - a.processed)
+        if done > a.processed:
+            self.stats.prefill_tokens += done - a.processed
+            self.metrics.prefill_tokens.inc(done - a.processed)
+            self._rate_window[1] += done - a.processed
+            a.processed = done
+            if not pr.end_of_prompt:
+                self._send(a.request, [ProgressEvent(a.cached + done, len(a.request.tokens))])
+        position = a.cached + a.processed
+        if pr.end_of_prompt:
+            a.request.timings["engine_prefilled"] = self._step_prefilled_at
+            a.decoding = True
+            self.prompt_cache.release(a.lease)
+            a.lease = None
+            # The row's cache now holds exactly the prompt (its first token is sampled,
+            # not yet fed back): the moment for a checkpoint at len(prompt).
+            position = len(a.request.tokens)
+        if (pr.end_of_segment or pr.end_of_prompt) and position in a.pending_snapshots:
+            a.pending_snapshots = [p for p in a.pending_snapshots if p > position]
+            try:
+                extracted = self.gen.extract_cache([a.uid]).get(a.uid)
+            except Exception as e:  # fails this request alone
+                log.exception("extracting the cache of request %s failed", a.request.id)
+                self._fail_row(a, f"saving its prompt cache failed: {e}")
+                return delta
+            if extracted is not None:
+                cache, tokens = extracted
+                self._save_snapshot(a, tokens, cache)
+        if pr.end_of_prompt and a.precompute is not None:
+            self._finish_precompute(a)
+        return delta
+
+    def _save_snapshot(self, a: Row, tokens, cache) -> None:
+        """Store ``cache`` (covering ``tokens``) for ``a``'s namespace.
+
+        Caches extracted from a batch are views that pin the whole batch buffer
+        ``[B, H, T, D]``; the manager copies out only what it keeps (the KV of tokens it
+        does not hold yet, and the other layers compacted).
+        """
+        if not tokens or cache is None:
+            return
+        try:
+            if self.prompt_cache.refresh(a.request.namespace, tokens):  # e.g. an exact repeat: no copy
+                a.stored = max(a.stored, min(len(tokens), len(a.request.tokens)))
+                return
+            if self.prompt_cache.insert(a.request.namespace, list(tokens), cache):
+                self.stats.snapshots_saved += 1
+                a.stored = max(a.stored, min(len(tokens), len(a.request.tokens)))
+        except Exception:
+            log.exception("saving a snapshot for request %s failed", a.request.id)
+
+    def _fail_batch(self, error: Exception) -> None:
+        """A batch step raised: fail the requests in it, start a fresh batch, keep serving."""
+        log.error("engine step failed; failing %d requests:\n%s", len(self.active), traceback.format_exc())
+        self.metrics.engine_errors.inc()
+        for a in list(self.active.values()):
+            self._count_failure(a)
+            self._finish(a, ErrorEvent(500, f"engine step failed: {error}"))
+        self.close()
+        self.open()
+        # MLX's global PRNG key may now be an array of the failed graph, which would fail
+        # every later unseeded sample: start a fresh key.
+        mx.random.seed(int.from_bytes(os.urandom(4), "little"))

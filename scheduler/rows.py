@@ -1,0 +1,139 @@
+"""The engine's data types: a running request's row, the stats and admission records
+it keeps, and the waiting counts behind the errors :meth:`Engine.submit
+<scheduler.engine.Engine.submit>` raises."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from scheduler.faults import RowFault
+from scheduler.precompute import Precompute
+from scheduler.request import EngineRequest
+
+RECENT = 4096  # requests remembered in admission_log and stats.generated_by_request
+
+
+class EngineDead(RuntimeError):
+    """The engine thread has stopped; no request can be served (HTTP 503)."""
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full (HTTP 503 with Retry-After)."""
+
+
+class TenantQueueFull(RuntimeError):
+    """The tenant already has ``max_queued`` requests waiting (HTTP 429 with Retry-After)."""
+
+
+class WaitingCounts:
+    """Requests submitted and not yet admitted or cancelled, in all (:attr:`total`) and
+    per tenant; thread-safe."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._by_tenant: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, request: EngineRequest, max_waiting: int) -> None:
+        """Count ``request`` as waiting.
+
+        Raises:
+            EngineOverloaded: ``max_waiting`` requests are already waiting.
+            TenantQueueFull: ``request.max_queued`` requests of its tenant are waiting.
+        """
+        t = request.tenant
+        with self._lock:
+            if self.total >= max_waiting:
+                raise EngineOverloaded(f"{self.total} requests are already waiting")
+            mine = self._by_tenant.get(t, 0)
+            if request.max_queued is not None and mine >= request.max_queued:
+                raise TenantQueueFull(f"{mine} requests of this tenant are already waiting")
+            self.total += 1
+            self._by_tenant[t] = mine + 1
+
+    def remove(self, request: EngineRequest) -> None:
+        """``request`` no longer waits (admitted or cancelled)."""
+        with self._lock:
+            self.total -= 1
+            left = self._by_tenant.get(request.tenant, 1) - 1
+            if left > 0:
+                self._by_tenant[request.tenant] = left
+            else:
+                self._by_tenant.pop(request.tenant, None)
+
+    def clear(self) -> None:
+        """Nothing waits any more (the engine stopped)."""
+        with self._lock:
+            self.total = 0
+            self._by_tenant.clear()
+
+
+@dataclass(frozen=True)
+class AdmissionRecord:
+    """One admission, as the scheduler decided it (tokens).
+
+    ``work`` is the uncached prompt tokens charged to the tenant at admission.
+    """
+
+    request_id: str
+    tenant: str
+    prompt_tokens: int
+    cached_tokens: int
+
+    @property
+    def work(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass
+class Row:
+    """One request in the running batch (``uid`` is its row in the ``BatchGenerator``).
+
+    ``lease`` pins its restored cache entry until prefill ends; ``cached`` is the prompt
+    tokens restored from the prefix cache and ``processed`` those prefilled since;
+    ``pending_snapshots`` are the absolute prompt offsets (tokens) where it will still
+    save a snapshot.
+    """
+
+    request: EngineRequest
+    uid: int
+    lease: Any
+    cached: int
+    pending_snapshots: list[int]
+    processed: int = 0
+    generated: int = 0
+    decoding: bool = False
+    stored: int = 0  # longest prompt prefix this request stored in the prefix cache (tokens)
+    fault: RowFault = field(default_factory=RowFault)
+    precompute: Optional[Precompute] = None  # a next-turn precompute: no client, lowest priority
+    cache_source: str = "memory"  # where its cached prefix came from: "memory" or "disk"
+
+    def error(self) -> Optional[str]:
+        """Why this row must fail now (its sampler, a processor or its grammar raised), or None."""
+        if self.fault.error is not None:
+            return f"sampling failed: {self.fault.error}"
+        mask = self.request.mask
+        if mask is not None and mask.error is not None:
+            return f"constrained decoding failed: {mask.error}"
+        return None
+
+
+@dataclass
+class EngineStats:
+    """Counters read by tests and benchmarks (tokens unless noted)."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    cached_tokens: int = 0
+    admitted: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    steps: int = 0
+    snapshots_saved: int = 0
+    grouping_saved_tokens: int = 0
+    max_prefill_batch: int = 0
+    max_decode_batch: int = 0
+    generated_by_request: dict[str, int] = field(default_factory=dict)  # last 4096 requests
