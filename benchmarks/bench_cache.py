@@ -34,6 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cache import PrefillSession, PromptCacheManager, safe_copy  # noqa: E402
 from tests.conftest import model_path  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scenarios import timed  # noqa: E402
+
 
 def prompt_tokens(tok, n: int, seed: int) -> list[int]:
     import random
@@ -44,15 +47,6 @@ def prompt_tokens(tok, n: int, seed: int) -> list[int]:
     while len(out) < n:
         out.extend(tok.encode(" ".join(rng.choice(words) for _ in range(400)), add_special_tokens=False))
     return out[:n]
-
-
-def timed(fn, reps):
-    times, res = [], None
-    for _ in range(reps):
-        t = time.perf_counter()
-        res = fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), res
 
 
 def bench_ttft(model, tok, n: int, reps: int) -> None:

@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from bench_reuse import SYSTEM, dense_model, hybrid_model  # noqa: E402
-from scenarios import distinct_prefix_tokens, free_port, start, stream_chat, words  # noqa: E402
+from scenarios import distinct_prefix_tokens, free_port, start, stream_chat, timed, words  # noqa: E402
 
 MAX_TOKENS = 24
 
@@ -151,8 +151,6 @@ def memory(model: str, turns: int, branching: bool, think: float) -> dict:
 
 def restore_cost(reps: int = 10) -> dict:
     """Seconds to fetch a 4096-token prefix and merge it into a batch: paged vs whole copy."""
-    import statistics
-    import time
 
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
@@ -195,13 +193,7 @@ def restore_cost(reps: int = 10) -> dict:
 
     out = {}
     for name, fn in (("paged", paged), ("whole_copy", copied)):
-        fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        out[name] = statistics.median(times)
+        out[name] = timed(fn, reps, warmup=True)[0]
     out["held_paged_bytes"] = mgr.nbytes
     return out
 

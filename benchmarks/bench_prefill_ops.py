@@ -24,24 +24,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scenarios import medium_model, timed  # noqa: E402
 
 
 def best_ms(fn, reps: int = 7) -> float:
     """Fastest of ``reps`` runs of ``fn`` after one warm-up (milliseconds)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * min(times)
+    return 1e3 * timed(fn, reps, warmup=True, stat=min)[0]
 
 
 def main() -> None:
@@ -53,7 +47,6 @@ def main() -> None:
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    from scenarios import medium_model
 
     model, _ = load(args.model or medium_model())
     ctx, n = args.context, args.new

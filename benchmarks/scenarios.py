@@ -57,6 +57,19 @@ def words(n: int, seed: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
+def timed(fn, reps: int, warmup: bool = False, stat=statistics.median):
+    """Run ``fn`` ``reps`` times (after one untimed call if ``warmup``); returns
+    (``stat`` of the wall times in seconds, the last result)."""
+    if warmup:
+        fn()
+    times, res = [], None
+    for _ in range(reps):
+        t = time.perf_counter()
+        res = fn()
+        times.append(time.perf_counter() - t)
+    return stat(times), res
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
