@@ -226,10 +226,12 @@ class PagedKVCache(KVCache):
         return [(self._keys[..., : self.offset, :], self._values[..., : self.offset, :])]
 
     @classmethod
-    def merge(cls, caches: Sequence[Any]) -> BatchKVCache:
+    def merge(cls, caches: Sequence[Any], room: int = 0) -> BatchKVCache:
         """Left-pad and stack row caches (``KVCache`` or paged) into one ``BatchKVCache``
-        ``[B, H, max_len, D]``, copying each page once (same result as mlx-lm's
-        ``BatchKVCache.merge``)."""
+        ``[B, H, T, D]``, copying each page once. ``room=0`` gives mlx-lm's
+        ``BatchKVCache.merge`` (``T = max_len``); ``room > 0`` leaves space for that many
+        more tokens (``T`` rounded up to the cache's 256-token step), so the next
+        ``update_and_fetch`` writes in place instead of reallocating the whole batch."""
         rows = [c.pieces() if isinstance(c, PagedKVCache) else
                 ([(c.keys[..., : c.offset, :], c.values[..., : c.offset, :])] if c.keys is not None else [])
                 for c in caches]
@@ -238,8 +240,10 @@ class PagedKVCache(KVCache):
         if longest == 0:
             return BatchKVCache([0] * len(caches))
         k0, v0 = next(r[0] for r in rows if r)
-        keys = mx.zeros((len(rows), k0.shape[1], longest, k0.shape[3]), dtype=k0.dtype)
-        values = mx.zeros((len(rows), v0.shape[1], longest, v0.shape[3]), dtype=v0.dtype)
+        step = BatchKVCache.step
+        size = -(-(longest + room) // step) * step if room > 0 else longest
+        keys = mx.zeros((len(rows), k0.shape[1], size, k0.shape[3]), dtype=k0.dtype)
+        values = mx.zeros((len(rows), v0.shape[1], size, v0.shape[3]), dtype=v0.dtype)
         padding = [longest - n for n in lengths]
         for i, (pad, r) in enumerate(zip(padding, rows)):
             pos = pad

@@ -18,11 +18,12 @@ import traceback
 from typing import Callable, Optional
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.generate import StopSequences
 
 from cache import PromptCacheManager
 from scheduler.chunking import ChunkPlanner
 from scheduler.fairness import FairShare
+from scheduler.generator import JoiningBatchGenerator
 from scheduler.faults import RowFault
 from scheduler.metrics import SchedulerMetrics
 from scheduler.precompute import PrecomputeBook
@@ -86,7 +87,7 @@ class Batch:
         self.precomputes = precomputes
         self.fair = fair
         self._send = send
-        self.gen: Optional[BatchGenerator] = None
+        self.gen: Optional[JoiningBatchGenerator] = None
         self.active: dict[int, Row] = {}
         self.by_id: dict[str, Row] = {}
         self._step_prefilled_at = 0.0
@@ -97,8 +98,8 @@ class Batch:
         """Make the batch generator (on the engine thread)."""
         self.gen = self._new_generator()
 
-    def _new_generator(self) -> BatchGenerator:
-        return BatchGenerator(
+    def _new_generator(self) -> JoiningBatchGenerator:
+        return JoiningBatchGenerator(
             self.model,
             max_tokens=1 << 30,
             sampler=greedy,

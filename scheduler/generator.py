@@ -1,0 +1,225 @@
+"""mlx-lm's ``BatchGenerator`` with rows that join the decode forward.
+
+mlx-lm moves a row from prompt processing to decoding by copying the prompt batch
+(``PromptProcessingBatch.split`` deep-copies every row's cache), running a forward of
+its own for the rows' last prompt token (``GenerationBatch.__init__``), then
+concatenating their caches onto the decode batch. On a warm hit, where all but one
+prompt token is cached, that extra forward and those copies are most of the time to
+first token (issue 13's per-phase breakdown: ``first_decode``).
+
+:class:`JoiningBatchGenerator` instead adds such rows to the decode batch *before* its
+step, with their last prompt token as their input: the step's forward computes their
+first token together with everyone else's next one. A row inserted with only that token
+left (a prefix-cache hit of ``len - 1`` tokens) never enters the prompt batch; a whole
+prompt batch that finishes together is moved, not copied. The tokens computed are the
+same: the last prompt token is fed once, through the same model call, in a left-padded
+batch like every other decode step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch, _extend_cache, _merge_caches
+from mlx_lm.models.cache import KVCache, TokenBuffer
+
+from cache.pages import PagedKVCache
+
+
+def merge_with_room(caches: list[list]) -> list:
+    """Per layer, one batch cache of the per-sequence ``caches`` (``B`` lists, one cache
+    per layer each), like mlx-lm's ``_merge_caches``, except that ``KVCache`` layers
+    (plain or paged) become a ``BatchKVCache`` ``[B, H, T, D]`` with room for the next
+    token, so the decode step that follows writes in place instead of reallocating it."""
+    merged = []
+    for layer in range(len(caches[0])):
+        per_row = [c[layer] for c in caches]
+        if all(isinstance(c, KVCache) for c in per_row):
+            merged.append(PagedKVCache.merge(per_row, room=1))
+        else:
+            merged.append(_merge_caches([[c] for c in per_row])[0])
+    return merged
+
+
+class JoiningGenerationBatch(GenerationBatch):
+    """mlx-lm's decode batch, plus :meth:`join`: rows whose pending input is their last
+    prompt token. Such a row's first step returns no response (its input is not a
+    generated token); the token that step samples is its first one."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._fresh = [False] * len(self.uids)
+
+    @classmethod
+    def empty(cls, model, fallback_sampler) -> "JoiningGenerationBatch":
+        return cls(model=model, fallback_sampler=fallback_sampler, uids=[], inputs=mx.array([], dtype=mx.uint32),
+                   prompt_cache=[], tokens=[], samplers=[], logits_processors=[], max_tokens=[], stop_sequences=[])
+
+    def join(self, uids, caches: list, last_tokens: list[int], tokens, samplers, logits_processors,
+             stop_sequences, max_tokens) -> None:
+        """Add rows decoding from their last prompt token.
+
+        Args:
+            caches: per layer, the rows' batch cache (their prompt minus its last token).
+            last_tokens: each row's last prompt token, its input in the next step.
+            tokens: each row's tokens in its cache (the context of logits processors).
+            samplers, logits_processors, stop_sequences, max_tokens: per row, as in mlx-lm.
+        """
+        self.uids.extend(uids)
+        self.prompt_cache = _extend_cache(self.prompt_cache, caches)
+        self.tokens.extend(tokens)
+        self.samplers.extend(samplers)
+        self.logits_processors.extend(logits_processors)
+        self.stop_sequences.extend(stop_sequences)
+        self.max_tokens.extend(max_tokens)
+        last = mx.array(last_tokens, dtype=mx.uint32)
+        pending = self._next_tokens
+        self._next_tokens = last if pending is None or pending.size == 0 else mx.concatenate([pending, last])
+        self._next_logprobs.extend(mx.zeros((1,)) for _ in uids)  # not reported
+        self._token_context.extend(TokenBuffer(t) for t in tokens)
+        self._num_tokens.extend(0 for _ in uids)
+        self._matchers.extend(ss.matcher() for ss in stop_sequences)
+        self._fresh.extend(True for _ in uids)
+
+    def filter(self, keep):
+        super().filter(keep)
+        self._fresh = [self._fresh[i] for i in keep]
+
+    def next(self):
+        """One decode step: a response per row whose input was a generated token (a
+        fresh row's input is its last prompt token: it gets its first token next step).
+
+        Returns:
+            ``GenerationBatch.Response`` per reported row, with the finish reason and, for
+            a finished row, its cache and tokens (the row leaves the batch).
+        """
+        if not self.uids:
+            return []
+        fresh, self._fresh = self._fresh, [False] * len(self.uids)
+        tokens, logprobs = self._step()
+        keep, responses = [], []
+        for i, uid in enumerate(self.uids):
+            if fresh[i]:
+                keep.append(i)
+                continue
+            self._num_tokens[i] += 1
+            finish = "length" if self._num_tokens[i] >= self.max_tokens[i] else None
+            if self._matchers[i].advance(tokens[i]):
+                finish = "stop"
+            if finish is None:
+                keep.append(i)
+                responses.append(self.Response(uid, tokens[i], logprobs[i], None, None, None))
+            else:
+                responses.append(self.Response(uid, tokens[i], logprobs[i], finish, self.extract_cache(i),
+                                               self.tokens[i]))
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
+
+
+class JoiningBatchGenerator(BatchGenerator):
+    """mlx-lm's ``BatchGenerator`` (same constructor, ``insert_segments``, ``next``,
+    ``remove``, ``extract_cache``) whose rows join the decode batch before its step.
+
+    One step (:meth:`next`):
+
+    1. admit waiting sequences: one with only its last prompt token left joins the decode
+       batch directly; the others enter the prompt batch (mlx-lm's);
+    2. prompt-batch rows with only their last token left join the decode batch (the
+       whole prompt batch is moved when all of them do, else mlx-lm's split copies them);
+    3. one decode step over every decoding row, the joined ones included;
+    4. one prefill chunk (``prefill_step_size`` tokens at most per row) of the rest,
+       cut at segment ends as in mlx-lm.
+
+    A joined row's end-of-prompt response comes in the step it joins (its cache then
+    holds exactly its prompt); its first token, in the step after.
+    """
+
+    def __init__(self, model, **kwargs):
+        super().__init__(model, **kwargs)
+        self._generation_batch = JoiningGenerationBatch.empty(self.model, self.sampler)
+
+    def _next(self):
+        prompt_responses: list = []
+        generation_responses: list = []
+        gen = self._generation_batch
+        if len(gen) < self.completion_batch_size:
+            prompt_responses += self._admit()
+            prompt_responses += self._join_finished_prompts()
+        if len(gen) > 0:
+            tic = time.perf_counter()
+            generation_responses = gen.next()
+            self._counters.decode_time += time.perf_counter() - tic
+            self._counters.generation_tokens += len(generation_responses)
+            self._counters.generation_steps += 1
+            if self._counters.generation_steps % 512 == 0:
+                mx.clear_cache()
+        if len(gen) < self.completion_batch_size:
+            prompt_responses += self._join_finished_prompts()  # rows that waited for room
+            prompt_responses += self._prefill_chunk()
+        return prompt_responses, generation_responses
+
+    def _admit(self) -> list:
+        """Move waiting sequences in: straight to the decode batch when only their last
+        token is left, else to the prompt batch."""
+        n = min(self.prefill_batch_size - len(self._prompt_batch),
+                self.completion_batch_size - len(self._generation_batch),
+                len(self._unprocessed_sequences))
+        if n <= 0:
+            return []
+        taken = [self._unprocessed_sequences.popleft() for _ in range(n)]
+        direct = [s for s in taken if len(s[1]) == 1 and len(s[1][0]) == 1]
+        to_prompt = [s for s in taken if not (len(s[1]) == 1 and len(s[1][0]) == 1)]
+        if to_prompt:
+            self._unprocessed_sequences.extendleft(reversed(to_prompt))
+            self._prompt_batch.extend(self._make_batch(len(to_prompt)))
+        if not direct:
+            return []
+        # (uid, segments, max_tokens, cache, tokens, sampler, processors, stop sequences)
+        self._generation_batch.join(
+            [s[0] for s in direct], merge_with_room([s[3] for s in direct]), [s[1][0][0] for s in direct],
+            [s[4] for s in direct], [s[5] for s in direct], [s[6] for s in direct], [s[7] for s in direct],
+            [s[2] for s in direct],
+        )
+        return [PromptProcessingBatch.Response(s[0], (1, 1), True, True) for s in direct]
+
+    def _join_finished_prompts(self) -> list:
+        """Prompt-batch rows with only their last token left join the decode batch."""
+        done = [i for i, seq in enumerate(self._currently_processing) if len(seq[0]) == 1 and len(seq[0][0]) == 1]
+        if not done:
+            return []
+        rows = [self._currently_processing[i] for i in done]
+        if len(done) == len(self._prompt_batch):
+            moving = self._prompt_batch
+            self._prompt_batch = PromptProcessingBatch.empty(self.model, self.sampler,
+                                                             prefill_step_size=moving.prefill_step_size)
+        else:
+            moving = self._prompt_batch.split(done)
+        gone = set(done)
+        self._currently_processing = [s for i, s in enumerate(self._currently_processing) if i not in gone]
+        self._generation_batch.join(moving.uids, moving.prompt_cache, [seq[0][0][0] for seq in rows], moving.tokens,
+                                    moving.samplers, moving.logits_processors, moving.stop_sequences,
+                                    moving.max_tokens)
+        return [PromptProcessingBatch.Response(uid, (seq[2], seq[2]), True, True)
+                for uid, seq in zip(moving.uids, rows)]
+
+    def _prefill_chunk(self) -> list:
+        """One prefill chunk for every prompt-batch row, none crossing a segment end."""
+        prompts, responses = [], []
+        for uid, seq in zip(self._prompt_batch.uids, self._currently_processing):
+            segments = seq[0]
+            n = min(len(segments[0]), self.prefill_step_size)
+            prompts.append(segments[0][:n])
+            segments[0] = segments[0][n:]
+            end_of_segment = not segments[0]
+            if end_of_segment:
+                segments.pop(0)
+            seq[1] += n
+            responses.append(PromptProcessingBatch.Response(uid, (seq[1], seq[2]), end_of_segment, False))
+        if prompts:
+            self._counters.prompt_tokens += sum(len(p) for p in prompts)
+            tic = time.perf_counter()
+            self._prompt_batch.prompt(prompts)
+            self._counters.prompt_time += time.perf_counter() - tic
+        return responses

@@ -1,0 +1,118 @@
+"""JoiningBatchGenerator against mlx-lm's BatchGenerator: the same tokens and logprobs
+for the same insertions (cold prompts cut into segments, and warm rows with only their
+last token left), per architecture, with one forward less per joining row."""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
+
+from conftest import model_path
+from scheduler.generator import JoiningBatchGenerator
+
+
+class CountingModel:
+    """The real model, counting its forward calls."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def prefilled(model, tokens: list[int]) -> list:
+    cache = make_prompt_cache(model)
+    model(mx.array([tokens]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def run(generator_cls, model, rows, *, prefill_batch: int, decode_batch: int, step: int = 16):
+    """Insert ``rows`` (segments, cache or None, cached tokens, max tokens) and step until
+    every row finished; per row, its (token, logprob) pairs and finish reason."""
+    gen = generator_cls(model, max_tokens=1 << 20, prefill_batch_size=prefill_batch,
+                        completion_batch_size=decode_batch, prefill_step_size=step)
+    uids = gen.insert_segments(
+        [r[0] for r in rows], max_tokens=[r[3] for r in rows],
+        caches=[copy.deepcopy(r[1]) if r[1] is not None else None for r in rows],
+        all_tokens=[list(r[2]) for r in rows])
+    out = {u: [] for u in uids}
+    finish = {}
+    while len(finish) < len(uids):
+        _, responses = gen.next()
+        for g in responses:
+            out[g.uid].append((g.token, g.logprobs[g.token].item()))
+            if g.finish_reason:
+                finish[g.uid] = g.finish_reason
+    gen.close()
+    return [out[u] for u in uids], [finish[u] for u in uids]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text", "qwen3_5", "nemotron_h"])
+@pytest.mark.parametrize("sizes", [(4, 4), (2, 2), (1, 1)])
+def test_same_tokens_as_mlx_lm(arch, sizes):
+    model, _ = mlx_lm.load(str(model_path(arch)))
+    base = [(7 * i + 3) % 200 + 10 for i in range(48)]
+    warm = prefilled(model, base[:40])
+    rows = [
+        ([base[:20], base[20:37], base[37:40]], None, [], 5),            # cold, three segments
+        ([[base[40]]], warm, base[:40], 6),                             # warm: only the last token left
+        ([[t + 1 for t in base[:27]]], None, [], 4),                     # cold, another length
+        ([[base[40]]], warm, base[:40], 1),                             # warm, one token
+        ([base[40:45], [base[45]]], warm, base[:40], 3),                 # warm with a suffix
+    ]
+    want = run(BatchGenerator, model, rows, prefill_batch=sizes[0], decode_batch=sizes[1])
+    got = run(JoiningBatchGenerator, model, rows, prefill_batch=sizes[0], decode_batch=sizes[1])
+    assert got[1] == want[1]
+    for i, (g, w) in enumerate(zip(got[0], want[0])):
+        assert [t for t, _ in g] == [t for t, _ in w], f"row {i}"
+        assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(g, w)), f"row {i}"
+
+
+def join_step_calls(generator_cls, model, warm, base) -> tuple[int, list]:
+    """Forward calls of the step in which a warm row joins a decoding one, and the warm
+    row's tokens."""
+    gen = generator_cls(model, max_tokens=1 << 20, prefill_batch_size=4, completion_batch_size=4)
+    gen.insert([[5, 6, 7, 8, 9]], max_tokens=[8])
+    while not gen.next()[1]:  # until the cold row decodes
+        pass
+    (uid,) = gen.insert_segments([[[base[-1]]]], max_tokens=[3], caches=[copy.deepcopy(warm)],
+                                 all_tokens=[base[:-1]])
+    model.calls = 0
+    prompt_responses, _ = gen.next()
+    calls = model.calls
+    assert [(p.uid, p.end_of_prompt) for p in prompt_responses if p.uid == uid] == [(uid, True)]
+    tokens = []
+    while len(tokens) < 3:
+        tokens += [g.token for g in gen.next()[1] if g.uid == uid]
+    gen.close()
+    return calls, tokens
+
+
+def test_warm_row_joins_the_decode_forward():
+    """A row with only its last prompt token left goes straight into the decode batch:
+    its first token comes from the batch's next forward (one model call for the step),
+    where mlx-lm runs a forward of its own for it (two calls)."""
+    model = CountingModel(mlx_lm.load(str(model_path("qwen3")))[0])
+    base = list(range(10, 50))
+    warm = prefilled(model.model, base[:-1])
+    mlx_lm_calls, want = join_step_calls(BatchGenerator, model, warm, base)
+    calls, got = join_step_calls(JoiningBatchGenerator, model, warm, base)
+    assert got == want
+    assert (calls, mlx_lm_calls) == (1, 2)
+
+    gen = JoiningBatchGenerator(model, max_tokens=8, prefill_batch_size=4, completion_batch_size=4)
+    (uid,) = gen.insert_segments([[[base[-1]]]], caches=[copy.deepcopy(warm)], all_tokens=[base[:-1]])
+    gen.next()
+    assert gen._prompt_batch.uids == [] and gen._generation_batch.uids == [uid]  # never in the prompt batch
+    gen.close()
