@@ -14,7 +14,7 @@ Each scenario runs against a fresh server process on loopback (``benchmarks/scen
   constrained decoding (8 streams, 0 or 4 of them with a JSON schema).
 
 ``--compare`` runs the same workload against ``mlx_lm.server`` on the same model in the
-same run, then prints the issue's goals as a table of ratios; ``--out DIR`` also writes
+same run (``--repeat N``: N times, the servers taking turns, each figure the median), then prints the issue's goals as a table of ratios; ``--out DIR`` also writes
 ``results.json``, ``goals.md`` and ``compare.png`` (matplotlib: ``pip install -e '.[bench]'``).
 On Linux, preload the system OpenBLAS (``gateway/fast_blas.py``) for both servers.
 
@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -72,6 +73,12 @@ def run_server(cmd_fn, model: str, pc: int, served: str, scenarios, log_path: Pa
         proc.wait(30)
         if log:
             log.close()
+
+
+def median_of(results: list[dict]) -> dict:
+    """Per key, the median of the repeats' numbers (``{}`` repeats give ``{}``)."""
+    keys = [k for k in results[0] if all(isinstance(r.get(k), (int, float)) for r in results)]
+    return {k: statistics.median(r[k] for r in results) for k in keys}
 
 
 def fmt(d: dict) -> str:
@@ -154,6 +161,8 @@ def main() -> None:
     ap.add_argument("--decode", action="store_true", help="also the decode scenarios (single, concurrent, "
                     "constrained) on the gateway")
     ap.add_argument("--startup", action="store_true", help="also time start-up on the demo model")
+    ap.add_argument("--repeat", type=int, default=1, help="run each scenario this many times per server, "
+                    "servers taking turns; each figure is the median (default %(default)s)")
     ap.add_argument("--out", type=Path, help="write results.json, goals.md and compare.png here")
     ap.add_argument("--gateway-args", default="", help="extra flags for `mlx-gateway serve`, e.g. "
                     "'--prefill-budget 0'")
@@ -184,20 +193,28 @@ def main() -> None:
             print(f"mlx-gateway    {k:12s} {fmt(v)}")
 
     servers = [("mlx-gateway", gateway_cmd)] + ([("mlx_lm.server", mlx_lm_cmd)] if args.compare else [])
-    results: dict = {}
-    for name, cmd in servers:
-        # A fresh server per scenario, so that no scenario starts with another's cache.
-        results[name] = {}
+    runs: dict = {name: {} for name, _ in servers}  # name -> key -> [one result per repeat]
+    for rep in range(args.repeat):
+        # Servers take turns per scenario, so that a slow minute of a noisy machine falls on
+        # both; a fresh server per scenario, so that no scenario starts with another's cache.
         for scenario in args.scenarios:
-            with tempfile.TemporaryDirectory() as tmp:
-                log_path = Path(tmp) / "server.log" if name == "mlx-gateway" else None
-                res = run_server(cmd, model, args.prompt_concurrency, model, [(scenario, SCENARIOS[scenario])], log_path)
-                results[name].update(res)
-                print(f"{name:14s} {scenario:12s} {fmt(res[scenario])}", flush=True)
-                if log_path is not None and scenario in ("burst", "conversation"):
-                    phases = phase_breakdown(log_path)
-                    results[name][f"{scenario}_warm_phases"] = phases
-                    print(f"{'':14s} {scenario + ' warm-hit phases (median s)':12s} {fmt(phases)}", flush=True)
+            for name, cmd in servers:
+                with tempfile.TemporaryDirectory() as tmp:
+                    log_path = Path(tmp) / "server.log" if name == "mlx-gateway" else None
+                    res = run_server(cmd, model, args.prompt_concurrency, model, [(scenario, SCENARIOS[scenario])],
+                                     log_path)
+                    print(f"{name:14s} {scenario:12s} {fmt(res[scenario])}", flush=True)
+                    if log_path is not None and scenario in ("burst", "conversation"):
+                        res[f"{scenario}_warm_phases"] = phase_breakdown(log_path)
+                        print(f"{'':14s} {scenario + ' warm-hit phases (median s)':12s} "
+                              f"{fmt(res[f'{scenario}_warm_phases'])}", flush=True)
+                for key, value in res.items():
+                    runs[name].setdefault(key, []).append(value)
+    results = {name: {key: median_of(values) for key, values in by_key.items()} for name, by_key in runs.items()}
+    if args.repeat > 1:
+        for name in results:
+            for scenario in args.scenarios:
+                print(f"{name:14s} {scenario:12s} median of {args.repeat}: {fmt(results[name][scenario])}")
     table = goals_table(results)
     print(table)
     if args.out:

@@ -108,8 +108,10 @@ class PromptCacheManager:
     # -- properties -----------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        """Bytes held: pages once each, plus the snapshots' own layers."""
-        return sum(g.nbytes for g in self._groups.values())
+        """Bytes held: pages once each, plus the snapshots' own layers. Safe from any
+        thread (a metrics scrape reads it while the engine inserts)."""
+        with self._lock:
+            return sum(g.nbytes for g in self._groups.values())
 
     @property
     def num_entries(self) -> int:

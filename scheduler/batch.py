@@ -1,6 +1,8 @@
 """The running batch: mlx-lm's ``BatchGenerator`` and the requests in it (engine thread only).
 
-Batching is mlx-lm's ``BatchGenerator`` (continuous batching with left padding). A
+Batching is mlx-lm's ``BatchGenerator`` (continuous batching with left padding) as
+:class:`scheduler.generator.JoiningBatchGenerator` runs it: rows that finish their
+prompt join the decode step instead of running a forward of their own. A
 request's prompt is inserted as *segments* cut at its own checkpoint offsets, so
 prefill never crosses a checkpoint and each request's snapshot is extracted at exactly
 its own boundary, whatever the other rows of the batch are doing.
