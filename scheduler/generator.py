@@ -130,10 +130,14 @@ class JoiningBatchGenerator(BatchGenerator):
        whole prompt batch is moved when all of them do, else mlx-lm's split copies them);
     3. one decode step over every decoding row, the joined ones included;
     4. one prefill chunk (``prefill_step_size`` tokens at most per row) of the rest,
-       cut at segment ends as in mlx-lm.
+       cut at segment ends as in mlx-lm, if the decode batch has room (as in mlx-lm).
 
-    A joined row's end-of-prompt response comes in the step it joins (its cache then
-    holds exactly its prompt); its first token, in the step after.
+    A chunk runs only when the decode batch has room, and a step starts with the batch it
+    ended with, so a row whose prompt is done always joins at the next step's start: no
+    row ever waits in the prompt batch with only its last token left. Its end-of-prompt
+    response comes in the step it joins, after the forward that fed that token (its cache
+    then holds exactly its prompt, as ``Batch`` expects for snapshots); its first token,
+    in the step after.
     """
 
     def __init__(self, model, **kwargs):
@@ -156,7 +160,6 @@ class JoiningBatchGenerator(BatchGenerator):
             if self._counters.generation_steps % 512 == 0:
                 mx.clear_cache()
         if len(gen) < self.completion_batch_size:
-            prompt_responses += self._join_finished_prompts()  # rows that waited for room
             prompt_responses += self._prefill_chunk()
         return prompt_responses, generation_responses
 

@@ -48,8 +48,14 @@ def run(generator_cls, model, rows, *, prefill_batch: int, decode_batch: int, st
         all_tokens=[list(r[2]) for r in rows])
     out = {u: [] for u in uids}
     finish = {}
+    lengths = dict(zip(uids, (len(r[2]) + sum(len(seg) for seg in r[0]) for r in rows)))
     while len(finish) < len(uids):
-        _, responses = gen.next()
+        prompt_responses, responses = gen.next()
+        for p in prompt_responses:  # a finished prompt's cache holds exactly the prompt
+            if p.end_of_prompt:
+                cache, tokens = gen.extract_cache([p.uid])[p.uid]
+                offset = next(c.offset for c in cache if hasattr(c, "offset"))
+                assert len(tokens) == lengths[p.uid] == offset, (generator_cls.__name__, p.uid)
         for g in responses:
             out[g.uid].append((g.token, g.logprobs[g.token].item()))
             if g.finish_reason:
