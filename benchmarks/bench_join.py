@@ -23,41 +23,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the counting model and prefilled caches of the tests
 
 import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 from mlx_lm.generate import BatchGenerator  # noqa: E402
-from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+from conftest import CountingModel, prefilled  # noqa: E402
 from scenarios import medium_model, timed  # noqa: E402
 
 from scheduler.generator import JoiningBatchGenerator  # noqa: E402
 
 
-class Counting:
-    """The model, counting forward calls."""
-
-    def __init__(self, model):
-        self.model, self.calls = model, 0
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        return self.model(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-
-def warm_caches(model, prompts: list[list[int]]) -> list[list]:
-    caches = []
-    for p in prompts:
-        c = make_prompt_cache(model)
-        model(mx.array([p[:-1]]), cache=c)
-        mx.eval([x.state for x in c])
-        caches.append(c)
-    return caches
-
-
-def join_once(cls, model: Counting, prompts, caches) -> tuple[float, int]:
+def join_once(cls, model: CountingModel, prompts, caches) -> tuple[float, int]:
     """(seconds until the six warm rows have a token, forward calls of the joining step)."""
     gen = cls(model, max_tokens=1 << 20, prefill_batch_size=8, completion_batch_size=16)
     gen.insert([[5, 6, 7, 8, 9]], max_tokens=[64])
@@ -83,11 +60,11 @@ def main() -> None:
     ap.add_argument("--model", help="model directory (default: the serving benchmark's qwen3)")
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
-    model = Counting(mlx_lm.load(args.model or medium_model())[0])
+    model = CountingModel(mlx_lm.load(args.model or medium_model())[0])
     rng = random.Random(0)
     system = [rng.randrange(10, 900) for _ in range(580)]
     prompts = [system + [rng.randrange(10, 900) for _ in range(300)] for _ in range(6)]
-    caches = warm_caches(model.model, prompts)
+    caches = [prefilled(model.model, p[:-1]) for p in prompts]
     out = {}
     for name, cls in (("mlx-lm BatchGenerator", BatchGenerator), ("JoiningBatchGenerator", JoiningBatchGenerator)):
         _, (_, calls) = timed(lambda: join_once(cls, model, prompts, caches), 1, warmup=True)

@@ -14,9 +14,10 @@ Each scenario runs against a fresh server process on loopback (``benchmarks/scen
   constrained decoding (8 streams, 0 or 4 of them with a JSON schema).
 
 ``--compare`` runs the same workload against ``mlx_lm.server`` on the same model in the
-same run (``--repeat N``: N times, the servers taking turns, each figure the median), then prints the issue's goals as a table of ratios; ``--out DIR`` also writes
-``results.json``, ``goals.md`` and ``compare.png`` (matplotlib: ``pip install -e '.[bench]'``).
-On Linux, preload the system OpenBLAS (``gateway/fast_blas.py``) for both servers.
+same run (``--repeat N``: N times, the servers taking turns, each figure the median), then
+prints the issue's goals as a table of ratios; ``--out DIR`` also writes ``results.json``,
+``goals.md`` and ``compare.png`` (matplotlib: ``pip install -e '.[bench]'``). On Linux,
+preload the system OpenBLAS (``gateway/fast_blas.py``) for both servers.
 
 Usage::
 
@@ -76,7 +77,7 @@ def run_server(cmd_fn, model: str, pc: int, served: str, scenarios, log_path: Pa
 
 
 def median_of(results: list[dict]) -> dict:
-    """Per key, the median of the repeats' numbers (``{}`` repeats give ``{}``)."""
+    """Per numeric key, the median over the repeats' result dicts (non-numbers are dropped)."""
     keys = [k for k in results[0] if all(isinstance(r.get(k), (int, float)) for r in results)]
     return {k: statistics.median(r[k] for r in results) for k in keys}
 
@@ -194,7 +195,7 @@ def main() -> None:
 
     servers = [("mlx-gateway", gateway_cmd)] + ([("mlx_lm.server", mlx_lm_cmd)] if args.compare else [])
     runs: dict = {name: {} for name, _ in servers}  # name -> key -> [one result per repeat]
-    for rep in range(args.repeat):
+    for _ in range(args.repeat):
         # Servers take turns per scenario, so that a slow minute of a noisy machine falls on
         # both; a fresh server per scenario, so that no scenario starts with another's cache.
         for scenario in args.scenarios:

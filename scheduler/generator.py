@@ -44,6 +44,11 @@ def merge_with_room(caches: list[list]) -> list:
     return merged
 
 
+def _last_token_only(segments: list[list[int]]) -> bool:
+    """A row's remaining prompt segments are just its last token."""
+    return len(segments) == 1 and len(segments[0]) == 1
+
+
 class JoiningGenerationBatch(GenerationBatch):
     """mlx-lm's decode batch, plus :meth:`join`: rows whose pending input is their last
     prompt token. Such a row's first step returns no response (its input is not a
@@ -174,8 +179,8 @@ class JoiningBatchGenerator(BatchGenerator):
         if n <= 0:
             return []
         taken = [self._unprocessed_sequences.popleft() for _ in range(n)]
-        direct = [s for s in taken if len(s[1]) == 1 and len(s[1][0]) == 1]
-        to_prompt = [s for s in taken if not (len(s[1]) == 1 and len(s[1][0]) == 1)]
+        direct = [s for s in taken if _last_token_only(s[1])]
+        to_prompt = [s for s in taken if not _last_token_only(s[1])]
         if to_prompt:
             self._unprocessed_sequences.extendleft(reversed(to_prompt))
             self._prompt_batch.extend(self._make_batch(len(to_prompt)))
@@ -191,7 +196,7 @@ class JoiningBatchGenerator(BatchGenerator):
 
     def _join_finished_prompts(self) -> list:
         """Prompt-batch rows with only their last token left join the decode batch."""
-        done = [i for i, seq in enumerate(self._currently_processing) if len(seq[0]) == 1 and len(seq[0][0]) == 1]
+        done = [i for i, seq in enumerate(self._currently_processing) if _last_token_only(seq[0])]
         if not done:
             return []
         rows = [self._currently_processing[i] for i in done]

@@ -256,6 +256,32 @@ async def stream_completion_logprobs(client: httpx.AsyncClient, prompt: str, max
     return out
 
 
+class CountingModel:
+    """A real mlx-lm model that counts its forward calls (:attr:`calls`); everything
+    else is the model's own."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def prefilled(model, tokens: list[int]) -> list:
+    """A fresh prompt cache (one cache per layer) holding ``tokens``, evaluated."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array([tokens]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
 def assert_same_tokens(got: list, want: list, what: str) -> None:
     """Two answers as (token, logprob) pairs: the same tokens, logprobs within 1e-4."""
     assert [t for t, _ in got] == [t for t, _ in want], what

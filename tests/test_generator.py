@@ -6,35 +6,12 @@ from __future__ import annotations
 
 import copy
 
-import mlx.core as mx
 import mlx_lm
 import pytest
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import make_prompt_cache
 
-from conftest import model_path
+from conftest import CountingModel, assert_same_tokens, model_path, prefilled
 from scheduler.generator import JoiningBatchGenerator
-
-
-class CountingModel:
-    """The real model, counting its forward calls."""
-
-    def __init__(self, model):
-        self.model, self.calls = model, 0
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        return self.model(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-
-def prefilled(model, tokens: list[int]) -> list:
-    cache = make_prompt_cache(model)
-    model(mx.array([tokens]), cache=cache)
-    mx.eval([c.state for c in cache])
-    return cache
 
 
 def run(generator_cls, model, rows, *, prefill_batch: int, decode_batch: int, step: int = 16):
@@ -81,8 +58,7 @@ def test_same_tokens_as_mlx_lm(arch, sizes):
     got = run(JoiningBatchGenerator, model, rows, prefill_batch=sizes[0], decode_batch=sizes[1])
     assert got[1] == want[1]
     for i, (g, w) in enumerate(zip(got[0], want[0])):
-        assert [t for t, _ in g] == [t for t, _ in w], f"row {i}"
-        assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(g, w)), f"row {i}"
+        assert_same_tokens(g, w, f"row {i}")
 
 
 def join_step_calls(generator_cls, model, warm, base) -> tuple[int, list]:
