@@ -31,7 +31,7 @@ def measure(tokens: int, out: str) -> None:
     import mlx_lm
     import numpy as np
 
-    from gateway.fast_blas import openblas_loaded
+    from gateway.cpu.blas import openblas_loaded
     from scenarios import medium_model
 
     res = {"openblas_loaded": openblas_loaded()}
@@ -68,7 +68,7 @@ def main() -> None:
         return
     import numpy as np
 
-    from gateway.fast_blas import find_openblas
+    from gateway.cpu.blas import find_openblas
 
     lib = find_openblas()
     if lib is None:

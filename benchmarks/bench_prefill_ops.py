@@ -12,7 +12,7 @@ This script times, on the serving benchmark's model (``bench_serve.py``'s 4-laye
 
 On Linux ``mlx[cpu]`` the ``exp`` inside the softmax is the bulk of a warm suffix's
 prefill; mlx_lm.server runs the same kernels, so neither server can beat the other on
-that time by scheduling. Preload the system OpenBLAS (``gateway/fast_blas.py``).
+that time by scheduling. Preload the system OpenBLAS (``gateway/cpu/blas.py``).
 
 Usage::
 

@@ -17,7 +17,7 @@ Each scenario runs against a fresh server process on loopback (``benchmarks/scen
 same run (``--repeat N``: N times, the servers taking turns, each figure the median), then
 prints the issue's goals as a table of ratios; ``--out DIR`` also writes ``results.json``,
 ``goals.md`` and ``compare.png`` (matplotlib: ``pip install -e '.[bench]'``). On Linux,
-preload the system OpenBLAS (``gateway/fast_blas.py``) for both servers.
+preload the system OpenBLAS (``gateway/cpu/blas.py``) for both servers.
 
 Usage::
 

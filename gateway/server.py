@@ -311,9 +311,13 @@ def serve(cfg: ServeConfig) -> None:
     from gateway.shutdown import UVICORN_GRACE, GatewayServer
 
     configure_logging(cfg.log_level, cfg.log_format)
-    from gateway.fast_blas import ensure_fast_blas
+    from gateway.cpu.allocator import keep_freed_memory
+    from gateway.cpu.attention import install_for_cpu_backend
+    from gateway.cpu.blas import ensure_fast_blas
 
     ensure_fast_blas()  # Linux CPU: re-executes with OpenBLAS preloaded, or warns (before any thread)
+    keep_freed_memory()  # Linux CPU: freed buffers are reused, not page-faulted in again
+    install_for_cpu_backend()  # CPU: attention with a compiled exp
     try:
         tenants = tenant_table(cfg)  # refuse a bad tenants file or an open non-loopback host before any work
         if cfg.prompt_cache_dir:  # and a disk-tier directory that cannot be used

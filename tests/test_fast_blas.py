@@ -11,11 +11,11 @@ import sys
 
 import pytest
 
-from gateway import fast_blas
+from gateway.cpu import blas as fast_blas
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux CPU backend only")
 
-PROBE = ("import sys; from gateway.fast_blas import ensure_fast_blas, openblas_loaded; "
+PROBE = ("import sys; from gateway.cpu.blas import ensure_fast_blas, openblas_loaded; "
          "ensure_fast_blas(); print(openblas_loaded(), sys.argv[1:])")
 
 

@@ -20,6 +20,8 @@ import os
 import sys
 from typing import Optional
 
+from gateway.cpu import cpu_backend
+
 log = logging.getLogger("mlx_gateway")
 
 # Where Debian and Ubuntu put the pthread OpenBLAS, per architecture.
@@ -54,12 +56,7 @@ def needs_fast_blas() -> bool:
     """True on Linux when MLX would run matmuls on the CPU with its bundled reference BLAS."""
     if not sys.platform.startswith("linux") or os.environ.get("MLX_GATEWAY_FAST_BLAS", "1") == "0":
         return False
-    import mlx.core as mx
-
-    cuda = getattr(mx, "cuda", None)
-    if mx.metal.is_available() or (cuda is not None and cuda.is_available()):
-        return False
-    return not openblas_loaded()
+    return cpu_backend() and not openblas_loaded()
 
 
 def ensure_fast_blas() -> None:
