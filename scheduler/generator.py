@@ -9,7 +9,7 @@ first token (issue 13's per-phase breakdown: ``first_decode``).
 
 :class:`JoiningBatchGenerator` instead adds such rows to the decode batch *before* its
 step, with their last prompt token as their input: the step's forward computes their
-first token together with everyone else's next one. A row inserted with only that token
+first token together with everyone else's next one, and that step reports it. A row inserted with only that token
 left (a prefix-cache hit of ``len - 1`` tokens) never enters the prompt batch; a whole
 prompt batch that finishes together is moved, not copied. The last prompt token is fed
 once, through the same model call, in a left-padded batch like every other decode step;
@@ -51,12 +51,13 @@ def _last_token_only(segments: list[list[int]]) -> bool:
 
 class JoiningGenerationBatch(GenerationBatch):
     """mlx-lm's decode batch, plus :meth:`join`: rows whose pending input is their last
-    prompt token. Such a row's first step returns no response (its input is not a
-    generated token); the token that step samples is its first one."""
+    prompt token. The token such a row's first step samples is its first one, reported
+    at the end of that step (see :meth:`next`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._fresh = [False] * len(self.uids)
+        self._fresh = [False] * len(self.uids)  # input is the last prompt token
+        self._ahead = [False] * len(self.uids)  # input is a token already reported
 
     @classmethod
     def empty(cls, model, fallback_sampler) -> "JoiningGenerationBatch":
@@ -88,26 +89,44 @@ class JoiningGenerationBatch(GenerationBatch):
         self._num_tokens.extend(0 for _ in uids)
         self._matchers.extend(ss.matcher() for ss in stop_sequences)
         self._fresh.extend(True for _ in uids)
+        self._ahead.extend(False for _ in uids)
 
     def filter(self, keep):
         super().filter(keep)
         self._fresh = [self._fresh[i] for i in keep]
+        self._ahead = [self._ahead[i] for i in keep]
 
     def next(self):
-        """One decode step: a response per row whose input was a generated token (a
-        fresh row's input is its last prompt token: it gets its first token next step).
+        """One decode step. A fresh row (its input was its last prompt token) gets its
+        first token reported at the end of this step, once the forward is done, rather than
+        in the next step as mlx-lm's pipelining would; the next step then skips it.
 
         Returns:
             ``GenerationBatch.Response`` per reported row, with the finish reason and, for
-            a finished row, its cache and tokens (the row leaves the batch).
+            a finished row, its cache and tokens (the row leaves the batch). A row stopped
+            by its first token leaves with its prompt's cache and tokens.
         """
         if not self.uids:
             return []
         fresh, self._fresh = self._fresh, [False] * len(self.uids)
+        ahead, self._ahead = self._ahead, [False] * len(self.uids)
         tokens, logprobs = self._step()
+        # Fresh rows with room for more than one token: wait for this step's forward and
+        # report their first token now. (A one-token row still ends in the next step, with
+        # its token in its cache, as in mlx-lm: precomputes rely on that.)
+        early = [f and self._num_tokens[i] + 1 < self.max_tokens[i] for i, f in enumerate(fresh)]
+        if any(early):
+            mx.eval(self._next_tokens, [lp for lp, e in zip(self._next_logprobs, early) if e])
+            tokens, logprobs = list(tokens), list(logprobs)
+            first = self._next_tokens.tolist()
+            for i in range(len(self.uids)):
+                if early[i]:
+                    tokens[i], logprobs[i] = first[i], self._next_logprobs[i]
+                    self._ahead[i] = True
+                    fresh[i] = False
         keep, responses = [], []
         for i, uid in enumerate(self.uids):
-            if fresh[i]:
+            if ahead[i] or fresh[i]:  # reported already, or nothing to report yet
                 keep.append(i)
                 continue
             self._num_tokens[i] += 1
@@ -143,8 +162,10 @@ class JoiningBatchGenerator(BatchGenerator):
     ended with, so a row whose prompt is done always joins at the next step's start: no
     row ever waits in the prompt batch with only its last token left. Its end-of-prompt
     response comes in the step it joins, after the forward that fed that token (its cache
-    then holds exactly its prompt, as ``Batch`` expects for snapshots); its first token,
-    in the step after.
+    then holds exactly its prompt, as ``Batch`` expects for snapshots), and so does its
+    first token: that step waits for its forward instead of overlapping it with the next
+    step's graph building (mlx-lm's pipelining), which would report the token a whole
+    step later.
     """
 
     def __init__(self, model, **kwargs):

@@ -30,7 +30,10 @@ def run(generator_cls, model, rows, *, prefill_batch: int, decode_batch: int, st
         prompt_responses, responses = gen.next()
         for p in prompt_responses:  # a finished prompt's cache holds exactly the prompt
             if p.end_of_prompt:
-                cache, tokens = gen.extract_cache([p.uid])[p.uid]
+                extracted = gen.extract_cache([p.uid]).get(p.uid)
+                if extracted is None:  # stopped at its first token: it left with its cache
+                    extracted = next((g.prompt_cache, g.all_tokens) for g in responses if g.uid == p.uid)
+                cache, tokens = extracted
                 offset = next(c.offset for c in cache if hasattr(c, "offset"))
                 assert len(tokens) == lengths[p.uid] == offset, (generator_cls.__name__, p.uid)
         for g in responses:
@@ -61,9 +64,9 @@ def test_same_tokens_as_mlx_lm(arch, sizes):
         assert_same_tokens(g, w, f"row {i}")
 
 
-def join_step_calls(generator_cls, model, warm, base) -> tuple[int, list]:
-    """Forward calls of the step in which a warm row joins a decoding one, and the warm
-    row's tokens."""
+def join_step_calls(generator_cls, model, warm, base) -> tuple[int, list, int]:
+    """Forward calls of the step in which a warm row joins a decoding one, the warm row's
+    tokens, and how many of them that step reported."""
     gen = generator_cls(model, max_tokens=1 << 20, prefill_batch_size=4, completion_batch_size=4)
     gen.insert([[5, 6, 7, 8, 9]], max_tokens=[8])
     while not gen.next()[1]:  # until the cold row decodes
@@ -71,27 +74,30 @@ def join_step_calls(generator_cls, model, warm, base) -> tuple[int, list]:
     (uid,) = gen.insert_segments([[[base[-1]]]], max_tokens=[3], caches=[copy.deepcopy(warm)],
                                  all_tokens=[base[:-1]])
     model.calls = 0
-    prompt_responses, _ = gen.next()
+    prompt_responses, responses = gen.next()
     calls = model.calls
     assert [(p.uid, p.end_of_prompt) for p in prompt_responses if p.uid == uid] == [(uid, True)]
-    tokens = []
+    tokens = [g.token for g in responses if g.uid == uid]
+    reported = len(tokens)
     while len(tokens) < 3:
         tokens += [g.token for g in gen.next()[1] if g.uid == uid]
     gen.close()
-    return calls, tokens
+    return calls, tokens, reported
 
 
 def test_warm_row_joins_the_decode_forward():
     """A row with only its last prompt token left goes straight into the decode batch:
     its first token comes from the batch's next forward (one model call for the step),
-    where mlx-lm runs a forward of its own for it (two calls)."""
+    where mlx-lm runs a forward of its own for it (two calls), and that step reports it
+    (mlx-lm reports it a step later)."""
     model = CountingModel(mlx_lm.load(str(model_path("qwen3")))[0])
     base = list(range(10, 50))
     warm = prefilled(model.model, base[:-1])
-    mlx_lm_calls, want = join_step_calls(BatchGenerator, model, warm, base)
-    calls, got = join_step_calls(JoiningBatchGenerator, model, warm, base)
+    mlx_lm_calls, want, mlx_lm_reported = join_step_calls(BatchGenerator, model, warm, base)
+    calls, got, reported = join_step_calls(JoiningBatchGenerator, model, warm, base)
     assert got == want
     assert (calls, mlx_lm_calls) == (1, 2)
+    assert (reported, mlx_lm_reported) == (1, 0)
 
     gen = JoiningBatchGenerator(model, max_tokens=8, prefill_batch_size=4, completion_batch_size=4)
     (uid,) = gen.insert_segments([[[base[-1]]]], caches=[copy.deepcopy(warm)], all_tokens=[base[:-1]])
