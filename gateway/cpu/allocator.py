@@ -6,7 +6,7 @@ large requests with fresh ``mmap`` pages (or trims the heap top back to the kern
 ``free``), so each new buffer page-faults on first write. A prefill chunk's attention
 scores are ``[B, H, Tq, Tk]`` float32, tens of MB per layer, and on the 2-core VM these
 benchmarks run on, a fault costs about 3 µs per 4 KiB page: a float32 multiply of 12 M
-elements took 42 ms, against 7.5 ms once memory is reused
+elements took 53 ms, against 8 ms once memory is reused
 (``benchmarks/bench_cpu_attention.py``).
 
 :func:`keep_freed_memory` sets, with ``mallopt(3)``: one arena (``M_ARENA_MAX=1``, so the
