@@ -316,8 +316,10 @@ def serve(cfg: ServeConfig) -> None:
     from gateway.cpu.blas import ensure_fast_blas
 
     ensure_fast_blas()  # Linux CPU: re-executes with OpenBLAS preloaded, or warns (before any thread)
-    keep_freed_memory()  # Linux CPU: freed buffers are reused, not page-faulted in again
-    install_for_cpu_backend()  # CPU: attention with a compiled exp
+    # Linux CPU: freed buffers are reused instead of page-faulted in again, and attention
+    # gets a compiled exp (it makes more temporaries than MLX's: only with reused memory).
+    if keep_freed_memory() is None:
+        install_for_cpu_backend()
     try:
         tenants = tenant_table(cfg)  # refuse a bad tenants file or an open non-loopback host before any work
         if cfg.prompt_cache_dir:  # and a disk-tier directory that cannot be used

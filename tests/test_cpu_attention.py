@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 
 from conftest import assert_same_tokens, model_path, prefilled
-from gateway.cpu import attention
+from gateway.cpu import attention, cpu_backend
 from scheduler.generator import JoiningBatchGenerator
 from test_generator import run
 
@@ -55,6 +56,13 @@ def test_matches_mlx_attention(dtype, tol, mask, heads, tq, tk):
     got = attention.attention(q, k, v, scale=0.3, mask=m)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert float(mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)))) < tol
+
+
+def test_other_dtypes_go_to_mlx():
+    q, k, v = qkv(1, 4, 2, 3, 6, mx.float32, seed=2)
+    q16 = q.astype(mx.float16)
+    assert mx.array_equal(attention.attention(q16, k, v, scale=0.3, mask="causal"),
+                          attention._mlx_attention(q16, k, v, scale=0.3, mask="causal"))
 
 
 def test_sinks_go_to_mlx_and_bad_mask_mode_is_refused():
@@ -121,7 +129,16 @@ print(libc.mallinfo2().fordblks >= 64 << 20)
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def _glibc_with_mallinfo2() -> bool:
+    try:
+        return hasattr(ctypes.CDLL(None), "mallinfo2")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _glibc_with_mallinfo2(),
+                    reason="glibc's malloc (2.33 or later, for mallinfo2)")
+@pytest.mark.skipif(not cpu_backend(), reason="the setting applies where MLX runs on the CPU")
 @pytest.mark.parametrize("setting,want", [(None, ["None", "True"]), ("0", ["MLX_GATEWAY_MALLOC_TUNE=0", "False"])])
 def test_freed_memory_stays_for_reuse(setting, want):
     """With the setting, 64 MiB freed stays in the heap as free bytes (glibc's default
@@ -134,3 +151,16 @@ def test_freed_memory_stays_for_reuse(setting, want):
     out = subprocess.run([sys.executable, "-c", FREED_STAYS.format(root=os.path.dirname(here))], env=env,
                          capture_output=True, text=True, check=True, timeout=120).stdout.split()
     assert out == want
+
+
+def test_serve_installs_it_on_the_cpu_unless_turned_off(monkeypatch):
+    monkeypatch.setenv("MLX_GATEWAY_CPU_ATTENTION", "0")
+    assert attention.install_for_cpu_backend() == "MLX_GATEWAY_CPU_ATTENTION=0"
+    assert mx.fast.scaled_dot_product_attention is attention._mlx_attention
+    monkeypatch.delenv("MLX_GATEWAY_CPU_ATTENTION")
+    want = None if cpu_backend() and shutil.which("g++") else ("MLX runs on a GPU" if not cpu_backend() else "no g++")
+    try:
+        assert attention.install_for_cpu_backend() == want
+        assert (mx.fast.scaled_dot_product_attention is attention.attention) == (want is None)
+    finally:
+        attention.uninstall()

@@ -20,11 +20,12 @@ tcmalloc with their defaults. ``MLX_GATEWAY_MALLOC_TUNE=0`` leaves glibc's defau
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import logging
 import os
-import platform
 import sys
 from typing import Optional
+
+log = logging.getLogger("mlx_gateway")
 
 # mallopt parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD = -1
@@ -33,24 +34,31 @@ M_ARENA_MAX = -8
 SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 1 << 30))
 
 
+def _glibc() -> bool:
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION") is not None
+    except (ValueError, OSError, AttributeError):
+        return False
+
+
 def keep_freed_memory() -> Optional[str]:
     """Apply :data:`SETTINGS` with ``mallopt`` on Linux with glibc when MLX runs on the CPU,
     unless ``MLX_GATEWAY_MALLOC_TUNE=0``. Call before any thread starts (arenas are
     per thread). Returns why it did not, or None.
 
-    Raises:
-        OSError: glibc refused a setting (``mallopt`` returned 0).
+    A setting glibc refuses (``mallopt`` returns 0) is logged and reported as the reason.
     """
     from gateway.cpu import cpu_backend
 
     if os.environ.get("MLX_GATEWAY_MALLOC_TUNE", "1") == "0":
         return "MLX_GATEWAY_MALLOC_TUNE=0"
-    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+    if not sys.platform.startswith("linux") or not _glibc():
         return "not Linux with glibc"
     if not cpu_backend():
         return "MLX runs on a GPU"
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc = ctypes.CDLL(None)
     for param, value in SETTINGS:
         if libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) != 1:
-            raise OSError(f"mallopt({param}, {value}) failed")
+            log.warning("glibc refused mallopt(%d, %d); freed memory may go back to the kernel", param, value)
+            return f"mallopt({param}, {value}) failed"
     return None

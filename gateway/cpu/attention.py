@@ -19,8 +19,9 @@ equivalent to a cold single-request run.
 :func:`install` replaces ``mx.fast.scaled_dot_product_attention`` for the whole process,
 which is how mlx-lm's models reach it (``mlx_lm.models.base``). Calls it does not cover
 (attention sinks, an explicit stream, ``force_fused``) go to MLX's own.
-``mlx-gateway serve`` installs it when MLX runs on the CPU and ``g++`` is on the PATH
-(MLX compiles CPU kernels with it; without it the ops would run unfused).
+``mlx-gateway serve`` installs it when MLX runs on the CPU, ``g++`` is on the PATH (MLX
+compiles CPU kernels with it; without it the ops would run unfused) and the allocator
+setting below is in force.
 ``MLX_GATEWAY_CPU_ATTENTION=0`` keeps MLX's. It makes more temporary arrays than MLX's
 fallback, so it relies on :mod:`gateway.cpu.allocator` reusing freed memory: with glibc's
 default malloc, large prefill chunks page-fault enough to be slower than MLX's.
@@ -83,13 +84,16 @@ def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float,
         scale: multiplies ``q``.
         mask: None; ``"causal"`` (query ``i`` sees keys ``<= Tk - Tq + i``); a boolean
             array (True: attend) or an additive one, broadcastable to ``[B, Hq, Tq, Tk]``.
-        kwargs: ``sinks``, ``stream``, ``force_fused``: given, MLX's own computes it.
+        kwargs: ``sinks``, ``stream``, ``force_fused``: given, MLX's own computes it, as
+            it does inputs not of rank 4, of mixed dtypes, or other than float32, float16
+            and bfloat16.
 
     Returns:
         ``[B, Hq, Tq, D]`` in the inputs' dtype. float16 and bfloat16 take the softmax in
         float32 and normalize before ``@ v``, as MLX does.
     """
-    if any(v_ is not None and v_ is not False for v_ in kwargs.values()):
+    if (any(v_ is not None and v_ is not False for v_ in kwargs.values()) or q.ndim != 4
+            or not q.dtype == k.dtype == v.dtype or q.dtype not in (mx.float32, mx.float16, mx.bfloat16)):
         return _mlx_attention(q, k, v, scale=scale, mask=mask, **kwargs)
     B, Hq, Tq, D = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
@@ -157,6 +161,10 @@ def install_for_cpu_backend() -> Optional[str]:
         log.warning("no g++ on the PATH: MLX cannot compile CPU kernels, so attention keeps MLX's "
                     "scalar exp (about 2x slower prefill); install g++ to speed it up")
         return "no g++"
-    mx.eval(exp_nonpositive(mx.zeros((1,))))  # the one-off kernel compile, before requests
+    try:
+        mx.eval(exp_nonpositive(mx.zeros((1,))))  # the one-off kernel compile, before requests
+    except RuntimeError as e:  # e.g. a temporary directory that cannot hold or load the kernel
+        log.warning("MLX could not compile the CPU attention kernel (%s); keeping MLX's attention", e)
+        return f"compile failed: {e}"
     install()
     return None
