@@ -52,6 +52,7 @@ class ServeConfig:
     allowed_hosts: list[str] = field(default_factory=list)
     shutdown_grace: float = 30.0
     prefill_budget: float = 0.2
+    gather_wait: float = 0.02
     precompute_next_turn: bool = True
 
 
@@ -108,6 +109,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a prefill step may take while other sequences decode: long prompts are "
                    "prefilled in chunks sized to it, so decoding streams pause at most about that long; "
                    "0 = no budget, prompts prefill in --prefill-step-size chunks (default %(default)s)")
+    p.add_argument("--gather-wait", type=float, default=d.gather_wait,
+                   help="seconds an idle engine with a request to start waits for requests the gateway is "
+                   "still tokenizing, so that a burst starts in one batch; a request that arrives alone "
+                   "never waits; 0 = never wait (default %(default)s)")
     p.add_argument("--precompute-next-turn", action=argparse.BooleanOptionalAction, default=d.precompute_next_turn,
                    help="when a chat reply ends and nothing waits, prefill the prefix its next request will "
                    "share (the reply as the template will show it) at the lowest priority; any request "

@@ -145,6 +145,7 @@ def load_into(state: ServerState, path: str) -> None:
             max_waiting=cfg.max_waiting,
             registry=state.registry,
             pad_free_prefill=not exact,
+            gather_wait=cfg.gather_wait,
         )
         state.tokenizer = tokenizer
         state.context_length = context_length(model, tokenizer)

@@ -123,6 +123,10 @@ class Batch:
             del gen
 
     # ----------------------------------------------------------------- rows in and out
+    def serving(self) -> bool:
+        """Some row is a request (not a next-turn precompute)."""
+        return any(a.precompute is None for a in self.active.values())
+
     def num_prefilling(self) -> int:
         """Rows still prefilling their prompt."""
         return sum(1 for a in self.active.values() if not a.decoding)

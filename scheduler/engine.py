@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from cache import PromptCacheManager
 from cache.restore import always_trimmable
+from scheduler.arrivals import Arrivals, gather
 from scheduler.batch import Batch
 from scheduler.chunking import ChunkPlanner
 from scheduler.metrics import SchedulerMetrics
@@ -72,6 +73,8 @@ class Engine:
         pad_free_prefill: when true, only prompts that need no padding prefill
             together (set by the batch-equivalence guard for models whose padded
             batches are not exact).
+        gather_wait: seconds an idle engine with a request to start waits for requests
+            still being prepared (:attr:`arrivals`, :mod:`scheduler.arrivals`); 0: never.
     """
 
     def __init__(
@@ -87,6 +90,7 @@ class Engine:
         max_waiting: int = 1024,
         registry: Optional[CollectorRegistry] = None,
         pad_free_prefill: bool = False,
+        gather_wait: float = 0.0,
     ):
         self.model = model
         self.eos_token_ids = set(eos_token_ids)
@@ -96,6 +100,7 @@ class Engine:
         self.prefill_step_size = prefill_step_size
         self.chunks = ChunkPlanner(prefill_step_size, prefill_budget)
         self.max_waiting = max_waiting
+        self.gather_wait = max(0.0, gather_wait)
         self.pad_free_prefill = pad_free_prefill
         self.trimmable = always_trimmable(make_prompt_cache(model))
         registry = registry or CollectorRegistry()
@@ -121,6 +126,8 @@ class Engine:
         self.error: Optional[BaseException] = None
         self._waiting_counts = WaitingCounts()  # submitted, not yet admitted or cancelled
         self._reserved = 0  # next-turn precomputes being rendered (reserve_precompute)
+        # Requests the gateway is rendering and tokenizing; each one ending wakes the loop.
+        self.arrivals = Arrivals(lambda: self._inbox.put(("arrived", None)))
 
     # ----------------------------------------------------------------- public API
     @property
@@ -249,9 +256,13 @@ class Engine:
                         break
                 if self._stopping:
                     break
+                if self.gather_wait > 0 and self.arrivals.preparing and len(self._waiting) and not self._batch.active:
+                    self._gather()
                 self._admit()
                 if self._batch.active:
                     self._batch.step()
+                if len(self._waiting) or self._batch.serving():
+                    self.precomputes.hold()
                 self._notify_idle()
         except BaseException as e:  # the engine itself broke: report, fail everyone
             self.error = e
@@ -268,6 +279,12 @@ class Engine:
                 self._persist_cache()
             self._waiting_counts.clear()
             self._notify_idle()
+
+    def _gather(self) -> None:
+        """Idle, with a request to start: take in the requests still being prepared, for at
+        most ``gather_wait`` seconds (:func:`scheduler.arrivals.gather`)."""
+        waited = gather(self.arrivals, self._inbox, self._handle, self.gather_wait, lambda: self._stopping)
+        self.metrics.gather_wait.observe(waited)
 
     def _persist_cache(self) -> None:
         """At a graceful stop, hand the prompt cache's snapshots to its disk tier (if any)
@@ -353,7 +370,8 @@ class Engine:
         if free <= 0:
             return
         if not len(self._waiting):
-            if not self._batch.active and self.precomputes.seconds_until_due() == 0:  # nothing else to do
+            # Nothing else to do, and no request on its way: a due precompute may start.
+            if not (self._batch.active or self.arrivals.preparing) and self.precomputes.seconds_until_due() == 0:
                 self._start_precompute()
             return
         if self.pad_free_prefill and prefilling:

@@ -31,6 +31,11 @@ class SchedulerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.gather_wait = Histogram(
+            "mlx_gateway_gather_wait_seconds",
+            "Seconds an idle engine waited for requests the gateway was still preparing "
+            "before starting them (--gather-wait).",
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2), registry=registry)
         self.prefill_batch = Histogram(
             "mlx_gateway_prefill_batch_size",
             "Prompts in a prefill step.",

@@ -8,9 +8,10 @@ the next user message begins, and hands the tokens to the engine as a
 request waiting, prefilling or decoding), in budget-sized chunks, and drops it the
 moment a request arrives (chunk granularity: that request's first token waits at most
 one chunk). The prefix lands in the prompt cache like any snapshot. It becomes due
-:data:`GRACE` seconds after the reply ended: a client that sends its next request at
-once (an agent, a script) finds the engine free rather than busy with a chunk of
-precompute.
+:data:`GRACE` seconds after the reply ended *and* after the engine last served a
+request (:meth:`PrecomputeBook.hold`): a client that sends its next request at once
+(an agent, a script, the next round of a burst) finds the engine free rather than busy
+with a chunk of precompute.
 
 This module is the bookkeeping: the pending queue (newest first, bounded) and the
 accounting of precomputed tokens later *used* by a real request's cache hit or
@@ -93,6 +94,7 @@ class PrecomputeBook:
         self.max_pending = max_pending
         self.max_tracked = max_tracked
         self._pending: deque[Precompute] = deque()
+        self._held_until = 0.0  # monotonic seconds; see hold()
         self._stored: dict[str, deque[_Stored]] = {}
         self.used_tokens = 0
         self.wasted_tokens = 0
@@ -117,11 +119,16 @@ class PrecomputeBook:
         """Drop every pending precompute (the engine stops)."""
         self._pending.clear()
 
+    def hold(self) -> None:
+        """The engine is serving requests: no precompute is due before :data:`GRACE`
+        seconds from now."""
+        self._held_until = time.monotonic() + GRACE
+
     def seconds_until_due(self) -> Optional[float]:
         """Seconds until the newest pending precompute may start (0: now); None if none."""
         if not self._pending:
             return None
-        return max(0.0, self._pending[0].due - time.monotonic())
+        return max(0.0, self._pending[0].due - time.monotonic(), self._held_until - time.monotonic())
 
     def pop(self) -> Optional[Precompute]:
         """The newest pending precompute, or None."""

@@ -137,11 +137,12 @@ async def start_conversation(state: "ServerState", call: Call, conv: Conversatio
     call.record.stream = conv.stream
     params = sampling_params(state, call.tenant, conv.sampling)
     marks = call.record.marks
-    marks["render_start"] = time.monotonic()
-    prompt, plan, mask = await anyio.to_thread.run_sync(prepare_chat, state, conv, marks)
-    marks["render_end"] = time.monotonic()
-    asm = text_assembler(state, conv.stop, prompt.opens_reasoning)
-    return Run.submit(state, call, prompt, params, asm, plan, mask)
+    with call.engine.arrivals.prepare():  # an idle engine may wait for it (scheduler.arrivals)
+        marks["render_start"] = time.monotonic()
+        prompt, plan, mask = await anyio.to_thread.run_sync(prepare_chat, state, conv, marks)
+        marks["render_end"] = time.monotonic()
+        asm = text_assembler(state, conv.stop, prompt.opens_reasoning)
+        return Run.submit(state, call, prompt, params, asm, plan, mask)
 
 
 @dataclass

@@ -38,8 +38,11 @@ async def completions(request: Request) -> Response:
         seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias, logprobs=want_lp,
         top_logprobs=req.logprobs or 0))
-    prompt = await anyio.to_thread.run_sync(render_completion, state.tokenizer, req, state.config.checkpoint_every)
-    run = Run.submit(state, call, prompt, params, text_assembler(state, list(req.stop or []), False, reasoning=False))
+    with call.engine.arrivals.prepare():  # an idle engine may wait for it (scheduler.arrivals)
+        prompt = await anyio.to_thread.run_sync(render_completion, state.tokenizer, req,
+                                                state.config.checkpoint_every)
+        run = Run.submit(state, call, prompt, params,
+                         text_assembler(state, list(req.stop or []), False, reasoning=False))
     fmt = LogprobFormatter(state.tokenizer) if want_lp else None
     rid, model = new_id("cmpl"), state.model_id
 
