@@ -112,6 +112,7 @@ def load_into(state: ServerState, path: str) -> None:
     import mlx_lm
 
     from cache import PromptCacheManager
+    from gateway.conversation.prompts import warm_up
     from scheduler import Engine
     from scheduler.equivalence import batch_is_exact
     from scheduler.grammar import Grammars, json_schema_grammar
@@ -148,6 +149,7 @@ def load_into(state: ServerState, path: str) -> None:
             gather_wait=cfg.gather_wait,
         )
         state.tokenizer = tokenizer
+        warm_up(tokenizer, cfg.chat_template_args, cfg.checkpoint_every)
         state.context_length = context_length(model, tokenizer)
         state.vocab_size = vocab_size
         state.grammars = Grammars(tokenizer._tokenizer, state.vocab_size, tokenizer.eos_token_ids)

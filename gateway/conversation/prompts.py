@@ -11,7 +11,7 @@ from typing import Optional
 
 from cache.checkpoints import encode_with_ends, plan_chat_checkpoints, plan_completion_checkpoints, render_text
 from gateway.http.errors import APIError
-from gateway.conversation.form import Conversation
+from gateway.conversation.form import Conversation, Turn
 from gateway.protocols.openai_schemas import CompletionRequest
 from gateway.conversation.tools import ToolPlan, template_messages
 
@@ -69,6 +69,18 @@ def render_chat(
                                         prompt_text=text, token_ends=ends, boundaries=not trimmable,
                                         trimmable=trimmable)
     return Prompt(tokens, checkpoints, _opens_reasoning(tokenizer, tokens), messages, kwargs)
+
+
+def warm_up(tokenizer, default_template_kwargs: dict, checkpoint_every: int) -> bool:
+    """Render and tokenize a one-message chat once, so that compiling the chat template
+    (jinja) and the tokenizer's first call happen at start-up rather than in the first
+    request (about 13 ms on the serving benchmark's model). False when the template
+    rejects that chat or the model has none; nothing is raised."""
+    try:
+        render_chat(tokenizer, Conversation([Turn("user", "Hello.")]), default_template_kwargs, checkpoint_every)
+        return True
+    except Exception:
+        return False
 
 
 def render_completion(tokenizer, req: CompletionRequest, checkpoint_every: int) -> Prompt:
