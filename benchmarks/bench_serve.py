@@ -123,7 +123,8 @@ def goals_table(results: dict) -> str:
         ratio = a / b if b else float("nan")
         judged = ratio if kind == "ratio" else a
         met = "yes" if judged == judged and ok(judged) else "no"
-        rows.append(f"| {scenario} | {name} | {a:.3f} | {b:.3f} | {ratio:.2f} | {goal} | {met} |")
+        shown = f"{ratio:.2f}" if ratio == ratio else ""  # no ratio of a zero (errors: 0 and 0)
+        rows.append(f"| {scenario} | {name} | {a:.3f} | {b:.3f} | {shown} | {goal} | {met} |")
     return "\n".join(rows)
 
 
