@@ -258,6 +258,8 @@ class Engine:
                     break
                 if self.gather_wait > 0 and self.arrivals.preparing and len(self._waiting) and not self._batch.active:
                     self._gather()
+                    if self._stopping:
+                        break
                 self._admit()
                 if self._batch.active:
                     self._batch.step()

@@ -209,3 +209,21 @@ def test_concurrent_preparations_count_exactly():
     for t in threads:
         t.join()
     assert arrivals.preparing == 0 and len(woken) == 1600
+
+
+def test_stopping_while_gathering_fails_the_waiting_request(model):
+    from scheduler.request import ErrorEvent
+
+    engine, _ = make_engine(model, gather_wait=30.0)
+    stuck = engine.arrivals.prepare()
+    stuck.__enter__()
+    a, sa = request("a", 1)
+    submit_prepared(engine, a)
+    # Answered from inside the gather: a is in the engine's queue, not admitted.
+    wait_until(lambda: engine.call(lambda: len(engine._waiting)) == 1, 10, "a to wait in the engine")
+    t = time.monotonic()
+    engine.stop(timeout=20)
+    assert time.monotonic() - t < 10 and not engine.alive
+    assert sa.done.is_set() and "engine_admitted" not in a.timings
+    assert [e.status for e in sa.events if isinstance(e, ErrorEvent)] == [503]
+    stuck.__exit__(None, None, None)
