@@ -11,9 +11,11 @@ fractions a step takes).
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import mlx_lm
@@ -40,6 +42,16 @@ def make_engine(model, gather_wait: float) -> tuple[Engine, CollectorRegistry]:
     return engine, reg
 
 
+@contextlib.contextmanager
+def running_engine(model, gather_wait: float) -> Iterator[tuple[Engine, CollectorRegistry]]:
+    """:func:`make_engine`, stopped at the end of the block."""
+    engine, reg = make_engine(model, gather_wait)
+    try:
+        yield engine, reg
+    finally:
+        engine.stop()
+
+
 def request(rid: str, seed: int, max_tokens: int = 4) -> tuple[EngineRequest, EventSink]:
     rng = random.Random(seed)
     sink = EventSink()
@@ -62,8 +74,7 @@ def gathered(reg: CollectorRegistry) -> tuple[float, float]:
 
 
 def test_a_burst_starts_in_one_step(model):
-    engine, reg = make_engine(model, gather_wait=30.0)
-    try:
+    with running_engine(model, gather_wait=30.0) as (engine, reg):
         a, sa = request("a", 1)
         b, sb = request("b", 2)
         late = engine.arrivals.prepare()
@@ -80,25 +91,19 @@ def test_a_burst_starts_in_one_step(model):
         assert len(sa.tokens) == len(sb.tokens) == 4
         assert gathered(reg)[0] == 1
         assert engine.arrivals.preparing == 0
-    finally:
-        engine.stop()
 
 
 def test_a_request_alone_does_not_wait(model):
-    engine, reg = make_engine(model, gather_wait=30.0)
-    try:
+    with running_engine(model, gather_wait=30.0) as (engine, reg):
         a, sa = request("a", 1)
         t = submit_prepared(engine, a)
         assert sa.done.wait(60)
         assert a.timings["engine_admitted"] - t < 10  # not the 30 s bound
         assert gathered(reg)[0] == 0
-    finally:
-        engine.stop()
 
 
 def test_no_wait_while_rows_run(model):
-    engine, reg = make_engine(model, gather_wait=30.0)
-    try:
+    with running_engine(model, gather_wait=30.0) as (engine, reg):
         running, s_running = request("running", 1, max_tokens=4000)
         submit_prepared(engine, running)
         wait_until(lambda: s_running.tokens, 60, "the first row decoding")
@@ -110,13 +115,10 @@ def test_no_wait_while_rows_run(model):
         assert a.timings["engine_admitted"] - t < 10
         assert not s_running.done.is_set()
         assert gathered(reg)[0] == 0
-    finally:
-        engine.stop()
 
 
 def test_the_wait_is_bounded(model):
-    engine, reg = make_engine(model, gather_wait=0.3)
-    try:
+    with running_engine(model, gather_wait=0.3) as (engine, reg):
         stuck = engine.arrivals.prepare()
         stuck.__enter__()  # a preparation that does not end while a is served
         a, sa = request("a", 1)
@@ -127,13 +129,10 @@ def test_the_wait_is_bounded(model):
         assert a.timings["engine_admitted"] - t >= 0.25
         stuck.__exit__(None, None, None)
         assert engine.arrivals.preparing == 0
-    finally:
-        engine.stop()
 
 
 def test_a_preparation_that_raises_is_not_counted(model):
-    engine, _ = make_engine(model, gather_wait=30.0)
-    try:
+    with running_engine(model, gather_wait=30.0) as (engine, _):
         with pytest.raises(RuntimeError):
             with engine.arrivals.prepare():
                 raise RuntimeError("the template rejected it")
@@ -141,8 +140,6 @@ def test_a_preparation_that_raises_is_not_counted(model):
         a, sa = request("a", 1)
         t = submit_prepared(engine, a)
         assert sa.done.wait(60) and a.timings["engine_admitted"] - t < 10
-    finally:
-        engine.stop()
 
 
 def test_rejected_requests_leave_no_count_in_the_gateway():
@@ -179,8 +176,7 @@ def test_serving_holds_back_a_due_precompute():
 
 def test_a_precompute_waits_for_requests_being_prepared(model):
     """A precompute that is due does not start while a request is being tokenized."""
-    engine, _ = make_engine(model, gather_wait=0.0)
-    try:
+    with running_engine(model, gather_wait=0.0) as (engine, _):
         with engine.arrivals.prepare():
             engine.submit_precompute(Precompute([5] * 40 + [6] * 40, due=time.monotonic() - 1)) \
                 if engine.reserve_precompute() else pytest.fail("no reservation")
@@ -188,8 +184,6 @@ def test_a_precompute_waits_for_requests_being_prepared(model):
             assert engine.call(lambda: len(engine.precomputes)) == 1  # still pending
         wait_until(lambda: engine.call(lambda: len(engine.precomputes)) == 0, 30, "the precompute to start")
         assert engine.wait_idle(60)
-    finally:
-        engine.stop()
 
 
 def test_concurrent_preparations_count_exactly():
