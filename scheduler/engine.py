@@ -348,6 +348,7 @@ class Engine:
             done.set()
         elif kind == "stop":
             self._stopping = True
+        # "arrived" (a preparation ended, scheduler.arrivals) only wakes the loop.
 
     def _send(self, request: EngineRequest, events: list[Event]) -> None:
         try:
