@@ -54,11 +54,13 @@ def key_of(r: EngineRequest) -> PrefixKey:
 @dataclass
 class Admission:
     """A request chosen for admission, with ``extra_checkpoints`` added so that waiting
-    requests that share its prefix can restore it."""
+    requests that share its prefix can restore it; ``cached`` is how many of its prompt
+    tokens the prefix cache held when it was chosen."""
 
     request: EngineRequest
     extra_checkpoints: list[int]
     waited_for_prefix: bool
+    cached: int = 0
 
 
 class WaitingQueue:
@@ -161,7 +163,7 @@ class WaitingQueue:
             if self._waits_for_flight(r, m, flights) or self._joins_leader(r, m, leaders):
                 self._deferred.add(r.id)
                 continue
-            chosen.append(Admission(r, [], r.id in self._deferred))
+            chosen.append(Admission(r, [], r.id in self._deferred, m))
             leaders.add(chosen[-1], r.tokens, key_of(r))
             self.fair.charge(tenant, len(r.tokens) - m, r.weight)
         for a in chosen:
@@ -184,7 +186,13 @@ class WaitingQueue:
     @staticmethod
     def _joins_leader(r: EngineRequest, m: int, leaders: PrefixIndex[Admission]) -> bool:
         """True if a request chosen in this pick shares ``MIN_SHARED_PREFIX`` uncached
-        tokens with ``r``; the leader then also saves a snapshot where they diverge."""
+        tokens with ``r``; the leader then also saves a snapshot where they diverge,
+        unless one of its own checkpoints lies fewer than ``MIN_SHARED_PREFIX`` tokens
+        before that point (e.g. the system prompt's end, when the users' messages start
+        with the same few tokens). Restoring that one costs ``r`` a few tokens of
+        prefill, and the leader's prompt is not cut into one more segment: a segment end
+        ends its prefill step, which would leave the leader a step behind its followers,
+        prefilling its last chunk alone."""
         if not leaders:
             return False
         for a, shared in leaders.longest(r.tokens, key_of(r)):
@@ -192,7 +200,9 @@ class WaitingQueue:
             if shared - m >= MIN_SHARED_PREFIX and shared < len(r.tokens):
                 point = min(shared, len(a.request.tokens) - 1)
                 if point > m:
-                    if point not in a.extra_checkpoints:
+                    saved = [*a.request.checkpoints, *a.extra_checkpoints]
+                    near = any(max(m, a.cached) < p <= point and point - p < MIN_SHARED_PREFIX for p in saved)
+                    if not near and point not in a.extra_checkpoints:
                         a.extra_checkpoints.append(point)
                     return True
         return False

@@ -54,3 +54,32 @@ def test_short_shared_prefix_does_not_wait():
     q.add(req("a", list(range(20)) + [1, 2, 3]))
     q.add(req("b", list(range(20)) + [4, 5, 6]))
     assert [a.request.id for a in q.pick(2, lambda r: 0, [])] == ["a", "b"]
+
+
+def test_leader_checkpoint_just_before_the_divergence_serves_the_followers():
+    # The prompts share a "system prompt" (checkpoint at 100) plus 4 more tokens.
+    shared = list(range(100, 204))
+    q = WaitingQueue()
+    for i in range(3):
+        r = req(f"r{i}", shared + [i] * 20)
+        r.checkpoints = [100]
+        q.add(r)
+    first = q.pick(3, lambda r: 0, [])
+    assert [a.request.id for a in first] == ["r0"]
+    # No snapshot at 104: the leader's prompt keeps the cuts its followers' prompts have.
+    assert first[0].extra_checkpoints == []
+    assert q.pick(3, lambda r: 0, [InFlight(first[0].request, [100])]) == []  # they wait for 100
+    later = q.pick(3, lambda r: 100, [InFlight(first[0].request, [])])
+    assert [a.request.id for a in later] == ["r1", "r2"]
+
+
+def test_leader_checkpoint_far_from_the_divergence_gets_one_there():
+    shared = list(range(100, 200))
+    q = WaitingQueue()
+    for i in range(2):
+        r = req(f"r{i}", shared + [i] * 20)
+        r.checkpoints = [50]  # 50 tokens before the divergence: worth a snapshot at 100
+        q.add(r)
+    first = q.pick(2, lambda r: 0, [])
+    assert [a.request.id for a in first] == ["r0"]
+    assert first[0].extra_checkpoints == [100]

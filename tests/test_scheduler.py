@@ -8,10 +8,14 @@ import random
 
 import httpx
 import mlx.core as mx
+import mlx_lm
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from conftest import live_server, model_path
+from cache import PromptCacheManager
+from conftest import EventSink, live_server, model_path
+from scheduler import Engine, EngineRequest, SamplingParams
+from scheduler.request import PromptEvent
 from gateway.conversation.prompts import render_chat
 from gateway.protocols.openai_chat import to_conversation
 from gateway.protocols.openai_schemas import ChatRequest
@@ -96,6 +100,49 @@ def test_burst_shares_the_system_prompt(arch):
                         assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= sys_len
             assert server.engine.wait_idle(60)  # next-turn precomputes hold a lease while they prefill
             assert server.engine.prompt_cache.num_leases == 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_burst_leader_keeps_step_with_its_followers(arch):
+    """Prompts share a 100-token "system prompt" (their checkpoint) and 4 more tokens. The
+    leader is not cut again at 104, so it prefills the rest of its prompt in the same step
+    as the followers that restored its 100-token snapshot, and all rows start decoding
+    together; each row's tokens are those it gets alone on a cold engine."""
+    model, tok = mlx_lm.load(str(model_path(arch)))
+    rng = random.Random(5)
+    system = [rng.randrange(10, 900) for _ in range(100)]
+    head = [rng.randrange(10, 900) for _ in range(4)]
+    prompts = [system + head + [rng.randrange(10, 900) for _ in range(40)] for _ in range(4)]
+
+    def request(i: int) -> tuple[EngineRequest, EventSink]:
+        sink = EventSink()
+        return EngineRequest(f"r{i}", prompts[i], SamplingParams(max_tokens=5), sink, checkpoints=[100]), sink
+
+    engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
+                    decode_concurrency=8, gather_wait=30.0)
+    engine.start()
+    try:
+        solo = []
+        for i in range(len(prompts)):
+            engine.call(engine.prompt_cache.flush)
+            r, sink = request(i)
+            engine.submit(r)
+            assert sink.done.wait(60)
+            solo.append(sink.tokens)
+        engine.call(engine.prompt_cache.flush)
+        burst = [request(i) for i in range(len(prompts))]
+        with engine.arrivals.prepare():  # one pick admits the leader, the others wait for it
+            for r, _ in burst:
+                engine.submit(r)
+        for _, sink in burst:
+            assert sink.done.wait(60)
+    finally:
+        engine.stop()
+    assert [sink.tokens for _, sink in burst] == solo
+    cached = [next(e.cached_tokens for e in sink.events if isinstance(e, PromptEvent)) for _, sink in burst]
+    assert sorted(cached) == [0, 100, 100, 100]
+    prefilled = {r.timings["engine_prefilled"] for r, _ in burst}
+    assert len(prefilled) == 1, "the leader finished its prompt in a step of its own"
 
 
 def test_mixed_lengths_checkpoint_their_own_prefix():
