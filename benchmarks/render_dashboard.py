@@ -39,7 +39,7 @@ from promstack import Prometheus, free_port, load_dashboard, substitute, words  
 PANELS = [
     "Token hit rate", "Hit rate per tenant", "Prompt tokens saved / s", "Cache memory by group",
     "Time to first token", "Queue time", "Time per output token", "Evictions / s",
-    "Tokens / s", "Batch sizes", "Running and waiting", "MLX memory",
+    "Tokens / s", "Batch sizes", "Running and waiting", "Memory",
     "Requests / s by status", "Rate limited (429) / s", "Usage tokens / s by tenant", "Scheduled work share",
 ]
 RATE_WINDOW = "10s"  # $__rate_interval for 1 s scrapes: ten samples per rate

@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from prometheus_client import CollectorRegistry, Info
+from prometheus_client import CollectorRegistry, Info, ProcessCollector
 
 from gateway.http.app import ServerState, create_app
 from gateway.config import ServeConfig
@@ -250,6 +250,9 @@ def build_state(cfg: ServeConfig, model_id: str, tenants: Optional[TenantTable] 
         TenantsFileError, ValueError: see :func:`tenant_table`.
     """
     registry = CollectorRegistry()
+    # Resident memory, CPU seconds, open files (from /proc: Linux only; elsewhere it adds
+    # nothing). On MLX's CPU backend the arrays live in this process's heap.
+    ProcessCollector(namespace="mlx_gateway", registry=registry)
     state = ServerState(config=cfg, registry=registry, metrics=GatewayMetrics(registry), model_id=model_id,
                         tenants=tenants if tenants is not None else tenant_table(cfg))
     _build_info(registry, cfg, model_id)
@@ -299,6 +302,15 @@ def _version(dist: str) -> str:
         return "unknown"
 
 
+def engine_activity(state: ServerState) -> Optional[int]:
+    """The engine's step count while it is idle; None while a request waits or runs, or
+    before the model has loaded (what :class:`gateway.cpu.idle_trim.IdleTrimmer` watches)."""
+    engine = state.engine
+    if engine is None or engine.num_running or engine.num_waiting:
+        return None
+    return engine.stats.steps
+
+
 def serve(cfg: ServeConfig) -> None:
     """Run the gateway until SIGTERM or SIGINT (see :mod:`gateway.shutdown`: running
     requests get ``--shutdown-grace`` seconds to finish). The model loads in the
@@ -317,13 +329,16 @@ def serve(cfg: ServeConfig) -> None:
     from gateway.cpu.allocator import keep_freed_memory
     from gateway.cpu.attention import install_for_cpu_backend
     from gateway.cpu.blas import ensure_fast_blas
+    from gateway.cpu.idle_trim import IdleTrimmer, idle_seconds_setting
 
     ensure_fast_blas()  # Linux CPU: re-executes with OpenBLAS preloaded, or warns (before any thread)
     # Linux CPU: freed buffers are reused instead of page-faulted in again, and attention
     # gets a compiled exp (it makes more temporaries than MLX's: only with reused memory).
-    if keep_freed_memory() is None:
+    keeping_freed = keep_freed_memory() is None
+    if keeping_freed:
         install_for_cpu_backend()
     try:
+        trim_after = idle_seconds_setting() if keeping_freed else 0.0
         tenants = tenant_table(cfg)  # refuse a bad tenants file or an open non-loopback host before any work
         if cfg.prompt_cache_dir:  # and a disk-tier directory that cannot be used
             from cache.disk import secure_dir
@@ -333,6 +348,8 @@ def serve(cfg: ServeConfig) -> None:
         raise SystemExit(f"mlx-gateway: {e}")
     path, model_id = resolve_model(cfg)
     state = build_state(cfg, model_id, tenants)
+    if trim_after > 0:  # the kept memory goes back to the kernel after a quiet spell
+        IdleTrimmer(lambda: engine_activity(state), trim_after).start()
     app = create_app(state)
     threading.Thread(target=load_into, args=(state, path), name="model-loader", daemon=True).start()
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(),

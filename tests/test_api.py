@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import sys
 
 import pytest
 
@@ -134,3 +136,6 @@ def test_metrics_exposed(server):
     assert "mlx_gateway_time_to_first_token_seconds_bucket" in text
     assert "mlx_gateway_completion_tokens_total" in text
     assert "mlx_gateway_prefix_cache_hits_tokens_total" in text
+    if sys.platform.startswith("linux"):  # the process collector reads /proc
+        resident = re.search(r"^mlx_gateway_process_resident_memory_bytes (\S+)$", text, re.M)
+        assert resident and float(resident.group(1)) > 0

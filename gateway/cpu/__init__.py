@@ -5,6 +5,8 @@
   reference BLAS.
 - :mod:`gateway.cpu.allocator`: glibc malloc keeps freed buffers for reuse instead of
   returning them to the kernel, so large activations stop page-faulting.
+- :mod:`gateway.cpu.idle_trim`: that kept memory goes back to the kernel once the engine
+  has been idle for a while.
 - :mod:`gateway.cpu.attention`: attention whose softmax ``exp`` runs as one compiled,
   vectorizable kernel instead of MLX's scalar CPU ``exp``.
 """

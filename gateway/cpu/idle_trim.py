@@ -1,0 +1,121 @@
+"""Give the freed heap back to the kernel once the engine has been idle a while (Linux CPU).
+
+:mod:`gateway.cpu.allocator` keeps freed memory in the process, so that the next prefill
+reuses it instead of page-faulting it in again. The resident size then stays at the peak
+of the largest step so far (a long prompt's attention scores: hundreds of MB) for as long
+as the process lives, which is what ``top`` and a container's memory limit see.
+
+:class:`IdleTrimmer` calls glibc's ``malloc_trim(0)`` once the engine has taken no step and
+had no request waiting or running for ``MLX_GATEWAY_IDLE_TRIM_SECONDS`` (default 30;
+0 turns it off), then not again until the engine has worked. The next request after a
+trim page-faults its buffers in once more (about 3 µs per 4 KiB page on the 2-core
+machine of ``benchmarks/bench_cpu_attention.py``), which is what waiting 30 s makes
+rare. The prompt cache's snapshots are live arrays and are not touched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+from typing import Callable, Optional
+
+log = logging.getLogger("mlx_gateway")
+
+DEFAULT_SECONDS = 30.0
+
+
+def idle_seconds_setting() -> float:
+    """``MLX_GATEWAY_IDLE_TRIM_SECONDS`` (seconds; 0 or less: never trim), default
+    :data:`DEFAULT_SECONDS`.
+
+    Raises:
+        ValueError: the variable is not a number.
+    """
+    raw = os.environ.get("MLX_GATEWAY_IDLE_TRIM_SECONDS")
+    if raw is None or not raw.strip():
+        return DEFAULT_SECONDS
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"MLX_GATEWAY_IDLE_TRIM_SECONDS must be a number of seconds, not {raw!r}") from None
+
+
+def resident_bytes() -> Optional[int]:
+    """This process's resident set size in bytes (``/proc/self/statm``); None elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def release_free_memory() -> bool:
+    """glibc's ``malloc_trim(0)``: return the heap's free pages to the kernel. True if
+    some were returned; False where there is no ``malloc_trim`` (not glibc)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    return trim(0) == 1
+
+
+class IdleTrimmer:
+    """Decides when to trim; :meth:`poll` is called every few seconds from one thread.
+
+    Args:
+        activity: the engine's step count while it is idle, None while it is busy (a
+            request waiting or running) or not loaded yet.
+        idle_seconds: quiet time (seconds) before a trim.
+        trim: returns the heap's free pages to the kernel (True if any).
+        clock: seconds, monotonic.
+    """
+
+    def __init__(self, activity: Callable[[], Optional[int]], idle_seconds: float,
+                 trim: Callable[[], bool] = release_free_memory, clock: Callable[[], float] = time.monotonic):
+        self.activity = activity
+        self.idle_seconds = idle_seconds
+        self.trim = trim
+        self.clock = clock
+        self.trims = 0
+        self._seen: Optional[int] = None
+        self._since = clock()
+        self._done = False
+
+    def poll(self) -> bool:
+        """Trim if the engine has been quiet for ``idle_seconds`` since it last worked
+        and has not been trimmed since; returns whether it trimmed."""
+        now, steps = self.clock(), self.activity()
+        if steps is None or steps != self._seen:  # busy, or it has stepped since the last poll
+            self._seen, self._since, self._done = steps, now, False
+            return False
+        if self._done or now - self._since < self.idle_seconds:
+            return False
+        self._done = True
+        before = resident_bytes()
+        released = self.trim()
+        self.trims += 1
+        after = resident_bytes()
+        if before is not None and after is not None:
+            log.info("idle for %.0f s: returned %.0f MB of freed memory to the kernel (resident %.0f MB)",
+                     self.idle_seconds, (before - after) / 1e6, after / 1e6)
+        return released
+
+    def start(self) -> threading.Thread:
+        """Poll every quarter of ``idle_seconds`` (at least every second) in a daemon thread."""
+        period = max(1.0, self.idle_seconds / 4)
+
+        def loop() -> None:
+            while True:
+                time.sleep(period)
+                try:
+                    self.poll()
+                except Exception:  # never let the watcher take anything down
+                    log.exception("trimming idle memory failed")
+
+        t = threading.Thread(target=loop, name="idle-trim", daemon=True)
+        t.start()
+        return t

@@ -1,0 +1,100 @@
+"""After a quiet spell the kept heap goes back to the kernel (``gateway.cpu.idle_trim``):
+when the trimmer trims, that ``malloc_trim`` really lowers the resident size, and what the
+server's engine reports as activity."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import live_server, model_path
+from gateway.cpu.idle_trim import IdleTrimmer, idle_seconds_setting
+from gateway.server import engine_activity
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_trims_once_per_quiet_spell():
+    clock, trims, state = Clock(), [], {"steps": None}
+    t = IdleTrimmer(lambda: state["steps"], 30.0, trim=lambda: trims.append(clock.now) or True, clock=clock)
+
+    def at(seconds: float, steps) -> bool:
+        clock.now, state["steps"] = seconds, steps
+        return t.poll()
+
+    assert not at(0, None) and not at(100, None)  # busy (or not loaded): never
+    assert not at(101, 7)  # idle from here
+    assert not at(120, 7)
+    assert at(131, 7)  # 30 s after it went quiet
+    assert not at(200, 7) and not at(400, 7)  # once per spell
+    assert not at(401, 9)  # it worked again (two steps between polls, never busy at a poll)
+    assert not at(420, 9) and not at(425, 10)  # a step restarts the wait
+    assert not at(450, 10)
+    assert at(456, 10)
+    assert trims == [131, 456] and t.trims == 2
+
+
+def test_setting(monkeypatch):
+    monkeypatch.delenv("MLX_GATEWAY_IDLE_TRIM_SECONDS", raising=False)
+    assert idle_seconds_setting() == 30.0
+    monkeypatch.setenv("MLX_GATEWAY_IDLE_TRIM_SECONDS", "0")
+    assert idle_seconds_setting() == 0.0
+    monkeypatch.setenv("MLX_GATEWAY_IDLE_TRIM_SECONDS", "soon")
+    with pytest.raises(ValueError, match="MLX_GATEWAY_IDLE_TRIM_SECONDS must be a number"):
+        idle_seconds_setting()
+
+
+TRIM = """
+import ctypes, sys
+sys.path.insert(0, {root!r})
+from gateway.cpu.allocator import keep_freed_memory
+from gateway.cpu.idle_trim import release_free_memory, resident_bytes
+print(keep_freed_memory())
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+p = libc.malloc(256 << 20)
+ctypes.memset(p, 1, 256 << 20)
+libc.free(p)
+kept = resident_bytes()
+print(release_free_memory())
+print((kept - resident_bytes()) >> 20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not os.path.exists("/proc/self/statm"),
+                    reason="glibc's malloc_trim and /proc")
+def test_trim_returns_kept_memory_to_the_kernel():
+    """256 MiB freed under the allocator setting stays resident; the trim gives it back."""
+    here = os.path.dirname(__file__)
+    env = {k: v for k, v in os.environ.items() if k != "MLX_GATEWAY_MALLOC_TUNE"}
+    out = subprocess.run([sys.executable, "-c", TRIM.format(root=os.path.dirname(here))], env=env,
+                         capture_output=True, text=True, check=True, timeout=120).stdout.split()
+    assert out[:2] == ["None", "True"], out
+    assert int(out[2]) >= 200, f"only {out[2]} MiB went back"
+
+
+def test_engine_activity_is_the_step_count_when_idle():
+    with live_server(model_path("qwen3")) as server, server.client() as c:
+        assert server.engine.wait_idle(60)
+        before = engine_activity(server.state)
+        r = c.post("/v1/completions", json={"model": "test-model", "prompt": "the sea", "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        assert server.engine.wait_idle(60)
+        after = engine_activity(server.state)
+        assert isinstance(before, int) and isinstance(after, int) and after > before
+        engine = server.engine
+        server.state.engine = None  # what the trimmer sees before the model has loaded
+        try:
+            assert engine_activity(server.state) is None
+        finally:
+            server.state.engine = engine
