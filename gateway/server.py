@@ -306,7 +306,7 @@ def engine_activity(state: ServerState) -> Optional[int]:
     """The engine's step count while it is idle; None while a request waits or runs, or
     before the model has loaded (what :class:`gateway.cpu.idle_trim.IdleTrimmer` watches)."""
     engine = state.engine
-    if engine is None or engine.num_running or engine.num_waiting:
+    if engine is None or not engine.idle:
         return None
     return engine.stats.steps
 
@@ -319,7 +319,8 @@ def serve(cfg: ServeConfig) -> None:
     Raises:
         SystemExit: a bad tenants file or key flags, a ``--prompt-cache-dir`` that cannot
             be a private directory of this user, an open non-loopback host (see
-            :func:`tenant_table`), or uvicorn could not start.
+            :func:`tenant_table`), an ``MLX_GATEWAY_IDLE_TRIM_SECONDS`` that is not a
+            finite number, or uvicorn could not start.
     """
     import uvicorn
 

@@ -210,6 +210,12 @@ class Engine:
             raise box["error"]
         return box["value"]
 
+    @property
+    def idle(self) -> bool:
+        """No request waiting or running, no next-turn precompute pending (thread-safe)."""
+        with self._idle:
+            return self._is_idle
+
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Block until no request is waiting or running; False on timeout."""
         deadline = time.monotonic() + timeout

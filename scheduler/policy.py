@@ -54,13 +54,11 @@ def key_of(r: EngineRequest) -> PrefixKey:
 @dataclass
 class Admission:
     """A request chosen for admission, with ``extra_checkpoints`` added so that waiting
-    requests that share its prefix can restore it; ``cached`` is how many of its prompt
-    tokens the prefix cache held when it was chosen."""
+    requests that share its prefix can restore it."""
 
     request: EngineRequest
     extra_checkpoints: list[int]
     waited_for_prefix: bool
-    cached: int = 0
 
 
 class WaitingQueue:
@@ -163,7 +161,7 @@ class WaitingQueue:
             if self._waits_for_flight(r, m, flights) or self._joins_leader(r, m, leaders):
                 self._deferred.add(r.id)
                 continue
-            chosen.append(Admission(r, [], r.id in self._deferred, m))
+            chosen.append(Admission(r, [], r.id in self._deferred))
             leaders.add(chosen[-1], r.tokens, key_of(r))
             self.fair.charge(tenant, len(r.tokens) - m, r.weight)
         for a in chosen:
@@ -200,8 +198,9 @@ class WaitingQueue:
             if shared - m >= MIN_SHARED_PREFIX and shared < len(r.tokens):
                 point = min(shared, len(a.request.tokens) - 1)
                 if point > m:
+                    # (A checkpoint above m is not cached: the leader computes and saves it.)
                     saved = [*a.request.checkpoints, *a.extra_checkpoints]
-                    near = any(max(m, a.cached) < p <= point and point - p < MIN_SHARED_PREFIX for p in saved)
+                    near = any(m < p <= point and point - p < MIN_SHARED_PREFIX for p in saved)
                     if not near and point not in a.extra_checkpoints:
                         a.extra_checkpoints.append(point)
                     return True

@@ -20,6 +20,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -78,6 +79,16 @@ def dashboard_queries(dash: dict) -> list[Query]:
             if t.get("expr"):
                 out.append(Query(f"panel {p.get('title')!r} {t.get('refId', '')}", t["expr"]))
     return out
+
+
+# prometheus-client's process collector reads /proc: these metrics exist on Linux only.
+LINUX_ONLY = "mlx_gateway_process_"
+
+
+def exposed_on_this_platform(q: Query) -> bool:
+    """False for a query of a metric this platform does not expose (:data:`LINUX_ONLY`
+    elsewhere than on Linux)."""
+    return sys.platform.startswith("linux") or not any(n.startswith(LINUX_ONLY) for n in metric_names(q.expr))
 
 
 def rule_queries(path: Path = RULES) -> list[Query]:

@@ -48,9 +48,10 @@ def test_setting(monkeypatch):
     assert idle_seconds_setting() == 30.0
     monkeypatch.setenv("MLX_GATEWAY_IDLE_TRIM_SECONDS", "0")
     assert idle_seconds_setting() == 0.0
-    monkeypatch.setenv("MLX_GATEWAY_IDLE_TRIM_SECONDS", "soon")
-    with pytest.raises(ValueError, match="MLX_GATEWAY_IDLE_TRIM_SECONDS must be a number"):
-        idle_seconds_setting()
+    for bad in ("soon", "inf", "nan"):
+        monkeypatch.setenv("MLX_GATEWAY_IDLE_TRIM_SECONDS", bad)
+        with pytest.raises(ValueError, match="MLX_GATEWAY_IDLE_TRIM_SECONDS must be a finite number"):
+            idle_seconds_setting()
 
 
 TRIM = """
@@ -59,7 +60,7 @@ sys.path.insert(0, {root!r})
 from gateway.cpu.allocator import keep_freed_memory
 from gateway.cpu.idle_trim import release_free_memory, resident_bytes
 print(keep_freed_memory())
-libc = ctypes.CDLL("libc.so.6")
+libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
 p = libc.malloc(256 << 20)
@@ -79,7 +80,9 @@ def test_trim_returns_kept_memory_to_the_kernel():
     env = {k: v for k, v in os.environ.items() if k != "MLX_GATEWAY_MALLOC_TUNE"}
     out = subprocess.run([sys.executable, "-c", TRIM.format(root=os.path.dirname(here))], env=env,
                          capture_output=True, text=True, check=True, timeout=120).stdout.split()
-    assert out[:2] == ["None", "True"], out
+    if out[0] != "None":
+        pytest.skip(f"the allocator setting does not apply here: {' '.join(out[:-2])}")
+    assert out[1] == "True", out
     assert int(out[2]) >= 200, f"only {out[2]} MiB went back"
 
 

@@ -3,7 +3,9 @@ long, and requests sharing an uncached prefix wait for one leader."""
 
 from __future__ import annotations
 
-from scheduler.policy import LPM_MAX_WAITING, InFlight, WaitingQueue
+import pytest
+
+from scheduler.policy import LPM_MAX_WAITING, MIN_SHARED_PREFIX, InFlight, WaitingQueue
 from scheduler.request import EngineRequest, SamplingParams
 
 
@@ -73,13 +75,18 @@ def test_leader_checkpoint_just_before_the_divergence_serves_the_followers():
     assert [a.request.id for a in later] == ["r1", "r2"]
 
 
-def test_leader_checkpoint_far_from_the_divergence_gets_one_there():
+@pytest.mark.parametrize("checkpoint,extra", [(50, [100]), (68, [100]), (69, []), (100, [])])
+def test_leader_checkpoint_far_from_the_divergence_gets_one_there(checkpoint, extra):
+    """A snapshot where the prompts diverge (100) unless the leader's own checkpoint lies
+    fewer than MIN_SHARED_PREFIX (32) tokens before it."""
+    assert MIN_SHARED_PREFIX == 32
     shared = list(range(100, 200))
     q = WaitingQueue()
     for i in range(2):
         r = req(f"r{i}", shared + [i] * 20)
-        r.checkpoints = [50]  # 50 tokens before the divergence: worth a snapshot at 100
+        r.checkpoints = [checkpoint]
         q.add(r)
     first = q.pick(2, lambda r: 0, [])
     assert [a.request.id for a in first] == ["r0"]
-    assert first[0].extra_checkpoints == [100]
+    assert first[0].extra_checkpoints == extra
+

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import threading
 import time
@@ -32,15 +33,18 @@ def idle_seconds_setting() -> float:
     :data:`DEFAULT_SECONDS`.
 
     Raises:
-        ValueError: the variable is not a number.
+        ValueError: the variable is not a finite number.
     """
     raw = os.environ.get("MLX_GATEWAY_IDLE_TRIM_SECONDS")
     if raw is None or not raw.strip():
         return DEFAULT_SECONDS
     try:
-        return float(raw)
+        seconds = float(raw)
     except ValueError:
-        raise ValueError(f"MLX_GATEWAY_IDLE_TRIM_SECONDS must be a number of seconds, not {raw!r}") from None
+        seconds = math.nan
+    if not math.isfinite(seconds):
+        raise ValueError(f"MLX_GATEWAY_IDLE_TRIM_SECONDS must be a finite number of seconds, not {raw!r}")
+    return seconds
 
 
 def resident_bytes() -> Optional[int]:
@@ -110,8 +114,8 @@ class IdleTrimmer:
 
         def loop() -> None:
             while True:
-                time.sleep(period)
                 try:
+                    time.sleep(period)
                     self.poll()
                 except Exception:  # never let the watcher take anything down
                     log.exception("trimming idle memory failed")
