@@ -178,16 +178,18 @@ def _sample(f: Any, size: int) -> list[bytes]:
     return out
 
 
-def model_identity(model_dir: Path, chat_template: str | None = None) -> str:
+def model_identity(model_dir: Path, chat_template: str | None = None, loaded_as: str | None = None) -> str:
     """A hex digest (64 chars, blake2b-256) that names a model for the disk tier.
 
     Hashes :data:`IDENTITY_VERSION`; ``config.json``; the tokenizer files present
     (``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``,
     ``tokenizer.model``, ``chat_template.jinja``); ``chat_template``; the names and
     sizes (bytes) of the ``*.safetensors`` / ``*.gguf`` files; each safetensors
-    header (tensor names, dtypes, shapes, offsets); and :data:`SAMPLE_CHUNKS`
+    header (tensor names, dtypes, shapes, offsets); :data:`SAMPLE_CHUNKS`
     chunks of :data:`SAMPLE_CHUNK_BYTES` bytes spread evenly through each weight
-    file (the whole file when smaller).
+    file (the whole file when smaller); and ``loaded_as`` when given: how the weights
+    were changed after loading (``"float32"``: :mod:`gateway.cpu.weights`), which
+    changes the snapshots' dtype.
 
     Trade-off: weights are *sampled*, not fully hashed, so an 8B model costs about
     1 MiB of reads per weight file instead of 16 GB. Two fine-tunes of one
@@ -232,4 +234,6 @@ def model_identity(model_dir: Path, chat_template: str | None = None) -> str:
                 part("header", f.read(n))
             for chunk in _sample(f, size):
                 part("chunk", chunk)
+    if loaded_as is not None:
+        part("loaded_as", loaded_as.encode())
     return h.hexdigest()

@@ -85,9 +85,10 @@ class DiskTierUnusable(RuntimeError):
     (e.g. another server holds it)."""
 
 
-def open_disk_tier(cfg: ServeConfig, path: str, tokenizer, registry) -> "DiskLink":
+def open_disk_tier(cfg: ServeConfig, path: str, tokenizer, registry, loaded_as: Optional[str] = None) -> "DiskLink":
     """The prefix cache's disk tier in ``cfg.prompt_cache_dir``, keyed by the identity of
-    the model at ``path`` (weights, config, tokenizer, chat template).
+    the model at ``path`` (weights, config, tokenizer, chat template, and ``loaded_as``:
+    how its weights were changed after loading, if they were).
 
     Raises:
         OSError: the directory cannot be created or used (another server holds it,
@@ -100,7 +101,7 @@ def open_disk_tier(cfg: ServeConfig, path: str, tokenizer, registry) -> "DiskLin
     from cache.tiering import DiskLink
 
     template = getattr(tokenizer, "chat_template", None)
-    identity = model_identity(_download(path), template if isinstance(template, str) else None)
+    identity = model_identity(_download(path), template if isinstance(template, str) else None, loaded_as)
     tier = DiskTier(Path(cfg.prompt_cache_dir).expanduser(), cfg.prompt_cache_disk_bytes, identity, registry=registry)
     log.info("prompt-cache disk tier: %s (%d entries, %d bytes, bound %d bytes)",
              tier.dir, tier.num_entries, tier.nbytes, tier.max_bytes)
@@ -113,6 +114,7 @@ def load_into(state: ServerState, path: str) -> None:
 
     from cache import PromptCacheManager
     from gateway.conversation.prompts import warm_up
+    from gateway.cpu.weights import float32_weights_for_cpu_backend
     from scheduler import Engine
     from scheduler.equivalence import batch_is_exact
     from scheduler.grammar import Grammars, json_schema_grammar
@@ -123,6 +125,8 @@ def load_into(state: ServerState, path: str) -> None:
         # made here, on this thread, before the engine thread exists; from engine.start()
         # on only the engine thread uses MLX (MLX from several threads is a crash class).
         model, tokenizer = mlx_lm.load(path)
+        # Linux CPU: float32 matmuls use BLAS (quantized ones were ~25x slower)
+        loaded_as = "float32" if float32_weights_for_cpu_backend(model) is None else None
         exact = batch_is_exact(model)
         vocab_size = logits_size(model)
         if not exact:
@@ -131,7 +135,7 @@ def load_into(state: ServerState, path: str) -> None:
         manager = PromptCacheManager(cfg.prompt_cache_bytes, cfg.prompt_cache_size, registry=state.registry)
         if cfg.prompt_cache_dir:
             try:
-                manager.attach_disk(open_disk_tier(cfg, path, tokenizer, state.registry))
+                manager.attach_disk(open_disk_tier(cfg, path, tokenizer, state.registry, loaded_as))
             except OSError as e:
                 raise DiskTierUnusable(f"the prompt cache's disk tier cannot be used: {e}") from e
         manager.set_quotas(state.tenants.quotas())

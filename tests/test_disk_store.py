@@ -167,6 +167,7 @@ def test_model_identity(tmp_path):
     assert len(ia) == 64 and ia == model_identity(a)
     assert ia != model_identity(b)
     assert ia != model_identity(a, chat_template="{{ messages }}")
+    assert ia != model_identity(a, loaded_as="float32")  # weights cast after loading: other snapshots
     (a / "chat_template.jinja").write_text("x")
     assert ia != model_identity(a)
     with pytest.raises(FileNotFoundError):

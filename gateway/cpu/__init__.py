@@ -3,6 +3,8 @@
 
 - :mod:`gateway.cpu.blas`: matmuls on the system OpenBLAS instead of the bundled
   reference BLAS.
+- :mod:`gateway.cpu.weights`: quantized and half-precision weights as float32, whose
+  matmuls go to BLAS.
 - :mod:`gateway.cpu.allocator`: glibc malloc keeps freed buffers for reuse instead of
   returning them to the kernel, so large activations stop page-faulting.
 - :mod:`gateway.cpu.idle_trim`: that kept memory goes back to the kernel once the engine
