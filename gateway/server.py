@@ -125,7 +125,7 @@ def load_into(state: ServerState, path: str) -> None:
         # made here, on this thread, before the engine thread exists; from engine.start()
         # on only the engine thread uses MLX (MLX from several threads is a crash class).
         model, tokenizer = mlx_lm.load(path)
-        # Linux CPU: float32 matmuls use BLAS (quantized ones were ~25x slower)
+        # Linux CPU: only float32 matmuls use BLAS (README: "Weights in float32")
         loaded_as = "float32" if float32_weights_for_cpu_backend(model) is None else None
         exact = batch_is_exact(model)
         vocab_size = logits_size(model)

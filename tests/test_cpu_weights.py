@@ -11,6 +11,8 @@ import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
 
+from mlx_lm.models.switch_layers import SwitchLinear
+
 from conftest import live_server, model_path
 from gateway.cpu import cpu_backend
 from gateway.cpu.weights import float32_bytes, float32_weights
@@ -58,6 +60,51 @@ def test_half_precision_is_cast_to_float32():
     assert float(mx.max(mx.abs(logprobs(model) - want))) < 0.05  # float16 rounding of the activations
 
 
+class Layers(nn.Module):
+    """One of each layer kind the conversion handles, with biases and an integer parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(64, 32, bias=True)
+        self.embedding = nn.Embedding(50, 64)
+        self.experts = SwitchLinear(64, 32, 4, bias=True)
+        self.step = mx.array([3], dtype=mx.int32)
+
+    def __call__(self, x: mx.array, ids: mx.array) -> list[mx.array]:
+        return [self.linear(x), self.embedding(ids), self.experts(x[:, None, :], ids[:, None] % 4)]
+
+
+@pytest.mark.parametrize("mode", ["affine", "mxfp4"])
+def test_every_layer_kind_and_mode_half_precision_scales(mode):
+    mx.random.seed(0)
+    model = Layers()
+    model.set_dtype(mx.float16)  # float16 weights, so float16 scales
+    full = sum(4 * p.size if p.dtype == mx.float16 else p.nbytes for _, p in tree_flatten(model.parameters()))
+    nn.quantize(model, group_size=32, bits=4, mode=mode)
+    assert quantized_layers(model) == 2 and type(model.experts).__name__ == "QuantizedSwitchLinear"
+    assert float32_bytes(model) == full
+    x, ids = mx.random.normal((3, 64)).astype(mx.float16), mx.array([1, 7, 30])
+    want = model(x, ids)
+    assert float32_weights(model, limit_bytes=1 << 30) is None
+    assert dtypes(model) == {mx.float32, mx.int32} and model.step.item() == 3
+    assert type(model.experts) is SwitchLinear and quantized_layers(model) == 0
+    for a, b in zip(want, model(x.astype(mx.float32), ids)):
+        assert float(mx.max(mx.abs(a.astype(mx.float32) - b))) < 1e-2  # float16 activations before
+
+
+class FusedQuantizedLinear(nn.QuantizedLinear):
+    """A subclass with its own call, as some model files have (afm7's fused QKV)."""
+
+
+def test_subclassed_quantized_layers_are_left_alone():
+    model = Layers()
+    nn.quantize(model, group_size=32, bits=4)
+    model.linear = FusedQuantizedLinear(64, 32, bias=True, group_size=32, bits=4)
+    why = float32_weights(model, limit_bytes=1 << 30)
+    assert why == "unsupported quantized layers: FusedQuantizedLinear"
+    assert type(model.linear) is FusedQuantizedLinear and quantized_layers(model) == 2
+
+
 def test_left_alone_when_too_large_or_already_float32(quantized):
     model, full = quantized
     assert float32_weights(model, limit_bytes=full - 1).startswith("too large")
@@ -74,13 +121,17 @@ def quantized_dir(tmp_path_factory):
 
 
 @pytest.mark.skipif(not cpu_backend(), reason="applies where MLX runs on the CPU")
-@pytest.mark.parametrize("setting,converted", [(None, True), ("0", False)])
-def test_a_quantized_model_is_served_in_float32(quantized_dir, monkeypatch, setting, converted):
-    if setting is None:
-        monkeypatch.delenv("MLX_GATEWAY_CPU_FLOAT32", raising=False)
-    else:
-        monkeypatch.setenv("MLX_GATEWAY_CPU_FLOAT32", setting)
-    with live_server(quantized_dir) as server, server.client() as c:
-        assert (quantized_layers(server.engine.model) == 0) is converted
-        r = c.post("/v1/completions", json={"model": "test-model", "prompt": "the sea", "max_tokens": 4})
-        assert r.status_code == 200, r.text
+def test_a_quantized_model_is_served_in_float32(quantized_dir, tmp_path, monkeypatch):
+    """Converted unless turned off; the disk tier keeps the two kinds of snapshots apart."""
+    tiers = []
+    for setting, converted in ((None, True), ("0", False)):
+        if setting is None:
+            monkeypatch.delenv("MLX_GATEWAY_CPU_FLOAT32", raising=False)
+        else:
+            monkeypatch.setenv("MLX_GATEWAY_CPU_FLOAT32", setting)
+        with live_server(quantized_dir, prompt_cache_dir=str(tmp_path / "disk")) as server, server.client() as c:
+            assert (quantized_layers(server.engine.model) == 0) is converted
+            r = c.post("/v1/completions", json={"model": "test-model", "prompt": "the sea", "max_tokens": 4})
+            assert r.status_code == 200, r.text
+            tiers.append(server.engine.prompt_cache.disk.tier.dir)
+    assert tiers[0] != tiers[1]

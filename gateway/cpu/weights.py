@@ -1,19 +1,28 @@
 """float32 weights where MLX runs on the CPU.
 
 MLX's CPU backend sends float32 matmuls to BLAS (OpenBLAS, see :mod:`gateway.cpu.blas`),
-but runs quantized, float16 and bfloat16 matmuls in its own scalar loops. The default
-model (SmolLM2-135M-Instruct, 4-bit Q4_1 from GGUF) then prefilled 287 tokens in 42 s
-with a 203 ms decode step on this project's 2-core Linux machine; dequantized to
-float16, 36 s and 730 ms; to float32 (538 MB instead of about 100), 1.5 s and 120 ms.
+but runs quantized, float16 and bfloat16 matmuls in its own loops. On the default model
+(SmolLM2-135M-Instruct, 4-bit Q4_1 from GGUF) a 287-token prefill took 39.8 s and a
+decode step 168 ms on a 2-core Linux machine; with float32 weights (538 MB instead of
+98), 1.04 s and 87 ms (``benchmarks/bench_cpu_weights.py``, quoted in the README).
 
 :func:`float32_weights` dequantizes a model's quantized layers (mlx-lm's
 ``dequantize_model``) and casts every floating-point parameter to float32, when the
-float32 weights fit in :data:`MEMORY_SHARE` of physical memory (a 7B 4-bit model would
-need 28 GB: it stays as it is, with a warning). ``mlx-gateway serve`` applies it on the
-CPU backend right after loading; ``MLX_GATEWAY_CPU_FLOAT32=0`` keeps the weights as
-stored. On Metal (macOS) none of this applies: quantized matmuls are fast there.
-Dequantizing is exact, so outputs change only by float32 rounding (and become more
-precise than float16 activations).
+float32 weights fit in :data:`MEMORY_SHARE` of the memory this process may use (physical
+memory, or a container's cgroup limit if lower); a 7B 4-bit model would need 28 GB and
+stays as it is, with a warning. ``mlx-gateway serve`` applies it on the CPU backend
+right after loading; ``MLX_GATEWAY_CPU_FLOAT32=0`` keeps the weights as stored. On Metal
+(macOS) none of this applies: quantized matmuls are fast there.
+
+Dequantizing is exact. A model whose activations were float32 already (the default one:
+its norms are float32) gives the same outputs up to float32 rounding; a float16 or
+bfloat16 model now computes in float32, more precisely, and its KV cache and prompt-cache
+snapshots take twice the bytes (``--prompt-cache-bytes`` holds half as many tokens).
+
+Models are left as stored when a layer is quantized in a way ``dequantize_model`` does
+not handle: subclasses of MLX's quantized layers (afm7's fused QKV), other quantized
+layer types (``QuantizedMultiLinear``, ``HadamardQuantizedLinear``, ``BitLinear``), and
+experts with an nvfp4 global scale.
 """
 
 from __future__ import annotations
@@ -33,20 +42,53 @@ MEMORY_SHARE = 0.25  # float32 weights may take at most this share of physical m
 FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 
 
-def physical_memory_bytes() -> Optional[int]:
-    """Physical memory in bytes (``sysconf``); None where it cannot be read."""
+def memory_limit_bytes() -> Optional[int]:
+    """Memory this process may use (bytes): physical memory (``sysconf``), or the cgroup's
+    limit when a container sets a lower one (``memory.max``, v1 ``memory.limit_in_bytes``);
+    None where neither can be read."""
+    limits = []
     try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        limits.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):
-        return None
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                raw = f.read().strip()
+        except OSError:
+            continue
+        if raw.isdigit():
+            limits.append(int(raw))
+    return min(limits) if limits else None
+
+
+KINDS = (nn.QuantizedLinear, nn.QuantizedEmbedding)
 
 
 def _quantized_layers(model: nn.Module) -> list[nn.Module]:
-    """Quantized linear, embedding and (mlx-lm's) mixture-of-experts layers."""
+    """Quantized linear, embedding and (mlx-lm's) mixture-of-experts layers, exactly those
+    types (what ``dequantize_model`` replaces)."""
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
-    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)
-    return [m for _, m in model.named_modules() if isinstance(m, kinds)]
+    return [m for _, m in model.named_modules() if type(m) in (*KINDS, QuantizedSwitchLinear)]
+
+
+def _unsupported(model: nn.Module) -> list[str]:
+    """Names of layer types that are quantized in a way :func:`float32_weights` does not
+    convert: subclasses of the quantized types (``dequantize_model`` would replace them
+    with a plain layer), other quantized layers, and experts with a global scale."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    known = (*KINDS, QuantizedSwitchLinear)
+    out = set()
+    for _, m in model.named_modules():
+        name = type(m).__name__
+        if type(m) in known:
+            if m.get("global_scale") is not None:
+                out.add(f"{name} with a global scale")
+        elif isinstance(m, known) or "Quantized" in name or name == "BitLinear":
+            out.add(name)
+    return sorted(out)
 
 
 def _plain_parameters(model: nn.Module) -> list[mx.array]:
@@ -74,18 +116,23 @@ def float32_weights(model: nn.Module, limit_bytes: Optional[int] = None) -> Opti
 
     Returns:
         None when the weights were converted; otherwise why not ("already float32",
-        "too large: ..."). Never raises for a model it leaves alone.
+        "too large: ...", "unsupported quantized layers: ..."), the model unchanged.
     """
     from mlx_lm.utils import dequantize_model
 
+    unsupported = _unsupported(model)
+    if unsupported:
+        return f"unsupported quantized layers: {', '.join(unsupported)}"
     quantized = _quantized_layers(model)
     low = [p for p in _plain_parameters(model) if p.dtype in (mx.float16, mx.bfloat16)]
     if not quantized and not low:
         return "already float32"
     need = float32_bytes(model)
     if limit_bytes is None:
-        physical = physical_memory_bytes()
-        limit_bytes = int(MEMORY_SHARE * physical) if physical else 0
+        memory = memory_limit_bytes()
+        if memory is None:
+            return "too large to tell: the memory available cannot be read"
+        limit_bytes = int(MEMORY_SHARE * memory)
     if need > limit_bytes:
         return f"too large: {need / 1e9:.1f} GB as float32, more than {limit_bytes / 1e9:.1f} GB"
     dequantize_model(model)
@@ -107,8 +154,12 @@ def float32_weights_for_cpu_backend(model: nn.Module) -> Optional[str]:
         return "MLX_GATEWAY_CPU_FLOAT32=0"
     if not cpu_backend():
         return "MLX runs on a GPU"
-    why = float32_weights(model)
-    if why is not None and why.startswith("too large"):
+    try:
+        why = float32_weights(model)
+    except Exception as e:  # dequantize_model swaps the layers in one update: nothing half done
+        log.exception("converting the weights to float32 failed; they stay as stored")
+        return f"failed: {e}"
+    if why is not None and why != "already float32":
         log.warning("MLX runs on the CPU, where quantized, float16 and bfloat16 matmuls are many times "
                     "slower than float32 ones; the weights stay as stored (%s)", why)
     return why
