@@ -38,7 +38,7 @@ from mlx.utils import tree_flatten, tree_map
 
 log = logging.getLogger("mlx_gateway")
 
-MEMORY_SHARE = 0.25  # float32 weights may take at most this share of physical memory
+MEMORY_SHARE = 0.25  # float32 weights may take at most this share of memory_limit_bytes()
 FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 
 
