@@ -12,11 +12,11 @@ step, with their last prompt token as their input: the step's forward computes t
 first token together with everyone else's next one, and that step reports it. A row
 inserted with only that token left (a prefix-cache hit of ``len - 1`` tokens) never
 enters the prompt batch; a whole prompt batch that finishes together is moved, not
-copied. The last prompt token is fed
-once, through the same model call, in a left-padded batch like every other decode step;
-since that batch is the decode batch rather than the joining rows alone, logprobs agree
-with mlx-lm's within 1e-4 rather than bit for bit (``tests/test_generator.py`` checks
-tokens and logprobs per architecture).
+copied. The last prompt token is fed once, through the same model call, in a
+left-padded batch like every other decode step; since that batch is the decode batch
+rather than the joining rows alone, logprobs agree with mlx-lm's within 1e-4 rather
+than bit for bit (``tests/test_generator.py`` checks tokens and logprobs per
+architecture).
 """
 
 from __future__ import annotations

@@ -62,24 +62,25 @@ def memory_limit_bytes() -> Optional[int]:
     return min(limits) if limits else None
 
 
-KINDS = (nn.QuantizedLinear, nn.QuantizedEmbedding)
+def _kinds() -> tuple[type, ...]:
+    """The quantized layer types ``dequantize_model`` replaces: linear, embedding and
+    (mlx-lm's) mixture-of-experts."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    return nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear
 
 
 def _quantized_layers(model: nn.Module) -> list[nn.Module]:
-    """Quantized linear, embedding and (mlx-lm's) mixture-of-experts layers, exactly those
-    types (what ``dequantize_model`` replaces)."""
-    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
-
-    return [m for _, m in model.named_modules() if type(m) in (*KINDS, QuantizedSwitchLinear)]
+    """Layers of exactly the :func:`_kinds` types."""
+    kinds = _kinds()
+    return [m for _, m in model.named_modules() if type(m) in kinds]
 
 
 def _unsupported(model: nn.Module) -> list[str]:
     """Names of layer types that are quantized in a way :func:`float32_weights` does not
     convert: subclasses of the quantized types (``dequantize_model`` would replace them
     with a plain layer), other quantized layers, and experts with a global scale."""
-    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
-
-    known = (*KINDS, QuantizedSwitchLinear)
+    known = _kinds()
     out = set()
     for _, m in model.named_modules():
         name = type(m).__name__
@@ -111,8 +112,9 @@ def float32_bytes(model: nn.Module) -> int:
 
 def float32_weights(model: nn.Module, limit_bytes: Optional[int] = None) -> Optional[str]:
     """Dequantize ``model``'s quantized layers and cast its floating-point parameters to
-    float32, in place, unless that is not needed or would take more than ``limit_bytes``
-    (default: :data:`MEMORY_SHARE` of physical memory).
+    float32, in place, unless that is not needed, a layer is of a type it does not convert,
+    or it would take more than ``limit_bytes`` (default: :data:`MEMORY_SHARE` of
+    :func:`memory_limit_bytes`).
 
     Returns:
         None when the weights were converted; otherwise why not ("already float32",
@@ -146,8 +148,9 @@ def float32_weights(model: nn.Module, limit_bytes: Optional[int] = None) -> Opti
 
 def float32_weights_for_cpu_backend(model: nn.Module) -> Optional[str]:
     """:func:`float32_weights` when MLX runs on the CPU, unless
-    ``MLX_GATEWAY_CPU_FLOAT32=0``; logs a warning when the model is too large. Returns
-    why it did not convert, or None."""
+    ``MLX_GATEWAY_CPU_FLOAT32=0``; logs a warning when a model that is not float32 stays
+    as stored (too large, unsupported layers, the conversion raised). Returns why it did
+    not convert, or None."""
     from gateway.cpu import cpu_backend
 
     if os.environ.get("MLX_GATEWAY_CPU_FLOAT32", "1") == "0":
