@@ -10,7 +10,7 @@ step of five).
 :class:`Arrivals` counts the requests the gateway has accepted and is still preparing.
 An idle engine (no row prefilling or decoding) with a request to start waits at most
 ``gather_wait`` seconds (``--gather-wait``) for them, then starts them all in one step
-(:meth:`scheduler.engine.Engine._gather`). A request that arrives alone waits for
+(:meth:`scheduler.loop.EngineLoop._gather`). A request that arrives alone waits for
 nothing: its own count has dropped by the time it is submitted. An engine with rows
 running never waits; new requests join at its next step, as in vLLM's and SGLang's
 continuous batching, which have no such wait. Triton's dynamic batcher bounds a similar
@@ -59,9 +59,10 @@ class Arrivals:
             self._wake()
 
 
-def gather(arrivals: Arrivals, inbox: queue.SimpleQueue, handle: Callable[[object], None], wait: float,
+def gather(preparing: Callable[[], int], inbox: queue.SimpleQueue, handle: Callable[[object], None], wait: float,
            stopping: Callable[[], bool]) -> float:
-    """Handle ``inbox`` items until no request is being prepared, ``wait`` seconds have
+    """Handle ``inbox`` items until no request is being prepared (``preparing()``, the
+    :attr:`Arrivals.preparing` of every engine on the loop, reads 0), ``wait`` seconds have
     passed or ``stopping()``; then every item already queued. A request is submitted
     before its count drops, so once the count reads 0 its submission is in ``inbox``.
 
@@ -70,7 +71,7 @@ def gather(arrivals: Arrivals, inbox: queue.SimpleQueue, handle: Callable[[objec
     """
     start = time.monotonic()
     deadline = start + wait
-    while arrivals.preparing and not stopping():
+    while preparing() and not stopping():
         left = deadline - time.monotonic()
         if left <= 0:
             break

@@ -23,6 +23,7 @@ import mlx.core as mx
 from mlx_lm.generate import StopSequences
 
 from cache import PromptCacheManager
+from cache.checkpoints import row_snapshots
 from scheduler.chunking import ChunkPlanner
 from scheduler.fairness import FairShare
 from scheduler.generator import JoiningBatchGenerator
@@ -122,6 +123,21 @@ class Batch:
                 log.exception("closing the batch generator failed")
             del gen
 
+    def kv_bytes(self) -> int:
+        """Bytes of the generator's prompt and decode batch caches (``.nbytes`` of each
+        layer cache; nothing is evaluated)."""
+        gen = self.gen
+        if gen is None or not self.active:
+            return 0
+        total = 0
+        for batch in (getattr(gen, "_prompt_batch", None), getattr(gen, "_generation_batch", None)):
+            for c in getattr(batch, "prompt_cache", None) or []:
+                try:
+                    total += int(c.nbytes)
+                except Exception:  # an empty layer cache has no arrays yet
+                    pass
+        return total
+
     # ----------------------------------------------------------------- rows in and out
     def serving(self) -> bool:
         """Some row is a request (not a next-turn precompute)."""
@@ -132,16 +148,18 @@ class Batch:
         return sum(1 for a in self.active.values() if not a.decoding)
 
     def start_row(self, r: EngineRequest, extra_checkpoints=(), background: bool = False) -> Optional[Row]:
-        """Fetch ``r``'s cached prefix and put its prompt into the batch, cut into segments at
-        its checkpoints; None (``r`` failed with a 500) if that raised. A ``background``
-        row's lookup stays out of the hit-rate metrics."""
+        """Fetch ``r``'s cached prefix and put its prompt into the batch, cut into segments
+        where :func:`cache.checkpoints.row_snapshots` says; None (``r`` failed with a 500) if
+        that raised. A ``background`` row is a next-turn precompute: its lookup stays out
+        of the hit-rate metrics and it snapshots only at its end."""
         lease = None
         r.timings["engine_admitted"] = time.monotonic()
         try:
             hit = self.prompt_cache.fetch(r.namespace, r.tokens, count=not background)
             r.timings["engine_restored"] = time.monotonic()
             lease, cached = hit.lease, hit.cached_tokens
-            marks = sorted({p for p in [*r.checkpoints, *extra_checkpoints] if cached < p < len(r.tokens)})
+            marks, snapshots = row_snapshots(len(r.tokens), cached, r.checkpoints, extra_checkpoints,
+                                             self.trimmable, precompute=background)
             cuts = [cached, *marks, len(r.tokens)]
             segments = [r.tokens[a:b] for a, b in zip(cuts, cuts[1:])]
             stop = StopSequences([[t] for t in sorted(self.eos_token_ids)])
@@ -161,14 +179,7 @@ class Batch:
             log.exception("request %s could not be admitted", r.id)
             self._send(r, [ErrorEvent(500, f"could not start the request: {e}")])
             return None
-        # Caches that cannot be trimmed also get a snapshot where the final one-token
-        # segment starts, len-1 (exact repeats), and at len right after prefill when the
-        # next turn shares the whole prompt.
-        n = len(r.tokens)
-        snapshots = list(marks)
-        if not self.trimmable:  # a trimmable cache gets both from the prompt + completion snapshot
-            snapshots += [*([n - 1] if n - 1 > cached else []), *([n] if n in r.checkpoints and n > cached else [])]
-        active = Row(r, uid, lease, cached, sorted(set(snapshots)), fault=fault, cache_source=hit.source)
+        active = Row(r, uid, lease, cached, snapshots, fault=fault, cache_source=hit.source)
         self.active[uid] = active
         self.by_id[r.id] = active
         return active
@@ -228,15 +239,25 @@ class Batch:
         self.by_id.clear()
 
     # ----------------------------------------------------------------- stepping
-    def step(self) -> None:
+    def step(self, decode_only: bool = False, decoding_elsewhere: int = 0) -> None:
         """Run one step of the generator (a prefill chunk and/or one decoded token per
-        row) and account for it: progress, snapshots, tokens, finished and failed rows."""
+        row) and account for it: progress, snapshots, tokens, finished and failed rows.
+
+        Args:
+            decode_only: advance only the decoding rows (another model's engine runs the
+                loop's prefill chunk this turn).
+            decoding_elsewhere: rows decoding in the other engines of the loop: the chunk
+                is sized for them too (the gap bound holds across models).
+        """
         prefilling = self.num_prefilling()
         decoding = len(self.active) - prefilling
-        if prefilling and not decoding and all(a.precompute is not None for a in self.active.values()):
+        if decode_only:
+            chunk = 0
+        elif (prefilling and not decoding and not decoding_elsewhere
+              and all(a.precompute is not None for a in self.active.values())):
             chunk = self.chunks.idle_chunk(prefilling)  # preemptible: a request waits at most one chunk
         else:
-            chunk = self.chunks.next_chunk(prefilling, decoding)
+            chunk = self.chunks.next_chunk(prefilling, decoding + decoding_elsewhere)
         self.gen.prefill_step_size = chunk
         tic = time.perf_counter()
         try:
@@ -258,7 +279,7 @@ class Batch:
             a = self.active.get(pr.uid)
             if a is not None:
                 prefilled += self._on_prompt_progress(a, pr)
-        self.chunks.record(chunk, prefilled, decoding, seconds)
+        self.chunks.record(chunk, prefilled, decoding + decoding_elsewhere, seconds)
         self._fail_faulty_rows()
         events: dict[int, list[Event]] = {}
         for gr in gen_responses:

@@ -14,8 +14,8 @@ sequences decode, the planner instead:
   multiples of :data:`ALIGN` tokens, the first chunk is :data:`FIRST_CHUNK` tokens;
 * after each prefill chunk, runs decode-only steps (a prefill step size of 0, which
   makes ``next()`` advance only the decoding batch) until they have had
-  :data:`DECODE_SHARE` of the chunk's time, so most inter-token gaps stay those of
-  decoding alone.
+  :data:`DECODE_SHARE` of the chunk's time (:class:`DecodeShare`, shared by the models of
+  one engine loop), so most inter-token gaps stay those of decoding alone.
 
 With nothing decoding, prompts prefill in full ``prefill_step_size`` chunks: TTFT is
 then what it would be without a budget.
@@ -31,10 +31,40 @@ the time.
 
 from __future__ import annotations
 
+from typing import Optional
+
 ALIGN = 32  # chunk sizes are multiples of this many tokens
 FIRST_CHUNK = 128  # tokens per prompt before any chunk has been timed
 HEADROOM = 0.85  # aim this fraction of the budget, as the next chunk attends to more context
 DECODE_SHARE = 0.1  # decode-only time owed after a prefill chunk, as a fraction of its time
+
+
+class DecodeShare:
+    """Seconds of decode-only steps owed to the decoding rows after a prefill chunk.
+
+    One per engine loop, shared by the planners of every model on it: a chunk of one
+    model owes the decoding rows of every model their share of time, and the decode-only
+    steps of every model pay it.
+    """
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def owed(self) -> bool:
+        """Decode-only steps are owed now."""
+        return self.seconds > 0
+
+    def owe(self, seconds: float) -> None:
+        """Owe ``seconds`` of decode-only steps."""
+        self.seconds = seconds
+
+    def pay(self, seconds: float) -> None:
+        """A decode-only step took ``seconds``."""
+        self.seconds -= seconds
+
+    def clear(self) -> None:
+        """Nothing is owed (no prompt prefills beside decoding rows)."""
+        self.seconds = 0.0
 
 
 class ChunkPlanner:
@@ -44,13 +74,15 @@ class ChunkPlanner:
         step_size: tokens per prompt per step when nothing decodes (``--prefill-step-size``).
         budget: seconds a prefill step may take while at least as many sequences
             decode as prompts prefill (``--prefill-budget``); 0 disables chunking.
+        share: the decode-only time owed, shared with the other models of one engine
+            loop (None: a planner of its own).
     """
 
-    def __init__(self, step_size: int, budget: float) -> None:
+    def __init__(self, step_size: int, budget: float, share: Optional[DecodeShare] = None) -> None:
         self.step_size = max(1, step_size)
         self.budget = max(0.0, budget)
+        self.share = share or DecodeShare()
         self._per_token = 0.0  # seconds per prompt token of the last timed chunk
-        self._decode_owed = 0.0  # seconds of decode-only steps owed to the decoding rows
         self.decode_only_steps = 0  # steps that advanced only the decoding batch
         self.budgeted_steps = 0  # prefill steps whose chunk the budget cut below step_size
 
@@ -62,9 +94,9 @@ class ChunkPlanner:
             decoding: requests decoding.
         """
         if not prefilling or not decoding or not self.budget:
-            self._decode_owed = 0.0
+            self.share.clear()
             return self.step_size
-        if self._decode_owed > 0:
+        if self.share.owed():
             return 0
         # A prompt waiting for its first token is a user waiting too: when more prompts
         # prefill than streams decode, the step may take proportionally longer.
@@ -96,9 +128,9 @@ class ChunkPlanner:
         sequences decoded."""
         if chunk == 0:
             self.decode_only_steps += 1
-            self._decode_owed -= seconds
+            self.share.pay(seconds)
             return
         if prefilled and decoding and self.budget:
-            self._decode_owed = DECODE_SHARE * seconds
+            self.share.owe(DECODE_SHARE * seconds)
         if prefilled >= ALIGN:
             self._per_token = seconds / prefilled

@@ -17,8 +17,10 @@ TOLERANCE = 1e-4
 
 
 def _run(model, prompts: list[list[int]], steps: int) -> list[list[mx.array]]:
+    # A stream of the calling thread's own: mlx-lm's default generation stream is the
+    # engine loop's, and a model is probed on its load thread while the loop runs.
     gen = BatchGenerator(model, max_tokens=steps, sampler=greedy, prefill_batch_size=len(prompts),
-                         completion_batch_size=len(prompts))
+                         completion_batch_size=len(prompts), stream=mx.new_stream(mx.default_device()))
     uids = gen.insert(prompts)
     out: dict[int, list[mx.array]] = {u: [] for u in uids}
     try:

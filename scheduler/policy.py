@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
+from cache.checkpoints import divergence_snapshot
 from scheduler.fairness import FairShare
 from scheduler.prefix_index import PrefixIndex, PrefixKey
 from scheduler.request import EngineRequest
@@ -184,13 +185,8 @@ class WaitingQueue:
     @staticmethod
     def _joins_leader(r: EngineRequest, m: int, leaders: PrefixIndex[Admission]) -> bool:
         """True if a request chosen in this pick shares ``MIN_SHARED_PREFIX`` uncached
-        tokens with ``r``; the leader then also saves a snapshot where they diverge,
-        unless one of its own checkpoints lies fewer than ``MIN_SHARED_PREFIX`` tokens
-        before that point (e.g. the system prompt's end, when the users' messages start
-        with the same few tokens). Restoring that one costs ``r`` a few tokens of
-        prefill, and the leader's prompt is not cut into one more segment: a segment end
-        ends its prefill step, which would leave the leader a step behind its followers,
-        prefilling its last chunk alone."""
+        tokens with ``r``; the leader then also saves a snapshot where they diverge, where
+        :func:`cache.checkpoints.divergence_snapshot` places it."""
         if not leaders:
             return False
         for a, shared in leaders.longest(r.tokens, key_of(r)):
@@ -199,9 +195,9 @@ class WaitingQueue:
                 point = min(shared, len(a.request.tokens) - 1)
                 if point > m:
                     # (A checkpoint above m is not cached: the leader computes and saves it.)
-                    saved = [*a.request.checkpoints, *a.extra_checkpoints]
-                    near = any(m < p <= point and point - p < MIN_SHARED_PREFIX for p in saved)
-                    if not near and point not in a.extra_checkpoints:
-                        a.extra_checkpoints.append(point)
+                    extra = divergence_snapshot(point, m, [*a.request.checkpoints, *a.extra_checkpoints],
+                                                MIN_SHARED_PREFIX)
+                    if extra is not None and extra not in a.extra_checkpoints:
+                        a.extra_checkpoints.append(extra)
                     return True
         return False

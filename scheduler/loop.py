@@ -1,0 +1,310 @@
+"""The engine loop: the one thread that owns every MLX call, for every served model.
+
+MLX is used from this thread only (on Metal, MLX from several threads at once is a
+crash class), so one gateway serving several models runs one :class:`EngineLoop` and
+attaches one :class:`scheduler.engine.Engine` per model to it. Each engine keeps its
+own waiting queue, batch and prefix cache; the loop decides whose step runs when:
+
+* every turn, every engine with decoding rows decodes one token, so no model's streams
+  wait for another model's work longer than one turn;
+* at most one engine runs a prefill chunk per turn, taken in turn among the engines
+  with prompts to prefill (round robin), and its chunk is sized with the decoding rows
+  of *every* model counted (:mod:`scheduler.chunking`): the chunked-prefill gap bound
+  holds across models;
+* next-turn precomputes run only when no engine has a request waiting or running, and
+  any request arriving for any model preempts them;
+* the tenants' fair share (VTC, :mod:`scheduler.fairness`) is one set of counters for
+  all models: work a tenant gets on one model counts on the others.
+
+The async side talks to it through a thread-safe inbox and never blocks it; the loop
+blocks on the inbox only when no engine has work. One engine failing in a way its own
+batch cannot contain (a bug outside a model step) is detached with that error; the
+others keep serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import traceback
+from typing import Any, Callable, Optional, Protocol
+
+from scheduler.arrivals import Arrivals, gather
+from scheduler.chunking import DecodeShare
+from scheduler.fairness import FairShare
+from scheduler.metrics import SchedulerMetrics
+from scheduler.rows import EngineDead
+
+log = logging.getLogger("mlx_gateway.engine")
+
+
+class Engine(Protocol):
+    """What the loop sees of a model's engine (:class:`scheduler.engine.Engine`); every
+    method runs on the loop's thread."""
+
+    name: str
+    error: Optional[BaseException]
+    arrivals: Arrivals
+    metrics: SchedulerMetrics
+
+    @property
+    def busy(self) -> bool: ...  # rows in the batch or requests waiting
+
+    @property
+    def has_waiting(self) -> bool: ...
+
+    @property
+    def has_rows(self) -> bool: ...
+
+    @property
+    def serving(self) -> bool: ...  # a row is a request (not a next-turn precompute)
+
+    @property
+    def num_prefilling(self) -> int: ...
+
+    @property
+    def num_decoding(self) -> int: ...
+
+    def precompute_due(self) -> Optional[float]: ...
+
+    def open_on_loop(self) -> None: ...
+
+    def close_on_loop(self, reason: str, persist: bool) -> None: ...
+
+    def handle(self, kind: str, payload) -> None: ...
+
+    def refuse(self, kind: str, payload, reason: str) -> None: ...
+
+    def admit(self, preempt: bool, quiet: bool) -> None: ...
+
+    def step(self, decode_only: bool = False, decoding_elsewhere: int = 0) -> None: ...
+
+    def end_turn(self, hold: bool) -> None: ...
+
+
+class EngineLoop:
+    """The thread that steps every attached :class:`Engine` (see the module docstring).
+
+    Args:
+        gather_wait: seconds an idle loop with a request to start waits for requests the
+            gateway is still preparing for any model (:mod:`scheduler.arrivals`); 0: never.
+        name: the thread's name.
+    """
+
+    def __init__(self, gather_wait: float = 0.0, name: str = "mlx-gateway-engine") -> None:
+        self.gather_wait = max(0.0, gather_wait)
+        self.name = name
+        self.fair = FairShare()  # one set of tenant counters for every model
+        self.decode_share = DecodeShare()  # decode-only time owed after a prefill chunk, for every model
+        self.error: Optional[BaseException] = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._engines: list[Engine] = []  # loop thread only (before start: the starting thread)
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+        self._stop_reason = "engine stopped"
+        self._turn = 0  # round robin over the engines with prompts to prefill
+
+    # ----------------------------------------------------------------- thread-safe API
+    @property
+    def alive(self) -> bool:
+        """True while the loop's thread runs."""
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def start(self) -> None:
+        """Start the thread; engines attached before it opens their batches on it."""
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0, reason: str = "engine stopped") -> None:
+        """Stop the thread: every engine's waiting and running requests end with a 503
+        error event whose message is ``reason``; prompt caches with a disk tier are
+        written to it first (a graceful stop)."""
+        self._stop_reason = reason
+        self._stopping = True
+        self._inbox.put(("stop", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def post(self, item: tuple) -> None:
+        """Put ``item`` in the inbox (thread-safe)."""
+        self._inbox.put(item)
+
+    def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
+        """Run ``fn()`` on the loop's thread between two steps and return its result.
+
+        Raises:
+            EngineDead: the loop is not running.
+            TimeoutError: no answer within ``timeout`` seconds (it may still run later).
+            Exception: whatever ``fn`` raised.
+        """
+        if not self.alive:
+            raise EngineDead("engine is not running")
+        box: dict = {}
+        done = threading.Event()
+        self._inbox.put(("call", (fn, box, done)))
+        if not done.wait(timeout):
+            raise TimeoutError("engine did not answer")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def attach(self, engine: Engine, timeout: float = 60.0) -> None:
+        """Serve ``engine`` from this loop: before :meth:`start` it is opened when the
+        thread starts; after, its batch is opened on the thread between two steps (the
+        hand-over of a model loaded elsewhere).
+
+        Raises:
+            EngineDead, TimeoutError: see :meth:`call` (after start only).
+        """
+        if self._thread is None:
+            self._engines.append(engine)
+            return
+        self.call(lambda: self._open(engine), timeout)
+
+    def detach(self, engine: Engine, reason: str, timeout: float = 60.0, persist: bool = True) -> None:
+        """Stop serving ``engine``: its requests end with a 503 ``reason``; with
+        ``persist``, its prompt cache goes to its disk tier (if it has one). A no-op when
+        the loop is not running (the engine stopped with it).
+
+        Raises:
+            TimeoutError: the loop did not take it within ``timeout`` seconds.
+        """
+        try:
+            self.call(lambda: self._close(engine, reason, persist), timeout)
+        except EngineDead:
+            pass
+
+    # ----------------------------------------------------------------- the thread
+    def _open(self, engine: Engine) -> None:
+        engine.open_on_loop()
+        self._engines.append(engine)
+
+    def _close(self, engine: Engine, reason: str, persist: bool) -> None:
+        if engine in self._engines:
+            self._engines.remove(engine)
+            engine.close_on_loop(reason, persist)
+
+    def _preparing(self) -> int:
+        return sum(e.arrivals.preparing for e in self._engines)
+
+    def _run(self) -> None:
+        try:
+            for e in list(self._engines):
+                e.open_on_loop()
+            while not self._stopping:
+                engines = list(self._engines)
+                if not any(e.busy for e in engines):
+                    # Idle: block until something arrives, or until a precompute is due.
+                    dues = [d for d in (e.precompute_due() for e in engines) if d is not None]
+                    due = min(dues) if dues else None
+                    try:
+                        self._handle(self._inbox.get(timeout=due) if due is None or due > 0 else
+                                     self._inbox.get_nowait())
+                    except queue.Empty:
+                        pass
+                self._drain_inbox()
+                if self._stopping:
+                    break
+                engines = list(self._engines)
+                if (self.gather_wait > 0 and any(e.has_waiting for e in engines)
+                        and not any(e.has_rows for e in engines) and self._preparing()):
+                    self._gather(engines)
+                    if self._stopping:
+                        break
+                self._turn_once(engines)
+        except BaseException as e:  # the loop itself broke: report, fail everyone
+            self.error = e
+            log.error("engine thread died:\n%s", traceback.format_exc())
+        finally:
+            reason = f"engine stopped: {self.error!r}" if self.error else self._stop_reason
+            for e in list(self._engines):
+                try:
+                    e.close_on_loop(reason, persist=self.error is None)
+                except Exception:
+                    log.exception("closing the engine of %s failed", e.name)
+            self._engines.clear()
+            self.drain_after_stop(reason)
+
+    def _turn_once(self, engines: list[Engine]) -> None:
+        """One turn: admissions, then one step of each engine with rows (one prefill chunk
+        among them), then the idle books."""
+        someone_waits = any(e.has_waiting for e in engines)
+        quiet = not (someone_waits or any(e.serving for e in engines) or self._preparing())
+        for e in engines:
+            self._guarded(e, lambda e=e: e.admit(preempt=someone_waits, quiet=quiet))
+        active = [e for e in self._engines if e.has_rows]
+        prefilling = [e for e in active if e.num_prefilling]
+        chosen = prefilling[self._turn % len(prefilling)] if prefilling else None
+        if chosen is not None:
+            self._turn += 1
+        decoding = sum(e.num_decoding for e in active)
+        for e in active:
+            if e is chosen:
+                self._guarded(e, lambda e=e: e.step(decoding_elsewhere=decoding - e.num_decoding))
+            elif e.num_decoding:
+                self._guarded(e, lambda e=e: e.step(decode_only=True))
+        engines = list(self._engines)
+        hold = any(e.has_waiting or e.serving for e in engines)
+        for e in engines:
+            e.end_turn(hold)
+
+    def _guarded(self, engine: Engine, fn: Callable[[], None]) -> None:
+        """Run ``fn``; if it raises, detach ``engine`` with that error (its requests end
+        with a 503), and keep serving the others."""
+        try:
+            fn()
+        except Exception as e:
+            log.error("the engine of %s failed and stops:\n%s", engine.name, traceback.format_exc())
+            engine.error = e
+            self._close(engine, f"engine stopped: {e!r}", persist=False)
+
+    def _gather(self, engines: list[Engine]) -> None:
+        """Idle, with a request to start: take in the requests still being prepared, for at
+        most ``gather_wait`` seconds (:func:`scheduler.arrivals.gather`)."""
+        waiting = [e for e in engines if e.has_waiting]
+        waited = gather(self._preparing, self._inbox, self._handle, self.gather_wait, lambda: self._stopping)
+        for e in waiting:
+            e.metrics.gather_wait.observe(waited)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                self._handle(self._inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def _handle(self, item) -> None:
+        kind, payload = item
+        if kind == "engine":  # (engine, kind, payload): a submit, cancel or precompute
+            engine, what, data = payload
+            if engine in self._engines:
+                engine.handle(what, data)
+            else:
+                engine.refuse(what, data, f"engine stopped: {engine.error!r}" if engine.error else "engine stopped")
+        elif kind == "call":
+            fn, box, done = payload
+            try:
+                box["value"] = fn()
+            except BaseException as e:
+                box["error"] = e
+            done.set()
+        elif kind == "stop":
+            self._stopping = True
+        # "arrived" (a preparation ended, scheduler.arrivals) only wakes the loop.
+
+    def drain_after_stop(self, reason: str) -> None:
+        """Answer what is left in the inbox of a stopped loop: submits with a 503
+        ``reason``, calls with :class:`EngineDead` (any thread)."""
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "engine":
+                engine, what, data = payload
+                engine.refuse(what, data, reason)
+            elif kind == "call":
+                fn, box, done = payload
+                box["error"] = EngineDead(reason)
+                done.set()
