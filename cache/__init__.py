@@ -9,11 +9,13 @@ Public API::
     mgr.release(hit.lease)
     mgr.insert("tenant-a", tokens, cache)     # -> bool
 
-Modules: ``tree`` (radix tree), ``manager`` (leases, LRU, bounds), ``restore``
+Modules: ``tree`` (radix tree), ``manager`` (leases, LRU, bounds), ``budget`` (one
+bound over several models' managers), ``restore``
 (what each cache type can be restored to), ``checkpoints`` (where to snapshot),
 ``metrics`` (prometheus), ``session`` (library prefill with caching).
 """
 
+from .budget import CacheBudget
 from .checkpoints import (
     DEFAULT_INTERVAL,
     encode_with_ends,
@@ -29,6 +31,7 @@ from .restore import RULES, can_restore, is_trimmable, safe_copy
 from .session import PrefillResult, PrefillSession, chunk_boundaries
 
 __all__ = [
+    "CacheBudget",
     "CacheHit",
     "CacheMetrics",
     "DEFAULT_INTERVAL",

@@ -21,7 +21,7 @@ class Entry:
     """
 
     __slots__ = ("namespace", "node", "private", "num_tokens", "private_bytes", "by_type",
-                 "trimmable", "leases", "alive")
+                 "trimmable", "leases", "alive", "used")
 
     def __init__(self, namespace: str, private: list[Any], num_tokens: int, trimmable: bool):
         self.namespace = namespace
@@ -36,6 +36,7 @@ class Entry:
         self.private_bytes = sum(self.by_type.values())
         self.leases = 0
         self.alive = True
+        self.used = 0.0  # monotonic seconds of its last use (stored, hit or released)
 
     def can_restore(self, wanted: int) -> bool:
         """Can this snapshot be brought to exactly ``wanted`` tokens (``restore.py`` rules)?"""

@@ -48,6 +48,7 @@ from prometheus_client import CollectorRegistry
 
 from . import restore as rules
 from .entries import CacheHit, Entry, Group, Lease, compact, path_pages
+from .budget import CacheBudget
 from .eviction import EvictionDryRun, NewKey
 from .invariants import check_manager
 from .metrics import CacheMetrics
@@ -73,6 +74,9 @@ class PromptCacheManager:
         registry: prometheus ``CollectorRegistry`` for the metrics (see
             ``metrics.py``); a fresh private one if None (several managers may
             coexist in one process).
+        budget: a byte bound shared with the prefix caches of other models
+            (``budget.py``): after each insert, least recently used snapshots across
+            all of them are dropped until their sum fits. None: only this manager's bounds.
 
     Thread-safe: one ``RLock`` guards the trees and the accounting; assembling and
     trimming a fetched snapshot happen outside the lock (the lease protects it).
@@ -81,7 +85,8 @@ class PromptCacheManager:
         ValueError: for negative bounds.
     """
 
-    def __init__(self, max_bytes: int, max_entries: int, registry: CollectorRegistry | None = None):
+    def __init__(self, max_bytes: int, max_entries: int, registry: CollectorRegistry | None = None,
+                 budget: CacheBudget | None = None):
         if max_bytes < 0 or max_entries < 0:
             raise ValueError("max_bytes and max_entries must be >= 0")
         self.max_bytes = int(max_bytes)
@@ -99,6 +104,9 @@ class PromptCacheManager:
         self._lease_ids = itertools.count(1)
         self._quotas: dict[str, int] = {}  # namespace -> byte quota
         self.disk: DiskLink | None = None
+        self.budget = budget
+        if budget is not None:
+            budget.join(self)
 
     def attach_disk(self, link: "DiskLink") -> None:
         """Use a disk tier (``tiering.py``): evicted snapshots are written to it, and a
@@ -265,6 +273,7 @@ class PromptCacheManager:
             self._num_leases -= 1
             if entry.leases == 0 and entry.alive:
                 self._lru[entry] = None  # most recently used end
+                entry.used = time.monotonic()
                 self._shed(entry.namespace)  # its quota shrank while it was leased
             self.metrics.leases.set(self._num_leases)
 
@@ -278,8 +287,13 @@ class PromptCacheManager:
             if node is None or node.value is None:
                 return False
             if node.value.leases == 0:
-                self._lru.move_to_end(node.value)
+                self._touch(node.value)
             return True
+
+    def _touch(self, entry: Entry) -> None:
+        """Move an unleased entry to the most recently used end. Lock held."""
+        self._lru.move_to_end(entry)
+        entry.used = time.monotonic()
 
     def insert(self, namespace: str, tokens: Sequence[int], cache: list[Any]) -> bool:
         """Store ``cache`` as the snapshot after ``tokens``; the manager takes ownership.
@@ -327,7 +341,7 @@ class PromptCacheManager:
             node = m.below if m.matched == n and m.below is not None and m.below.depth == n else None
             if node is not None and node.value is not None:  # raced with another insert
                 if node.value.leases == 0:
-                    self._lru.move_to_end(node.value)
+                    self._touch(node.value)
                 return True
             run = EvictionDryRun(NewKey(n, m.matched, m.below, entry.private_bytes, token_bytes(cache)))
             plan = self._eviction_plan(namespace, run)
@@ -343,8 +357,11 @@ class PromptCacheManager:
             self.version += 1
             entry.node = node
             self._lru[entry] = None
+            entry.used = time.monotonic()
             self._entries += 1
             self._account(group, entry, +1)
+        if self.budget is not None:
+            self.budget.enforce()  # the models' caches together, least recently used first
         if self.disk is not None:
             self.disk.spill()  # what this insert evicted
         return True
@@ -411,6 +428,31 @@ class PromptCacheManager:
             self.metrics.bytes.labels(cache_type=typ, cache_group=ns).set(b + paged)
             self.metrics.entries.labels(cache_type=typ, cache_group=ns).set(count)
         self.metrics.tokens.labels(cache_group=ns).set(group.tokens)
+
+    def oldest_use(self) -> float | None:
+        """Last use (monotonic seconds) of the least recently used unleased snapshot;
+        None when every snapshot is leased or none is stored (``budget.py``)."""
+        with self._lock:
+            head = next(iter(self._lru), None)
+            return None if head is None else head.used
+
+    def evict_oldest(self, reason: str) -> bool:
+        """Drop the least recently used unleased snapshot (to the disk tier, if any),
+        counted as an eviction for ``reason``; False if there is none."""
+        with self._lock:
+            head = next(iter(self._lru), None)
+            if head is None:
+                return False
+            self._drop(head)
+            self.metrics.evictions.labels(reason=reason).inc()
+        if self.disk is not None:
+            self.disk.spill()
+        return True
+
+    def close(self) -> None:
+        """Leave the shared budget, if any (the model is unloaded)."""
+        if self.budget is not None:
+            self.budget.leave(self)
 
     def flush(self, namespace: str | None = None) -> int:
         """Drop every unleased snapshot of ``namespace`` (all namespaces if None).

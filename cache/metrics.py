@@ -8,7 +8,8 @@ Exposed names (dashboards rely on them; vLLM's ``prefix_cache_queries`` /
 - ``mlx_gateway_prefix_cache_hits_tokens_total{cache_group}`` (counter, tokens restored)
 - ``mlx_gateway_prefix_cache_queries_total{cache_group}`` (counter, fetch calls)
 - ``mlx_gateway_prefix_cache_hits_total{cache_group}`` (counter, fetches that restored >= 1 token)
-- ``mlx_gateway_prompt_cache_evictions_total{reason}`` (counter; bytes|entries|quota|flush)
+- ``mlx_gateway_prompt_cache_evictions_total{reason}`` (counter; bytes|entries|quota|flush|budget,
+  the last for the byte bound shared by every model's cache, ``budget.py``)
 - ``mlx_gateway_prompt_cache_bytes{cache_type,cache_group}`` (gauge, bytes)
 - ``mlx_gateway_prompt_cache_entries{cache_type,cache_group}`` (gauge, snapshots holding
   at least one layer of that class)
@@ -74,7 +75,7 @@ class CacheMetrics:
             "mlx_gateway_prompt_cache_fetch_seconds", "Time spent in fetch, by phase", ["phase"],
             buckets=_BUCKETS, registry=r,
         )
-        for reason in ("bytes", "entries", "quota", "flush"):
+        for reason in ("bytes", "entries", "quota", "flush", "budget"):
             self.evictions.labels(reason=reason)
         for phase in ("lookup", "copy", "restore"):
             self.fetch_seconds.labels(phase=phase)
