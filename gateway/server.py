@@ -1,175 +1,133 @@
-"""Assemble and run the gateway: load the model, start the engine, serve the app."""
+"""Assemble and run the gateway: the engine loop, the model registry, the front and the app."""
 
 from __future__ import annotations
 
-import gc
+import functools
 import ipaddress
 import logging
 import os
-import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from prometheus_client import CollectorRegistry, Info, ProcessCollector
 
-from gateway.http.app import ServerState, create_app
+from cache import CacheBudget
 from gateway.config import ServeConfig
-from gateway.telemetry.metrics import GatewayMetrics
+from gateway.conversation.calls import Front
+from gateway.models.budget import default_budget, gib
+from gateway.models.loader import load_model
+from gateway.models.registry import ModelRegistry
+from gateway.models.spec import ModelSpec, model_specs
+from gateway.routes.app import create_app
+from gateway.telemetry.metrics import GatewayMetrics, prime
+from gateway.telemetry.model_metrics import ModelMetrics
 from gateway.telemetry.request_log import configure_logging
 from gateway.tenancy.tenants import TenantsFileError, TenantTable, load_tenants, open_table, single_key_table
-
-if TYPE_CHECKING:
-    from cache.tiering import DiskLink
+from scheduler.engine import PERSIST_SECONDS
+from scheduler.loop import EngineLoop
 
 log = logging.getLogger("mlx_gateway")
 
 
-def context_length(model, tokenizer, default: int = 32768) -> int:
-    """The model's context in tokens: ``max_position_embeddings`` of its config,
-    else the tokenizer's ``model_max_length`` when sensible, else ``default``."""
-    args = getattr(model, "args", None)
-    for obj in (args, getattr(args, "text_config", None)):
-        if isinstance(obj, dict):
-            value = obj.get("max_position_embeddings")
-        else:
-            value = getattr(obj, "max_position_embeddings", None)
-        if isinstance(value, int) and value > 0:
-            return value
-    value = getattr(tokenizer, "model_max_length", None)
-    return value if isinstance(value, int) and 0 < value < 10_000_000 else default
+@dataclass(eq=False)
+class Gateway:
+    """The assembled server (:func:`build_gateway`): one engine loop for every model, the
+    model registry, the front every request meets, and the ASGI app."""
+
+    config: ServeConfig
+    registry: CollectorRegistry
+    loop: EngineLoop
+    models: ModelRegistry
+    front: Front
+    app: object
+
+    def start(self) -> None:
+        """Start the engine loop, then load the models marked to load at start (in the
+        background: ``/health`` answers 503 until they are ready)."""
+        self.loop.start()
+        self.models.start()
+
+    def stop(self, timeout: Optional[float] = None) -> None:
+        """Stop the engine loop: running requests end with a 503; prefix caches with a
+        disk tier are written to it first (a graceful stop)."""
+        self.models.close()
+        if timeout is None:
+            timeout = PERSIST_SECONDS + 10 if self.config.prompt_cache_dir else 10
+        self.loop.stop(timeout=timeout)
+
+    def activity(self) -> Optional[int]:
+        """The engines' step count while every one is idle; None while a request waits or
+        runs, or while no model is loaded (what :class:`gateway.cpu.idle_trim.IdleTrimmer` watches)."""
+        handles = self.models.handles()
+        if not handles or any(not h.engine.idle for h in handles):
+            return None
+        return sum(h.engine.stats.steps for h in handles)
 
 
-def logits_size(model) -> int:
-    """Entries in the model's logits (embedding rows, often more than the tokenizer has),
-    read from one forward pass of a single token."""
-    import mlx.core as mx
-
-    return int(model(mx.array([[0]])).shape[-1])
-
-
-def resolve_model(cfg: ServeConfig) -> tuple[str, str]:
-    """(path or hub id to load, id to serve it as).
-
-    ``--model PATH_OR_ID`` is served as given. ``--model demo`` (when no ``./demo``
-    directory exists) builds the tiny random-weight demo model, served as
-    ``mlx-gateway-demo``. Without ``--model`` the default model (SmolLM2-135M-Instruct) is
-    downloaded and converted the first time, then taken from the cache.
+def build_gateway(cfg: ServeConfig, tenants: Optional[TenantTable] = None,
+                  specs: Optional[list[ModelSpec]] = None) -> Gateway:
+    """The gateway for ``cfg``, with ``tenants`` (read from ``cfg`` when None) and ``specs``
+    (:func:`gateway.models.spec.model_specs` of ``cfg`` when None); nothing runs yet.
 
     Raises:
-        SystemExit: the default model cannot be prepared; the message names the commands
-            that prepare it by hand.
+        TenantsFileError, ValueError: see :func:`tenant_table` and :func:`model_specs`.
     """
-    if cfg.model == "demo" and not os.path.isdir("demo"):
-        from gateway.models.demo_model import build_model_dir, default_demo_dir
+    specs = specs if specs is not None else model_specs(cfg)
+    registry = CollectorRegistry()
+    # Resident memory, CPU seconds, open files (from /proc: Linux only; elsewhere it adds
+    # nothing). On MLX's CPU backend the arrays live in this process's heap.
+    ProcessCollector(namespace="mlx_gateway", registry=registry)
+    metrics = GatewayMetrics(registry)
+    model_metrics = ModelMetrics(registry, [s.name for s in specs])
+    budget = cfg.memory_budget if cfg.memory_budget is not None else default_budget()
+    loop = EngineLoop(gather_wait=cfg.gather_wait)
+    cache_budget = CacheBudget(min(cfg.prompt_cache_bytes, budget))
+    front: Optional[Front] = None
 
-        path = build_model_dir(default_demo_dir(), "qwen3")
-        log.warning(
-            "--model demo: serving the built-in demo model (tiny qwen3 with RANDOM weights, "
-            "its output is random text) from %s", path,
-        )
-        return str(path), "mlx-gateway-demo"
-    if cfg.model:
-        return cfg.model, cfg.model
-    from gateway.models.default_model import DEFAULT_MODEL_ID, DefaultModelError, ensure_default_model
+    def tenants_now() -> TenantTable:
+        return front.tenants
+
+    loader = functools.partial(_load, cfg=cfg, loop=loop, cache_budget=cache_budget, tenants=tenants_now)
+    models = ModelRegistry(specs, loader, loop, model_metrics, budget, cfg.max_loaded_models, cache_budget,
+                           cfg.prompt_cache_bytes)
+    front = Front(cfg, models, metrics, tenants if tenants is not None else tenant_table(cfg))
+    _build_info(registry, cfg, specs, budget)
+    prime_metrics(front)
+    log.info("memory budget of the loaded models: %s%s", gib(budget),
+             "" if cfg.memory_budget is not None else " (75% of this machine's memory; --memory-budget sets it)")
+    return Gateway(cfg, registry, loop, models, front, create_app(front, registry))
+
+
+def _load(spec: ModelSpec, registry: CollectorRegistry, reserve, *, cfg: ServeConfig, loop: EngineLoop,
+          cache_budget: CacheBudget, tenants):
+    """:func:`load_model` with this server's settings, and the current tenants' cache
+    quotas and metric series applied before the engine starts."""
+
+    def configure(engine) -> None:
+        table = tenants()
+        engine.prompt_cache.set_quotas(table.quotas())
+        engine.prime_metrics([t.name for t in table.all()], {t.cache_group for t in table.all()})
+
+    return load_model(spec, cfg, loop, registry, reserve, cache_budget, configure)
+
+
+def fetch_default_model(specs: list[ModelSpec]) -> None:
+    """Prepare the default model (download and convert it the first time) when a served
+    model is ``default``, before the server starts.
+
+    Raises:
+        SystemExit: it cannot be prepared; the message names the commands that prepare it
+            by hand.
+    """
+    if not any(s.path == "default" for s in specs):
+        return
+    from gateway.models.default_model import DefaultModelError, ensure_default_model
 
     try:
-        path = ensure_default_model()
+        ensure_default_model()
     except DefaultModelError as e:
         raise SystemExit(f"mlx-gateway: {e}")
-    log.info("no --model given: serving %s from %s", DEFAULT_MODEL_ID, path)
-    return str(path), DEFAULT_MODEL_ID
-
-
-class DiskTierUnusable(RuntimeError):
-    """``--prompt-cache-dir`` passed the start-up check but its tier could not be opened
-    (e.g. another server holds it)."""
-
-
-def open_disk_tier(cfg: ServeConfig, path: str, tokenizer, registry, loaded_as: Optional[str] = None) -> "DiskLink":
-    """The prefix cache's disk tier in ``cfg.prompt_cache_dir``, keyed by the identity of
-    the model at ``path`` (weights, config, tokenizer, chat template, and ``loaded_as``:
-    how its weights were changed after loading, if they were).
-
-    Raises:
-        OSError: the directory cannot be created or used (another server holds it,
-            another user owns it, no permission).
-    """
-    from mlx_lm.utils import _download
-
-    from cache.disk import DiskTier
-    from cache.disk_format import model_identity
-    from cache.tiering import DiskLink
-
-    template = getattr(tokenizer, "chat_template", None)
-    identity = model_identity(_download(path), template if isinstance(template, str) else None, loaded_as)
-    tier = DiskTier(Path(cfg.prompt_cache_dir).expanduser(), cfg.prompt_cache_disk_bytes, identity, registry=registry)
-    log.info("prompt-cache disk tier: %s (%d entries, %d bytes, bound %d bytes)",
-             tier.dir, tier.num_entries, tier.nbytes, tier.max_bytes)
-    return DiskLink(tier)
-
-
-def load_into(state: ServerState, path: str) -> None:
-    """Load the model and start the engine; on failure set ``state.load_error``."""
-    import mlx_lm
-
-    from cache import PromptCacheManager
-    from gateway.conversation.prompts import warm_up
-    from gateway.cpu.weights import float32_weights_for_cpu_backend
-    from scheduler import Engine
-    from scheduler.equivalence import batch_is_exact
-    from scheduler.grammar import Grammars, json_schema_grammar
-
-    cfg = state.config
-    try:
-        # Every MLX call of start-up (loading, the batch-equivalence and logits probes) is
-        # made here, on this thread, before the engine thread exists; from engine.start()
-        # on only the engine thread uses MLX (MLX from several threads is a crash class).
-        model, tokenizer = mlx_lm.load(path)
-        # Linux CPU: only float32 matmuls use BLAS (README: "Weights in float32")
-        loaded_as = "float32" if float32_weights_for_cpu_backend(model) is None else None
-        exact = batch_is_exact(model)
-        vocab_size = logits_size(model)
-        if not exact:
-            log.warning("padded batches of this model do not match single requests; "
-                        "prompts will only be batched when they need no padding")
-        manager = PromptCacheManager(cfg.prompt_cache_bytes, cfg.prompt_cache_size, registry=state.registry)
-        if cfg.prompt_cache_dir:
-            try:
-                manager.attach_disk(open_disk_tier(cfg, path, tokenizer, state.registry, loaded_as))
-            except OSError as e:
-                raise DiskTierUnusable(f"the prompt cache's disk tier cannot be used: {e}") from e
-        manager.set_quotas(state.tenants.quotas())
-        engine = Engine(
-            model,
-            tokenizer.eos_token_ids,
-            manager,
-            prompt_concurrency=cfg.prompt_concurrency,
-            decode_concurrency=cfg.decode_concurrency,
-            prefill_step_size=cfg.prefill_step_size,
-            prefill_budget=cfg.prefill_budget,
-            max_waiting=cfg.max_waiting,
-            registry=state.registry,
-            pad_free_prefill=not exact,
-            gather_wait=cfg.gather_wait,
-        )
-        state.tokenizer = tokenizer
-        warm_up(tokenizer, cfg.chat_template_args, cfg.checkpoint_every)
-        state.context_length = context_length(model, tokenizer)
-        state.vocab_size = vocab_size
-        state.grammars = Grammars(tokenizer._tokenizer, state.vocab_size, tokenizer.eos_token_ids)
-        state.grammars.check(json_schema_grammar({"type": "object"}))  # builds the vocabulary index now
-        engine.start()
-        state.engine = engine
-        state.set_tenants(state.tenants)  # metric series, and quotas of a table reloaded while loading
-        # What exists now (model, tokenizer, grammar index) lives as long as the server:
-        # keep it out of every later cyclic-GC pass. (A cold burst's wall time is bimodal,
-        # 1.5 or 2.5 s, and consistently 1.5 s with the GC disabled; see the README.)
-        gc.collect()
-        gc.freeze()
-        log.info("model %s ready (context %d tokens)", state.model_id, state.context_length)
-    except Exception as e:
-        log.exception("loading %s failed", path)
-        state.load_error = str(e) if isinstance(e, DiskTierUnusable) else f"loading the model failed: {e}"
 
 
 def is_loopback(host: str) -> bool:
@@ -247,30 +205,33 @@ def tenant_table(cfg: ServeConfig) -> TenantTable:
     return open_table(loopback)
 
 
-def build_state(cfg: ServeConfig, model_id: str, tenants: Optional[TenantTable] = None) -> ServerState:
-    """The server state for ``cfg``, with ``tenants`` (read from ``cfg`` when None).
-
-    Raises:
-        TenantsFileError, ValueError: see :func:`tenant_table`.
-    """
-    registry = CollectorRegistry()
-    # Resident memory, CPU seconds, open files (from /proc: Linux only; elsewhere it adds
-    # nothing). On MLX's CPU backend the arrays live in this process's heap.
-    ProcessCollector(namespace="mlx_gateway", registry=registry)
-    state = ServerState(config=cfg, registry=registry, metrics=GatewayMetrics(registry), model_id=model_id,
-                        tenants=tenants if tenants is not None else tenant_table(cfg))
-    _build_info(registry, cfg, model_id)
-    state.prime_metrics()
-    return state
+def apply_tenants(front: Front, table: TenantTable) -> None:
+    """Use ``table`` from now on: create its metric series and apply its cache-group quotas
+    to every loaded model (on the engine thread, without waiting for it: this runs in the
+    SIGHUP handler, on the event loop's thread). A model loaded later gets the table in use."""
+    front.tenants = table
+    prime_metrics(front)
+    for h in front.models.handles():
+        h.engine.set_cache_quotas(lambda: front.tenants.quotas())  # the newest table when it runs
 
 
-def reload_tenants(state: ServerState) -> bool:
+def prime_metrics(front: Front) -> None:
+    """Create the configured tenants' and cache groups' series at 0, for every model
+    (:func:`prime`). Metric series only (no MLX, no cache entries): safe on any thread."""
+    tenants = front.tenants.all()
+    for slot in front.models.slots:
+        prime(front.metrics, [t.name for t in tenants], slot.name)
+    for h in front.models.handles():
+        h.engine.prime_metrics([t.name for t in tenants], {t.cache_group for t in tenants})
+
+
+def reload_tenants(front: Front) -> bool:
     """Re-read the tenants file; on an error keep the current tenants and log why.
 
     Requests in flight are not touched: they keep the tenant they started with.
     Returns True when the new file is in use.
     """
-    path = state.config.tenants
+    path = front.config.tenants
     if not path:
         log.info("no --tenants file to reload")
         return False
@@ -279,18 +240,20 @@ def reload_tenants(state: ServerState) -> bool:
     except TenantsFileError as e:
         log.error("tenants file not reloaded, keeping the current tenants: %s", e)
         return False
-    state.set_tenants(table)
+    apply_tenants(front, table)
     log.info("tenants reloaded: %d tenants", len(table.tenants))
     return True
 
 
-def _build_info(registry: CollectorRegistry, cfg: ServeConfig, model_id: str) -> None:
-    info = Info("mlx_gateway_build", "Versions, model and scheduling flags.", registry=registry)
+def _build_info(registry: CollectorRegistry, cfg: ServeConfig, specs: list[ModelSpec], budget: int) -> None:
+    info = Info("mlx_gateway_build", "Versions, models and scheduling flags.", registry=registry)
     info.info({
         "mlx_gateway": _version("mlx-gateway"),
         "mlx": _version("mlx"),
         "mlx_lm": _version("mlx-lm"),
-        "model": model_id,
+        "model": specs[0].name,
+        "models": ",".join(s.name for s in specs),
+        "memory_budget": str(budget),
         "prompt_concurrency": str(cfg.prompt_concurrency),
         "decode_concurrency": str(cfg.decode_concurrency),
         "prefill_step_size": str(cfg.prefill_step_size),
@@ -306,23 +269,15 @@ def _version(dist: str) -> str:
         return "unknown"
 
 
-def engine_activity(state: ServerState) -> Optional[int]:
-    """The engine's step count while it is idle; None while a request waits or runs, or
-    before the model has loaded (what :class:`gateway.cpu.idle_trim.IdleTrimmer` watches)."""
-    engine = state.engine
-    if engine is None or not engine.idle:
-        return None
-    return engine.stats.steps
-
-
 def serve(cfg: ServeConfig) -> None:
     """Run the gateway until SIGTERM or SIGINT (see :mod:`gateway.shutdown`: running
-    requests get ``--shutdown-grace`` seconds to finish). The model loads in the
-    background; ``/health`` answers 503 until it is ready. SIGHUP reloads ``--tenants``.
+    requests get ``--shutdown-grace`` seconds to finish). The models to load at start load
+    in the background; ``/health`` answers 503 until they are ready. SIGHUP reloads
+    ``--tenants``.
 
     Raises:
-        SystemExit: a bad tenants file or key flags, a ``--prompt-cache-dir`` that cannot
-            be a private directory of this user, an open non-loopback host (see
+        SystemExit: a bad models or tenants file or key flags, a ``--prompt-cache-dir`` that
+            cannot be a private directory of this user, an open non-loopback host (see
             :func:`tenant_table`), an ``MLX_GATEWAY_IDLE_TRIM_SECONDS`` that is not a
             finite number, or uvicorn could not start.
     """
@@ -344,30 +299,27 @@ def serve(cfg: ServeConfig) -> None:
         install_for_cpu_backend()
     try:
         trim_after = idle_seconds_setting() if keeping_freed else 0.0
-        tenants = tenant_table(cfg)  # refuse a bad tenants file or an open non-loopback host before any work
+        # Refuse a bad models or tenants file, or an open non-loopback host, before any work,
+        specs = model_specs(cfg)
+        tenants = tenant_table(cfg)
         if cfg.prompt_cache_dir:  # and a disk-tier directory that cannot be used
             from cache.disk import secure_dir
 
             secure_dir(Path(cfg.prompt_cache_dir).expanduser())
     except (TenantsFileError, ValueError, OSError) as e:
         raise SystemExit(f"mlx-gateway: {e}")
-    path, model_id = resolve_model(cfg)
-    state = build_state(cfg, model_id, tenants)
+    fetch_default_model(specs)
+    gateway = build_gateway(cfg, tenants, specs)
     if trim_after > 0:  # the kept memory goes back to the kernel after a quiet spell
-        IdleTrimmer(lambda: engine_activity(state), trim_after).start()
-    app = create_app(state)
-    threading.Thread(target=load_into, args=(state, path), name="model-loader", daemon=True).start()
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(),
+        IdleTrimmer(gateway.activity, trim_after).start()
+    gateway.start()
+    config = uvicorn.Config(gateway.app, host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(),
                             timeout_graceful_shutdown=UVICORN_GRACE,
                             h11_max_incomplete_event_size=cfg.max_header_bytes, log_config=None)
-    server = GatewayServer(config, state, on_reload=lambda: reload_tenants(state))
+    server = GatewayServer(config, gateway.front, gateway.models, on_reload=lambda: reload_tenants(gateway.front))
     try:
         server.run()
     finally:
-        from scheduler.engine import PERSIST_SECONDS
-
-        if state.engine is not None:
-            # A graceful stop writes the prompt cache to its disk tier first.
-            state.engine.stop(timeout=PERSIST_SECONDS + 10 if cfg.prompt_cache_dir else 10)
+        gateway.stop()  # a graceful stop writes the prompt caches to their disk tier first
     if not server.started:
         raise SystemExit(3)

@@ -1,11 +1,11 @@
 """Signals of ``mlx-gateway serve``: SIGTERM and SIGINT drain the server, SIGHUP reloads
 the tenants file.
 
-On the first SIGTERM (or SIGINT) the server drains: ``state.draining`` is set, so new
+On the first SIGTERM (or SIGINT) the server drains: ``front.draining`` is set, so new
 generation requests get 503 ``shutting_down`` with ``Retry-After`` and ``/health``
 answers 503, while the requests already running go on. When they have all ended, or
 ``--shutdown-grace`` seconds after the signal, uvicorn stops. Requests still running at
-the end of the grace period are cut first (:meth:`Engine.stop`): each stream gets its
+the end of the grace period are cut first (:meth:`EngineLoop.stop <scheduler.loop.EngineLoop.stop>`): each stream gets its
 protocol's final error event (503), each cut request a WARNING line naming it and
 ``finish_reason: "error"`` in its request log record. A second signal cuts them at once;
 a third exits without waiting for the connections to close.
@@ -23,15 +23,13 @@ import contextlib
 import logging
 import signal
 import threading
-from typing import TYPE_CHECKING, Callable, Optional
+import time
+from typing import Callable, Optional
 
 import uvicorn
 
-from gateway.http.calls import running_calls
-
-if TYPE_CHECKING:
-    from gateway.http.app import ServerState
-    from scheduler import Engine
+from gateway.conversation.calls import Front, running_calls
+from gateway.models.registry import ModelRegistry
 
 log = logging.getLogger("mlx_gateway")
 
@@ -45,15 +43,16 @@ class GatewayServer(uvicorn.Server):
 
     Args:
         config: uvicorn's settings.
-        state: the served state; its ``draining`` is set at the first SIGTERM/SIGINT.
+        front: what requests meet; its ``draining`` is set at the first SIGTERM/SIGINT.
+        models: the model registry, whose engine loop a cut stops.
         on_reload: called on the event loop at each SIGHUP (None: SIGHUP keeps its
             default action).
     """
 
-    def __init__(self, config: uvicorn.Config, state: "ServerState",
+    def __init__(self, config: uvicorn.Config, front: Front, models: ModelRegistry,
                  on_reload: Optional[Callable[[], object]] = None):
         super().__init__(config)
-        self.state = state
+        self.front, self.models = front, models
         self.on_reload = on_reload
         self.drain_task: Optional[asyncio.Task] = None
         self._signals = 0
@@ -120,7 +119,7 @@ class GatewayServer(uvicorn.Server):
         self._signals += 1
         name = signal.Signals(sig).name
         if self._signals == 1:
-            self.state.draining = True
+            self.front.draining = True
             self._cut_now = asyncio.Event()
             self.drain_task = asyncio.get_running_loop().create_task(self.drain(name))
         elif self._signals == 2:
@@ -133,25 +132,27 @@ class GatewayServer(uvicorn.Server):
     async def drain(self, name: str) -> None:
         """Wait, at most ``config.shutdown_grace`` seconds, for the running requests to end,
         cut those left, then let uvicorn stop (``should_exit``)."""
-        engine, grace = self.state.engine, self.state.config.shutdown_grace
+        grace = self.front.config.shutdown_grace
         try:
-            if engine is None or not engine.alive:
+            if not self.models.loop.alive:
                 log.warning("%s: shutting down (no model engine is running)", name)
                 return
+            engines = [h.engine for h in self.models.handles()]
             log.warning("%s: draining: %d requests running, %d waiting; new requests get 503; those still "
-                        "running in %g s will be cut", name, engine.num_running, engine.num_waiting, grace)
-            if await self._wait_done(engine, grace):
+                        "running in %g s will be cut", name, sum(e.num_running for e in engines),
+                        sum(e.num_waiting for e in engines), grace)
+            if await self._wait_done(grace):
                 log.info("drained: every request has ended; shutting down")
             else:
-                await self._cut(engine, CUT_AT_ONCE if self._cut_now.is_set() else GRACE_ENDED)
+                await self._cut(CUT_AT_ONCE if self._cut_now.is_set() else GRACE_ENDED)
         except Exception:
             log.exception("draining failed; shutting down")
         finally:
             self.should_exit = True
 
-    async def _wait_done(self, engine: "Engine", grace: float) -> bool:
-        """True once the engine is idle and every admitted call has been answered; False
-        when ``grace`` seconds pass first, or a second signal comes."""
+    async def _wait_done(self, grace: float) -> bool:
+        """True once every model's engine is idle and every admitted call has been
+        answered; False when ``grace`` seconds pass first, or a second signal comes."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
         cut_now = asyncio.ensure_future(self._cut_now.wait())
@@ -160,22 +161,30 @@ class GatewayServer(uvicorn.Server):
                 left = deadline - loop.time()
                 if left <= 0:
                     return False
-                idle = asyncio.ensure_future(asyncio.to_thread(engine.wait_idle, left))
+                idle = asyncio.ensure_future(asyncio.to_thread(self._wait_idle, left))
                 await asyncio.wait({idle, cut_now}, return_when=asyncio.FIRST_COMPLETED)
                 if cut_now.done() or not idle.result():
                     return False
-                if not running_calls(engine):
+                if not running_calls():
                     return True
                 await asyncio.sleep(0.05)  # answers still going out, or prompts not yet submitted
         finally:
             cut_now.cancel()
 
-    async def _cut(self, engine: "Engine", reason: str) -> None:
-        """Stop ``engine``: every request in it ends with an error event (503, ``reason``),
+    def _wait_idle(self, timeout: float) -> bool:
+        """Block until every loaded model's engine is idle; False on timeout."""
+        deadline = time.monotonic() + timeout
+        for h in self.models.handles():
+            if not h.engine.wait_idle(max(0.0, deadline - time.monotonic())):
+                return False
+        return True
+
+    async def _cut(self, reason: str) -> None:
+        """Stop the engine loop: every request ends with an error event (503, ``reason``),
         each logged as a WARNING and marked in its request record."""
-        for call in running_calls(engine):
+        for call in running_calls():
             r = call.record
             r.error = reason
             log.warning("cutting request %s (tenant %s, %s): still running: %s",
                         r.request_id, r.tenant, r.endpoint, reason)
-        await asyncio.to_thread(engine.stop, reason=reason)
+        await asyncio.to_thread(self.models.loop.stop, reason=reason)

@@ -168,6 +168,20 @@ def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: 
         time.sleep(interval)
 
 
+# ---------------------------------------------------------------------- metrics
+
+
+def sample(registry, name: str, **labels) -> float:
+    """The sum of the samples ``name`` whose labels include ``labels``, in a prometheus
+    registry (or in ``/metrics`` text); 0 when there is none. A model's engine and cache
+    series carry a ``model`` label, which a test of one model need not name."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = text_string_to_metric_families(registry) if isinstance(registry, str) else registry.collect()
+    return sum(s.value for fam in families for s in fam.samples
+               if s.name == name and labels.items() <= s.labels.items())
+
+
 # ---------------------------------------------------------------------- live servers
 
 
@@ -180,16 +194,49 @@ def free_port() -> int:
 class LiveServer:
     """A real gateway (uvicorn on a loopback port, in a thread of the test process).
 
-    ``state`` is the server's :class:`gateway.http.app.ServerState`, so tests can read the
-    engine's own counters; ``url`` is the base URL.
+    ``gateway`` is the server's :class:`gateway.server.Gateway`, so tests can read the
+    engines' own counters; ``model`` is the first model's handle (loaded at start);
+    ``url`` is the base URL.
     """
 
-    def __init__(self, state, server, thread, url):
-        self.state, self.server, self.thread, self.url = state, server, thread, url
+    def __init__(self, gateway, server, thread, url):
+        self.gateway, self.server, self.thread, self.url = gateway, server, thread, url
+        # The handles of the models loaded at start, still readable once the server stopped.
+        self._handles = {s.name: s.handle for s in gateway.models.slots if s.handle is not None}
+
+    @property
+    def front(self):
+        return self.gateway.front
+
+    @property
+    def app(self):
+        return self.gateway.app
+
+    @property
+    def registry(self):
+        return self.gateway.registry
+
+    @property
+    def model(self):
+        """The first served model's handle (it must be loaded)."""
+        return self.handle(self.gateway.models.slots[0].name)
+
+    def handle(self, name: str):
+        """The handle of the loaded model ``name`` (or, once the server stopped, the one it
+        had at start)."""
+        slot = self.gateway.models.find(name)
+        assert slot is not None, f"no model {name}"
+        handle = slot.handle or self._handles.get(slot.name)
+        assert handle is not None, f"model {name} is not loaded"
+        return handle
 
     @property
     def engine(self):
-        return self.state.engine
+        return self.model.engine
+
+    @property
+    def tokenizer(self):
+        return self.model.tokenizer
 
     def client(self, **kw) -> httpx.Client:
         kw.setdefault("timeout", 120)
@@ -201,22 +248,28 @@ class LiveServer:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+def start_gateway(cfg, specs=None, tenants=None, wait: bool = True):
+    """Build and start a gateway for ``cfg`` (its models loading in the background); with
+    ``wait``, wait until the models to load at start are ready (AssertionError if one failed)."""
+    from gateway.server import build_gateway
+
+    gw = build_gateway(cfg, tenants, specs)
+    gw.start()
+    if wait:
+        status = wait_until(lambda: gw.models.startup()[0] != "loading" and gw.models.startup(), 120,
+                            "the models to load")
+        assert status[0] == "ok", status
+    return gw
+
+
 @contextlib.contextmanager
-def live_server(model_dir, **config):
-    """Start a gateway serving ``model_dir`` with ServeConfig overrides; stop it on exit."""
+def serving(gw, port: int, max_header_bytes: int = 16 << 10):
+    """Serve the gateway ``gw`` with uvicorn on ``port`` (a thread of the test process)
+    until the block ends; then stop it."""
     import uvicorn
 
-    from gateway.http.app import create_app
-    from gateway.config import ServeConfig
-    from gateway.server import build_state, load_into
-
-    cfg = ServeConfig(model=str(model_dir), port=free_port(), **config)
-    state = build_state(cfg, "test-model")
-    load_into(state, str(model_dir))
-    assert state.engine is not None, state.load_error
-    app = create_app(state)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=cfg.port, log_level="warning",
-                                           h11_max_incomplete_event_size=cfg.max_header_bytes))
+    server = uvicorn.Server(uvicorn.Config(gw.app, host="127.0.0.1", port=port, log_level="warning",
+                                           h11_max_incomplete_event_size=max_header_bytes))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
 
@@ -227,11 +280,28 @@ def live_server(model_dir, **config):
 
     try:
         wait_until(started, 30, "the server to start")
-        yield LiveServer(state, server, thread, f"http://127.0.0.1:{cfg.port}")
+        yield LiveServer(gw, server, thread, f"http://127.0.0.1:{port}")
     finally:
         server.should_exit = True
         thread.join(10)
-        state.engine.stop()
+        gw.stop()
+
+
+@contextlib.contextmanager
+def live_server(model_dir, specs=None, **config):
+    """Start a gateway serving ``model_dir`` as ``test-model`` (or the models ``specs``)
+    with ServeConfig overrides; stop it on exit."""
+    from dataclasses import replace
+
+    from gateway.config import ServeConfig
+    from gateway.models.spec import model_specs
+
+    cfg = ServeConfig(model=str(model_dir), port=free_port(), **config)
+    if specs is None:
+        specs = [replace(s, name="test-model") for s in model_specs(cfg)]
+    gw = start_gateway(cfg, specs)
+    with serving(gw, cfg.port, cfg.max_header_bytes) as srv:
+        yield srv
 
 
 async def stream_completion_logprobs(client: httpx.AsyncClient, prompt: str, max_tokens: int,

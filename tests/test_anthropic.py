@@ -259,7 +259,7 @@ def test_output_format_of_the_beta_too(server):
 def test_thinking_blocks_and_keys(servers):
     server = servers("thinking")
     c = client(server, api_key=KEY)
-    think = server.state.tokenizer.convert_tokens_to_ids("<think>")
+    think = server.tokenizer.convert_tokens_to_ids("<think>")
     body = dict(model="test-model", max_tokens=4, messages=[{"role": "user", "content": "hi"}],
                 thinking={"type": "enabled", "budget_tokens": 1024}, extra_body={"logit_bias": {str(think): 100}})
     r = c.messages.create(**body)
@@ -356,7 +356,7 @@ def test_count_tokens_equals_the_prompt_of_a_request(server):
         {"role": "assistant", "content": [{"type": "text", "text": "Checking."}, {
             "type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo", "unit": "c"}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "4 C"}]}])
-    prompts = lambda: sum(t.prompt_tokens for t in server.state.usage._total.values())  # noqa: E731
+    prompts = lambda: sum(t.prompt_tokens for t in server.front.usage._total.values())  # noqa: E731
     before = prompts()
     n = c.messages.count_tokens(**body).input_tokens
     assert prompts() == before  # nothing was submitted

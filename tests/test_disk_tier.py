@@ -26,9 +26,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import live_server, model_path, free_port, wait_until
+from conftest import free_port, live_server, model_path, sample, start_gateway, wait_until
 from gateway.models.demo_model import build_model_dir
 from gateway.tenancy.tenants import hash_key
 
@@ -80,11 +79,6 @@ def cold_answer(model_dir: Path, path: str, body: dict) -> dict:
         return post(c, path, dict(body, model="test-model"))
 
 
-def sample(registry, name: str, **labels) -> float:
-    """A metric's value in an in-process server's registry (0 when absent)."""
-    return registry.get_sample_value(name, labels) or 0.0
-
-
 def modes(root: Path) -> dict[str, int]:
     """Permission bits of ``root`` and everything below it, by path relative to ``root``."""
     out = {".": stat.S_IMODE(os.stat(root).st_mode)}
@@ -126,11 +120,7 @@ class Gateway:
 
     def metric(self, name: str, **labels) -> float:
         """A sample of ``/metrics`` (0 when absent)."""
-        for fam in text_string_to_metric_families(self.client.get("/metrics").text):
-            for s in fam.samples:
-                if s.name == name and s.labels == labels:
-                    return s.value
-        return 0.0
+        return sample(self.client.get("/metrics").text, name, **labels)
 
     def log_text(self) -> str:
         self._log.flush()
@@ -290,12 +280,12 @@ def test_entries_of_one_model_are_never_served_to_another(tmp_path):
     assert files_a, "the graceful stop should have written model A's cache"
 
     with live_server(model_b, prompt_cache_dir=str(cache_dir)) as s, s.client() as c:
-        assert sample(s.state.registry, ENTRIES) == 0, "model B must not see model A's entries"
+        assert sample(s.registry, ENTRIES) == 0, "model B must not see model A's entries"
         b = post(c, "/v1/completions", body)
         assert b["usage"]["prompt_tokens"] == a["usage"]["prompt_tokens"]  # same tokens...
         assert cached(b) == 0  # ...yet nothing cached
         b2 = post(c, "/v1/completions", longer)
-        assert sample(s.state.registry, READS, outcome="hit") == 0
+        assert sample(s.registry, READS, outcome="hit") == 0
         assert cached(b2) > 0  # B's own memory cache works
     files = entry_files(cache_dir)
     assert {k: v for k, v in files.items() if k in files_a} == files_a, "model A's entries must be kept"
@@ -304,7 +294,7 @@ def test_entries_of_one_model_are_never_served_to_another(tmp_path):
     with live_server(model_a, prompt_cache_dir=str(cache_dir)) as s, s.client() as c:
         r = post(c, "/v1/completions", longer)
         assert cached(r) >= 0.9 * a["usage"]["prompt_tokens"], r["usage"]
-        assert sample(s.state.registry, READS, outcome="hit") == 1
+        assert sample(s.registry, READS, outcome="hit") == 1
 
 
 KEYS = {"alice": "mgw-test-disk-alice", "bob": "mgw-test-disk-bob"}
@@ -328,13 +318,13 @@ def test_entries_of_one_cache_group_are_never_served_to_another(tmp_path):
 
     body = chat_body("test-model", messages)
     with live_server(model, tenants=str(tenants), prompt_cache_dir=str(cache_dir)) as s, s.client() as c:
-        assert sample(s.state.registry, ENTRIES) >= 1
+        assert sample(s.registry, ENTRIES) >= 1
         bob = post(c, "/v1/chat/completions", body, headers=auth["bob"])
         assert cached(bob) == 0, "bob's cache group must not read alice's entries"
-        assert sample(s.state.registry, READS, outcome="hit") == 0
+        assert sample(s.registry, READS, outcome="hit") == 0
         alice = post(c, "/v1/chat/completions", body, headers=auth["alice"])
         assert cached(alice) >= 0.9 * alice["usage"]["prompt_tokens"], alice["usage"]
-        assert sample(s.state.registry, READS, outcome="hit") == 1
+        assert sample(s.registry, READS, outcome="hit") == 1
     assert answer(alice) == answer(bob), "alice's disk hit must give bob's cold answer"
 
 
@@ -353,15 +343,18 @@ def test_an_unusable_cache_dir_stops_the_start_with_a_clear_error(tmp_path, gate
 
 def test_a_cache_dir_in_use_by_another_gateway_is_reported(tmp_path):
     from gateway.config import ServeConfig
-    from gateway.server import build_state, load_into
 
     cache_dir = tmp_path / "pcache"
     model = model_path("qwen3")
     with live_server(model, prompt_cache_dir=str(cache_dir)):
-        state = build_state(ServeConfig(model=str(model), prompt_cache_dir=str(cache_dir)), "test-model")
-        load_into(state, str(model))
-        assert state.engine is None
-        assert "in use" in state.load_error and str(cache_dir) in state.load_error, state.load_error
+        gw = start_gateway(ServeConfig(model=str(model), prompt_cache_dir=str(cache_dir)), wait=False)
+        try:
+            status, why = wait_until(lambda: gw.models.startup()[0] != "loading" and gw.models.startup(), 120,
+                                     "the load to end")
+            assert status == "error" and gw.models.handles() == []
+            assert "in use" in why and str(cache_dir) in why, why
+        finally:
+            gw.stop()
 
 
 def test_request_log_names_the_disk_as_the_cache_source(tmp_path, caplog):

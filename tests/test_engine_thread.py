@@ -1,13 +1,15 @@
-"""MLX stays on the engine thread: after the engine starts, no other thread of a live
-gateway calls MLX or touches the prefix cache's snapshots (several threads using MLX at
-once is a crash class on Metal).
+"""MLX stays on the engine thread: once the engine loop runs, no other thread of a live
+gateway calls MLX or touches the prefix cache's snapshots (several threads using MLX on
+one stream at once is a crash class on Metal), except a model's load thread, which reads,
+converts and probes that model's own weights before handing it to the loop (MLX gives
+each thread its own stream).
 
 A watcher records, per thread, every call of an ``mlx.core`` function (each one wrapped
 for the test; nanobind functions give no profiler events) and every Python call into MLX
 model code (``mlx.*``, ``mlx_lm.*``) or into the prefix cache's array-owning modules
-(``cache.manager``, ``cache.restore``, ``cache.tree``). Start-up (``mlx_lm.load`` and its
-probes) may use MLX on the loading thread while no engine thread exists yet; after that
-only the engine thread may. Excepted: mlx-lm's text-only modules (tokenizer,
+(``cache.manager``, ``cache.restore``, ``cache.tree``). Before the engine thread exists
+any thread may; after, only the engine thread and the ``model-load-*`` threads
+(``mlx_lm.load`` and its probes). Excepted: mlx-lm's text-only modules (tokenizer,
 detokenizer, tool-call parsers) and the allocator counters ``/metrics`` reads.
 """
 
@@ -21,11 +23,12 @@ from collections import Counter
 
 import mlx.core as mx
 
-from conftest import live_server, model_path, wait_until
-from gateway.server import reload_tenants
+from conftest import live_server, model_path, sample, wait_until
+from gateway.server import apply_tenants, reload_tenants
 from gateway.tenancy.tenants import hash_key, load_tenants
 
 ENGINE_THREAD = "mlx-gateway-engine"
+LOAD_THREADS = "model-load-"
 TEXT_ONLY = ("mlx_lm.tokenizer_utils", "mlx_lm.tool_parsers")
 ARRAY_MODULES = ("cache.manager", "cache.restore", "cache.tree")
 # Plain reads of allocator counters (see gateway.telemetry.metrics.MLXMemoryCollector).
@@ -41,6 +44,7 @@ class MLXThreadWatch:
         self.violations: Counter = Counter()
         self.engine_calls = 0
         self.startup_calls = 0
+        self.load_calls = 0
         self._engine_started = False
         self._lock = threading.Lock()
 
@@ -48,6 +52,9 @@ class MLXThreadWatch:
         name = threading.current_thread().name
         if name == ENGINE_THREAD:
             self.engine_calls += 1
+            return
+        if name.startswith(LOAD_THREADS):
+            self.load_calls += 1
             return
         if not self._engine_started:
             self._engine_started = any(t.name == ENGINE_THREAD and t.is_alive() for t in threading.enumerate())
@@ -125,12 +132,11 @@ def test_no_mlx_off_the_engine_thread_after_start(tmp_path, monkeypatch):
             assert entries() > 0
             # A reload (what SIGHUP does) that shrinks the group's quota evicts its snapshots.
             tenants_file(tmp_path / "tenants.toml", "1")
-            assert reload_tenants(s.state)
+            assert reload_tenants(s.front)
             wait_until(lambda: entries() == 0, 60, "the smaller quota to evict the snapshots")
             assert "mlx_gateway_mlx_memory_bytes" in c.get("/metrics").text
-            s.state.set_tenants(load_tenants(tenants_file(tmp_path / "tenants.toml", "64M")))
-            quota = lambda: s.state.registry.get_sample_value(  # noqa: E731
-                "mlx_gateway_prompt_cache_quota_bytes", {"cache_group": "team"})
+            apply_tenants(s.front, load_tenants(tenants_file(tmp_path / "tenants.toml", "64M")))
+            quota = lambda: sample(s.registry, "mlx_gateway_prompt_cache_quota_bytes", cache_group="team")  # noqa: E731
             wait_until(lambda: quota() == 64 << 20, 60, "the new quota")
             # The admin flush drops the snapshots made since.
             chat(c, "And about the mountains " * 20)
@@ -139,8 +145,8 @@ def test_no_mlx_off_the_engine_thread_after_start(tmp_path, monkeypatch):
             assert r.status_code == 200 and r.json()["dropped_snapshots"] > 0, r.text
             assert entries() == 0
             violations = dict(watch.violations)
-            # The watcher works: it saw start-up and the engine, and sees a stray call.
-            assert watch.startup_calls > 0 and watch.engine_calls > 0
+            # The watcher works: it saw the model's load and the engine, and sees a stray call.
+            assert watch.load_calls > 0 and watch.engine_calls > 0
             mx.eval(mx.zeros(1))
             assert watch.violations[("MainThread", "mlx.core.eval")] == 1
     assert violations == {}, sorted(violations.items(), key=lambda kv: -kv[1])[:20]

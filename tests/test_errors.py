@@ -59,10 +59,10 @@ def test_bad_chat_request_then_good_one(server, name, send, status, param):
 
 @pytest.fixture()
 def small_context(server):
-    old = server.state.context_length
-    server.state.context_length = 200
+    old = server.model.context_length
+    server.model.context_length = 200
     yield
-    server.state.context_length = old
+    server.model.context_length = old
 
 
 def test_prompt_longer_than_context(server, small_context):

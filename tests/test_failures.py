@@ -70,7 +70,7 @@ def test_a_failed_batch_step_leaves_sampling_working():
     with live_server(model_path("qwen3")) as server:
         engine = server.engine
         bad = Collector()
-        vocab = server.state.vocab_size
+        vocab = server.model.vocab_size
         engine.submit(EngineRequest("bad", list(range(5, 30)),
                                     SamplingParams(max_tokens=4, temperature=1.0, top_k=vocab), bad))
         assert bad.done.wait(60)

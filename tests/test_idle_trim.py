@@ -12,7 +12,6 @@ import pytest
 
 from conftest import live_server, model_path
 from gateway.cpu.idle_trim import IdleTrimmer, idle_seconds_setting
-from gateway.server import engine_activity
 
 
 class Clock:
@@ -89,15 +88,15 @@ def test_trim_returns_kept_memory_to_the_kernel():
 def test_engine_activity_is_the_step_count_when_idle():
     with live_server(model_path("qwen3")) as server, server.client() as c:
         assert server.engine.wait_idle(60)
-        before = engine_activity(server.state)
+        before = server.gateway.activity()
         r = c.post("/v1/completions", json={"model": "test-model", "prompt": "the sea", "max_tokens": 4})
         assert r.status_code == 200, r.text
         assert server.engine.wait_idle(60)
-        after = engine_activity(server.state)
+        after = server.gateway.activity()
         assert isinstance(before, int) and isinstance(after, int) and after > before
-        engine = server.engine
-        server.state.engine = None  # what the trimmer sees before the model has loaded
+        slot = server.gateway.models.slots[0]
+        handle, slot.handle = slot.handle, None  # what the trimmer sees before a model has loaded
         try:
-            assert engine_activity(server.state) is None
+            assert server.gateway.activity() is None
         finally:
-            server.state.engine = engine
+            slot.handle = handle

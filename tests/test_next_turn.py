@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from cache.checkpoints import common_prefix, render_text
-from conftest import TOKENIZERS, EventSink, assert_same_tokens, live_server, model_path, wait_until
+from conftest import TOKENIZERS, EventSink, assert_same_tokens, live_server, model_path, sample, wait_until
 from gateway.conversation.next_turn import next_turn_prefix
 from scheduler.request import EngineRequest, SamplingParams, TokenEvent
 
@@ -50,9 +50,6 @@ def test_template_that_rejects_the_next_turn_gives_nothing():
     assert next_turn_prefix(tok, msgs[:2], {}, REPLY) is None
 
 
-def sample(registry, name, **labels):
-    return registry.get_sample_value(name, labels) or 0.0
-
 
 def chat(client, messages, max_tokens=8, **extra):
     body = {"model": "test-model", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
@@ -67,7 +64,7 @@ def chat(client, messages, max_tokens=8, **extra):
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "gemma3_text", "nemotron_h"])
 def test_next_turn_uses_the_precomputed_prefix_and_matches_cold(arch):
     with live_server(model_path(arch), prefill_budget=1e-4) as server:
-        reg, tok, engine = server.state.registry, server.state.tokenizer, server.engine
+        reg, tok, engine = server.registry, server.tokenizer, server.engine
         stored = lambda: sample(reg, "mlx_gateway_precompute_total", outcome="stored")  # noqa: E731
         with server.client() as c:
             msgs = conversation(" Be exact." * 8)
@@ -89,8 +86,8 @@ def test_no_precompute_while_streams_decode():
     """A reply that ends while another stream decodes is precomputed only once the engine
     has nothing else to do."""
     with live_server(model_path("qwen3")) as server:
-        reg, engine = server.state.registry, server.engine
-        no_eos = {str(t): -100 for t in server.state.tokenizer.eos_token_ids}
+        reg, engine = server.registry, server.engine
+        no_eos = {str(t): -100 for t in server.tokenizer.eos_token_ids}
         body = {"model": "test-model", "messages": conversation(), "max_tokens": 300, "temperature": 0,
                 "stream": True, "logit_bias": no_eos}
         with server.client() as c, c.stream("POST", "/v1/chat/completions", json=body) as long_stream:
@@ -111,7 +108,7 @@ def test_a_request_preempts_a_running_precompute():
     of its steps (from inside the engine's own call, so the timing is certain) drops it at
     the next step, and gets exactly the tokens and logprobs of a cold run."""
     with live_server(model_path("qwen3_5"), prefill_budget=1e-4) as server:
-        reg, engine, tok = server.state.registry, server.engine, server.state.tokenizer
+        reg, engine, tok = server.registry, server.engine, server.tokenizer
         no_eos = {str(t): -100 for t in tok.eos_token_ids}
         with server.client() as c:
             reply, _, _ = chat(c, conversation(), max_tokens=400, logit_bias=no_eos)

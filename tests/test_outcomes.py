@@ -56,7 +56,8 @@ class Books:
         self.lines = [r.record for r in log.records if r.name == "mlx_gateway.requests"]
 
     def metric(self, name: str, **labels) -> float:
-        return self.metrics.get((name, tuple(sorted(labels.items()))), 0.0)
+        """The sum of the samples ``name`` whose labels include ``labels``."""
+        return sum(v for (n, ls), v in self.metrics.items() if n == name and labels.items() <= dict(ls).items())
 
 
 def settle(server, log, before: Books) -> tuple[dict, Books]:
@@ -112,7 +113,7 @@ def ask(server, stream: bool, **body) -> tuple[str, str]:
 
 
 def no_eos(server, bias: float = -100) -> dict:
-    return {str(t): bias for t in server.state.tokenizer.eos_token_ids}
+    return {str(t): bias for t in server.tokenizer.eos_token_ids}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

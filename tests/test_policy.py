@@ -90,3 +90,16 @@ def test_leader_checkpoint_far_from_the_divergence_gets_one_there(checkpoint, ex
     assert [a.request.id for a in first] == ["r0"]
     assert first[0].extra_checkpoints == extra
 
+
+
+def test_row_snapshots_are_decided_in_one_place():
+    from cache.checkpoints import row_snapshots
+
+    # Segments end at the planned and the extra offsets above what is cached.
+    assert row_snapshots(100, 10, [5, 50, 100], [70]) == ([50, 70], [50, 70, 99, 100])
+    # A cache that can be trimmed needs neither len-1 nor len: the final snapshot serves both.
+    assert row_snapshots(100, 10, [5, 50, 100], [70], trimmable=True) == ([50, 70], [50, 70])
+    # Nothing at or below the cached length; a one-token suffix has no len-1 to save.
+    assert row_snapshots(100, 99, [50, 100], []) == ([], [100])
+    # A next-turn precompute snapshots only at its end.
+    assert row_snapshots(100, 10, [100], [], precompute=True) == ([], [100])

@@ -35,7 +35,7 @@ def test_prefill_progress_comments_count_up_to_the_prompt():
 
 def test_keepalive_comments_while_queued():
     with live_server(model_path("qwen3"), prompt_concurrency=1, decode_concurrency=1, sse_keepalive=0.05) as s:
-        bias = {str(t): -100 for t in s.state.tokenizer.eos_token_ids}
+        bias = {str(t): -100 for t in s.tokenizer.eos_token_ids}
         first = {"messages": [{"role": "user", "content": "first"}], "max_tokens": 400, "logit_bias": bias}
         second = {"messages": [{"role": "user", "content": "second"}], "max_tokens": 2, "stream": True}
         with s.client() as c:

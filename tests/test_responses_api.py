@@ -280,7 +280,7 @@ def test_store_retrieve_delete(client):
 
 
 def test_store_count_bound_over_http(server, client):
-    saved, server.state.responses = server.state.responses, ResponseStore(max_responses=2)
+    saved, server.app.state.responses = server.app.state.responses, ResponseStore(max_responses=2)
     try:
         ids = [client.responses.create(model="test-model", input=f"n{i}", max_output_tokens=1).id
                for i in range(3)]
@@ -288,7 +288,7 @@ def test_store_count_bound_over_http(server, client):
             client.responses.retrieve(ids[0])  # the oldest was evicted
         assert [client.responses.retrieve(i).id for i in ids[1:]] == ids[1:]
     finally:
-        server.state.responses = saved
+        server.app.state.responses = saved
 
 
 def test_store_bounds_unit():

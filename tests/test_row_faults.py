@@ -64,7 +64,7 @@ def test_a_raising_sampler_fails_its_row_alone():
     with live_server(model_path("qwen3")) as server:
         engine = server.engine
         refs = solo(engine)
-        vocab = server.state.vocab_size
+        vocab = server.model.vocab_size
         # top_k equal to the vocabulary makes mlx-lm's top-k filter raise (the gateway
         # itself never sends it): the failure happens inside the batched decode step.
         bad = ("bad", list(range(7, 30)), SamplingParams(max_tokens=24, temperature=1.0, top_k=vocab), {})

@@ -76,7 +76,7 @@ def test_burst_shares_the_system_prompt(arch):
     reference = solo_answers(arch, bodies)
     for concurrency in (1, 2, 6):
         with live_server(model_path(arch), prompt_concurrency=concurrency, decode_concurrency=8) as server:
-            tok = server.state.tokenizer
+            tok = server.tokenizer
             prompts = [render_chat(tok, to_conversation(ChatRequest.model_validate(b)), {}, 4096) for b in bodies]
             sys_len = len(render_chat(tok, to_conversation(ChatRequest.model_validate(
                 {"messages": [{"role": "system", "content": SYSTEM}]})), {}, 4096).tokens) - 4
@@ -158,7 +158,7 @@ def test_mixed_lengths_checkpoint_their_own_prefix():
 
         asyncio.run(burst())
         assert server.engine.stats.max_prefill_batch >= 2
-        tok, engine = server.state.tokenizer, server.engine
+        tok, engine = server.tokenizer, server.engine
         model, manager = engine.model, engine.prompt_cache
         checked = 0
         for b in bodies:

@@ -96,9 +96,9 @@ def test_mixed_batch_equals_solo_runs(server):
         c = r.choices[0]
         return c.message.content, calls_of(c.message), c.finish_reason, r.usage.completion_tokens
 
-    server.state.engine.prompt_cache.flush(None)
+    server.engine.prompt_cache.flush(None)
     solo = [run(j) for j in jobs]
-    server.state.engine.prompt_cache.flush(None)
+    server.engine.prompt_cache.flush(None)
     assert server.engine.wait_idle()
     server.engine.stats.max_decode_batch = 0  # written by the engine between steps only; it is idle
     barrier = threading.Barrier(len(jobs))
@@ -152,7 +152,7 @@ class BrokenMatcher:
 
 
 def test_a_grammar_failure_fails_only_its_request(server):
-    state, engine = server.state, server.engine
+    state, engine = server.model, server.engine
     fmt = Conversation([], output_schema=PERSON)
     prompt = list(range(20, 60))
 

@@ -112,10 +112,14 @@ def test_401_for_missing_and_unknown_keys(server):
         assert r.status_code == 200
 
 
-def test_403_for_a_model_the_tenant_may_not_use(server):
+def test_404_for_a_model_the_tenant_may_not_use_as_for_an_unknown_one(server):
     with server.client() as c:
-        assert_error(chat(c, "narrow", model="test-model"), 403, "model_not_allowed")
-        assert_error(chat(c, "narrow", model="no-such-model"), 404, "model_not_found")
+        refused = chat(c, "narrow", model="test-model")
+        unknown = chat(c, "narrow", model="no-such-model")
+        assert_error(refused, 404, "model_not_found")
+        assert_error(unknown, 404, "model_not_found")
+        assert refused.json()["error"]["message"] == "the model 'test-model' does not exist"
+        assert c.get("/v1/models/test-model", headers=auth("narrow")).status_code == 404
         assert chat(c, "narrow", model="another-model").status_code == 200
         ids = [m["id"] for m in c.get("/v1/models", headers=auth("narrow")).json()["data"]]
         assert ids == ["another-model"]
@@ -179,7 +183,7 @@ def test_61_requests_at_60_rpm_get_exactly_one_429(server):
 def test_429_for_too_many_requests_in_flight(server):
     with server.client() as c:
         body = {"messages": [{"role": "user", "content": "Tell me a long story"}], "max_tokens": 400,
-                "stream": True, "logit_bias": {str(t): -100 for t in server.state.tokenizer.eos_token_ids}}
+                "stream": True, "logit_bias": {str(t): -100 for t in server.tokenizer.eos_token_ids}}
         with c.stream("POST", "/v1/chat/completions", json=body, headers=auth("slots")) as held:
             assert held.status_code == 200
             lines = held.iter_lines()  # keep the iterator: closing it closes the stream
@@ -206,7 +210,7 @@ def test_prompt_token_limit(server):
 
 
 def test_completion_token_limit_counts_tokens_as_produced(server):
-    bias = {str(t): -100 for t in server.state.tokenizer.eos_token_ids}
+    bias = {str(t): -100 for t in server.tokenizer.eos_token_ids}
     with server.client() as c:
         first = chat(c, "ctpm", max_tokens=30, logit_bias=bias)
         assert first.status_code == 200
@@ -315,7 +319,7 @@ def request_records(caplog, n, timeout=10.0):
 
 def test_logs_hold_no_keys_or_prompts_unless_asked(server, caplog):
     secret = "zanzibar-quokka-secret"
-    cfg = server.state.config
+    cfg = server.front.config
     with caplog.at_level(logging.DEBUG):
         with server.client() as c:
             assert chat(c, "bob", f"My password is {secret}").status_code == 200

@@ -64,7 +64,7 @@ def test_eos_is_not_text(qwen3):
 def test_reasoning_content_over_http():
     """Force the model to open a think block (logit_bias) and check where its text goes."""
     with live_server(model_path("qwen3_5")) as server:
-        think = server.state.tokenizer.convert_tokens_to_ids("<think>")
+        think = server.tokenizer.convert_tokens_to_ids("<think>")
         body = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
                 "logit_bias": {str(think): 100}}
         with server.client() as c:

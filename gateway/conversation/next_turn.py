@@ -20,7 +20,7 @@ from scheduler.precompute import Precompute
 
 if TYPE_CHECKING:
     from gateway.conversation.prompts import Prompt
-    from gateway.http.app import ServerState
+    from gateway.models.handle import ModelHandle
 
 log = logging.getLogger("mlx_gateway.next_turn")
 
@@ -55,21 +55,21 @@ def next_turn_prefix(tokenizer: Any, messages: Sequence[Mapping[str, Any]], temp
     return ids[:tokens_before(tokenizer, full, ids, ends, cut)]
 
 
-def schedule_next_turn(state: "ServerState", prompt: "Prompt", reply: str, namespace: str, tenant: str) -> None:
-    """Render the next turn's prefix on a worker thread and queue it on the engine, when
-    ``--precompute-next-turn`` is on, the server is not draining and the prompt came from
-    a chat template. The engine is told at once (it does not count as idle until the
-    render is done); at most 8 renders are in flight, more are skipped. Never raises."""
-    engine = state.engine
-    if (not state.config.precompute_next_turn or state.draining or prompt.messages is None or engine is None
-            or not engine.reserve_precompute()):
+def schedule_next_turn(model: "ModelHandle", prompt: "Prompt", reply: str, namespace: str, tenant: str) -> None:
+    """Render the next turn's prefix on a worker thread and queue it on ``model``'s engine,
+    when the prompt came from a chat template (the caller checks
+    ``--precompute-next-turn`` and that the server is not draining). The engine is told
+    at once (it does not count as idle until the render is done); at most 8 renders are
+    in flight, more are skipped. Never raises."""
+    engine = model.engine
+    if prompt.messages is None or not engine.reserve_precompute():
         return
 
     def work() -> None:
         p = None
         try:
-            tokens = next_turn_prefix(state.tokenizer, prompt.messages, prompt.template_kwargs, reply)
-            if tokens and len(tokens) > len(prompt.tokens) // 2 and len(tokens) < state.context_length:
+            tokens = next_turn_prefix(model.tokenizer, prompt.messages, prompt.template_kwargs, reply)
+            if tokens and len(tokens) > len(prompt.tokens) // 2 and len(tokens) < model.context_length:
                 p = Precompute(tokens, namespace, tenant)
         except Exception:
             log.exception("rendering the next turn failed")

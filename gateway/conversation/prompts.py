@@ -11,8 +11,7 @@ from typing import Optional
 
 from cache.checkpoints import encode_with_ends, plan_chat_checkpoints, plan_completion_checkpoints, render_text
 from gateway.http.errors import APIError
-from gateway.conversation.form import Conversation, Turn
-from gateway.protocols.openai_schemas import CompletionRequest
+from gateway.conversation.form import Conversation
 from gateway.conversation.tools import ToolPlan, template_messages
 
 
@@ -71,28 +70,16 @@ def render_chat(
     return Prompt(tokens, checkpoints, _opens_reasoning(tokenizer, tokens), messages, kwargs)
 
 
-def warm_up(tokenizer, default_template_kwargs: dict, checkpoint_every: int) -> bool:
-    """Render and tokenize a one-message chat once, so that compiling the chat template
-    (jinja) and the tokenizer's first call happen at start-up rather than in the first
-    request (about 13 ms on the serving benchmark's model). False when the template
-    rejects that chat or the model has none; nothing is raised."""
-    try:
-        render_chat(tokenizer, Conversation([Turn("user", "Hello.")]), default_template_kwargs, checkpoint_every)
-        return True
-    except Exception:
-        return False
-
-
-def render_completion(tokenizer, req: CompletionRequest, checkpoint_every: int) -> Prompt:
+def render_completion(tokenizer, text: str | list[int], checkpoint_every: int) -> Prompt:
     """Tokenize a completions prompt (a string, or token ids as they are).
 
     Raises:
         APIError: 400 for token ids outside the vocabulary or an empty prompt.
     """
-    if isinstance(req.prompt, str):
-        tokens = list(tokenizer.encode(req.prompt))
+    if isinstance(text, str):
+        tokens = list(tokenizer.encode(text))
     else:
-        tokens = list(req.prompt)
+        tokens = list(text)
         vocab = len(tokenizer)
         if any(t >= vocab for t in tokens):
             raise APIError(400, f"token ids must be below the vocabulary size {vocab}", param="prompt")

@@ -1,20 +1,27 @@
 """One generation, from a checked request to its events: the part every protocol shares.
 
 :func:`prepare_chat` renders a :class:`Conversation` (template, tools, output grammar)
-in a worker thread; :class:`Run` submits the prompt to the engine and turns the
-engine's token events into :data:`ChatEvent` pieces (text, reasoning, tool-call
-pieces), while it keeps the books: usage, metrics (labelled by ``api``), the request
-log and the tenant's completion-token charge.
+for the model it names, in a worker thread; :class:`Run` submits the prompt to that
+model's engine and turns the engine's token events into :data:`ChatEvent` pieces (text,
+reasoning, tool-call pieces), while it keeps the books: usage, metrics (labelled by
+``model`` and ``api``), the request log and the tenant's completion-token charge.
+
+A request for a model that is not loaded yet waits for its load; a streamed one gets
+its stream at once, with a ``: loading model ...`` comment every second until the model
+is ready (:class:`PendingRun`), so a client (or a proxy) does not time out meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Awaitable, Callable, Optional
 
 import anyio
 
+from gateway.conversation.calls import Call
 from gateway.conversation.form import (
     ChatEvent, ChatResult, Comment, Conversation, Finished, Piece, Sampling, Usage,
 )
@@ -25,44 +32,43 @@ from gateway.conversation.structured import output_mask
 from gateway.conversation.textout import TextAssembler
 from gateway.conversation.tool_stream import ToolCallStream
 from gateway.conversation.tools import ToolPlan, plan_tools
-from gateway.http.calls import Call, check_model
 from gateway.http.errors import APIError
 from gateway.http.sse import wait_for_disconnect
+from gateway.models.handle import ModelHandle
 from gateway.tenancy.tenants import Tenant
 from scheduler import SamplingParams
 from scheduler.grammar import TokenMask
 from scheduler.request import DoneEvent, ErrorEvent, ProgressEvent, PromptEvent, TokenEvent
 
-if TYPE_CHECKING:
-    from gateway.http.app import ServerState
+LOADING_TICK = 1.0  # seconds between the ": loading model" comments of a stream that waits for its model
 
 
-def sampling_params(state: "ServerState", tenant: Tenant, s: Sampling) -> SamplingParams:
-    """The engine's settings for ``s``, with the server's defaults filled in.
+def sampling_params(model: ModelHandle, tenant: Tenant, s: Sampling) -> SamplingParams:
+    """The engine's settings for ``s``, with the model's defaults filled in.
 
     Raises:
-        APIError: 400 for ``max_tokens`` over the tenant's limit or a ``logit_bias``
-            token outside the vocabulary.
+        APIError: 400 for ``max_tokens`` over the tenant's or the model's limit or a
+            ``logit_bias`` token outside the vocabulary.
     """
-    cfg = state.config
-    limit = min(cfg.max_tokens_limit, tenant.max_tokens or cfg.max_tokens_limit)
-    wanted = s.max_tokens if s.max_tokens is not None else min(cfg.max_tokens, limit)
+    spec = model.spec
+    limit = min(spec.max_tokens_limit, tenant.max_tokens or spec.max_tokens_limit)
+    wanted = s.max_tokens if s.max_tokens is not None else min(spec.max_tokens, limit)
     if wanted > limit:
         raise APIError(400, f"max_tokens {wanted} is over this key's limit of {limit}", param="max_tokens")
-    top_k = s.top_k if s.top_k is not None else cfg.top_k
-    if top_k >= state.vocab_size:
+    top_k = s.top_k if s.top_k is not None else spec.top_k
+    if top_k >= model.vocab_size:
         top_k = 0  # keeping every token is no filter (and mlx-lm refuses k >= vocabulary)
     bias = s.logit_bias or {}
     for k in bias:
-        if int(k) >= state.vocab_size:
-            raise APIError(400, f"logit_bias token id {k} is outside the vocabulary (size {state.vocab_size})",
+        if int(k) >= model.vocab_size:
+            raise APIError(400, f"logit_bias token id {k} is outside the vocabulary (size {model.vocab_size})",
                            param="logit_bias")
     return SamplingParams(
         max_tokens=wanted,
-        temperature=s.temperature if s.temperature is not None else cfg.temp,
-        top_p=s.top_p if s.top_p is not None else cfg.top_p,
+        temperature=s.temperature if s.temperature is not None else spec.temp,
+        top_p=s.top_p if s.top_p is not None else spec.top_p,
         top_k=max(0, top_k),
-        min_p=s.min_p if s.min_p is not None else cfg.min_p,
+        min_p=s.min_p if s.min_p is not None else spec.min_p,
         seed=s.seed,
         logprobs=s.logprobs,
         top_logprobs=s.top_logprobs if s.logprobs else 0,
@@ -73,27 +79,27 @@ def sampling_params(state: "ServerState", tenant: Tenant, s: Sampling) -> Sampli
     )
 
 
-def fit_context(state: "ServerState", prompt: Prompt, params: SamplingParams) -> SamplingParams:
+def fit_context(model: ModelHandle, prompt: Prompt, params: SamplingParams) -> SamplingParams:
     """``params`` with ``max_tokens`` cut to the room the context leaves.
 
     Raises:
-        APIError: 400 for a prompt over ``--max-prompt-tokens`` or the model's context.
+        APIError: 400 for a prompt over the model's ``max_prompt_tokens`` or its context.
     """
     n = len(prompt.tokens)
-    cap = state.config.max_prompt_tokens
+    cap = model.spec.max_prompt_tokens
     if cap is not None and n > cap:
         raise APIError(400, f"the prompt has {n} tokens; this server's limit is {cap} tokens",
                        param="messages", code="context_length_exceeded")
-    if n >= state.context_length:
-        raise APIError(400, f"the prompt has {n} tokens; this model's context is {state.context_length} tokens",
+    if n >= model.context_length:
+        raise APIError(400, f"the prompt has {n} tokens; this model's context is {model.context_length} tokens",
                        param="messages", code="context_length_exceeded")
-    room = state.context_length - n
+    room = model.context_length - n
     if params.max_tokens > room:
         params = SamplingParams(**{**params.__dict__, "max_tokens": room})
     return params
 
 
-def prepare_chat(state: "ServerState", conv: Conversation, marks: Optional[dict] = None
+def prepare_chat(model: ModelHandle, conv: Conversation, marks: Optional[dict] = None
                  ) -> tuple[Prompt, Optional[ToolPlan], Optional[TokenMask]]:
     """Tools, prompt and output grammar of a conversation. Runs in a worker thread:
     template, tokenizer and grammar compilation are CPU work that must not stall the
@@ -104,45 +110,98 @@ def prepare_chat(state: "ServerState", conv: Conversation, marks: Optional[dict]
     """
     if marks is not None:
         marks["render_in"] = time.monotonic()
-    plan = plan_tools(conv, state.tokenizer)
-    mask = output_mask(state.grammars, conv, plan)
-    cfg = state.config
-    trimmable = state.engine is None or state.engine.trimmable
-    prompt = render_chat(state.tokenizer, conv, cfg.chat_template_args, cfg.checkpoint_every, plan,
-                         trimmable=trimmable)
+    plan = plan_tools(conv, model.tokenizer)
+    mask = output_mask(model.grammars, conv, plan)
+    spec = model.spec
+    prompt = render_chat(model.tokenizer, conv, spec.chat_template_args, spec.checkpoint_every, plan,
+                         trimmable=model.trimmable)
     if marks is not None:
         marks["render_out"] = time.monotonic()
     return prompt, plan, mask
 
 
-def text_assembler(state: "ServerState", stop: list[str], opens_reasoning: bool, reasoning: bool = True
+def text_assembler(model: ModelHandle, stop: list[str], opens_reasoning: bool, reasoning: bool = True
                    ) -> TextAssembler:
-    """A :class:`TextAssembler` for the served tokenizer (reasoning split when the
+    """A :class:`TextAssembler` for the model's tokenizer (reasoning split when the
     model thinks and ``reasoning`` is true)."""
-    tok = state.tokenizer
+    tok = model.tokenizer
     think = (tok.think_start, tok.think_end) if reasoning and getattr(tok, "has_thinking", False) else None
     return TextAssembler(tok, stop=list(stop), think=think, in_reasoning=opens_reasoning and think is not None,
                          skip_ids=frozenset(tok.eos_token_ids))
 
 
-async def start_conversation(state: "ServerState", call: Call, conv: Conversation) -> "Run":
-    """Check the model, render ``conv`` (worker thread) and submit it: the start of every
+async def begin(call: Call, model_name: Optional[str], stream: bool,
+                start: Callable[[ModelHandle], Awaitable["Run"]]) -> "Run | PendingRun":
+    """Hold the model ``model_name`` and ``start`` the run on it: at once when it is loaded,
+    after its load otherwise (a stream gets a :class:`PendingRun` whose events begin with
+    loading comments; ``start``'s errors then come as the stream's error event).
+
+    Raises:
+        APIError: 404 for the model; 503 when it cannot be loaded; what ``start`` raises.
+    """
+    future = call.hold_model(model_name)
+    if future.done() or not stream:
+        return await start(await call.ready(future))
+    return PendingRun(call, future, start)
+
+
+async def start_conversation(call: Call, conv: Conversation) -> "Run | PendingRun":
+    """Hold the model, render ``conv`` (worker thread) and submit it: the start of every
     protocol whose requests are conversations.
 
     Raises:
-        APIError: 404/403 for the model, 400 for a bad conversation, 413/429/503 when it
+        APIError: 404 for the model, 400 for a bad conversation, 413/429/503 when it
             cannot be queued.
     """
-    check_model(state, call.tenant, conv.model)
     call.record.stream = conv.stream
-    params = sampling_params(state, call.tenant, conv.sampling)
-    marks = call.record.marks
-    with call.engine.arrivals.prepare():  # an idle engine may wait for it (scheduler.arrivals)
-        marks["render_start"] = time.monotonic()
-        prompt, plan, mask = await anyio.to_thread.run_sync(prepare_chat, state, conv, marks)
-        marks["render_end"] = time.monotonic()
-        asm = text_assembler(state, conv.stop, prompt.opens_reasoning)
-        return Run.submit(state, call, prompt, params, asm, plan, mask)
+
+    async def start(model: ModelHandle) -> Run:
+        params = sampling_params(model, call.tenant, conv.sampling)
+        marks = call.record.marks
+        with model.engine.arrivals.prepare():  # an idle engine may wait for it (scheduler.arrivals)
+            marks["render_start"] = time.monotonic()
+            prompt, plan, mask = await anyio.to_thread.run_sync(prepare_chat, model, conv, marks)
+            marks["render_end"] = time.monotonic()
+            asm = text_assembler(model, conv.stop, prompt.opens_reasoning)
+            return Run.submit(call, model, prompt, params, asm, plan, mask)
+
+    return await begin(call, conv.model, conv.stream, start)
+
+
+class PendingRun:
+    """A streamed run whose model is still loading: :meth:`events` yields a loading
+    comment every :data:`LOADING_TICK` seconds, then starts the run and yields its events.
+    Once started, every attribute is the :class:`Run`'s."""
+
+    def __init__(self, call: Call, future: Future, start: Callable[[ModelHandle], Awaitable["Run"]]):
+        self._call, self._future, self._start = call, future, start
+        self._run: Optional[Run] = None
+
+    def __getattr__(self, name):
+        run = self.__dict__.get("_run")
+        if run is None:
+            raise AttributeError(f"{name}: the run has not started (its model is loading)")
+        return getattr(run, name)
+
+    async def events(self) -> AsyncIterator[Piece | Comment | Finished]:
+        """Loading comments, then the run's events.
+
+        Raises:
+            APIError: 503 when the model could not be loaded; what the run raises.
+        """
+        waited = asyncio.wrap_future(self._future)
+        started = time.monotonic()
+        while not waited.done():
+            await asyncio.wait([waited], timeout=LOADING_TICK)
+            if not waited.done():
+                yield Comment(f"loading model {self._call.model_name} ({time.monotonic() - started:.0f} s)")
+        self._run = await self._start(await self._call.ready(self._future))
+        async for ev in self._run.events():
+            yield ev
+
+    async def aclose(self) -> None:
+        if self._run is not None:
+            await self._run.aclose()
 
 
 @dataclass
@@ -157,8 +216,8 @@ class Run:
     and ``cancelled`` when the client left (or the answer was dropped) before it ended.
     """
 
-    state: "ServerState"
     call: Call
+    model: ModelHandle
     prompt: Prompt
     gen: Generation
     asm: TextAssembler
@@ -174,7 +233,7 @@ class Run:
     first_at: Optional[float] = None  # monotonic seconds of the first token
 
     @classmethod
-    def submit(cls, state: "ServerState", call: Call, prompt: Prompt, params: SamplingParams,
+    def submit(cls, call: Call, model: ModelHandle, prompt: Prompt, params: SamplingParams,
                asm: TextAssembler, plan: Optional[ToolPlan] = None, mask: Optional[TokenMask] = None) -> "Run":
         """Check the prompt against the limits and hand it to the engine.
 
@@ -183,23 +242,23 @@ class Run:
                 from the tenant's prompt-token limit, 429 when the tenant's queue is
                 full, 503 when the engine cannot take it.
         """
-        params = fit_context(state, prompt, params)
+        params = fit_context(model, prompt, params)
         call.ticket.charge_prompt(len(prompt.tokens))
         t = call.tenant
-        gen = Generation(call.engine, prompt.tokens, params, prompt.checkpoints, namespace=t.cache_group,
+        gen = Generation(model.engine, prompt.tokens, params, prompt.checkpoints, namespace=t.cache_group,
                          tenant=t.name, weight=t.weight, max_queued=t.max_queued, mask=mask)
         call.record.request_id = gen.id
         call.record.prompt_tokens = len(prompt.tokens)
-        if state.config.log_prompts:
-            call.record.prompt = state.tokenizer.decode(prompt.tokens)
+        if call.front.config.log_prompts:
+            call.record.prompt = model.tokenizer.decode(prompt.tokens)
         call.record.marks["submitted"] = time.monotonic()
         try:
             gen.submit()
         except APIError as e:
             if e.status == 429:
-                state.metrics.rate_limited.labels(t.name, "queue").inc()
+                call.front.metrics.rate_limited.labels(t.name, "queue").inc()
             raise
-        run = cls(state, call, prompt, gen, asm, plan)
+        run = cls(call, model, prompt, gen, asm, plan)
         call.record.settle = run._settle  # at the latest when the request's line is written
         return run
 
@@ -235,8 +294,9 @@ class Run:
                 reason = "stop_sequence"
             self._settle()
             if reason in ("stop", "stop_sequence", "length"):
-                t = self.call.tenant
-                schedule_next_turn(self.state, self.prompt, "".join(reply), t.cache_group, t.name)  # never raises
+                t, front = self.call.tenant, self.call.front
+                if front.config.precompute_next_turn and not front.draining:
+                    schedule_next_turn(self.model, self.prompt, "".join(reply), t.cache_group, t.name)  # never raises
             yield Finished(reason, Usage(len(self.prompt.tokens), len(self.tokens), self.cached, self.cache_written),
                            matched)
         except Exception:
@@ -293,11 +353,12 @@ class Run:
     async def _pieces(self) -> AsyncIterator[Piece | Comment]:
         """Engine events as text pieces; books prompt usage, time to first token, and how
         the generation ended (:meth:`_end`)."""
-        state, call, gen = self.state, self.call, self.gen
-        tenant, rec, m = call.tenant.name, call.record, state.metrics
-        labels = (tenant, state.model_id, call.api)
+        call, gen = self.call, self.gen
+        front = call.front
+        tenant, rec, m = call.tenant.name, call.record, front.metrics
+        labels = (tenant, self.model.name, call.api)
         prompt_len = len(self.prompt.tokens)
-        async for ev in gen.events(keepalive=state.config.sse_keepalive):
+        async for ev in gen.events(keepalive=front.config.sse_keepalive):
             if isinstance(ev, KeepAlive):
                 yield Comment("keep-alive")
             elif isinstance(ev, ProgressEvent):
@@ -309,7 +370,7 @@ class Run:
                 rec.cache_source = ev.cache_source if ev.cached_tokens else None
                 m.prompt_tokens.labels(*labels).inc(prompt_len)
                 m.cached_tokens.labels(*labels).inc(ev.cached_tokens)
-                state.usage.add(tenant, prompt=prompt_len, cached=ev.cached_tokens)
+                front.usage.add(tenant, prompt=prompt_len, cached=ev.cached_tokens)
             elif isinstance(ev, TokenEvent):
                 if self.first_at is None:
                     self.first_at = time.monotonic()
@@ -348,9 +409,9 @@ class Run:
             return
         self.settled = True
         self.gen.cancel()
-        state, call = self.state, self.call
-        rec, m = call.record, state.metrics
-        labels = (call.tenant.name, state.model_id, call.api)
+        call = self.call
+        rec, m = call.record, call.front.metrics
+        labels = (call.tenant.name, self.model.name, call.api)
         if self.ended:
             outcome = self.finish
         else:  # dropped before it ended: the client left, or the answer failed on the way out
@@ -362,7 +423,7 @@ class Run:
             rec.error_status = self.error_status
         m.completion_tokens.labels(*labels).inc(n)
         m.generations.labels(*labels, outcome).inc()
-        state.usage.add(call.tenant.name, completion=n)
+        call.front.usage.add(call.tenant.name, completion=n)
         if self.first_at is not None:
             now = time.monotonic()
             m.e2e.labels(*labels).observe(now - self.gen.arrival)

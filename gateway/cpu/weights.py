@@ -110,6 +110,25 @@ def float32_bytes(model: nn.Module) -> int:
     return total + sum(4 * p.size if p.dtype in FLOATS else p.nbytes for p in _plain_parameters(model))
 
 
+def _why_not(model: nn.Module, limit_bytes: Optional[int] = None) -> Optional[str]:
+    """Why :func:`float32_weights` would leave ``model`` as stored, or None if it converts it."""
+    unsupported = _unsupported(model)
+    if unsupported:
+        return f"unsupported quantized layers: {', '.join(unsupported)}"
+    low = [p for p in _plain_parameters(model) if p.dtype in (mx.float16, mx.bfloat16)]
+    if not _quantized_layers(model) and not low:
+        return "already float32"
+    need = float32_bytes(model)
+    if limit_bytes is None:
+        memory = memory_limit_bytes()
+        if memory is None:
+            return "too large to tell: the memory available cannot be read"
+        limit_bytes = int(MEMORY_SHARE * memory)
+    if need > limit_bytes:
+        return f"too large: {need / 1e9:.1f} GB as float32, more than {limit_bytes / 1e9:.1f} GB"
+    return None
+
+
 def float32_weights(model: nn.Module, limit_bytes: Optional[int] = None) -> Optional[str]:
     """Dequantize ``model``'s quantized layers and cast its floating-point parameters to
     float32, in place, unless that is not needed, a layer is of a type it does not convert,
@@ -122,28 +141,32 @@ def float32_weights(model: nn.Module, limit_bytes: Optional[int] = None) -> Opti
     """
     from mlx_lm.utils import dequantize_model
 
-    unsupported = _unsupported(model)
-    if unsupported:
-        return f"unsupported quantized layers: {', '.join(unsupported)}"
-    quantized = _quantized_layers(model)
-    low = [p for p in _plain_parameters(model) if p.dtype in (mx.float16, mx.bfloat16)]
-    if not quantized and not low:
-        return "already float32"
-    need = float32_bytes(model)
-    if limit_bytes is None:
-        memory = memory_limit_bytes()
-        if memory is None:
-            return "too large to tell: the memory available cannot be read"
-        limit_bytes = int(MEMORY_SHARE * memory)
-    if need > limit_bytes:
-        return f"too large: {need / 1e9:.1f} GB as float32, more than {limit_bytes / 1e9:.1f} GB"
+    why = _why_not(model, limit_bytes)
+    if why is not None:
+        return why
+    need, quantized = float32_bytes(model), len(_quantized_layers(model))
     dequantize_model(model)
     model.update(tree_map(lambda p: p.astype(mx.float32) if p.dtype in FLOATS else p, model.parameters()))
     mx.eval(model.parameters())
     log.info("MLX runs on the CPU: weights converted to float32 (%d quantized layers dequantized, %.0f MB), "
              "since its CPU matmuls use BLAS for float32 only; MLX_GATEWAY_CPU_FLOAT32=0 keeps them as stored",
-             len(quantized), need / 1e6)
+             quantized, need / 1e6)
     return None
+
+
+def _converts_for_cpu_backend() -> bool:
+    from gateway.cpu import cpu_backend
+
+    return os.environ.get("MLX_GATEWAY_CPU_FLOAT32", "1") != "0" and cpu_backend()
+
+
+def served_bytes(model: nn.Module) -> int:
+    """Bytes ``model``'s parameters will take once served: as float32 where
+    :func:`float32_weights_for_cpu_backend` will convert them, else as stored. Read from
+    the shapes and dtypes only, so a lazily loaded model's weights are not read."""
+    if _converts_for_cpu_backend() and _why_not(model) is None:
+        return float32_bytes(model)
+    return sum(p.nbytes for _, p in tree_flatten(model.parameters()))
 
 
 def float32_weights_for_cpu_backend(model: nn.Module) -> Optional[str]:

@@ -8,7 +8,7 @@ import hmac
 import logging
 import os
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -21,10 +21,10 @@ MAX_HEADERS = 100
 METRICS_KEY_ENV = "MLX_GATEWAY_METRICS_KEY"
 
 
-def metrics_key(config) -> Optional[str]:
-    """The key ``GET /metrics`` requires: ``config.metrics_key`` (``--metrics-key``), else
-    the ``MLX_GATEWAY_METRICS_KEY`` environment variable; None (open) when neither is set."""
-    return config.metrics_key or os.environ.get(METRICS_KEY_ENV) or None
+def metrics_key(flag: Optional[str]) -> Optional[str]:
+    """The key ``GET /metrics`` requires: ``flag`` (``--metrics-key``), else the
+    ``MLX_GATEWAY_METRICS_KEY`` environment variable; None (open) when neither is set."""
+    return flag or os.environ.get(METRICS_KEY_ENV) or None
 
 
 class GatewayMiddleware:
@@ -39,27 +39,38 @@ class GatewayMiddleware:
       ``Authorization: Bearer <key>`` with 401 and ``WWW-Authenticate: Bearer``.
     * Answers :class:`APIError` (and any other exception, as 500) in OpenAI's format.
     * Adds the tenant's ``x-ratelimit-*`` headers to answers of admitted requests.
-    * Releases the request's rate-limit ticket once the answer (or stream) ends.
-    * Counts answers by tenant, endpoint and status (successful scrapes and health checks
-      excepted), and emits the request record.
+    * Runs the request's ``on_close`` callables once the answer (or stream) ends: they
+      release its rate-limit ticket and the model it holds.
+    * Counts answers by tenant, model, endpoint and status (successful scrapes and health
+      checks excepted), through ``count``, and emits the request record.
 
-    Routes leave ``tenant`` (a Tenant), ``ticket`` and ``record`` in ``request.state``.
+    Routes leave ``tenant`` (a Tenant), ``ticket`` and ``record`` in ``request.state``, and
+    append to its ``on_close`` list.
+
+    Args:
+        app: the app inside.
+        hosts: the Host allow-list.
+        max_header_bytes: the most bytes of request headers.
+        metrics_key: the key ``/metrics`` requires (None: open).
+        count: ``count(tenant, model, endpoint, status)`` for each answer counted.
     """
 
     ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
                  "/v1/responses", "/v1/models", "/v1/usage", "/health", "/metrics", "/admin/cache/flush",
-                 "/openapi.json"}
+                 "/admin/models", "/openapi.json"}
     # Paths with an id, counted under one label each.
-    PREFIXES = ("/v1/models/", "/v1/responses/")
+    PREFIXES = ("/v1/models/", "/v1/responses/", "/admin/models/")
 
     # Scrapes and health checks are not client requests: counted only when they fail.
     UNCOUNTED = {"/metrics", "/health"}
 
-    def __init__(self, app: ASGIApp, state) -> None:
+    def __init__(self, app: ASGIApp, hosts: HostPolicy, max_header_bytes: int, metrics_key: Optional[str],
+                 count: Callable[[str, str, str, str], None]) -> None:
         self.app = app
-        self.state = state
-        self.hosts = HostPolicy(state.config.host, state.config.allowed_hosts)
-        self.metrics_key = metrics_key(state.config)
+        self.hosts = hosts
+        self.max_header_bytes = max_header_bytes
+        self.metrics_key = metrics_key
+        self.count = count
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -67,6 +78,7 @@ class GatewayMiddleware:
             return
         start = time.monotonic()
         local = scope.setdefault("state", {})
+        local["on_close"] = []
         status = {"code": 500, "started": False}
 
         async def send_wrapper(message) -> None:
@@ -102,15 +114,17 @@ class GatewayMiddleware:
                 error = APIError(500, f"internal error: {type(e).__name__}")
                 await error.response(error_style(scope.get("path", "")))(scope, receive, send)
         finally:
-            ticket = local.get("ticket")
-            if ticket is not None:
-                ticket.close()
+            for close in local["on_close"]:
+                try:
+                    close()
+                except Exception:
+                    log.exception("closing a request on %s failed", scope.get("path"))
             self._account(scope, local, status["code"], time.monotonic() - start)
 
     def _check_headers(self, scope: Scope) -> None:
         headers = scope.get("headers", [])
         size = sum(len(k) + len(v) for k, v in headers)
-        limit = self.state.config.max_header_bytes
+        limit = self.max_header_bytes
         if len(headers) > MAX_HEADERS or size > limit:
             raise APIError(431, f"request headers over the limit ({MAX_HEADERS} headers, {limit} bytes)",
                            code="headers_too_large")
@@ -138,10 +152,12 @@ class GatewayMiddleware:
         tenant = local.get("tenant")
         name = tenant.name if tenant is not None else "unauthenticated"
         record = local.get("record")
+        model = ""
         if record is not None:
             record.status = code
             record.total_seconds = seconds
             record.emit()
             code = record.final_status()  # a stream's outcome: 499 when its client left, its error's status
+            model = record.model  # set once the model was found: never a name from the request alone
         if endpoint not in self.UNCOUNTED or code >= 400:
-            self.state.metrics.requests.labels(name, self.state.model_id, endpoint, str(code)).inc()
+            self.count(name, model, endpoint, str(code))

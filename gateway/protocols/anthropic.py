@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import TYPE_CHECKING, AsyncIterator, Optional
+from typing import AsyncIterator, Optional
 
 import anyio
 from starlette.requests import Request
@@ -23,17 +23,15 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.conversation.form import (ChatResult, Comment, Conversation, Finished, FunctionTool, Piece, Sampling,
                                        ToolCall, Turn, Usage)
+from gateway.conversation.calls import Front, admit
 from gateway.conversation.prompts import render_chat
 from gateway.conversation.run import start_conversation
 from gateway.conversation.tools import check_schema, plan_tools
-from gateway.http.calls import admit, check_model
 from gateway.http.errors import APIError
 from gateway.http.sse import SSEResponse, comment, guarded, named_event
 from gateway.protocols.anthropic_schemas import (CountTokensRequest, MessageParam, MessagesRequest, TextBlock,
                                                  ThinkingBlock, ToolResultBlock, ToolUseBlock, parse)
-
-if TYPE_CHECKING:
-    from gateway.http.app import ServerState
+from gateway.models.handle import ModelHandle
 
 STOP_REASONS = {"stop": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens",
                 "tool_calls": "tool_use"}
@@ -213,11 +211,11 @@ async def messages(request: Request) -> Response:
         APIError: 400 for a bad body (Anthropic's error shape, by the middleware), 401,
             403/404 for the model, 413/429/503 when it cannot be queued.
     """
-    state: "ServerState" = request.app.state.gateway
-    call = await admit(state, request, "messages", "messages")
+    front: Front = request.app.state.front
+    call = await admit(front, request, "messages", "messages")
     req = parse(MessagesRequest, call.body)
-    run = await start_conversation(state, call, to_conversation(req))
-    mid, model = message_id(), state.model_id
+    run = await start_conversation(call, to_conversation(req))
+    mid, model = message_id(), call.model_name
 
     if req.stream:
 
@@ -244,7 +242,7 @@ async def messages(request: Request) -> Response:
                         "usage": usage(ev.usage)}) + named_event("message_stop", {"type": "message_stop"})
 
         return SSEResponse(guarded(events(), lambda e: named_event("error", e.anthropic_body())),
-                           send_timeout=state.config.client_timeout)
+                           send_timeout=front.config.client_timeout)
 
     result = await run.collect(request)
     if result is None:
@@ -252,13 +250,13 @@ async def messages(request: Request) -> Response:
     return JSONResponse(message(mid, model, content_blocks(result), result.finished, usage(result.finished.usage)))
 
 
-def _count(state: "ServerState", conv: Conversation) -> int:
-    """Prompt tokens of ``conv`` with the served chat template (worker thread)."""
-    plan = plan_tools(conv, state.tokenizer)
+def _count(model: ModelHandle, conv: Conversation) -> int:
+    """Prompt tokens of ``conv`` with the model's chat template (worker thread)."""
+    plan = plan_tools(conv, model.tokenizer)
     if conv.output_schema is not None:
         check_schema(conv.output_schema, conv.output_param)
-    cfg = state.config
-    return len(render_chat(state.tokenizer, conv, cfg.chat_template_args, cfg.checkpoint_every, plan).tokens)
+    spec = model.spec
+    return len(render_chat(model.tokenizer, conv, spec.chat_template_args, spec.checkpoint_every, plan).tokens)
 
 
 async def count_tokens(request: Request) -> Response:
@@ -268,9 +266,9 @@ async def count_tokens(request: Request) -> Response:
     Raises:
         APIError: 400 for a bad body or conversation, 401, 403/404 for the model, 429.
     """
-    state: "ServerState" = request.app.state.gateway
-    call = await admit(state, request, "count_tokens", "messages")
+    front: Front = request.app.state.front
+    call = await admit(front, request, "count_tokens", "messages")
     conv = to_conversation(parse(CountTokensRequest, call.body))
-    check_model(state, call.tenant, conv.model)
-    n = await anyio.to_thread.run_sync(_count, state, conv)
+    model = await call.model(conv.model)
+    n = await anyio.to_thread.run_sync(_count, model, conv)
     return JSONResponse({"input_tokens": n})

@@ -4,25 +4,21 @@ internal :class:`Conversation` and its events."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.conversation.form import Comment, Conversation, FunctionTool, Piece, Sampling, ToolCall, Turn
 from gateway.conversation.generation import new_id
+from gateway.conversation.calls import Front, admit
 from gateway.conversation.run import start_conversation
-from gateway.http.calls import admit
 from gateway.http.errors import APIError
 from gateway.http.sse import comment, sse
 from gateway.protocols.openai_format import (
     LogprobFormatter, chat_chunk, chat_completion, finish_reason, stream_response, usage, usage_chunk,
 )
 from gateway.protocols.openai_schemas import ChatRequest, parse
-
-if TYPE_CHECKING:
-    from gateway.http.app import ServerState
-
 
 
 def to_conversation(req: ChatRequest) -> Conversation:
@@ -77,12 +73,11 @@ def _delta(piece: Piece) -> dict:
 
 
 async def chat_completions(request: Request) -> Response:
-    state: "ServerState" = request.app.state.gateway
-    call = await admit(state, request, "chat", "chat")
+    front: Front = request.app.state.front
+    call = await admit(front, request, "chat", "chat")
     req = parse(ChatRequest, call.body)
-    run = await start_conversation(state, call, to_conversation(req))
-    fmt = LogprobFormatter(state.tokenizer) if req.logprobs else None
-    rid, model = new_id("chatcmpl"), state.model_id
+    run = await start_conversation(call, to_conversation(req))
+    rid, model = new_id("chatcmpl"), call.model_name
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -90,11 +85,14 @@ async def chat_completions(request: Request) -> Response:
 
         async def chunks() -> AsyncIterator[bytes]:
             yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
+            fmt = None
             async for ev in run.events():
                 if isinstance(ev, Comment):
                     yield comment(ev.text)
                 elif isinstance(ev, Piece):
                     d = _delta(ev)
+                    if req.logprobs and fmt is None:  # (a stream may start before its model has loaded)
+                        fmt = LogprobFormatter(run.model.tokenizer)
                     lps = [fmt.chat_entry(t) for t in ev.tokens] if fmt else None
                     if d or lps:
                         yield sse(chat_chunk(rid, model, created, d, None, lps))
@@ -103,12 +101,12 @@ async def chat_completions(request: Request) -> Response:
                     if include_usage:
                         yield sse(usage_chunk(rid, model, created, "chat.completion.chunk", usage(ev.usage)))
 
-        return stream_response(state, chunks())
+        return stream_response(front, chunks())
 
     result = await run.collect(request)
     if result is None:
         return Response(status_code=499)
-    lps = [fmt.chat_entry(t) for t in result.tokens] if fmt else None
+    lps = [LogprobFormatter(run.model.tokenizer).chat_entry(t) for t in result.tokens] if req.logprobs else None
     return JSONResponse(chat_completion(
         rid, model, result.text, result.reasoning, finish_reason(result.finished.reason), lps,
         usage(result.finished.usage), _tool_call_dicts(result.tool_calls)))

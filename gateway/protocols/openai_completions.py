@@ -4,7 +4,7 @@ no tools, no reasoning split."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import AsyncIterator
 
 import anyio
 from starlette.requests import Request
@@ -13,49 +13,51 @@ from starlette.responses import JSONResponse, Response
 from gateway.conversation.form import Comment, Piece, Sampling
 from gateway.conversation.generation import new_id
 from gateway.conversation.prompts import render_completion
-from gateway.conversation.run import Run, sampling_params, text_assembler
-from gateway.http.calls import admit, check_model
+from gateway.conversation.calls import Front, admit
+from gateway.conversation.run import Run, begin, sampling_params, text_assembler
 from gateway.http.sse import comment, sse
 from gateway.protocols.openai_format import (
     LogprobFormatter, finish_reason, stream_response, text_completion, usage, usage_chunk,
 )
+from gateway.models.handle import ModelHandle
 from gateway.protocols.openai_schemas import CompletionRequest, parse
-
-if TYPE_CHECKING:
-    from gateway.http.app import ServerState
-
 
 
 async def completions(request: Request) -> Response:
-    state: "ServerState" = request.app.state.gateway
-    call = await admit(state, request, "completions", "completions")
+    front: Front = request.app.state.front
+    call = await admit(front, request, "completions", "completions")
     req = parse(CompletionRequest, call.body)
     call.record.stream = req.stream
-    check_model(state, call.tenant, req.model)
     want_lp = req.logprobs is not None
-    params = sampling_params(state, call.tenant, Sampling(
+    sampling = Sampling(
         max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
         seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias, logprobs=want_lp,
-        top_logprobs=req.logprobs or 0))
-    with call.engine.arrivals.prepare():  # an idle engine may wait for it (scheduler.arrivals)
-        prompt = await anyio.to_thread.run_sync(render_completion, state.tokenizer, req,
-                                                state.config.checkpoint_every)
-        run = Run.submit(state, call, prompt, params,
-                         text_assembler(state, list(req.stop or []), False, reasoning=False))
-    fmt = LogprobFormatter(state.tokenizer) if want_lp else None
-    rid, model = new_id("cmpl"), state.model_id
+        top_logprobs=req.logprobs or 0)
+
+    async def start(model: ModelHandle) -> Run:
+        params = sampling_params(model, call.tenant, sampling)
+        with model.engine.arrivals.prepare():  # an idle engine may wait for it (scheduler.arrivals)
+            prompt = await anyio.to_thread.run_sync(render_completion, model.tokenizer, req.prompt,
+                                                    model.spec.checkpoint_every)
+            return Run.submit(call, model, prompt, params,
+                              text_assembler(model, list(req.stop or []), False, reasoning=False))
+
+    run = await begin(call, req.model, req.stream, start)
+    rid, model = new_id("cmpl"), call.model_name
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         created = int(time.time())
 
         async def chunks() -> AsyncIterator[bytes]:
-            offset = 0
+            offset, fmt = 0, None
             async for ev in run.events():
                 if isinstance(ev, Comment):
                     yield comment(ev.text)
                 elif isinstance(ev, Piece):
+                    if want_lp and fmt is None:  # (a stream may start before its model has loaded)
+                        fmt = LogprobFormatter(run.model.tokenizer)
                     lp = fmt.completion_entries(ev.tokens, offset) if fmt and ev.tokens else None
                     if ev.text or lp:
                         yield sse(text_completion(rid, model, ev.text, None, lp, None, created))
@@ -65,11 +67,11 @@ async def completions(request: Request) -> Response:
                     if include_usage:
                         yield sse(usage_chunk(rid, model, created, "text_completion", usage(ev.usage)))
 
-        return stream_response(state, chunks())
+        return stream_response(front, chunks())
 
     result = await run.collect(request)
     if result is None:
         return Response(status_code=499)
-    lp = fmt.completion_entries(result.tokens, 0) if fmt else None
+    lp = LogprobFormatter(run.model.tokenizer).completion_entries(result.tokens, 0) if want_lp else None
     return JSONResponse(text_completion(rid, model, result.text, finish_reason(result.finished.reason),
                                         lp, usage(result.finished.usage)))

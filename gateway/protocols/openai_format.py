@@ -16,11 +16,11 @@ def finish_reason(reason: str) -> str:
     return "stop" if reason == "stop_sequence" else reason
 
 
-def stream_response(state, chunks) -> SSEResponse:
+def stream_response(front, chunks) -> SSEResponse:
     """An OpenAI SSE stream of ``chunks``: an error after the start becomes an error
-    event, and the stream ends with ``data: [DONE]``."""
+    event, and the stream ends with ``data: [DONE]``. ``front`` gives the client timeout."""
     return SSEResponse(guarded(chunks, lambda e: sse(e.body()), sse("[DONE]")),
-                       send_timeout=state.config.client_timeout)
+                       send_timeout=front.config.client_timeout)
 
 
 def usage(u: Usage) -> dict:

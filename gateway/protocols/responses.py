@@ -24,26 +24,22 @@ like unknown ones. Failed or abandoned responses are not stored.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, AsyncIterator, Optional
+from typing import AsyncIterator, Optional
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.conversation.form import (Comment, Conversation, Finished, FunctionTool, Piece, Sampling, ToolCall,
                                        Turn, Usage)
+from gateway.conversation.calls import Front, admit
 from gateway.conversation.run import Run, start_conversation
-from gateway.http.calls import admit
 from gateway.http.errors import APIError
 from gateway.http.sse import SSEResponse, comment, guarded, named_event
 from gateway.protocols.responses_events import OutputBuilder, object_id
 from gateway.protocols.responses_schemas import (FunctionCallItem, FunctionCallOutputItem, MessageItem,
                                                  ReasoningItem, ResponsesRequest, parse_items, parse_request)
-from gateway.protocols.responses_store import ResponseStore  # noqa: F401 (the app's import)
+from gateway.protocols.responses_store import ResponseStore
 from gateway.tenancy.auth import authenticate
-
-if TYPE_CHECKING:
-    from gateway.http.app import ServerState
-
 
 PARAMS = {"max_tokens": "max_output_tokens", "messages": "input"}
 
@@ -126,23 +122,24 @@ def usage(u: Usage, reasoning_tokens: int) -> dict:
             "total_tokens": u.prompt + u.completion}
 
 
-def base_response(state: "ServerState", req: ResponsesRequest, rid: str) -> dict:
-    """The response object as it starts (``in_progress``, no output), echoing the request."""
+def base_response(call, req: ResponsesRequest, rid: str) -> dict:
+    """The response object as it starts (``in_progress``, no output), echoing the request
+    (the held model's defaults where it gives no sampling setting)."""
     choice = req.tool_choice or "auto"
-    cfg = state.config
+    spec = call.slot.spec
     return {
         "id": rid, "object": "response", "created_at": int(time.time()), "status": "in_progress",
         "background": False, "completed_at": None, "error": None, "incomplete_details": None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "max_tool_calls": None,
-        "model": state.model_id, "output": [], "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "model": call.model_name, "output": [], "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id,
         "reasoning": req.reasoning.model_dump(exclude_none=True) if req.reasoning is not None else None,
-        "store": req.store, "temperature": req.temperature if req.temperature is not None else cfg.temp,
+        "store": req.store, "temperature": req.temperature if req.temperature is not None else spec.temp,
         "text": {"format": (req.text.format.model_dump(by_alias=True, exclude_none=True)
                             if req.text is not None and req.text.format is not None else {"type": "text"})},
         "tool_choice": choice if isinstance(choice, str) else {"type": "function", "name": choice.name},
         "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
-        "top_p": req.top_p if req.top_p is not None else cfg.top_p, "truncation": "disabled",
+        "top_p": req.top_p if req.top_p is not None else spec.top_p, "truncation": "disabled",
         "usage": None, "user": req.user, "metadata": dict(req.metadata or {}),
     }
 
@@ -193,28 +190,29 @@ async def create_response(request: Request) -> Response:
         APIError: 400 for a bad body (dotted parameter path), 401, 404 for an unknown
             ``previous_response_id`` or model, 403, 413/429/503 when it cannot be queued.
     """
-    state: "ServerState" = request.app.state.gateway
-    call = await admit(state, request, "responses", "responses")
+    front: Front = request.app.state.front
+    store: ResponseStore = request.app.state.responses
+    call = await admit(front, request, "responses", "responses")
     req, items = parse_request(call.body)
     tenant = call.tenant.name
     history: list[dict] = []
     if req.previous_response_id is not None:
-        prev = state.responses.get(tenant, req.previous_response_id)
+        prev = store.get(tenant, req.previous_response_id)
         if prev is None:
             raise not_found(req.previous_response_id, "previous_response_id")
         history = prev.items
     conv = to_conversation(req, parse_items(history, "previous_response_id") + items)
     try:
-        run = await start_conversation(state, call, conv)
+        run = await start_conversation(call, conv)
     except APIError as e:
         e.param = PARAMS.get(e.param, e.param)  # the shared code names chat's parameters
         raise
-    base, out = base_response(state, req, object_id("resp")), OutputBuilder()
+    base, out = base_response(call, req, object_id("resp")), OutputBuilder()
     new_items = dump_items(items)
 
     def keep(response: dict) -> None:
         if req.store:
-            state.responses.put(tenant, response, history + new_items + response["output"])
+            store.put(tenant, response, history + new_items + response["output"])
 
     if req.stream:
 
@@ -236,7 +234,7 @@ async def create_response(request: Request) -> Response:
                     yield b"".join(map(_encode, evs + [out.event(kind, response=response)]))
 
         return SSEResponse(guarded(events(), lambda e: _encode(out.event(
-            "response.failed", response=failed_response(base, out, e)))), send_timeout=state.config.client_timeout)
+            "response.failed", response=failed_response(base, out, e)))), send_timeout=front.config.client_timeout)
 
     finished = await drain(run, request, out)
     if finished is None:
@@ -252,10 +250,10 @@ async def retrieve_response(request: Request) -> Response:
     Raises:
         APIError: 401; 404 for an id that is unknown, deleted, evicted or another tenant's.
     """
-    state: "ServerState" = request.app.state.gateway
-    tenant = authenticate(state.tenants, request)
+    front: Front = request.app.state.front
+    tenant = authenticate(front.tenants, request)
     rid = request.path_params["response_id"]
-    entry = state.responses.get(tenant.name, rid)
+    entry = request.app.state.responses.get(tenant.name, rid)
     if entry is None:
         raise not_found(rid)
     return JSONResponse(entry.response)
@@ -267,9 +265,9 @@ async def delete_response(request: Request) -> Response:
     Raises:
         APIError: 401; 404 for an id that is unknown, already deleted, evicted or another tenant's.
     """
-    state: "ServerState" = request.app.state.gateway
-    tenant = authenticate(state.tenants, request)
+    front: Front = request.app.state.front
+    tenant = authenticate(front.tenants, request)
     rid = request.path_params["response_id"]
-    if not state.responses.delete(tenant.name, rid):
+    if not request.app.state.responses.delete(tenant.name, rid):
         raise not_found(rid)
     return JSONResponse({"id": rid, "object": "response", "deleted": True})

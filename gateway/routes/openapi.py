@@ -359,9 +359,11 @@ def openapi_document(models: Optional[Sequence[str]] = None, max_tokens_limit: O
 
 async def openapi_json(request: Request) -> Response:
     """``GET /openapi.json``: :func:`openapi_document` with this server's model names and
-    ``max_tokens`` limit (from ``request.app.state.gateway`` when the app has one)."""
-    state = getattr(request.app.state, "gateway", None)
-    if state is None:
+    aliases and its largest ``max_tokens`` limit (from ``request.app.state.front`` when the
+    app has one)."""
+    front = getattr(request.app.state, "front", None)
+    if front is None:
         return JSONResponse(openapi_document())
-    names = [state.model_id, *state.config.served_model_names]
-    return JSONResponse(openapi_document(names, state.config.max_tokens_limit))
+    specs = [s.spec for s in front.models.slots]
+    return JSONResponse(openapi_document([n for spec in specs for n in spec.names],
+                                         max(spec.max_tokens_limit for spec in specs)))

@@ -7,7 +7,7 @@ A tenants file is TOML (read with ``tomllib``)::
 
     [tenants.browser]
     key_sha256 = ["5e8848..."]     # SHA-256 (hex) of each API key; keys themselves are never stored
-    models = ["*"]                 # model names this tenant may use ("*": any)
+    models = ["*"]                 # models this tenant may use: served names, aliases or globs ("*": any)
     requests_per_minute = 60
     prompt_tokens_per_minute = 200000
     completion_tokens_per_minute = 20000
@@ -24,6 +24,7 @@ new key and the line to paste.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import hmac
 import secrets
@@ -60,7 +61,8 @@ class Tenant:
     Attributes:
         name: the tenant's name (a metrics label: bounded, from configuration only).
         key_hashes: SHA-256 digests (32 bytes each) of its API keys.
-        models: model names it may use; None means any.
+        models: the model names it may use: served names, aliases or ``fnmatch`` globs
+            (``"coder-*"``); None means any.
         requests_per_minute, prompt_tokens_per_minute, completion_tokens_per_minute:
             token-bucket rates (bucket capacity = one minute's worth).
         max_concurrent: requests in flight at once.
@@ -74,7 +76,7 @@ class Tenant:
 
     name: str
     key_hashes: tuple[bytes, ...] = ()
-    models: Optional[frozenset[str]] = None
+    models: Optional[tuple[str, ...]] = None
     requests_per_minute: Optional[int] = None
     prompt_tokens_per_minute: Optional[int] = None
     completion_tokens_per_minute: Optional[int] = None
@@ -86,8 +88,10 @@ class Tenant:
     cache_bytes: Optional[int] = None
     admin: bool = False
 
-    def may_use(self, model: str) -> bool:
-        return self.models is None or model in self.models
+    def may_use(self, name: str) -> bool:
+        """Whether this tenant may use the model name ``name`` (a served name or an alias):
+        some entry of :attr:`models` is that name, or a glob matching it."""
+        return self.models is None or any(fnmatch.fnmatchcase(name, p) for p in self.models)
 
 
 @dataclass
@@ -213,7 +217,7 @@ def _tenant(name: str, spec, admin_hashes: tuple[bytes, ...]) -> Tenant:
     return Tenant(
         name=name,
         key_hashes=hashes,
-        models=None if "*" in models else frozenset(models),
+        models=None if "*" in models else tuple(models),
         requests_per_minute=_positive(spec, "requests_per_minute", where),
         prompt_tokens_per_minute=_positive(spec, "prompt_tokens_per_minute", where),
         completion_tokens_per_minute=_positive(spec, "completion_tokens_per_minute", where),

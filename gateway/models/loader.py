@@ -1,0 +1,235 @@
+"""Loading one served model: weights, tokenizer, probes, prefix cache and engine.
+
+:func:`load_model` runs on a loader thread, never on the engine loop's thread, so that
+loading one model stalls no other model's decoding: the weights are read and evaluated
+(and, on a Linux CPU, converted to float32) there, the batch-equivalence and logits
+probes run there, and only the hand-over (attaching the new engine to the loop, which
+opens its batch) happens on the loop's thread, between two steps. MLX 0.31.2 and later
+give each thread its own default stream, so evaluating on the loader thread does not
+touch the engine loop's stream.
+
+Two steps of a first load hold Python's GIL, and so pause every other thread, the
+engine loop's included, for as long as they run: parsing the tokenizer (the Rust
+``tokenizers`` library) and building the grammar engine's index of the vocabulary
+(llguidance's ``LLTokenizer``). Both grow with the vocabulary: about 0.3 s and 0.9 s for
+Llama 3's 128k tokens, 0.6 s and 2.4 s for Gemma 3's 262k, a few milliseconds for a
+small one (measured on a 2-core CPU). Both are kept (:data:`KEPT`) for the process's
+life, so a model unloaded and loaded again (LRU, ``keep_alive``) pays neither.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from prometheus_client import CollectorRegistry
+
+from cache import CacheBudget, PromptCacheManager
+from cache.checkpoints import encode_with_ends, render_text
+from gateway.config import ServeConfig
+from gateway.models.handle import ModelHandle
+from gateway.models.spec import ModelSpec
+from scheduler import Engine
+from scheduler.loop import EngineLoop
+
+log = logging.getLogger("mlx_gateway")
+
+KEPT = 8  # tokenizers (with their grammar index) kept for later loads of the same model files
+_kept: "OrderedDict[tuple, tuple[Any, Any]]" = OrderedDict()
+_kept_lock = threading.Lock()
+
+
+class DiskTierUnusable(RuntimeError):
+    """``--prompt-cache-dir`` passed the start-up check but its tier could not be opened
+    (e.g. another server holds it)."""
+
+
+def resolve_path(spec: ModelSpec) -> str:
+    """The local directory or hub id to load for ``spec``: ``demo`` (when no ``./demo``
+    directory exists) builds the tiny random-weight demo model; ``default`` fetches the
+    default model (SmolLM2-135M-Instruct) the first time, then takes it from the cache.
+
+    Raises:
+        RuntimeError: the default model cannot be prepared; the message names the commands
+            that prepare it by hand.
+    """
+    if spec.path == "demo" and not os.path.isdir("demo"):
+        from gateway.models.demo_model import build_model_dir, default_demo_dir
+
+        path = build_model_dir(default_demo_dir(), "qwen3")
+        log.warning("%s: serving the built-in demo model (tiny qwen3 with RANDOM weights, its output is random "
+                    "text) from %s", spec.name, path)
+        return str(path)
+    if spec.path == "default":
+        from gateway.models.default_model import DEFAULT_MODEL_ID, DefaultModelError, ensure_default_model
+
+        try:
+            path = ensure_default_model()
+        except DefaultModelError as e:
+            raise RuntimeError(str(e)) from e
+        log.info("%s: serving %s from %s", spec.name, DEFAULT_MODEL_ID, path)
+        return str(path)
+    return spec.path
+
+
+def context_length(model, tokenizer, default: int = 32768) -> int:
+    """The model's context in tokens: ``max_position_embeddings`` of its config,
+    else the tokenizer's ``model_max_length`` when sensible, else ``default``."""
+    args = getattr(model, "args", None)
+    for obj in (args, getattr(args, "text_config", None)):
+        if isinstance(obj, dict):
+            value = obj.get("max_position_embeddings")
+        else:
+            value = getattr(obj, "max_position_embeddings", None)
+        if isinstance(value, int) and value > 0:
+            return value
+    value = getattr(tokenizer, "model_max_length", None)
+    return value if isinstance(value, int) and 0 < value < 10_000_000 else default
+
+
+def logits_size(model) -> int:
+    """Entries in the model's logits (embedding rows, often more than the tokenizer has),
+    read from one forward pass of a single token."""
+    import mlx.core as mx
+
+    return int(model(mx.array([[0]])).shape[-1])
+
+
+def open_disk_tier(cfg: ServeConfig, path: str, tokenizer, registry, loaded_as: Optional[str] = None):
+    """The prefix cache's disk tier in ``cfg.prompt_cache_dir``, keyed by the identity of
+    the model at ``path`` (weights, config, tokenizer, chat template, and ``loaded_as``:
+    how its weights were changed after loading, if they were): models share the
+    directory, each in a subdirectory of its own.
+
+    Raises:
+        OSError: the directory cannot be created or used (another server holds it,
+            another user owns it, no permission).
+    """
+    from mlx_lm.utils import _download
+
+    from cache.disk import DiskTier
+    from cache.disk_format import model_identity
+    from cache.tiering import DiskLink
+
+    template = getattr(tokenizer, "chat_template", None)
+    identity = model_identity(_download(path), template if isinstance(template, str) else None, loaded_as)
+    tier = DiskTier(Path(cfg.prompt_cache_dir).expanduser(), cfg.prompt_cache_disk_bytes, identity, registry=registry)
+    log.info("prompt-cache disk tier: %s (%d entries, %d bytes, bound %d bytes)",
+             tier.dir, tier.num_entries, tier.nbytes, tier.max_bytes)
+    return DiskLink(tier)
+
+
+def warm_up(tokenizer, template_kwargs: dict) -> bool:
+    """Render and tokenize a one-message chat once, so that compiling the chat template
+    (jinja) and the tokenizer's first call happen at load rather than in the first
+    request (about 13 ms on the serving benchmark's model). False when the template
+    rejects that chat or the model has none; nothing is raised."""
+    if not getattr(tokenizer, "has_chat_template", False):
+        return False
+    try:
+        encode_with_ends(tokenizer, render_text(tokenizer, [{"role": "user", "content": "Hello."}], True,
+                                                dict(template_kwargs)))
+        return True
+    except Exception:
+        return False
+
+
+def _files_key(model_path: Path) -> tuple:
+    """What identifies a model directory's tokenizer: its path, and the names, sizes and
+    modification times of its files other than the weights."""
+    files = sorted(p for p in model_path.iterdir() if p.is_file() and p.suffix != ".safetensors")
+    return (str(model_path.resolve()), *((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+
+
+def tokenizer_and_grammars(model_path: Path, config: dict, n_vocab: int):
+    """The model's tokenizer (mlx-lm's ``TokenizerWrapper``) and its grammar compiler
+    (:class:`scheduler.grammar.Grammars`, its vocabulary index built), taken from an
+    earlier load of the same files when there was one (see the module docstring)."""
+    from mlx_lm.utils import load_tokenizer
+
+    from scheduler.grammar import Grammars, json_schema_grammar
+
+    key = (_files_key(model_path), n_vocab)
+    with _kept_lock:
+        if key in _kept:
+            _kept.move_to_end(key)
+            return _kept[key]
+    tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id", None))
+    grammars = Grammars(tokenizer._tokenizer, n_vocab, tokenizer.eos_token_ids)
+    grammars.check(json_schema_grammar({"type": "object"}))  # builds the vocabulary index now
+    with _kept_lock:
+        _kept[key] = (tokenizer, grammars)
+        while len(_kept) > KEPT:
+            _kept.popitem(last=False)
+    return tokenizer, grammars
+
+
+def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: CollectorRegistry,
+               reserve: Callable[[int], None], cache_budget: Optional[CacheBudget] = None,
+               configure: Optional[Callable[[Engine], None]] = None) -> ModelHandle:
+    """Load ``spec`` and hand its engine to ``loop`` (see the module docstring).
+
+    Args:
+        cfg: the server's settings (engine sizes, disk tier).
+        loop: the engine loop every model runs on.
+        registry: where this model's engine, prefix-cache and disk-tier metrics go.
+        reserve: called with the bytes the weights will take once served (known from
+            their shapes before they are read), before they are read; it may unload
+            other models to make room, or raise to refuse the load.
+        cache_budget: the byte bound shared by every model's prefix cache.
+        configure: called with the new engine before it starts (the tenants' cache
+            quotas and metric series).
+
+    Raises:
+        DiskTierUnusable: the disk tier cannot be opened.
+        Exception: whatever loading, ``reserve`` or the probes raised.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _download
+    from mlx_lm.utils import load_model as load_weights
+
+    from gateway.cpu.weights import float32_weights_for_cpu_backend, served_bytes
+    from scheduler.equivalence import batch_is_exact
+
+    path = resolve_path(spec)
+    model_path = Path(_download(path))
+    model, config = load_weights(model_path, lazy=True)  # shapes only: nothing read yet
+    reserve(served_bytes(model))
+    # Linux CPU: only float32 matmuls use BLAS (docs/deployment.md, "Weights in float32")
+    loaded_as = "float32" if float32_weights_for_cpu_backend(model) is None else None
+    mx.eval(model.parameters())
+    weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+    exact = batch_is_exact(model)
+    vocab = logits_size(model)
+    tokenizer, grammars = tokenizer_and_grammars(model_path, config, vocab)
+    if not exact:
+        log.warning("%s: padded batches of this model do not match single requests; prompts will only be "
+                    "batched when they need no padding", spec.name)
+    manager = PromptCacheManager(spec.prompt_cache_bytes, cfg.prompt_cache_size, registry=registry,
+                                 budget=cache_budget)
+    if cfg.prompt_cache_dir:
+        try:
+            manager.attach_disk(open_disk_tier(cfg, path, tokenizer, registry, loaded_as))
+        except OSError as e:
+            manager.close()
+            raise DiskTierUnusable(f"the prompt cache's disk tier cannot be used: {e}") from e
+    engine = Engine(model, tokenizer.eos_token_ids, manager, prompt_concurrency=cfg.prompt_concurrency,
+                    decode_concurrency=cfg.decode_concurrency, prefill_step_size=cfg.prefill_step_size,
+                    prefill_budget=cfg.prefill_budget, max_waiting=cfg.max_waiting, registry=registry,
+                    pad_free_prefill=not exact, loop=loop, name=spec.name)
+    if configure is not None:
+        configure(engine)
+    warm_up(tokenizer, spec.chat_template_args)
+    handle = ModelHandle(spec, tokenizer, engine, context_length(model, tokenizer), vocab, grammars, weights,
+                         str(path))
+    try:
+        engine.start()  # the hand-over: the loop opens its batch between two steps
+    except BaseException:
+        manager.close()
+        raise
+    return handle
