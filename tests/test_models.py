@@ -307,3 +307,20 @@ def test_the_default_model_is_served_as_before():
                                                  "max_tokens": 2})
         assert r.status_code == 200 and r.json()["model"] == "test-model"
         assert c.get("/health").json()["models"] == {"test-model": "loaded"}
+
+
+def test_an_unloaded_models_prefix_cache_goes_to_its_disk_tier_and_comes_back(tmp_path):
+    cfg = config(prompt_cache_dir=str(tmp_path / "pcache"))
+    prompt = " ".join(f"word{i % 13} line{i % 7}" for i in range(60))
+    body = {"model": "m", "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 0}
+    with serving(start_gateway(cfg, [spec("m", model_path("qwen3"))]), cfg.port) as s, s.client() as c:
+        first = c.post("/v1/completions", json=body).json()
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        r = c.post("/admin/models/m/unload")
+        assert r.status_code == 200 and r.json()["state"] == "unloaded", r.text
+        assert list((tmp_path / "pcache").rglob("*.safetensors")), "the unload should write the cache to disk"
+        again = c.post("/v1/completions", json=body).json()  # loads the model again
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 1
+        assert metric(s.registry, "mlx_gateway_prompt_cache_disk_reads_total", model="m", outcome="hit") == 1
+        assert again["choices"][0]["logprobs"]["tokens"] == first["choices"][0]["logprobs"]["tokens"]
+        assert metric(s.registry, "mlx_gateway_model_unloads_total", model="m", reason="admin") == 1
