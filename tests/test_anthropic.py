@@ -142,16 +142,16 @@ def test_stream_event_order(server):
 
 
 def test_an_engine_error_mid_stream_is_an_error_event(server, monkeypatch):
-    import gateway.conversation.run as run
+    import gateway.conversation.prepare as prepare
 
-    real = run.output_mask
+    real = prepare.output_mask
 
     def broken(*args):
         mask = real(*args)
         mask.matcher = BrokenMatcher(mask.matcher, fail_at=3)
         return mask
 
-    monkeypatch.setattr(run, "output_mask", broken)
+    monkeypatch.setattr(prepare, "output_mask", broken)
     body = {"model": "test-model", "max_tokens": 30, "messages": ASK,
             "output_config": {"format": {"type": "json_schema", "schema": PERSON}}}
     events = events_of(server, body)

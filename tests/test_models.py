@@ -9,10 +9,8 @@ own tokenizer, llama with the Llama 3 tokenizer) loaded through ``mlx_lm.load``.
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import time
-from dataclasses import replace
 
 import httpx
 import pytest

@@ -23,111 +23,23 @@ import anyio
 
 from gateway.conversation.calls import Call
 from gateway.conversation.form import (
-    ChatEvent, ChatResult, Comment, Conversation, Finished, Piece, Sampling, Usage,
+    ChatEvent, ChatResult, Comment, Conversation, Finished, Piece, Usage,
 )
 from gateway.conversation.generation import Generation, KeepAlive
 from gateway.conversation.next_turn import schedule_next_turn
-from gateway.conversation.prompts import Prompt, render_chat
-from gateway.conversation.structured import output_mask
+from gateway.conversation.prepare import fit_context, prepare_chat, sampling_params, text_assembler
+from gateway.conversation.prompts import Prompt
 from gateway.conversation.textout import TextAssembler
 from gateway.conversation.tool_stream import ToolCallStream
-from gateway.conversation.tools import ToolPlan, plan_tools
+from gateway.conversation.tools import ToolPlan
 from gateway.http.errors import APIError
 from gateway.http.sse import wait_for_disconnect
 from gateway.models.handle import ModelHandle
-from gateway.tenancy.tenants import Tenant
 from scheduler import SamplingParams
 from scheduler.grammar import TokenMask
 from scheduler.request import DoneEvent, ErrorEvent, ProgressEvent, PromptEvent, TokenEvent
 
 LOADING_TICK = 1.0  # seconds between the ": loading model" comments of a stream that waits for its model
-
-
-def sampling_params(model: ModelHandle, tenant: Tenant, s: Sampling) -> SamplingParams:
-    """The engine's settings for ``s``, with the model's defaults filled in.
-
-    Raises:
-        APIError: 400 for ``max_tokens`` over the tenant's or the model's limit or a
-            ``logit_bias`` token outside the vocabulary.
-    """
-    spec = model.spec
-    limit = min(spec.max_tokens_limit, tenant.max_tokens or spec.max_tokens_limit)
-    wanted = s.max_tokens if s.max_tokens is not None else min(spec.max_tokens, limit)
-    if wanted > limit:
-        raise APIError(400, f"max_tokens {wanted} is over this key's limit of {limit}", param="max_tokens")
-    top_k = s.top_k if s.top_k is not None else spec.top_k
-    if top_k >= model.vocab_size:
-        top_k = 0  # keeping every token is no filter (and mlx-lm refuses k >= vocabulary)
-    bias = s.logit_bias or {}
-    for k in bias:
-        if int(k) >= model.vocab_size:
-            raise APIError(400, f"logit_bias token id {k} is outside the vocabulary (size {model.vocab_size})",
-                           param="logit_bias")
-    return SamplingParams(
-        max_tokens=wanted,
-        temperature=s.temperature if s.temperature is not None else spec.temp,
-        top_p=s.top_p if s.top_p is not None else spec.top_p,
-        top_k=max(0, top_k),
-        min_p=s.min_p if s.min_p is not None else spec.min_p,
-        seed=s.seed,
-        logprobs=s.logprobs,
-        top_logprobs=s.top_logprobs if s.logprobs else 0,
-        presence_penalty=s.presence_penalty or 0.0,
-        frequency_penalty=s.frequency_penalty or 0.0,
-        repetition_penalty=s.repetition_penalty or 0.0,
-        logit_bias=tuple((int(k), v) for k, v in bias.items()),
-    )
-
-
-def fit_context(model: ModelHandle, prompt: Prompt, params: SamplingParams) -> SamplingParams:
-    """``params`` with ``max_tokens`` cut to the room the context leaves.
-
-    Raises:
-        APIError: 400 for a prompt over the model's ``max_prompt_tokens`` or its context.
-    """
-    n = len(prompt.tokens)
-    cap = model.spec.max_prompt_tokens
-    if cap is not None and n > cap:
-        raise APIError(400, f"the prompt has {n} tokens; this server's limit is {cap} tokens",
-                       param="messages", code="context_length_exceeded")
-    if n >= model.context_length:
-        raise APIError(400, f"the prompt has {n} tokens; this model's context is {model.context_length} tokens",
-                       param="messages", code="context_length_exceeded")
-    room = model.context_length - n
-    if params.max_tokens > room:
-        params = SamplingParams(**{**params.__dict__, "max_tokens": room})
-    return params
-
-
-def prepare_chat(model: ModelHandle, conv: Conversation, marks: Optional[dict] = None
-                 ) -> tuple[Prompt, Optional[ToolPlan], Optional[TokenMask]]:
-    """Tools, prompt and output grammar of a conversation. Runs in a worker thread:
-    template, tokenizer and grammar compilation are CPU work that must not stall the
-    event loop, and none of it touches MLX.
-
-    Raises:
-        APIError: 400 for bad tools, schemas or a conversation the template rejects.
-    """
-    if marks is not None:
-        marks["render_in"] = time.monotonic()
-    plan = plan_tools(conv, model.tokenizer)
-    mask = output_mask(model.grammars, conv, plan)
-    spec = model.spec
-    prompt = render_chat(model.tokenizer, conv, spec.chat_template_args, spec.checkpoint_every, plan,
-                         trimmable=model.trimmable)
-    if marks is not None:
-        marks["render_out"] = time.monotonic()
-    return prompt, plan, mask
-
-
-def text_assembler(model: ModelHandle, stop: list[str], opens_reasoning: bool, reasoning: bool = True
-                   ) -> TextAssembler:
-    """A :class:`TextAssembler` for the model's tokenizer (reasoning split when the
-    model thinks and ``reasoning`` is true)."""
-    tok = model.tokenizer
-    think = (tok.think_start, tok.think_end) if reasoning and getattr(tok, "has_thinking", False) else None
-    return TextAssembler(tok, stop=list(stop), think=think, in_reasoning=opens_reasoning and think is not None,
-                         skip_ids=frozenset(tok.eos_token_ids))
 
 
 async def begin(call: Call, model_name: Optional[str], stream: bool,

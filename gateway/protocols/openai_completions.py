@@ -14,7 +14,8 @@ from gateway.conversation.form import Comment, Piece, Sampling
 from gateway.conversation.generation import new_id
 from gateway.conversation.prompts import render_completion
 from gateway.conversation.calls import Front, admit
-from gateway.conversation.run import Run, begin, sampling_params, text_assembler
+from gateway.conversation.prepare import sampling_params, text_assembler
+from gateway.conversation.run import Run, begin
 from gateway.http.sse import comment, sse
 from gateway.protocols.openai_format import (
     LogprobFormatter, finish_reason, stream_response, text_completion, usage, usage_chunk,

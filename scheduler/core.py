@@ -1,0 +1,293 @@
+"""What one model's engine does on the engine loop's thread: admission, stepping, the
+idle books. :class:`EngineCore` is the side the loop sees (:class:`scheduler.loop.Engine`);
+:class:`scheduler.engine.Engine` adds what other threads call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Optional
+
+from mlx_lm.models.cache import make_prompt_cache
+from prometheus_client import CollectorRegistry
+
+from cache import PromptCacheManager
+from cache.restore import always_trimmable
+from scheduler.arrivals import Arrivals
+from scheduler.batch import Batch
+from scheduler.chunking import ChunkPlanner
+from scheduler.loop import EngineLoop
+from scheduler.metrics import SchedulerMetrics
+from scheduler.policy import Admission, InFlight, WaitingQueue
+from scheduler.precompute import PrecomputeBook, PrecomputeMetrics
+from scheduler.request import DoneEvent, EngineRequest, ErrorEvent, Event, ProgressEvent, PromptEvent, SamplingParams
+from scheduler.rows import RECENT, AdmissionRecord, EngineStats, WaitingCounts
+
+log = logging.getLogger("mlx_gateway.engine")
+
+# Seconds a graceful stop waits for the prompt cache's snapshots to reach the disk tier.
+PERSIST_SECONDS = 60.0
+
+
+class EngineCore:
+    """One model's waiting queue, batch and prefix cache, as the engine loop drives them
+    (every method here runs on the loop's thread). See :class:`scheduler.engine.Engine`
+    for the arguments."""
+
+    def __init__(self, model, eos_token_ids: set[int], prompt_cache: PromptCacheManager, loop: EngineLoop, *,
+                 prompt_concurrency: int, decode_concurrency: int, prefill_step_size: int, prefill_budget: float,
+                 max_waiting: int, registry: Optional[CollectorRegistry], pad_free_prefill: bool, name: str):
+        self.model = model
+        self.name = name
+        self.eos_token_ids = set(eos_token_ids)
+        self.prompt_cache = prompt_cache
+        self.prompt_concurrency = max(1, prompt_concurrency)
+        self.decode_concurrency = max(self.prompt_concurrency, decode_concurrency)
+        self.prefill_step_size = prefill_step_size
+        self._loop = loop
+        self.chunks = ChunkPlanner(prefill_step_size, prefill_budget, loop.decode_share)
+        self.max_waiting = max_waiting
+        self.pad_free_prefill = pad_free_prefill
+        self.trimmable = always_trimmable(make_prompt_cache(model))
+        registry = registry or CollectorRegistry()
+        self.metrics = SchedulerMetrics(registry)
+        self.precomputes = PrecomputeBook(PrecomputeMetrics(registry))
+        self.stats = EngineStats()
+        # Recent admissions in order, for tests, benchmarks and debugging; bounded.
+        self.admission_log: deque[AdmissionRecord] = deque(maxlen=RECENT)
+        self._waiting = WaitingQueue(loop.fair)
+        self._batch = Batch(
+            model, self.eos_token_ids, prompt_concurrency=self.prompt_concurrency,
+            decode_concurrency=self.decode_concurrency, prefill_step_size=prefill_step_size,
+            trimmable=self.trimmable, prompt_cache=prompt_cache, chunks=self.chunks, metrics=self.metrics,
+            stats=self.stats, precomputes=self.precomputes, fair=loop.fair, send=self._send,
+        )
+        self._closed = False  # set on the loop thread when the engine leaves it
+        self._idle = threading.Condition()
+        self._is_idle = True  # updated between steps only, so readers see a consistent state
+        self.error: Optional[BaseException] = None
+        self._waiting_counts = WaitingCounts()  # submitted, not yet admitted or cancelled
+        self._reserved = 0  # next-turn precomputes being rendered (Engine.reserve_precompute)
+        # Requests the gateway is rendering and tokenizing; each one ending wakes the loop.
+        self.arrivals = Arrivals(lambda: self._loop.post(("arrived", None)))
+
+    # ----------------------------------------------------------------- on the loop thread
+    @property
+    def has_waiting(self) -> bool:
+        return bool(len(self._waiting))
+
+    @property
+    def has_rows(self) -> bool:
+        return bool(self._batch.active)
+
+    @property
+    def busy(self) -> bool:
+        """Rows in the batch or requests waiting."""
+        return self.has_rows or self.has_waiting
+
+    @property
+    def serving(self) -> bool:
+        """Some row is a request (not a next-turn precompute)."""
+        return self._batch.serving()
+
+    @property
+    def num_prefilling(self) -> int:
+        return self._batch.num_prefilling()
+
+    @property
+    def num_decoding(self) -> int:
+        return len(self._batch.active) - self._batch.num_prefilling()
+
+    def precompute_due(self) -> Optional[float]:
+        """Seconds until a pending next-turn precompute may start; None if none."""
+        return self.precomputes.seconds_until_due()
+
+    def open_on_loop(self) -> None:
+        """Make the batch generator (loop thread)."""
+        self._batch.open()
+
+    def close_on_loop(self, reason: str, persist: bool) -> None:
+        """Leave the loop (loop thread): every waiting and running request ends with a 503
+        ``reason``; with ``persist`` the prompt cache is written to its disk tier."""
+        if self._closed:
+            return
+        self._closed = True
+        self._batch.drop_all(reason)
+        for r in self._waiting.drain():
+            self._send(r, [ErrorEvent(503, reason)])
+        self._batch.close()
+        self.precomputes.clear()
+        if persist:
+            self._persist_cache()
+        self._waiting_counts.clear()
+        with self._idle:
+            self._reserved = 0
+        self._notify_idle()
+
+    def handle(self, kind: str, payload) -> None:
+        """An inbox item for this engine (loop thread)."""
+        if kind == "submit":
+            self._waiting.add(payload)
+        elif kind == "precompute":
+            self._end_reservation()
+            if payload is not None:
+                self.precomputes.add(payload)
+        elif kind == "cancel":
+            self._cancel(*payload)
+
+    def refuse(self, kind: str, payload, reason: str) -> None:
+        """An inbox item that arrived after the engine left its loop (any thread)."""
+        if kind == "submit":
+            self._waiting_counts.remove(payload)
+            self._send(payload, [ErrorEvent(503, reason)])
+        elif kind == "precompute":
+            self._end_reservation()
+
+    def admit(self, preempt: bool, quiet: bool) -> None:
+        """Admit waiting requests into free batch slots (loop thread).
+
+        Args:
+            preempt: a request waits in some engine of the loop: drop running precomputes.
+            quiet: no engine of the loop has a request waiting, running or being
+                prepared: a due next-turn precompute may start.
+        """
+        if preempt:
+            self._batch.preempt_precomputes()
+        prefilling = self._batch.num_prefilling()
+        free = min(
+            self.prompt_concurrency - prefilling,
+            self.decode_concurrency - len(self._batch.active),
+        )
+        if free <= 0:
+            return
+        if not len(self._waiting):
+            if quiet and not self._batch.active and self.precomputes.seconds_until_due() == 0:
+                self._start_precompute()
+            return
+        if self.pad_free_prefill and prefilling:
+            return
+        picks = self._waiting.pick(
+            1 if self.pad_free_prefill else free,
+            lambda r: self.prompt_cache.match_length(r.namespace, r.tokens),
+            self._in_flight(),
+            self.prompt_cache.version,
+        )
+        for admission in picks:
+            self._waiting_counts.remove(admission.request)
+            self._insert(admission)
+
+    def step(self, decode_only: bool = False, decoding_elsewhere: int = 0) -> None:
+        """One step of the batch (loop thread): see :meth:`Batch.step`."""
+        self._batch.step(decode_only=decode_only, decoding_elsewhere=decoding_elsewhere)
+
+    def end_turn(self, hold: bool) -> None:
+        """After a loop turn: hold precomputes back while some engine serves (``hold``),
+        and publish the gauges and the idle state."""
+        if hold:
+            self.precomputes.hold()
+        self._notify_idle()
+
+    # ----------------------------------------------------------------- internals
+    def _end_reservation(self) -> None:
+        with self._idle:
+            self._reserved = max(0, self._reserved - 1)
+        self._notify_idle_state()
+
+    def _persist_cache(self) -> None:
+        """Hand the prompt cache's snapshots to its disk tier (if any) and wait for the
+        writes (at most ``PERSIST_SECONDS``)."""
+        try:
+            n = self.prompt_cache.persist(timeout=PERSIST_SECONDS)
+            if n:
+                log.info("wrote %d prompt-cache snapshots to disk (model %s)", n, self.name)
+        except Exception:
+            log.exception("writing the prompt cache of %s to disk failed", self.name)
+
+    def _notify_idle(self) -> None:
+        # After every loop turn, so that a cancelled or failed prefill leaves the gauge too.
+        self.metrics.prefill_remaining.set(sum(
+            len(a.request.tokens) - a.cached - a.processed for a in self._batch.active.values() if not a.decoding
+        ))
+        self.metrics.running.set(len(self._batch.active))
+        self.metrics.waiting.set(self._waiting_counts.total)
+        self._batch.update_rates(idle=not self._batch.active)
+        self._notify_idle_state()
+
+    def _notify_idle_state(self) -> None:
+        with self._idle:
+            running = not self._closed and self.error is None
+            self._is_idle = not (self._batch.active or len(self._waiting) or self._waiting_counts.total
+                                 or (running and (len(self.precomputes) or self._reserved)))
+            self._idle.notify_all()
+
+    def _send(self, request: EngineRequest, events: list[Event]) -> None:
+        try:
+            request.sink(events)
+        except Exception:  # a broken sink fails only its own request
+            log.exception("sink of request %s raised", request.id)
+
+    # ----------------------------------------------------------------- admission
+    def _in_flight(self) -> list[InFlight]:
+        return [
+            InFlight(a.request, a.pending_snapshots) for a in self._batch.active.values() if not a.decoding
+        ]
+
+    def _insert(self, admission: Admission) -> None:
+        r = admission.request
+        a = self._batch.start_row(r, admission.extra_checkpoints)
+        if a is None:
+            self.stats.failed += 1
+            return
+        cached = a.cached
+        self.stats.admitted += 1
+        self.stats.cached_tokens += cached
+        self.admission_log.append(AdmissionRecord(r.id, r.tenant, len(r.tokens), cached))
+        self.metrics.work.labels(r.tenant).inc(len(r.tokens) - cached)
+        if admission.waited_for_prefix and cached:
+            self.stats.grouping_saved_tokens += cached
+            self.metrics.grouping_saved_tokens.inc(cached)
+        self.metrics.queue_time.labels(r.tenant).observe(time.monotonic() - r.arrival)
+        if cached:
+            self.precomputes.on_hit(r.namespace, r.tokens, cached)
+        self._send(r, [PromptEvent(cached, a.cache_source), ProgressEvent(cached, len(r.tokens))])
+
+    # ----------------------------------------------------------------- precompute
+    def _start_precompute(self) -> None:
+        """Prefill the newest pending next-turn precompute (the engine has nothing else to
+        do). It is snapshotted at its full length right after prefill, then
+        leaves the batch without generating (:meth:`Batch._finish_precompute
+        <scheduler.batch.Batch._finish_precompute>`)."""
+        p = self.precomputes.pop()
+        n = len(p.tokens)
+        if n < 2 or self.prompt_cache.match_length(p.namespace, p.tokens) >= n - 1:
+            self.precomputes.outcome("cached")
+            return
+        r = EngineRequest(p.id, p.tokens, SamplingParams(max_tokens=1), sink=lambda events: None,
+                          checkpoints=[n], namespace=p.namespace, tenant=p.tenant)
+        a = self._batch.start_row(r, background=True)  # snapshots at n, the one it exists for
+        if a is None:
+            self.precomputes.outcome("failed")
+            return
+        a.precompute = p
+
+    def _cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        r = self._waiting.remove(request_id)
+        if r is not None:
+            self._waiting_counts.remove(r)
+            self._send(r, [DoneEvent(reason)])
+            self._count_early_end(reason)
+            return
+        if self._batch.cancel(request_id, reason):
+            self._count_early_end(reason)
+
+    def _count_early_end(self, reason: str) -> None:
+        if reason == "cancelled":
+            self.stats.cancelled += 1
+            self.metrics.cancelled.inc()
+        else:
+            self.stats.finished += 1
+
+
