@@ -20,10 +20,12 @@ import traceback
 from typing import Callable, Optional
 
 import mlx.core as mx
+from mlx.utils import tree_map
 from mlx_lm.generate import StopSequences
 
 from cache import PromptCacheManager
 from cache.checkpoints import row_snapshots
+from cache.entries import compact
 from scheduler.chunking import ChunkPlanner
 from scheduler.fairness import FairShare
 from scheduler.generator import JoiningBatchGenerator
@@ -179,10 +181,62 @@ class Batch:
             log.exception("request %s could not be admitted", r.id)
             self._send(r, [ErrorEvent(500, f"could not start the request: {e}")])
             return None
-        active = Row(r, uid, lease, cached, snapshots, fault=fault, cache_source=hit.source)
+        active = Row(r, uid, lease, cached, snapshots, fault=fault, cache_source=hit.source, marks=marks)
         self.active[uid] = active
         self.by_id[r.id] = active
         return active
+
+    def pause(self, a: Row) -> bool:
+        """Take the prefilling row ``a`` out of the generator between two steps, its cache
+        kept (a compact copy of what it has prefilled; its lease stays), to be put back by
+        :meth:`resume` and go on from there. False (``a`` left as it was) if it could not
+        be taken out."""
+        try:
+            extracted = self.gen.extract_cache([a.uid]).get(a.uid)
+            if extracted is None:
+                return False
+            cache, tokens = extracted
+            for layer in cache:
+                layer.state = tree_map(compact, layer.state)
+            mx.eval([layer.state for layer in cache])
+            self.gen.remove([a.uid])
+        except Exception:
+            log.exception("pausing request %s failed; it goes on", a.request.id)
+            return False
+        self.active.pop(a.uid, None)
+        self.by_id.pop(a.request.id, None)
+        a.paused = (cache, list(tokens))
+        return True
+
+    def resume(self, a: Row) -> bool:
+        """Put the paused row ``a`` back into the generator: its prefill goes on from where
+        it stopped, over its kept cache. False (``a`` failed with a 500) if that raised."""
+        cache, tokens = a.paused
+        r, done = a.request, len(tokens)
+        cuts = [done, *[m for m in a.marks if m > done], len(r.tokens)]
+        try:
+            processors = make_processors(r.params) + ([r.mask] if r.mask is not None else [])
+            (uid,) = self.gen.insert_segments(
+                [[r.tokens[x:y] for x, y in zip(cuts, cuts[1:])]],
+                max_tokens=[r.params.max_tokens],
+                caches=[cache],
+                all_tokens=[tokens],
+                samplers=[a.fault.sampler(make_sampler(r.params))],
+                logits_processors=[a.fault.processors(processors)],
+                stop_sequences=[StopSequences([[t] for t in sorted(self.eos_token_ids)])],
+            )
+        except Exception as e:
+            log.exception("resuming request %s failed", r.id)
+            a.paused = None
+            self._count_failure(a)
+            self.prompt_cache.release(a.lease)
+            a.lease = None
+            self._send(r, [ErrorEvent(500, f"could not resume the request: {e}")])
+            return False
+        a.uid, a.paused, a.progress_base = uid, None, done - a.cached
+        self.active[uid] = a
+        self.by_id[r.id] = a
+        return True
 
     def _finish_precompute(self, a: Row) -> None:
         """``a``'s prefix is stored (or could not be): take it out of the batch."""
@@ -239,7 +293,7 @@ class Batch:
         self.by_id.clear()
 
     # ----------------------------------------------------------------- stepping
-    def step(self, decode_only: bool = False, decoding_elsewhere: int = 0) -> None:
+    def step(self, decode_only: bool = False, decoding_elsewhere: int = 0, cap: Optional[float] = None) -> None:
         """Run one step of the generator (a prefill chunk and/or one decoded token per
         row) and account for it: progress, snapshots, tokens, finished and failed rows.
 
@@ -248,6 +302,7 @@ class Batch:
                 loop's prefill chunk this turn).
             decoding_elsewhere: rows decoding in the other engines of the loop: the chunk
                 is sized for them too (the gap bound holds across models).
+            cap: seconds the step may take at most (:meth:`ChunkPlanner.next_chunk`).
         """
         prefilling = self.num_prefilling()
         decoding = len(self.active) - prefilling
@@ -257,7 +312,7 @@ class Batch:
               and all(a.precompute is not None for a in self.active.values())):
             chunk = self.chunks.idle_chunk(prefilling)  # preemptible: a request waits at most one chunk
         else:
-            chunk = self.chunks.next_chunk(prefilling, decoding + decoding_elsewhere)
+            chunk = self.chunks.next_chunk(prefilling, decoding + decoding_elsewhere, cap)
         self.gen.prefill_step_size = chunk
         tic = time.perf_counter()
         try:
@@ -367,7 +422,7 @@ class Batch:
 
     def _on_prompt_progress(self, a: Row, pr) -> int:
         """Account ``a``'s prefill progress; returns the prompt tokens prefilled this step."""
-        done = pr.progress[0] if isinstance(pr.progress, tuple) else 0
+        done = a.progress_base + (pr.progress[0] if isinstance(pr.progress, tuple) else 0)
         delta = max(0, done - a.processed)
         if done > a.processed:
             self.stats.prefill_tokens += done - a.processed

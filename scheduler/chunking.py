@@ -83,24 +83,29 @@ class ChunkPlanner:
         self.budget = max(0.0, budget)
         self.share = share or DecodeShare()
         self._per_token = 0.0  # seconds per prompt token of the last timed chunk
+        self.decode_step = 0.0  # seconds of a step that only decodes (moving average)
         self.decode_only_steps = 0  # steps that advanced only the decoding batch
         self.budgeted_steps = 0  # prefill steps whose chunk the budget cut below step_size
 
-    def next_chunk(self, prefilling: int, decoding: int) -> int:
+    def next_chunk(self, prefilling: int, decoding: int, cap: Optional[float] = None) -> int:
         """Tokens per prompt for the next step; 0 for a decode-only step.
 
         Args:
             prefilling: requests admitted and still in prefill.
             decoding: requests decoding.
+            cap: seconds the step may take at most, whatever decodes (the prompts are of a
+                lower latency class than requests that may arrive: each new one waits for
+                the step in progress); None: no cap.
         """
+        capped = self.step_size if cap is None else self._sized(prefilling, cap)
         if not prefilling or not decoding or not self.budget:
             self.share.clear()
-            return self.step_size
+            return capped
         if self.share.owed():
             return 0
         # A prompt waiting for its first token is a user waiting too: when more prompts
         # prefill than streams decode, the step may take proportionally longer.
-        return self._sized(prefilling, self.budget * max(1.0, prefilling / decoding))
+        return min(capped, self._sized(prefilling, self.budget * max(1.0, prefilling / decoding)))
 
     def idle_chunk(self, prefilling: int) -> int:
         """Tokens per prompt for a step that prefills only preemptible work (next-turn
@@ -126,6 +131,8 @@ class ChunkPlanner:
         """Account a finished step that took ``seconds``: planned with ``chunk`` tokens
         per prompt, it prefilled ``prefilled`` prompt tokens in all while ``decoding``
         sequences decoded."""
+        if not prefilled and decoding:
+            self.decode_step = seconds if not self.decode_step else 0.8 * self.decode_step + 0.2 * seconds
         if chunk == 0:
             self.decode_only_steps += 1
             self.share.pay(seconds)

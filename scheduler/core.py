@@ -21,7 +21,7 @@ from scheduler.batch import Batch
 from scheduler.chunking import ChunkPlanner
 from scheduler.loop import EngineLoop
 from scheduler.metrics import SchedulerMetrics
-from scheduler.policy import Admission, InFlight, WaitingQueue
+from scheduler.policy import Admission, ClassShare, InFlight, WaitingQueue
 from scheduler.precompute import PrecomputeBook, PrecomputeMetrics
 from scheduler.request import DoneEvent, EngineRequest, ErrorEvent, Event, ProgressEvent, PromptEvent, SamplingParams
 from scheduler.rows import RECENT, AdmissionRecord, EngineStats, WaitingCounts
@@ -59,6 +59,8 @@ class EngineCore:
         # Recent admissions in order, for tests, benchmarks and debugging; bounded.
         self.admission_log: deque[AdmissionRecord] = deque(maxlen=RECENT)
         self._waiting = WaitingQueue(loop.fair)
+        self._share = ClassShare(loop.batch_share)
+        self._paused: list = []  # rows whose prefill waits for a better class (scheduler.rows.Row)
         self._batch = Batch(
             model, self.eos_token_ids, prompt_concurrency=self.prompt_concurrency,
             decode_concurrency=self.decode_concurrency, prefill_step_size=prefill_step_size,
@@ -85,8 +87,8 @@ class EngineCore:
 
     @property
     def busy(self) -> bool:
-        """Rows in the batch or requests waiting."""
-        return self.has_rows or self.has_waiting
+        """Rows in the batch, paused or requests waiting."""
+        return self.has_rows or self.has_waiting or bool(self._paused)
 
     @property
     def serving(self) -> bool:
@@ -96,6 +98,13 @@ class EngineCore:
     @property
     def num_prefilling(self) -> int:
         return self._batch.num_prefilling()
+
+    @property
+    def prefill_class(self) -> int:
+        """The best latency class among the rows prefilling (a next-turn precompute ranks
+        below every class); 3 when none prefills."""
+        return min((3 if a.precompute is not None else a.request.priority
+                    for a in self._batch.active.values() if not a.decoding), default=3)
 
     @property
     def num_decoding(self) -> int:
@@ -116,6 +125,10 @@ class EngineCore:
             return
         self._closed = True
         self._batch.drop_all(reason)
+        for a in self._paused:
+            self._send(a.request, [ErrorEvent(503, reason)])
+            self.prompt_cache.release(a.lease)
+        self._paused.clear()
         for r in self._waiting.drain():
             self._send(r, [ErrorEvent(503, reason)])
         self._batch.close()
@@ -156,6 +169,7 @@ class EngineCore:
         """
         if preempt:
             self._batch.preempt_precomputes()
+        allowed = self._classes_allowed()
         prefilling = self._batch.num_prefilling()
         free = min(
             self.prompt_concurrency - prefilling,
@@ -174,14 +188,48 @@ class EngineCore:
             lambda r: self.prompt_cache.match_length(r.namespace, r.tokens),
             self._in_flight(),
             self.prompt_cache.version,
+            allowed,
         )
         for admission in picks:
             self._waiting_counts.remove(admission.request)
             self._insert(admission)
 
+    def _classes_allowed(self) -> Optional[set[int]]:
+        """Latency classes: pause the prefill of rows below the best class waiting,
+        prefilling or paused (their cache kept), and resume paused rows the allowed
+        classes include, while prompt slots are free; the classes that may be admitted
+        now (None: every class, when only one is present)."""
+        present = self._waiting.classes() | {a.request.priority for a in self._paused} | {
+            a.request.priority for a in self._batch.active.values() if not a.decoding and a.precompute is None}
+        if len(present) <= 1 and not self._paused:
+            return None
+        allowed = self._share.allowed(present)
+        for a in [a for a in self._batch.active.values()
+                  if not a.decoding and a.precompute is None and a.request.priority not in allowed]:
+            if self._batch.pause(a):
+                self._paused.append(a)
+                self.metrics.pauses.labels(str(a.request.priority)).inc()
+        self._paused.sort(key=lambda a: (a.request.priority, a.request.arrival))
+        for a in [a for a in self._paused if a.request.priority in allowed]:
+            if (self._batch.num_prefilling() >= self.prompt_concurrency
+                    or len(self._batch.active) >= self.decode_concurrency):
+                break
+            self._paused.remove(a)
+            if self._batch.resume(a):
+                self.metrics.resumes.labels(str(a.request.priority)).inc()
+        return allowed
+
     def step(self, decode_only: bool = False, decoding_elsewhere: int = 0) -> None:
-        """One step of the batch (loop thread): see :meth:`Batch.step`."""
-        self._batch.step(decode_only=decode_only, decoding_elsewhere=decoding_elsewhere)
+        """One step of the batch (loop thread): see :meth:`Batch.step`. While interactive
+        requests are about (:attr:`EngineLoop.interactive_recent`), a step that prefills
+        a lower class is cut to the loop's interactive budget (or two decode steps,
+        when longer), so that the next interactive request waits at most about that long."""
+        cap = None
+        lower = any(a.request.priority > 0 or a.precompute is not None
+                    for a in self._batch.active.values() if not a.decoding)
+        if lower and self._loop.interactive_recent():
+            cap = max(self._loop.interactive_budget, 2 * self.chunks.decode_step)
+        self._batch.step(decode_only=decode_only, decoding_elsewhere=decoding_elsewhere, cap=cap)
 
     def end_turn(self, hold: bool) -> None:
         """After a loop turn: hold precomputes back while some engine serves (``hold``),
@@ -213,13 +261,18 @@ class EngineCore:
         ))
         self.metrics.running.set(len(self._batch.active))
         self.metrics.waiting.set(self._waiting_counts.total)
+        queued = self._waiting.count_by_class()
+        for a in self._paused:
+            queued[a.request.priority] = queued.get(a.request.priority, 0) + 1
+        for c in range(3):
+            self.metrics.queued_by_class.labels(str(c)).set(queued.get(c, 0))
         self._batch.update_rates(idle=not self._batch.active)
         self._notify_idle_state()
 
     def _notify_idle_state(self) -> None:
         with self._idle:
             running = not self._closed and self.error is None
-            self._is_idle = not (self._batch.active or len(self._waiting) or self._waiting_counts.total
+            self._is_idle = not (self._batch.active or self._paused or len(self._waiting) or self._waiting_counts.total
                                  or (running and (len(self.precomputes) or self._reserved)))
             self._idle.notify_all()
 
@@ -242,6 +295,8 @@ class EngineCore:
             self.stats.failed += 1
             return
         cached = a.cached
+        if r.priority == 0:
+            self._loop.saw_interactive()
         self.stats.admitted += 1
         self.stats.cached_tokens += cached
         self.admission_log.append(AdmissionRecord(r.id, r.tenant, len(r.tokens), cached))
@@ -274,6 +329,13 @@ class EngineCore:
         a.precompute = p
 
     def _cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        paused = next((a for a in self._paused if a.request.id == request_id), None)
+        if paused is not None:
+            self._paused.remove(paused)
+            self.prompt_cache.release(paused.lease)
+            self._send(paused.request, [DoneEvent(reason)])
+            self._count_early_end(reason)
+            return
         r = self._waiting.remove(request_id)
         if r is not None:
             self._waiting_counts.remove(r)

@@ -7,10 +7,11 @@ own waiting queue, batch and prefix cache; the loop decides whose step runs when
 
 * every turn, every engine with decoding rows decodes one token, so no model's streams
   wait for another model's work longer than one turn;
-* at most one engine runs a prefill chunk per turn, taken in turn among the engines
-  with prompts to prefill (round robin), and its chunk is sized with the decoding rows
-  of *every* model counted (:mod:`scheduler.chunking`): the chunked-prefill gap bound
-  holds across models;
+* at most one engine runs a prefill chunk per turn: one whose prefilling rows are of the
+  best latency class among them (interactive, standard, batch; the others keep a small
+  guaranteed share of turns), taken in turn among equals (round robin); its chunk is
+  sized with the decoding rows of *every* model counted (:mod:`scheduler.chunking`): the
+  chunked-prefill gap bound holds across models;
 * next-turn precomputes run only when no engine has a request waiting or running, and
   any request arriving for any model preempts them;
 * the tenants' fair share (VTC, :mod:`scheduler.fairness`) is one set of counters for
@@ -27,6 +28,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import traceback
 from typing import Any, Callable, Optional, Protocol
 
@@ -34,9 +36,13 @@ from scheduler.arrivals import Arrivals, gather
 from scheduler.chunking import DecodeShare
 from scheduler.fairness import FairShare
 from scheduler.metrics import SchedulerMetrics
+from scheduler.policy import ClassShare
 from scheduler.rows import EngineDead
 
 log = logging.getLogger("mlx_gateway.engine")
+
+# Seconds after an interactive request during which lower classes prefill in short steps.
+INTERACTIVE_WINDOW = 30.0
 
 
 class Engine(Protocol):
@@ -66,6 +72,9 @@ class Engine(Protocol):
     @property
     def num_decoding(self) -> int: ...
 
+    @property
+    def prefill_class(self) -> int: ...  # the best latency class prefilling (3: none)
+
     def precompute_due(self) -> Optional[float]: ...
 
     def open_on_loop(self) -> None: ...
@@ -90,10 +99,21 @@ class EngineLoop:
         gather_wait: seconds an idle loop with a request to start waits for requests the
             gateway is still preparing for any model (:mod:`scheduler.arrivals`); 0: never.
         name: the thread's name.
+        batch_share: the guaranteed share of prefill steps of the latency classes below
+            the best one present (:class:`scheduler.policy.ClassShare`), in each engine and
+            across them.
+        interactive_budget: seconds a step that prefills only standard or batch prompts
+            may take while interactive requests are about (:data:`INTERACTIVE_WINDOW`):
+            a new interactive request waits for the step in progress, then prefills alone.
     """
 
-    def __init__(self, gather_wait: float = 0.0, name: str = "mlx-gateway-engine") -> None:
+    def __init__(self, gather_wait: float = 0.0, name: str = "mlx-gateway-engine", batch_share: float = 0.05,
+                 interactive_budget: float = 0.01) -> None:
         self.gather_wait = max(0.0, gather_wait)
+        self.batch_share = batch_share
+        self.interactive_budget = max(0.0, interactive_budget)
+        self._share = ClassShare(batch_share)
+        self._last_interactive = float("-inf")  # monotonic seconds of the latest interactive admission
         self.name = name
         self.fair = FairShare()  # one set of tenant counters for every model
         self.decode_share = DecodeShare()  # decode-only time owed after a prefill chunk, for every model
@@ -104,6 +124,14 @@ class EngineLoop:
         self._stopping = False
         self._stop_reason = "engine stopped"
         self._turn = 0  # round robin over the engines with prompts to prefill
+
+    def saw_interactive(self) -> None:
+        """An interactive request was admitted (loop thread)."""
+        self._last_interactive = time.monotonic()
+
+    def interactive_recent(self) -> bool:
+        """An interactive request was admitted in the last :data:`INTERACTIVE_WINDOW` seconds."""
+        return time.monotonic() - self._last_interactive < INTERACTIVE_WINDOW
 
     # ----------------------------------------------------------------- thread-safe API
     @property
@@ -235,6 +263,9 @@ class EngineLoop:
             self._guarded(e, lambda e=e: e.admit(preempt=someone_waits, quiet=quiet))
         active = [e for e in self._engines if e.has_rows]
         prefilling = [e for e in active if e.num_prefilling]
+        if prefilling:  # the best latency class first, in turn among equals (and a share for the rest)
+            allowed = self._share.allowed({e.prefill_class for e in prefilling})
+            prefilling = [e for e in prefilling if e.prefill_class in allowed]
         chosen = prefilling[self._turn % len(prefilling)] if prefilling else None
         if chosen is not None:
             self._turn += 1

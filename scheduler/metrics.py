@@ -89,6 +89,22 @@ class SchedulerMetrics:
             "Requests cancelled before they finished because the client left.",
             registry=registry,
         )
+        self.queued_by_class = Gauge(
+            "mlx_gateway_requests_queued_by_class",
+            "Requests waiting for admission or with their prefill paused, by latency class "
+            "(priority: 0 interactive, 1 standard, 2 batch).",
+            ["priority"], registry=registry)
+        self.pauses = Counter(
+            "mlx_gateway_prefill_pauses",
+            "Prefills paused between two chunks for a better latency class (their KV kept), "
+            "by the paused row's class.", ["priority"], registry=registry)
+        self.resumes = Counter(
+            "mlx_gateway_prefill_resumes",
+            "Paused prefills put back into the batch, by class.", ["priority"], registry=registry)
+        for c in ("0", "1", "2"):
+            self.queued_by_class.labels(c)
+            self.pauses.labels(c)
+            self.resumes.labels(c)
         self.engine_errors = Counter(
             "mlx_gateway_engine_step_errors",
             "Engine steps that raised; the requests in that step failed.",

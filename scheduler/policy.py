@@ -1,9 +1,12 @@
-"""Admission order for waiting requests: fair across tenants, longest cached prefix
-first within a tenant, shared prefixes computed once.
+"""Admission order for waiting requests: by latency class, fair across tenants within a
+class, longest cached prefix first within a tenant, shared prefixes computed once.
 
-Across tenants, the backlogged tenant with the least weighted work so far goes next
-(:mod:`scheduler.fairness`). Within a tenant, two rules from SGLang's scheduler
-(``managers/schedule_policy.py``):
+Latency classes (a request's ``priority``: 0 interactive, 1 standard, 2 batch) are
+served in order: :meth:`WaitingQueue.pick` takes only the classes it is allowed (the
+engine allows the best class waiting or prefilling, and now and then every class:
+:class:`ClassShare`). Within a class, the backlogged tenant with the least weighted
+work so far goes next (:mod:`scheduler.fairness`). Within a tenant, two rules from
+SGLang's scheduler (``managers/schedule_policy.py``):
 
 * ``lpm``: waiting requests are admitted in order of how many prompt tokens the prefix
   cache can restore, longest first; above :data:`LPM_MAX_WAITING` waiting requests the
@@ -31,6 +34,38 @@ from scheduler.request import EngineRequest
 
 LPM_MAX_WAITING = 128
 MIN_SHARED_PREFIX = 32
+
+
+class ClassShare:
+    """The guaranteed share of steps of the classes below the best one present: each step
+    in which lower-class work waits while a better class runs earns them ``share`` of a
+    step; once a whole step is earned, that step serves one lower class alone (taken in
+    turn among them), the better one paused for it. With ``share`` 0.05, batch work gets
+    at least one step in twenty under a steady stream of interactive requests, and
+    always finishes.
+
+    Args:
+        share: the fraction of such steps (0: none; lower classes wait for the better
+            ones to be done).
+    """
+
+    def __init__(self, share: float) -> None:
+        self.share = max(0.0, min(1.0, share))
+        self._credit = 0.0
+        self._turn = 0
+
+    def allowed(self, present: set[int]) -> set[int]:
+        """The classes that may prefill this step, of the classes ``present`` (waiting,
+        prefilling or paused); counts one step."""
+        if len(present) <= 1:
+            return set(present)
+        self._credit += self.share
+        if self._credit < 1.0:
+            return {min(present)}
+        self._credit -= 1.0
+        lower = sorted(present)[1:]
+        self._turn += 1
+        return {lower[self._turn % len(lower)]}
 
 
 @dataclass
@@ -82,6 +117,17 @@ class WaitingQueue:
     def __iter__(self):
         return iter(self._items)
 
+    def classes(self) -> set[int]:
+        """The latency classes of the waiting requests."""
+        return {r.priority for r in self._items}
+
+    def count_by_class(self) -> dict[int, int]:
+        """Waiting requests per latency class."""
+        out: dict[int, int] = {}
+        for r in self._items:
+            out[r.priority] = out.get(r.priority, 0) + 1
+        return out
+
     def add(self, request: EngineRequest) -> None:
         t = request.tenant
         if not self._per_tenant.get(t):
@@ -111,13 +157,14 @@ class WaitingQueue:
         cached_len: Callable[[EngineRequest], int],
         in_flight: Iterable[InFlight],
         cache_version: Optional[int] = None,
+        classes: Optional[set[int]] = None,
     ) -> list[Admission]:
         """Choose up to ``n`` requests to admit now and remove them from the queue.
 
-        Repeatedly takes the tenant with the smallest virtual counter that still has an
-        eligible request, and from it the request with the longest cached prefix
-        (arrival order above :data:`LPM_MAX_WAITING` waiting requests); each pick
-        charges its uncached prompt tokens to the tenant.
+        Repeatedly takes, in the best latency class left, the tenant with the smallest
+        virtual counter that still has an eligible request, and from it the request with
+        the longest cached prefix (arrival order above :data:`LPM_MAX_WAITING` waiting
+        requests); each pick charges its uncached prompt tokens to the tenant.
 
         Args:
             n: free prefill slots.
@@ -125,6 +172,7 @@ class WaitingQueue:
             in_flight: requests currently in prefill.
             cache_version: the prefix cache's :attr:`version`; while it is unchanged,
                 ``cached_len`` answers from earlier picks are reused (None: ask again).
+            classes: the latency classes that may be admitted (None: every class).
 
         Returns:
             The admissions, in admission order.
@@ -139,25 +187,27 @@ class WaitingQueue:
                 memo = matched[r.id] = (cache_version, cached_len(r))
             return memo[1]
 
-        queues: dict[str, list[EngineRequest]] = {}
+        queues: dict[tuple[int, str], list[EngineRequest]] = {}
         for r in self._items:
-            queues.setdefault(r.tenant, []).append(r)
+            if classes is None or r.priority in classes:
+                queues.setdefault((r.priority, r.tenant), []).append(r)
         if len(self._items) <= LPM_MAX_WAITING:
             for q in queues.values():
                 q.sort(key=lambda r: -cached(r))  # stable: ties keep arrival order
-        heads = {t: 0 for t in queues}
+        heads = {k: 0 for k in queues}
         flights: PrefixIndex[InFlight] = PrefixIndex()
         for f in in_flight:
             flights.add(f, f.request.tokens, key_of(f.request))
         leaders: PrefixIndex[Admission] = PrefixIndex()
         chosen: list[Admission] = []
         while len(chosen) < n and heads:
-            tenant = min(heads, key=lambda t: (self.fair.counter(t), queues[t][0].arrival))
-            q, i = queues[tenant], heads[tenant]
+            key = min(heads, key=lambda k: (k[0], self.fair.counter(k[1]), queues[k][0].arrival))
+            tenant = key[1]
+            q, i = queues[key], heads[key]
             r = q[i]
-            heads[tenant] = i + 1
-            if heads[tenant] >= len(q):
-                del heads[tenant]
+            heads[key] = i + 1
+            if heads[key] >= len(q):
+                del heads[key]
             m = cached(r)
             if self._waits_for_flight(r, m, flights) or self._joins_leader(r, m, leaders):
                 self._deferred.add(r.id)

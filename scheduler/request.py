@@ -98,6 +98,8 @@ class EngineRequest:
             (None: only the engine's global bound applies).
         mask: the grammar's token mask (:class:`scheduler.grammar.TokenMask`) for
             constrained decoding, or None for free text. Used by this request only.
+        priority: its latency class: 0 interactive, 1 standard, 2 batch; lower is served
+            first (:mod:`scheduler.policy`).
     """
 
     id: str
@@ -110,6 +112,7 @@ class EngineRequest:
     weight: float = 1.0
     max_queued: Optional[int] = None
     mask: Optional[Any] = None
+    priority: int = 1
     arrival: float = field(default_factory=time.monotonic)
     prefix_key: Optional[Any] = field(default=None, repr=False, compare=False)  # set by the policy
     # Monotonic times (s) the engine passed its stages: engine_admitted, engine_restored,

@@ -94,7 +94,10 @@ class Row:
     ``lease`` pins its restored cache entry until prefill ends; ``cached`` is the prompt
     tokens restored from the prefix cache and ``processed`` those prefilled since;
     ``pending_snapshots`` are the absolute prompt offsets (tokens) where it will still
-    save a snapshot.
+    save a snapshot; ``marks`` where its prefill segments end. A row whose prefill is
+    paused for a better latency class (:meth:`Batch.pause <scheduler.batch.Batch.pause>`)
+    is out of the generator and holds its cache in ``paused``; ``progress_base`` is what
+    it had prefilled when it was put back (the generator counts from there).
     """
 
     request: EngineRequest
@@ -109,6 +112,9 @@ class Row:
     fault: RowFault = field(default_factory=RowFault)
     precompute: Optional[Precompute] = None  # a next-turn precompute: no client, lowest priority
     cache_source: str = "memory"  # where its cached prefix came from: "memory" or "disk"
+    marks: list[int] = field(default_factory=list)
+    paused: Optional[tuple[list, list[int]]] = None  # (its cache, the tokens it covers) while paused
+    progress_base: int = 0
 
     def error(self) -> Optional[str]:
         """Why this row must fail now (its sampler, a processor or its grammar raised), or None."""
