@@ -162,20 +162,8 @@ class Batch:
             lease, cached = hit.lease, hit.cached_tokens
             marks, snapshots = row_snapshots(len(r.tokens), cached, r.checkpoints, extra_checkpoints,
                                              self.trimmable, precompute=background)
-            cuts = [cached, *marks, len(r.tokens)]
-            segments = [r.tokens[a:b] for a, b in zip(cuts, cuts[1:])]
-            stop = StopSequences([[t] for t in sorted(self.eos_token_ids)])
             fault = RowFault()
-            processors = make_processors(r.params) + ([r.mask] if r.mask is not None else [])
-            (uid,) = self.gen.insert_segments(
-                [segments],
-                max_tokens=[r.params.max_tokens],
-                caches=[hit.cache],
-                all_tokens=[list(r.tokens[:cached])],
-                samplers=[fault.sampler(make_sampler(r.params))],
-                logits_processors=[fault.processors(processors)],
-                stop_sequences=[stop],
-            )
+            uid = self._insert(r, cached, marks, hit.cache, list(r.tokens[:cached]), fault)
         except Exception as e:
             self.prompt_cache.release(lease)
             log.exception("request %s could not be admitted", r.id)
@@ -185,6 +173,23 @@ class Batch:
         self.active[uid] = active
         self.by_id[r.id] = active
         return active
+
+    def _insert(self, r: EngineRequest, start: int, marks: list[int], cache, tokens: list[int],
+                fault: RowFault) -> int:
+        """Put ``r``'s prompt from ``start`` on (tokens) into the generator over ``cache``
+        (covering ``tokens``), cut into segments at ``marks``; its uid."""
+        cuts = [start, *[m for m in marks if m > start], len(r.tokens)]
+        processors = make_processors(r.params) + ([r.mask] if r.mask is not None else [])
+        (uid,) = self.gen.insert_segments(
+            [[r.tokens[x:y] for x, y in zip(cuts, cuts[1:])]],
+            max_tokens=[r.params.max_tokens],
+            caches=[cache],
+            all_tokens=[tokens],
+            samplers=[fault.sampler(make_sampler(r.params))],
+            logits_processors=[fault.processors(processors)],
+            stop_sequences=[StopSequences([[t] for t in sorted(self.eos_token_ids)])],
+        )
+        return uid
 
     def pause(self, a: Row) -> bool:
         """Take the prefilling row ``a`` out of the generator between two steps, its cache
@@ -213,18 +218,8 @@ class Batch:
         it stopped, over its kept cache. False (``a`` failed with a 500) if that raised."""
         cache, tokens = a.paused
         r, done = a.request, len(tokens)
-        cuts = [done, *[m for m in a.marks if m > done], len(r.tokens)]
         try:
-            processors = make_processors(r.params) + ([r.mask] if r.mask is not None else [])
-            (uid,) = self.gen.insert_segments(
-                [[r.tokens[x:y] for x, y in zip(cuts, cuts[1:])]],
-                max_tokens=[r.params.max_tokens],
-                caches=[cache],
-                all_tokens=[tokens],
-                samplers=[a.fault.sampler(make_sampler(r.params))],
-                logits_processors=[a.fault.processors(processors)],
-                stop_sequences=[StopSequences([[t] for t in sorted(self.eos_token_ids)])],
-            )
+            uid = self._insert(r, done, a.marks, cache, tokens, a.fault)
         except Exception as e:
             log.exception("resuming request %s failed", r.id)
             a.paused = None
@@ -293,7 +288,8 @@ class Batch:
         self.by_id.clear()
 
     # ----------------------------------------------------------------- stepping
-    def step(self, decode_only: bool = False, decoding_elsewhere: int = 0, cap: Optional[float] = None) -> None:
+    def step(self, decode_only: bool = False, decoding_elsewhere: int = 0, cap: Optional[float] = None,
+             share: float = 1.0) -> None:
         """Run one step of the generator (a prefill chunk and/or one decoded token per
         row) and account for it: progress, snapshots, tokens, finished and failed rows.
 
@@ -303,6 +299,8 @@ class Batch:
             decoding_elsewhere: rows decoding in the other engines of the loop: the chunk
                 is sized for them too (the gap bound holds across models).
             cap: seconds the step may take at most (:meth:`ChunkPlanner.next_chunk`).
+            share: this engine's share of the loop's prefill budget this turn (other
+                models prefill in the same turn).
         """
         prefilling = self.num_prefilling()
         decoding = len(self.active) - prefilling
@@ -312,7 +310,7 @@ class Batch:
               and all(a.precompute is not None for a in self.active.values())):
             chunk = self.chunks.idle_chunk(prefilling)  # preemptible: a request waits at most one chunk
         else:
-            chunk = self.chunks.next_chunk(prefilling, decoding + decoding_elsewhere, cap)
+            chunk = self.chunks.next_chunk(prefilling, decoding + decoding_elsewhere, cap, share)
         self.gen.prefill_step_size = chunk
         tic = time.perf_counter()
         try:

@@ -87,7 +87,7 @@ class ChunkPlanner:
         self.decode_only_steps = 0  # steps that advanced only the decoding batch
         self.budgeted_steps = 0  # prefill steps whose chunk the budget cut below step_size
 
-    def next_chunk(self, prefilling: int, decoding: int, cap: Optional[float] = None) -> int:
+    def next_chunk(self, prefilling: int, decoding: int, cap: Optional[float] = None, share: float = 1.0) -> int:
         """Tokens per prompt for the next step; 0 for a decode-only step.
 
         Args:
@@ -96,8 +96,10 @@ class ChunkPlanner:
             cap: seconds the step may take at most, whatever decodes (the prompts are of a
                 lower latency class than requests that may arrive: each new one waits for
                 the step in progress); None: no cap.
+            share: the part of the step's budgets this prefill may take (other models
+                prefill in the same step).
         """
-        capped = self.step_size if cap is None else self._sized(prefilling, cap)
+        capped = self.step_size if cap is None else self._sized(prefilling, cap * share)
         if not prefilling or not decoding or not self.budget:
             self.share.clear()
             return capped
@@ -105,7 +107,7 @@ class ChunkPlanner:
             return 0
         # A prompt waiting for its first token is a user waiting too: when more prompts
         # prefill than streams decode, the step may take proportionally longer.
-        return min(capped, self._sized(prefilling, self.budget * max(1.0, prefilling / decoding)))
+        return min(capped, self._sized(prefilling, share * self.budget * max(1.0, prefilling / decoding)))
 
     def idle_chunk(self, prefilling: int) -> int:
         """Tokens per prompt for a step that prefills only preemptible work (next-turn

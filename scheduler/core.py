@@ -219,7 +219,7 @@ class EngineCore:
                 self.metrics.resumes.labels(str(a.request.priority)).inc()
         return allowed
 
-    def step(self, decode_only: bool = False, decoding_elsewhere: int = 0) -> None:
+    def step(self, decode_only: bool = False, decoding_elsewhere: int = 0, share: float = 1.0) -> None:
         """One step of the batch (loop thread): see :meth:`Batch.step`. While interactive
         requests are about (:attr:`EngineLoop.interactive_recent`), a step that prefills
         a lower class is cut to the loop's interactive budget (or two decode steps,
@@ -229,7 +229,7 @@ class EngineCore:
                     for a in self._batch.active.values() if not a.decoding)
         if lower and self._loop.interactive_recent():
             cap = max(self._loop.interactive_budget, 2 * self.chunks.decode_step)
-        self._batch.step(decode_only=decode_only, decoding_elsewhere=decoding_elsewhere, cap=cap)
+        self._batch.step(decode_only=decode_only, decoding_elsewhere=decoding_elsewhere, cap=cap, share=share)
 
     def end_turn(self, hold: bool) -> None:
         """After a loop turn: hold precomputes back while some engine serves (``hold``),

@@ -7,11 +7,12 @@ own waiting queue, batch and prefix cache; the loop decides whose step runs when
 
 * every turn, every engine with decoding rows decodes one token, so no model's streams
   wait for another model's work longer than one turn;
-* at most one engine runs a prefill chunk per turn: one whose prefilling rows are of the
-  best latency class among them (interactive, standard, batch; the others keep a small
-  guaranteed share of turns), taken in turn among equals (round robin); its chunk is
-  sized with the decoding rows of *every* model counted (:mod:`scheduler.chunking`): the
-  chunked-prefill gap bound holds across models;
+* the engines whose prefilling rows are of the best latency class among them
+  (interactive, standard, batch; the others keep a small guaranteed share of turns) run
+  a prefill chunk each turn, sharing one step's budget, and their chunks are sized with
+  the decoding rows of *every* model counted (:mod:`scheduler.chunking`): the
+  chunked-prefill gap bound holds across models, and a short prompt of one model does
+  not wait for another model's turn;
 * next-turn precomputes run only when no engine has a request waiting or running, and
   any request arriving for any model preempts them;
 * the tenants' fair share (VTC, :mod:`scheduler.fairness`) is one set of counters for
@@ -87,7 +88,7 @@ class Engine(Protocol):
 
     def admit(self, preempt: bool, quiet: bool) -> None: ...
 
-    def step(self, decode_only: bool = False, decoding_elsewhere: int = 0) -> None: ...
+    def step(self, decode_only: bool = False, decoding_elsewhere: int = 0, share: float = 1.0) -> None: ...
 
     def end_turn(self, hold: bool) -> None: ...
 
@@ -123,7 +124,6 @@ class EngineLoop:
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self._stop_reason = "engine stopped"
-        self._turn = 0  # round robin over the engines with prompts to prefill
 
     def saw_interactive(self) -> None:
         """An interactive request was admitted (loop thread)."""
@@ -255,8 +255,9 @@ class EngineLoop:
             self.drain_after_stop(reason)
 
     def _turn_once(self, engines: list[Engine]) -> None:
-        """One turn: admissions, then one step of each engine with rows (one prefill chunk
-        among them), then the idle books."""
+        """One turn: admissions, then one step of each engine with rows (the engines
+        prefilling the best class share the prefill budget; the others only decode), then
+        the idle books."""
         someone_waits = any(e.has_waiting for e in engines)
         quiet = not (someone_waits or any(e.serving for e in engines) or self._preparing())
         for e in engines:
@@ -266,13 +267,11 @@ class EngineLoop:
         if prefilling:  # the best latency class first, in turn among equals (and a share for the rest)
             allowed = self._share.allowed({e.prefill_class for e in prefilling})
             prefilling = [e for e in prefilling if e.prefill_class in allowed]
-        chosen = prefilling[self._turn % len(prefilling)] if prefilling else None
-        if chosen is not None:
-            self._turn += 1
         decoding = sum(e.num_decoding for e in active)
         for e in active:
-            if e is chosen:
-                self._guarded(e, lambda e=e: e.step(decoding_elsewhere=decoding - e.num_decoding))
+            if e in prefilling:  # each with its share of the step's prefill budget
+                self._guarded(e, lambda e=e: e.step(decoding_elsewhere=decoding - e.num_decoding,
+                                                    share=1.0 / len(prefilling)))
             elif e.num_decoding:
                 self._guarded(e, lambda e=e: e.step(decode_only=True))
         engines = list(self._engines)
