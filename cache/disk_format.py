@@ -178,7 +178,8 @@ def _sample(f: Any, size: int) -> list[bytes]:
     return out
 
 
-def model_identity(model_dir: Path, chat_template: str | None = None, loaded_as: str | None = None) -> str:
+def model_identity(model_dir: Path, chat_template: str | None = None, loaded_as: str | None = None,
+                   served_as: str | None = None) -> str:
     """A hex digest (64 chars, blake2b-256) that names a model for the disk tier.
 
     Hashes :data:`IDENTITY_VERSION`; ``config.json``; the tokenizer files present
@@ -189,7 +190,9 @@ def model_identity(model_dir: Path, chat_template: str | None = None, loaded_as:
     chunks of :data:`SAMPLE_CHUNK_BYTES` bytes spread evenly through each weight
     file (the whole file when smaller); and ``loaded_as`` when given: how the weights
     were changed after loading (``"float32"``: :mod:`gateway.cpu.weights`), which
-    changes the snapshots' dtype.
+    changes the snapshots' dtype; and ``served_as`` when given: the name a gateway
+    serves the model under, so that the same files served under two names get two
+    directories (one disk tier holds a directory at a time).
 
     Trade-off: weights are *sampled*, not fully hashed, so an 8B model costs about
     1 MiB of reads per weight file instead of 16 GB. Two fine-tunes of one
@@ -236,4 +239,6 @@ def model_identity(model_dir: Path, chat_template: str | None = None, loaded_as:
                 part("chunk", chunk)
     if loaded_as is not None:
         part("loaded_as", loaded_as.encode())
+    if served_as is not None:
+        part("served_as", served_as.encode())
     return h.hexdigest()

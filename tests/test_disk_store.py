@@ -168,6 +168,7 @@ def test_model_identity(tmp_path):
     assert ia != model_identity(b)
     assert ia != model_identity(a, chat_template="{{ messages }}")
     assert ia != model_identity(a, loaded_as="float32")  # weights cast after loading: other snapshots
+    assert model_identity(a, served_as="x") != model_identity(a, served_as="y")  # two names, two directories
     (a / "chat_template.jinja").write_text("x")
     assert ia != model_identity(a)
     with pytest.raises(FileNotFoundError):

@@ -342,12 +342,18 @@ def test_an_unusable_cache_dir_stops_the_start_with_a_clear_error(tmp_path, gate
 
 
 def test_a_cache_dir_in_use_by_another_gateway_is_reported(tmp_path):
+    from dataclasses import replace
+
     from gateway.config import ServeConfig
+    from gateway.models.spec import model_specs
 
     cache_dir = tmp_path / "pcache"
     model = model_path("qwen3")
     with live_server(model, prompt_cache_dir=str(cache_dir)):
-        gw = start_gateway(ServeConfig(model=str(model), prompt_cache_dir=str(cache_dir)), wait=False)
+        # The same files under the same name: the same cache directory (the served name is
+        # part of it, so the same files under another name do not collide).
+        cfg = ServeConfig(model=str(model), prompt_cache_dir=str(cache_dir))
+        gw = start_gateway(cfg, [replace(s, name="test-model") for s in model_specs(cfg)], wait=False)
         try:
             status, why = wait_until(lambda: gw.models.startup()[0] != "loading" and gw.models.startup(), 120,
                                      "the load to end")

@@ -322,3 +322,18 @@ def test_an_unloaded_models_prefix_cache_goes_to_its_disk_tier_and_comes_back(tm
         assert metric(s.registry, "mlx_gateway_prompt_cache_disk_reads_total", model="m", outcome="hit") == 1
         assert again["choices"][0]["logprobs"]["tokens"] == first["choices"][0]["logprobs"]["tokens"]
         assert metric(s.registry, "mlx_gateway_model_unloads_total", model="m", reason="admin") == 1
+
+
+def test_the_same_files_under_two_names_each_get_a_disk_tier(tmp_path):
+    """Two served names of one model directory (e.g. a thinking and a non-thinking
+    configuration) share the cache directory but not a disk tier: both load, and each
+    finds only its own entries."""
+    cfg = config(prompt_cache_dir=str(tmp_path / "pcache"))
+    specs = [spec("a", model_path("qwen3")), spec("b", model_path("qwen3"))]
+    prompt = " ".join(f"word{i % 11} line{i % 5}" for i in range(60))
+    with serving(start_gateway(cfg, specs), cfg.port) as s, s.client() as c:
+        got = {m: completion(c, m, prompt) for m in ("a", "b")}
+        assert got["a"] == got["b"]  # the same weights
+        assert c.get("/health").json()["models"] == {"a": "loaded", "b": "loaded"}
+    dirs = {p.parent for p in (tmp_path / "pcache").rglob("*.safetensors")}
+    assert len(dirs) == 2, dirs

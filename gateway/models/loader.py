@@ -99,11 +99,14 @@ def logits_size(model) -> int:
     return int(model(mx.array([[0]])).shape[-1])
 
 
-def open_disk_tier(cfg: ServeConfig, path: str, tokenizer, registry, loaded_as: Optional[str] = None):
+def open_disk_tier(cfg: ServeConfig, path: str, tokenizer, registry, loaded_as: Optional[str] = None,
+                   served_as: Optional[str] = None):
     """The prefix cache's disk tier in ``cfg.prompt_cache_dir``, keyed by the identity of
-    the model at ``path`` (weights, config, tokenizer, chat template, and ``loaded_as``:
-    how its weights were changed after loading, if they were): models share the
-    directory, each in a subdirectory of its own.
+    the model at ``path`` (weights, config, tokenizer, chat template, ``loaded_as``: how
+    its weights were changed after loading, if they were, and ``served_as``: the name it
+    is served under): models share the directory, each in a subdirectory of its own, so
+    the same files served under two names keep two caches (renaming a model starts its
+    disk cache afresh).
 
     Raises:
         OSError: the directory cannot be created or used (another server holds it,
@@ -116,7 +119,8 @@ def open_disk_tier(cfg: ServeConfig, path: str, tokenizer, registry, loaded_as: 
     from cache.tiering import DiskLink
 
     template = getattr(tokenizer, "chat_template", None)
-    identity = model_identity(_download(path), template if isinstance(template, str) else None, loaded_as)
+    identity = model_identity(_download(path), template if isinstance(template, str) else None, loaded_as,
+                              served_as)
     tier = DiskTier(Path(cfg.prompt_cache_dir).expanduser(), cfg.prompt_cache_disk_bytes, identity, registry=registry)
     log.info("prompt-cache disk tier: %s (%d entries, %d bytes, bound %d bytes)",
              tier.dir, tier.num_entries, tier.nbytes, tier.max_bytes)
@@ -214,7 +218,7 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
                                  budget=cache_budget)
     if cfg.prompt_cache_dir:
         try:
-            manager.attach_disk(open_disk_tier(cfg, path, tokenizer, registry, loaded_as))
+            manager.attach_disk(open_disk_tier(cfg, path, tokenizer, registry, loaded_as, spec.name))
         except OSError as e:
             manager.close()
             raise DiskTierUnusable(f"the prompt cache's disk tier cannot be used: {e}") from e
