@@ -41,6 +41,9 @@ class ServeConfig:
     log_format: str = "text"
     log_prompts: bool = False
     tenants: Optional[str] = None
+    limits_store: Optional[str] = None
+    router_url: Optional[str] = None
+    advertise_url: Optional[str] = None
     api_key: Optional[str] = None
     allow_unauthenticated: bool = False
     allowed_origins: list[str] = field(default_factory=list)
@@ -57,6 +60,8 @@ class ServeConfig:
     shutdown_grace: float = 30.0
     prefill_budget: float = 0.2
     gather_wait: float = 0.02
+    batch_share: float = 0.05
+    interactive_budget: float = 0.01
     precompute_next_turn: bool = True
 
 
@@ -131,6 +136,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds an idle engine with a request to start waits for requests the gateway is "
                    "still tokenizing, so that a burst starts in one batch; a request that arrives alone "
                    "never waits; 0 = never wait (default %(default)s)")
+    p.add_argument("--batch-share", type=float, default=d.batch_share,
+                   help="share of prefill steps guaranteed to the latency classes below the best one waiting "
+                   "(batch under standard, standard under interactive), so that they always finish "
+                   "(default %(default)s)")
+    p.add_argument("--interactive-budget", type=float, default=d.interactive_budget,
+                   help="seconds a step that prefills only standard or batch prompts may take while interactive "
+                   "requests are about (within 30 s of the last one), or two decode steps when longer: a new "
+                   "interactive request waits for the step in progress (default %(default)s)")
     p.add_argument("--precompute-next-turn", action=argparse.BooleanOptionalAction, default=d.precompute_next_turn,
                    help="when a chat reply ends and nothing waits, prefill the prefix its next request will "
                    "share (the reply as the template will show it) at the lowest priority; any request "
@@ -161,6 +174,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="add each request's prompt text to its log line (off: logs hold no prompt text)")
     p.add_argument("--tenants", metavar="FILE",
                    help="tenants file (TOML): API key hashes, limits, weights, cache groups; reloaded on SIGHUP")
+    p.add_argument("--limits-store", metavar="URL",
+                   help="share the tenants' limits (requests and tokens per minute, concurrent requests) among "
+                   "gateway replicas in Redis at URL (redis://host:port/db, rediss://..., unix:///path?db=0), "
+                   "so they hold for the cluster, not per replica; needs the redis package "
+                   "(pip install 'redis>=5'). When Redis does not answer within 50 ms, each gateway uses its "
+                   "own limits until it answers again (default: each gateway keeps its own limits)")
+    p.add_argument("--router-url", metavar="URL",
+                   help="register with SGLang's router at URL (its POST /workers) once the models are loaded, "
+                   "and deregister as the drain begins (SIGTERM), so that the router sends nothing to a "
+                   "replica that is shutting down (docs/cluster.md)")
+    p.add_argument("--advertise-url", metavar="URL",
+                   help="the URL the router reaches this gateway at (default: http://HOST:PORT, the machine's "
+                   "host name for a wildcard --host)")
     p.add_argument("--api-key", help="serve one tenant that must send this key; prefer the MLX_GATEWAY_API_KEY "
                    "environment variable or --api-key-file, since arguments are visible in `ps` "
                    "(an error with --tenants)")

@@ -23,6 +23,7 @@ from gateway.routes.app import create_app
 from gateway.telemetry.metrics import GatewayMetrics, prime
 from gateway.telemetry.model_metrics import ModelMetrics
 from gateway.telemetry.request_log import configure_logging
+from gateway.tenancy.limits_store import check_limits_store, make_limiter
 from gateway.tenancy.tenants import TenantsFileError, TenantTable, load_tenants, open_table, single_key_table
 from scheduler.engine import PERSIST_SECONDS
 from scheduler.loop import EngineLoop
@@ -81,7 +82,8 @@ def build_gateway(cfg: ServeConfig, tenants: Optional[TenantTable] = None,
     metrics = GatewayMetrics(registry)
     model_metrics = ModelMetrics(registry, [s.name for s in specs])
     budget = cfg.memory_budget if cfg.memory_budget is not None else default_budget()
-    loop = EngineLoop(gather_wait=cfg.gather_wait)
+    loop = EngineLoop(gather_wait=cfg.gather_wait, batch_share=cfg.batch_share,
+                      interactive_budget=cfg.interactive_budget)
     cache_budget = CacheBudget(min(cfg.prompt_cache_bytes, budget))
     front: Optional[Front] = None
 
@@ -91,7 +93,8 @@ def build_gateway(cfg: ServeConfig, tenants: Optional[TenantTable] = None,
     loader = functools.partial(_load, cfg=cfg, loop=loop, cache_budget=cache_budget, tenants=tenants_now)
     models = ModelRegistry(specs, loader, loop, model_metrics, budget, cfg.max_loaded_models, cache_budget,
                            cfg.prompt_cache_bytes)
-    front = Front(cfg, models, metrics, tenants if tenants is not None else tenant_table(cfg))
+    front = Front(cfg, models, metrics, tenants if tenants is not None else tenant_table(cfg),
+                  limiter=make_limiter(cfg, registry))
     _build_info(registry, cfg, specs, budget)
     prime_metrics(front)
     log.info("memory budget of the loaded models: %s%s", gib(budget),
@@ -302,6 +305,7 @@ def serve(cfg: ServeConfig) -> None:
         # Refuse a bad models or tenants file, or an open non-loopback host, before any work,
         specs = model_specs(cfg)
         tenants = tenant_table(cfg)
+        check_limits_store(cfg)
         if cfg.prompt_cache_dir:  # and a disk-tier directory that cannot be used
             from cache.disk import secure_dir
 
@@ -317,9 +321,17 @@ def serve(cfg: ServeConfig) -> None:
                             timeout_graceful_shutdown=UVICORN_GRACE,
                             h11_max_incomplete_event_size=cfg.max_header_bytes, log_config=None)
     server = GatewayServer(config, gateway.front, gateway.models, on_reload=lambda: reload_tenants(gateway.front))
+    link = None
+    if cfg.router_url:
+        from gateway.router_link import link_to_router
+
+        link = link_to_router(cfg.router_url, cfg.host, cfg.port, cfg.advertise_url,
+                              draining=lambda: gateway.front.draining)
     try:
         server.run()
     finally:
+        if link is not None:
+            link.close()  # out of the router, if the drain ended before the link saw it
         gateway.stop()  # a graceful stop writes the prompt caches to their disk tier first
     if not server.started:
         raise SystemExit(3)

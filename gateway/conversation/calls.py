@@ -28,7 +28,7 @@ from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.request_log import RequestRecord
 from gateway.tenancy.auth import authenticate
 from gateway.tenancy.limits import Limiter, Ticket
-from gateway.tenancy.tenants import Tenant, TenantTable
+from gateway.tenancy.tenants import PRIORITIES, Tenant, TenantTable
 from gateway.tenancy.usage import UsageBook
 
 
@@ -91,6 +91,7 @@ class Call:
     record: RequestRecord
     api: str
     body: object = None
+    priority: str = "standard"  # the latency class (tenancy.tenants.PRIORITIES)
     slot: Optional[Slot] = None
 
     def hold_model(self, name: Optional[str]) -> Future:
@@ -126,6 +127,26 @@ class Call:
     def model_name(self) -> str:
         """The served name of the held model."""
         return self.slot.name if self.slot is not None else ""
+
+
+def request_priority(tenant: Tenant, header: Optional[str], body) -> str:
+    """The latency class of a request: ``priority`` in its JSON body, else the
+    ``x-priority`` header, else its tenant's; a request may ask for a lower class than its
+    tenant's, never a higher one.
+
+    Raises:
+        APIError: 400 for a value that is not a class; 403 ``priority_not_allowed`` for a
+            class above the tenant's.
+    """
+    asked = body.get("priority") if isinstance(body, dict) and "priority" in body else header
+    if asked is None:
+        return tenant.priority
+    if asked not in PRIORITIES:
+        raise APIError(400, f"priority must be one of {', '.join(PRIORITIES)}, got {asked!r}", param="priority")
+    if PRIORITIES.index(asked) < PRIORITIES.index(tenant.priority):
+        raise APIError(403, f"this key's requests are {tenant.priority!r} at most; {asked!r} is above it",
+                       param="priority", code="priority_not_allowed")
+    return asked
 
 
 def unavailable(e: ModelUnavailable) -> APIError:
@@ -165,13 +186,15 @@ async def admit(front: Front, request: Request, endpoint: str, api: str) -> Call
     tenant = authenticate(front.tenants, request)
     record.tenant = tenant.name
     check_open(front)
-    ticket = front.limiter.begin(tenant)
+    ticket = await front.limiter.begin(tenant)
     request.state.on_close.append(ticket.close)
     request.state.ticket = ticket
     front.usage.add(tenant.name, requests=1)
     cfg = front.config
     body = await read_json(request, cfg.max_body_bytes, cfg.client_timeout, cfg.max_json_depth)
     record.marks["admitted"] = time.monotonic()
-    call = Call(front, request, tenant, ticket, record, api, body)
+    priority = request_priority(tenant, request.headers.get("x-priority"), body)
+    record.priority = priority
+    call = Call(front, request, tenant, ticket, record, api, body, priority)
     _admitted.add(call)
     return call

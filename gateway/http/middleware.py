@@ -53,6 +53,7 @@ class GatewayMiddleware:
         max_header_bytes: the most bytes of request headers.
         metrics_key: the key ``/metrics`` requires (None: open).
         count: ``count(tenant, model, endpoint, status)`` for each answer counted.
+        on_error: ``on_error(tenant, error)`` for each :class:`APIError` answered.
     """
 
     ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
@@ -65,12 +66,14 @@ class GatewayMiddleware:
     UNCOUNTED = {"/metrics", "/health"}
 
     def __init__(self, app: ASGIApp, hosts: HostPolicy, max_header_bytes: int, metrics_key: Optional[str],
-                 count: Callable[[str, str, str, str], None]) -> None:
+                 count: Callable[[str, str, str, str], None],
+                 on_error: Callable[[str, APIError], None] = lambda tenant, error: None) -> None:
         self.app = app
         self.hosts = hosts
         self.max_header_bytes = max_header_bytes
         self.metrics_key = metrics_key
         self.count = count
+        self.on_error = on_error
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -105,6 +108,8 @@ class GatewayMiddleware:
             await self.app(scope, receive, send_wrapper)
         except APIError as e:
             status["code"] = e.status
+            tenant = local.get("tenant")
+            self.on_error(tenant.name if tenant is not None else "unauthenticated", e)
             if not status["started"]:
                 await e.response(error_style(scope.get("path", "")))(scope, receive, send_wrapper)
         except Exception as e:

@@ -9,14 +9,16 @@ errors, SSE, bodies, hosts).
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
-from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.conversation.calls import Front
+from gateway.http.cors import DynamicCORS
 from gateway.http.errors import APIError, error_style
 from gateway.http.hosts import HostPolicy
 from gateway.http.middleware import GatewayMiddleware, metrics_key
@@ -46,14 +48,20 @@ ROUTES = [
     ("POST", "/admin/models/{name:path}/unload", admin.unload_model),
     ("GET", "/health", service.health),
     ("GET", "/metrics", service.metrics),
+    ("GET", "/server_info", service.server_info),
+    ("GET", "/get_server_info", service.server_info),
+    ("GET", "/model_info", service.model_info),
+    ("GET", "/get_model_info", service.model_info),
+    ("GET", "/get_load", service.get_load),
     ("GET", "/openapi.json", openapi_json),
 ]
 
 
 def create_app(front: Front, registry: CollectorRegistry) -> Starlette:
     """The ASGI app serving ``front``, with its metrics on ``registry``: routes inside
-    :class:`GatewayMiddleware`, inside CORS (``config.allowed_origins``;
-    ``chrome-extension://ID`` and ``moz-extension://ID`` origins are matched like any other)."""
+    :class:`GatewayMiddleware`, inside CORS (``config.allowed_origins`` and the tenants'
+    ``origins``; ``chrome-extension://ID`` and ``moz-extension://ID`` origins are matched
+    like any other)."""
     cfg = front.config
     routes = [Route(path, endpoint, methods=[method]) for method, path, endpoint in ROUTES]
 
@@ -62,24 +70,25 @@ def create_app(front: Front, registry: CollectorRegistry) -> Starlette:
         error = APIError(code, f"{request.method} {request.url.path}: {getattr(exc, 'detail', 'not found')}")
         return error.response(error_style(request.url.path))
 
-    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        yield
+        await front.limiter.aclose()  # a shared limits store's connections and flusher
+
+    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found}, lifespan=lifespan)
     app.state.front = front
     app.state.registry = registry
     app.state.responses = ResponseStore(cfg.responses_store_count, cfg.responses_store_bytes)
-    requests = front.metrics.requests
+    m = front.metrics
+
+    def refused(tenant: str, error: APIError) -> None:
+        if error.code == "origin_not_allowed":
+            m.origin_refused.labels(tenant).inc()
+
     app.add_middleware(GatewayMiddleware, hosts=HostPolicy(cfg.host, cfg.allowed_hosts),
                        max_header_bytes=cfg.max_header_bytes, metrics_key=metrics_key(cfg.metrics_key),
-                       count=lambda tenant, model, endpoint, code: requests.labels(tenant, model, endpoint,
-                                                                                   code).inc())
-    if cfg.allowed_origins:
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=list(cfg.allowed_origins),
-            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
-            allow_headers=["*"],
-            expose_headers=["Retry-After", "x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
-                            "x-ratelimit-reset-requests", "x-ratelimit-limit-tokens",
-                            "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens"],
-            max_age=600,
-        )
+                       count=lambda tenant, model, endpoint, code: m.requests.labels(tenant, model, endpoint,
+                                                                                     code).inc(),
+                       on_error=refused)
+    app.add_middleware(DynamicCORS, allow_origins=cfg.allowed_origins, more=lambda: front.tenants.origins())
     return app

@@ -1,6 +1,12 @@
-"""The routes that generate nothing: models, usage, health and metrics."""
+"""The routes that generate nothing: models, usage, health, metrics, and the worker
+information a router in front of several gateways reads (``/server_info``,
+``/model_info``, ``/get_load``: see docs/cluster.md)."""
 
 from __future__ import annotations
+
+import json
+import os
+from typing import Optional
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
@@ -73,3 +79,115 @@ async def health(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+# ------------------------------------------------------------------ worker information
+# What SGLang's router (sglang-router, "SGLang Model Gateway") asks of each worker it is
+# given: /server_info and /model_info when it registers one (falling back to
+# /get_server_info and /get_model_info), /get_load for load-based policies. Open like
+# /health, and revealing no more than it does: served names, engine sizes and load.
+
+
+def _model_dir(slot: Slot) -> Optional[str]:
+    """Where ``slot``'s model came from: an absolute directory for a local one, the hub id
+    for one from the hub; the spec's path until it is loaded (``demo``/``default`` then
+    resolve at load)."""
+    path = slot.handle.path if slot.handle is not None else slot.spec.path
+    if slot.handle is None and path in ("demo", "default"):
+        return None
+    return os.path.abspath(path) if os.path.isdir(path) else path
+
+
+def _hf_config(path: Optional[str]) -> dict:
+    """The model's ``config.json`` (a local directory, or a hub id already in the local hub
+    cache; nothing is downloaded); ``{}`` when not at hand."""
+    if not path:
+        return {}
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            found = try_to_load_from_cache(path, "config.json")
+        except Exception:  # not a hub id, or no hub library
+            return {}
+        if not isinstance(found, str):
+            return {}
+        file = found
+    try:
+        with open(file, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mlx-gateway")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _load(front: Front) -> dict:
+    handles = front.models.handles()
+    return {"running": sum(h.engine.num_running for h in handles),
+            "waiting": sum(h.engine.num_waiting for h in handles)}
+
+
+async def server_info(request: Request) -> Response:
+    """``GET /server_info`` (also ``/get_server_info``): the first model as
+    ``served_model_name`` and ``model_path`` (the router's model id and tokenizer source),
+    every served model, the engine sizes and the current load."""
+    front: Front = request.app.state.front
+    cfg = front.config
+    first = front.models.slots[0]
+    models = []
+    for slot in front.models.slots:
+        handle = slot.handle
+        models.append({"name": slot.name, "aliases": list(slot.spec.aliases), "model_path": _model_dir(slot),
+                       "state": slot.state,
+                       "context_length": handle.context_length if handle is not None else None})
+    return JSONResponse({
+        "served_model_name": first.name,
+        "served_model_names": [n for s in front.models.slots for n in s.spec.names],
+        "model_path": _model_dir(first),
+        "version": _version(),
+        "engine": "mlx-gateway",
+        "dp_size": 1,
+        "max_running_requests": cfg.decode_concurrency,
+        "max_prefill_requests": cfg.prompt_concurrency,
+        "max_prefill_tokens": cfg.prefill_step_size,
+        "max_queued_requests": cfg.max_waiting,
+        "models": models,
+        "load": _load(front),
+        "draining": front.draining,
+    })
+
+
+async def model_info(request: Request) -> Response:
+    """``GET /model_info`` (also ``/get_model_info``): the first model's path, tokenizer,
+    type and architectures (from its ``config.json`` when at hand)."""
+    front: Front = request.app.state.front
+    first = front.models.slots[0]
+    path = _model_dir(first)
+    config = _hf_config(path)
+    return JSONResponse({
+        "model_path": path,
+        "tokenizer_path": path,
+        "served_model_name": first.name,
+        "is_generation": True,
+        "model_type": config.get("model_type"),
+        "architectures": config.get("architectures"),
+        "context_length": first.handle.context_length if first.handle is not None else None,
+    })
+
+
+async def get_load(request: Request) -> Response:
+    """``GET /get_load``: requests running and waiting over every loaded model, as
+    ``{"load": n, ...}`` (what a load-based router policy reads)."""
+    load = _load(request.app.state.front)
+    return JSONResponse({"load": load["running"] + load["waiting"], "num_reqs": load["running"],
+                         "num_waiting_reqs": load["waiting"]})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from gateway.tenancy.tenants import PRIORITIES
 from scheduler.metrics import LATENCY_BUCKETS
 
 # Time per output token, seconds: 1 ms to 2 s.
@@ -68,6 +69,21 @@ class GatewayMetrics:
             ["tenant", "model", "api", "finish_reason"],
             registry=registry,
         )
+        self.class_ttft = Histogram(
+            "mlx_gateway_class_time_to_first_token_seconds",
+            "Time from request arrival to its first generated token, by latency class, seconds.",
+            ["model", "priority"], buckets=LATENCY_BUCKETS, registry=registry,
+        )
+        self.inter_token = Histogram(
+            "mlx_gateway_inter_token_seconds",
+            "Time between two consecutive generated tokens of a request, by latency class, seconds.",
+            ["model", "priority"], buckets=TPOT_BUCKETS, registry=registry,
+        )
+        self.origin_refused = Counter(
+            "mlx_gateway_origin_refused",
+            "Requests with a valid key refused (403) because their Origin is not one the key is bound to.",
+            ["tenant"], registry=registry,
+        )
         self.rate_limited = Counter(
             "mlx_gateway_rate_limited",
             "Requests refused with 429, by the limit they hit "
@@ -100,6 +116,10 @@ def prime(metrics: GatewayMetrics, tenants, model: str) -> None:
                 metrics.generations.labels(t, model, api, reason)
         for limit in RATE_LIMITS:
             metrics.rate_limited.labels(t, limit)
+        metrics.origin_refused.labels(t)
+    for p in PRIORITIES:
+        metrics.class_ttft.labels(model, p)
+        metrics.inter_token.labels(model, p)
 
 
 class MLXMemoryCollector:

@@ -63,6 +63,7 @@ class RequestRecord:
     tenant: Optional[str] = None
     model: str = ""
     endpoint: str = ""
+    priority: Optional[str] = None  # the latency class
     status: int = 0
     stream: bool = False
     prompt_tokens: int = 0

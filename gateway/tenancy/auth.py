@@ -31,13 +31,20 @@ def identify(table: TenantTable, request: Request) -> tuple[Optional[Tenant], bo
     ``request.state.tenant`` for metrics and logs.
 
     Raises:
-        APIError: 401 for a missing key, or a key that is neither a tenant's nor an admin's.
+        APIError: 401 for a missing key, or a key that is neither a tenant's nor an admin's;
+            403 ``origin_not_allowed`` for a tenant's valid key sent from a browser origin
+            its ``origins`` do not list (or with no ``Origin`` unless ``allow_no_origin``).
     """
     key = api_key(request)
     tenant, admin = table.authenticate(key)
     if tenant is not None:
         request.state.tenant = tenant
         admin = admin or tenant.admin
+        origin = request.headers.get("origin")
+        if not tenant.origin_allowed(origin.rstrip("/") if origin else None):
+            raise APIError(403, f"this key may not be used from the origin {origin!r}" if origin else
+                           "this key may only be used from the browser origins it is bound to",
+                           code="origin_not_allowed")
     elif not admin:
         raise _unauthorized(key)
     return tenant, admin

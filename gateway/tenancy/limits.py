@@ -8,6 +8,15 @@ they are produced and may drive their bucket below zero, in which case the tenan
 next request waits until it is positive again. Headers follow OpenAI's
 ``x-ratelimit-*`` convention.
 
+With a shared store (``--limits-store``, :mod:`gateway.tenancy.limits_store`) the buckets
+and the concurrency slots that count are the store's, shared by every replica:
+:meth:`Limiter.begin` asks it (one atomic script), the prompt is checked against the
+store's levels as :meth:`Limiter.begin` read them and taken from the store in the
+background, completion tokens are sent in batches (at most one round trip per request per
+``store.flush_interval``) and a slot is released in the background. The replica's own
+buckets are charged too, so that while the store does not answer (``store.usable()`` is
+False) this replica falls back on them, with its own recent use in them.
+
 All methods run on the event loop thread (no locking needed).
 """
 
@@ -16,7 +25,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from gateway.http.errors import APIError
 from gateway.tenancy.tenants import Tenant
@@ -72,16 +81,52 @@ class _TenantState:
 
 
 @dataclass
+class Verdict:
+    """A shared store's answer to :meth:`Limiter.begin`: ``refused`` is None (admitted: a
+    request taken, the slot leased) or the limit hit (requests|completion_tokens|
+    prompt_tokens|concurrency), ``wait`` the seconds until it would pass, ``held`` the
+    tenant's slots held in the cluster, and the levels of its buckets (after the take)."""
+
+    refused: Optional[str]
+    wait: float
+    held: int
+    requests: float
+    completion: float
+    prompt: float
+
+
+# (limit label, Tenant attribute, unit in messages)
+_MESSAGES = {"requests": ("requests_per_minute", "requests"),
+             "completion_tokens": ("completion_tokens_per_minute", "completion tokens"),
+             "prompt_tokens": ("prompt_tokens_per_minute", "prompt tokens")}
+
+
+def _mirror(limit: Optional[int], level: float, now: float) -> Optional[TokenBucket]:
+    """A local copy of a shared bucket whose level was ``level`` at ``now``."""
+    if limit is None:
+        return None
+    bucket = TokenBucket(limit, limit / 60.0, now)
+    bucket.level = min(bucket.capacity, level)
+    return bucket
+
+
+@dataclass
 class Ticket:
     """One admitted request's hold on its tenant's limits; :meth:`close` releases its
     concurrency slot (idempotent). ``state`` is the tenant's buckets, shared with the
-    limiter (a reload resizes them in place)."""
+    limiter (a reload resizes them in place). With a shared store, ``lease`` is the slot's
+    id there and ``view`` (when the store admitted it) copies of the store's request and
+    prompt buckets as :meth:`Limiter.begin` read them."""
 
     limiter: "Limiter"
     tenant: Tenant
     state: _TenantState
     closed: bool = False
     headers: dict[str, str] = field(default_factory=dict)
+    lease: Optional[str] = None
+    view: Optional[_TenantState] = None
+    unsent: int = 0  # completion tokens not yet sent to the shared store
+    _timer: Any = None
 
     def charge_prompt(self, n: int) -> None:
         """Take ``n`` prompt tokens, before the request reaches the engine.
@@ -97,35 +142,67 @@ class Ticket:
             raise APIError(413, f"the prompt has {n} tokens, more than this key's limit of "
                            f"{int(bucket.capacity)} prompt tokens per minute", param="messages",
                            code="tokens_over_limit")
-        wait = bucket.wait_for(n, self.limiter.clock())
+        now = self.limiter.clock()
+        shown = self.view if self.view is not None and self.view.prompt is not None else self.state
+        wait = shown.prompt.wait_for(n, now)
         if wait > 0:
-            raise self.limiter._refuse(self.tenant, self.state, "prompt_tokens", wait,
+            raise self.limiter._refuse(self.tenant, shown, "prompt_tokens", wait,
                                        f"rate limit of {self.tenant.prompt_tokens_per_minute} prompt tokens "
                                        f"per minute reached ({n} needed)")
+        if shown is not self.state:
+            shown.prompt.take(n)
+            bucket.refill(now)
+            self.limiter.store.charge(self.tenant, "prompt", n)
         bucket.take(n)
-        self.headers = self.limiter._headers(self.state)
+        self.headers = self.limiter._headers(shown)
 
     def charge_completion(self, n: int = 1) -> None:
-        """Count ``n`` generated tokens (never refused: the bucket may go into debt)."""
+        """Count ``n`` generated tokens (never refused: the bucket may go into debt). With
+        a shared store they are sent in one batch per ``store.flush_interval`` and at
+        :meth:`close`."""
         bucket = self.state.completion
         if bucket is not None:
             bucket.refill(self.limiter.clock())
             bucket.take(n)
+            store = self.limiter.store
+            if store is not None and not self.closed:
+                self.unsent += n
+                if self._timer is None:
+                    self._timer = store.later(store.flush_interval, self._flush)
+
+    def _flush(self) -> None:
+        self._timer = None
+        n, self.unsent = self.unsent, 0
+        if n and not self.closed:
+            self.limiter.store.charge(self.tenant, "completion", n)
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
             self.state.in_flight -= 1
+            store = self.limiter.store
+            if store is not None:
+                if self._timer is not None:
+                    self._timer.cancel()
+                    self._timer = None
+                n, self.unsent = self.unsent, 0
+                store.release(self.tenant, self.lease, n)
 
 
 class Limiter:
     """The limits of every tenant. ``on_limited(tenant, limit)`` is called for each 429
-    (``limit`` is requests|prompt_tokens|completion_tokens|concurrency)."""
+    (``limit`` is requests|prompt_tokens|completion_tokens|concurrency).
+
+    ``store`` (None: this process's buckets only) is a shared store such as
+    :class:`gateway.tenancy.limits_store.RedisLimitsStore`: with it the limits hold for
+    every replica sharing it, and this process's buckets are the fallback while it does
+    not answer."""
 
     def __init__(self, on_limited: Callable[[str, str], None] = lambda t, k: None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, store=None):
         self.clock = clock
         self.on_limited = on_limited
+        self.store = store
         self._states: dict[str, _TenantState] = {}
 
     def _state(self, tenant: Tenant) -> _TenantState:
@@ -165,8 +242,10 @@ class Limiter:
             out[f"x-ratelimit-reset-{name}"] = _duration(bucket.reset_after())
         return out
 
-    def begin(self, tenant: Tenant) -> Ticket:
+    async def begin(self, tenant: Tenant) -> Ticket:
         """Admit one request of ``tenant`` or refuse it; nothing is taken when refused.
+        With a shared store that answers, its buckets and slots decide (one round trip,
+        at most ``store.timeout``); else this process's.
 
         Raises:
             APIError: 429 with ``Retry-After`` when the tenant has ``max_concurrent``
@@ -174,6 +253,42 @@ class Limiter:
                 debt.
         """
         st = self._state(tenant)
+        store = self.store
+        lease = None
+        if store is not None and any(v is not None for v in (
+                tenant.requests_per_minute, tenant.prompt_tokens_per_minute,
+                tenant.completion_tokens_per_minute, tenant.max_concurrent)):
+            lease = store.lease_id() if tenant.max_concurrent is not None else None
+            if store.usable():
+                verdict = await store.begin(tenant, lease)
+                if verdict is not None:
+                    return self._admit_shared(tenant, st, verdict, lease)
+        ticket = self._admit_local(tenant, st)
+        if lease is not None:
+            ticket.lease = lease
+            store.track(tenant, lease)
+        return ticket
+
+    def _admit_shared(self, tenant: Tenant, st: _TenantState, v: Verdict, lease: Optional[str]) -> Ticket:
+        now = self.clock()
+        view = _TenantState(requests=_mirror(tenant.requests_per_minute, v.requests, now),
+                            prompt=_mirror(tenant.prompt_tokens_per_minute, v.prompt, now))
+        if v.refused == "concurrency":
+            raise self._refuse(tenant, view, "concurrency", 1,
+                               f"tenant has {v.held} requests in flight (limit {tenant.max_concurrent})")
+        if v.refused is not None:
+            attr, unit = _MESSAGES[v.refused]
+            raise self._refuse(tenant, view, v.refused, v.wait,
+                               f"rate limit of {getattr(tenant, attr)} {unit} per minute reached")
+        if st.requests is not None:  # this replica's own use, for when it must fall back
+            st.requests.refill(now)
+            st.requests.take(1)
+        st.in_flight += 1
+        if lease is not None:
+            self.store.track(tenant, lease)
+        return Ticket(self, tenant, st, headers=self._headers(view), lease=lease, view=view)
+
+    def _admit_local(self, tenant: Tenant, st: _TenantState) -> Ticket:
         now = self.clock()
         if tenant.max_concurrent is not None and st.in_flight >= tenant.max_concurrent:
             raise self._refuse(tenant, st, "concurrency", 1,
@@ -191,3 +306,9 @@ class Limiter:
             st.requests.take(1)
         st.in_flight += 1
         return Ticket(self, tenant, st, headers=self._headers(st))
+
+    async def aclose(self) -> None:
+        """Stop the shared store's background work and close its connections (slots still
+        held expire by their TTL)."""
+        if self.store is not None:
+            await self.store.aclose()

@@ -17,6 +17,9 @@ A tenants file is TOML (read with ``tomllib``)::
     weight = 1.0                   # fair-share weight
     cache_group = "browser"        # prefix-cache namespace; tenants in one group share
     cache_bytes = "2G"             # byte quota of the cache group (optional)
+    priority = "interactive"       # latency class: interactive, standard (default) or batch
+    origins = ["chrome-extension://abcdefghijklmnopabcdefghijklmnop"]   # keys only from these Origins
+    allow_no_origin = false        # with origins: also accept requests without an Origin header
 
 Every limit is optional (absent: unlimited). ``mlx-gateway keys new TENANT`` prints a
 new key and the line to paste.
@@ -46,8 +49,10 @@ OPEN_TENANT = "default"
 _TENANT_FIELDS = {
     "key_sha256", "models", "requests_per_minute", "prompt_tokens_per_minute",
     "completion_tokens_per_minute", "max_concurrent", "max_queued", "max_tokens", "weight",
-    "cache_group", "cache_bytes",
+    "cache_group", "cache_bytes", "priority", "origins", "allow_no_origin",
 }
+# Latency classes, served in this order (scheduler.policy); the index is the engine's priority.
+PRIORITIES = ("interactive", "standard", "batch")
 
 
 class TenantsFileError(ValueError):
@@ -71,6 +76,12 @@ class Tenant:
         weight: fair-share weight (> 0).
         cache_group: the prefix-cache namespace.
         cache_bytes: byte quota of ``cache_group`` (None: only the global bound).
+        priority: its latency class, one of :data:`PRIORITIES`; a request may ask for a
+            lower one, never a higher one.
+        origins: the browser origins (``Origin`` header values, e.g.
+            ``chrome-extension://<id>``) its keys are accepted from; None: any.
+        allow_no_origin: with ``origins``, also accept requests that send no ``Origin``
+            (programs other than browsers).
         admin: may read every tenant's usage and flush cache groups.
     """
 
@@ -86,7 +97,17 @@ class Tenant:
     weight: float = 1.0
     cache_group: str = OPEN_TENANT
     cache_bytes: Optional[int] = None
+    priority: str = "standard"
+    origins: Optional[tuple[str, ...]] = None
+    allow_no_origin: bool = False
     admin: bool = False
+
+    def origin_allowed(self, origin: Optional[str]) -> bool:
+        """Whether this tenant's keys are accepted from a request with ``Origin: origin``
+        (None: the request sent none)."""
+        if self.origins is None:
+            return True
+        return self.allow_no_origin if origin is None else origin in self.origins
 
     def may_use(self, name: str) -> bool:
         """Whether this tenant may use the model name ``name`` (a served name or an alias):
@@ -138,6 +159,10 @@ class TenantTable:
     def all(self) -> list[Tenant]:
         """Every tenant (the open tenant alone in open mode)."""
         return [self.open_tenant] if self.open_tenant is not None else list(self.tenants.values())
+
+    def origins(self) -> frozenset[str]:
+        """Every origin some tenant's keys are bound to (each one a CORS-allowed origin)."""
+        return frozenset(o for t in self.all() for o in (t.origins or ()))
 
     def quotas(self) -> dict[str, int]:
         """Byte quota per cache group (groups without one are absent)."""
@@ -214,6 +239,15 @@ def _tenant(name: str, spec, admin_hashes: tuple[bytes, ...]) -> Tenant:
     group = spec.get("cache_group", name)
     if not isinstance(group, str) or not group:
         raise TenantsFileError(f"{where}: cache_group must be a non-empty string")
+    priority = spec.get("priority", "standard")
+    if priority not in PRIORITIES:
+        raise TenantsFileError(f"{where}: priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
+    origins = spec.get("origins")
+    if origins is not None and (not isinstance(origins, list) or not all(isinstance(o, str) and o for o in origins)):
+        raise TenantsFileError(f"{where}: origins must be a list of origins such as 'chrome-extension://<id>'")
+    allow_no_origin = spec.get("allow_no_origin", False)
+    if not isinstance(allow_no_origin, bool):
+        raise TenantsFileError(f"{where}: allow_no_origin must be true or false")
     return Tenant(
         name=name,
         key_hashes=hashes,
@@ -227,6 +261,9 @@ def _tenant(name: str, spec, admin_hashes: tuple[bytes, ...]) -> Tenant:
         weight=_positive(spec, "weight", where, float) or 1.0,
         cache_group=group,
         cache_bytes=_size(spec["cache_bytes"], where) if "cache_bytes" in spec else None,
+        priority=priority,
+        origins=tuple(o.rstrip("/") for o in origins) if origins is not None else None,
+        allow_no_origin=allow_no_origin,
         admin=bool(set(hashes) & set(admin_hashes)),
     )
 
