@@ -60,6 +60,7 @@ KEEP_LAST = 8
 KEEP_EVERY = 4
 
 _OPEN, _CLOSE = "\ue000", "\ue001"  # private-use code points around a marker's name
+MARK_OPEN, MARK_CLOSE = _OPEN, _CLOSE  # for callers placing markers of their own (marker_offsets finds them)
 _MARK = re.compile(f"{_OPEN}([a-z0-9]+){_CLOSE}")
 _REPLY, _NEXT_USER = "a", "u"
 

@@ -21,7 +21,7 @@ class Entry:
     """
 
     __slots__ = ("namespace", "node", "private", "num_tokens", "private_bytes", "by_type",
-                 "trimmable", "leases", "alive", "used")
+                 "trimmable", "leases", "alive", "used", "keep_until")
 
     def __init__(self, namespace: str, private: list[Any], num_tokens: int, trimmable: bool):
         self.namespace = namespace
@@ -37,6 +37,7 @@ class Entry:
         self.leases = 0
         self.alive = True
         self.used = 0.0  # monotonic seconds of its last use (stored, hit or released)
+        self.keep_until = 0.0  # monotonic seconds until which a cache breakpoint keeps it
 
     def can_restore(self, wanted: int) -> bool:
         """Can this snapshot be brought to exactly ``wanted`` tokens (``restore.py`` rules)?"""

@@ -167,11 +167,17 @@ class PromptCacheManager:
         q = self._quotas.get(namespace)
         if q is None or self.namespace_bytes(namespace) <= q:
             return
-        for e in [e for e in self._lru if e.namespace == namespace]:
+        for e in [e for e in self._eviction_order() if e.namespace == namespace]:
             if self.namespace_bytes(namespace) <= q:
                 break
             self._drop(e)
             self.metrics.evictions.labels(reason="quota").inc()
+
+    def _eviction_order(self) -> list[Entry]:
+        """Unleased entries in the order they go: least recently used first, those kept by
+        a cache breakpoint (until their ``keep_until``) after all the others. Lock held."""
+        now = time.monotonic()
+        return [e for e in self._lru if e.keep_until <= now] + [e for e in self._lru if e.keep_until > now]
 
     # -- lookup ---------------------------------------------------------------
     def _select(self, namespace: str, tokens: Sequence[int]) -> tuple[Entry, int] | None:
@@ -278,25 +284,34 @@ class PromptCacheManager:
             self.metrics.leases.set(self._num_leases)
 
     # -- insert / evict -------------------------------------------------------
-    def refresh(self, namespace: str, tokens: Sequence[int]) -> bool:
-        """If a snapshot keyed exactly ``tokens`` is stored, mark it recently used and
-        return True (the caller need not build one to :meth:`insert`)."""
+    def refresh(self, namespace: str, tokens: Sequence[int], keep_for: float | None = None) -> bool:
+        """If a snapshot keyed exactly ``tokens`` is stored, mark it recently used (and
+        kept for ``keep_for`` seconds more, if given) and return True (the caller need not
+        build one to :meth:`insert`)."""
         with self._lock:
             group = self._groups.get(namespace)
             node = group.tree.find(tokens) if group is not None else None
             if node is None or node.value is None:
                 return False
+            self._keep(node.value, keep_for)
             if node.value.leases == 0:
                 self._touch(node.value)
             return True
+
+    @staticmethod
+    def _keep(entry: Entry, keep_for: float | None) -> None:
+        if keep_for:
+            entry.keep_until = max(entry.keep_until, time.monotonic() + keep_for)
 
     def _touch(self, entry: Entry) -> None:
         """Move an unleased entry to the most recently used end. Lock held."""
         self._lru.move_to_end(entry)
         entry.used = time.monotonic()
 
-    def insert(self, namespace: str, tokens: Sequence[int], cache: list[Any]) -> bool:
+    def insert(self, namespace: str, tokens: Sequence[int], cache: list[Any], keep_for: float | None = None) -> bool:
         """Store ``cache`` as the snapshot after ``tokens``; the manager takes ownership.
+        With ``keep_for`` (seconds: a cache breakpoint's ttl), it is evicted only after
+        every snapshot without one, until that time has passed.
 
         Only the KV of tokens not yet held in ``namespace`` is copied into new pages;
         the other layers are compacted (a view would pin its parent's whole buffer).
@@ -322,7 +337,7 @@ class PromptCacheManager:
         off = rules.token_count(cache)
         if off is not None and off != n:
             raise ValueError(f"cache covers {off} tokens but the key has {n}")
-        if self.refresh(namespace, tokens):
+        if self.refresh(namespace, tokens, keep_for):
             return True
         shape = layout(cache)
         private = [None if is_paged(c) else c for c in cache]
@@ -340,6 +355,7 @@ class PromptCacheManager:
             m = group.tree.match(tokens)
             node = m.below if m.matched == n and m.below is not None and m.below.depth == n else None
             if node is not None and node.value is not None:  # raced with another insert
+                self._keep(node.value, keep_for)
                 if node.value.leases == 0:
                     self._touch(node.value)
                 return True
@@ -358,6 +374,7 @@ class PromptCacheManager:
             entry.node = node
             self._lru[entry] = None
             entry.used = time.monotonic()
+            self._keep(entry, keep_for)
             self._entries += 1
             self._account(group, entry, +1)
         if self.budget is not None:
@@ -377,7 +394,8 @@ class PromptCacheManager:
         quota = self._quotas.get(namespace)
         if quota is not None:
             group_b = self.namespace_bytes(namespace)
-            for e in self._lru:
+            order = self._eviction_order()
+            for e in order:
                 if group_b + run.new_bytes() <= quota:
                     break
                 if e.namespace == namespace:
@@ -387,7 +405,7 @@ class PromptCacheManager:
                     total_e -= 1
             if group_b + run.new_bytes() > quota:
                 return None
-        for e in self._lru:
+        for e in self._eviction_order():
             if total_e + 1 <= self.max_entries and total_b + run.new_bytes() <= self.max_bytes:
                 break
             if id(e) in run.dropped:
@@ -403,6 +421,8 @@ class PromptCacheManager:
         """Remove an unleased entry from its tree and the accounting; with a disk tier,
         queue it for the disk unless ``spill`` is False. Lock held."""
         assert entry.leases == 0 and entry.alive
+        if entry.keep_until > time.monotonic():
+            self.metrics.kept_evicted.inc()  # memory forced out a breakpoint's prefix before its ttl
         self._lru.pop(entry, None)
         group = self._groups[entry.namespace]
         if spill and self.disk is not None:
@@ -430,17 +450,21 @@ class PromptCacheManager:
         self.metrics.tokens.labels(cache_group=ns).set(group.tokens)
 
     def oldest_use(self) -> float | None:
-        """Last use (monotonic seconds) of the least recently used unleased snapshot;
-        None when every snapshot is leased or none is stored (``budget.py``)."""
+        """Last use (monotonic seconds) of the snapshot :meth:`evict_oldest` would drop
+        (``inf`` when only snapshots kept by a breakpoint are left); None when every
+        snapshot is leased or none is stored (``budget.py``)."""
         with self._lock:
-            head = next(iter(self._lru), None)
-            return None if head is None else head.used
+            head = next(iter(self._eviction_order()), None)
+            if head is None:
+                return None
+            return head.used if head.keep_until <= time.monotonic() else float("inf")
 
     def evict_oldest(self, reason: str) -> bool:
-        """Drop the least recently used unleased snapshot (to the disk tier, if any),
-        counted as an eviction for ``reason``; False if there is none."""
+        """Drop the least recently used unleased snapshot, those kept by a breakpoint last
+        (to the disk tier, if any), counted as an eviction for ``reason``; False if there
+        is none."""
         with self._lock:
-            head = next(iter(self._lru), None)
+            head = next(iter(self._eviction_order()), None)
             if head is None:
                 return False
             self._drop(head)

@@ -18,6 +18,8 @@ Exposed names (dashboards rely on them; vLLM's ``prefix_cache_queries`` /
 - ``mlx_gateway_prompt_cache_quota_bytes{cache_group}`` (gauge, bytes; only groups with a quota)
 
 A cache group is a prefix-cache namespace: the manager's ``namespace`` argument.
+- ``mlx_gateway_prompt_cache_breakpoints_evicted_total`` (counter: snapshots kept by a
+  cache breakpoint that memory forced out before their ttl)
 - ``mlx_gateway_prompt_cache_active_leases`` (gauge)
 - ``mlx_gateway_prompt_cache_fetch_seconds{phase}`` (histogram, seconds;
   phase lookup|copy|restore)
@@ -67,6 +69,11 @@ class CacheMetrics:
         )
         self.quota = Gauge(
             "mlx_gateway_prompt_cache_quota_bytes", "Byte quota of a cache group", ["cache_group"], registry=r
+        )
+        self.kept_evicted = Counter(
+            "mlx_gateway_prompt_cache_breakpoints_evicted",
+            "Snapshots kept by a cache breakpoint (cache_control) that memory forced out before their ttl",
+            registry=r,
         )
         self.leases = Gauge(
             "mlx_gateway_prompt_cache_active_leases", "Snapshots leased by running requests (lease count)", registry=r

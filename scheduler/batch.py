@@ -179,7 +179,7 @@ class Batch:
         """Put ``r``'s prompt from ``start`` on (tokens) into the generator over ``cache``
         (covering ``tokens``), cut into segments at ``marks``; its uid."""
         cuts = [start, *[m for m in marks if m > start], len(r.tokens)]
-        processors = make_processors(r.params) + ([r.mask] if r.mask is not None else [])
+        processors = make_processors(r.params) + list(r.processors) + ([r.mask] if r.mask is not None else [])
         (uid,) = self.gen.insert_segments(
             [[r.tokens[x:y] for x, y in zip(cuts, cuts[1:])]],
             max_tokens=[r.params.max_tokens],
@@ -462,11 +462,12 @@ class Batch:
         """
         if not tokens or cache is None:
             return
+        keep = a.request.keep.get(len(tokens))  # a cache breakpoint's ttl
         try:
-            if self.prompt_cache.refresh(a.request.namespace, tokens):  # e.g. an exact repeat: no copy
+            if self.prompt_cache.refresh(a.request.namespace, tokens, keep):  # e.g. an exact repeat: no copy
                 a.stored = max(a.stored, min(len(tokens), len(a.request.tokens)))
                 return
-            if self.prompt_cache.insert(a.request.namespace, list(tokens), cache):
+            if self.prompt_cache.insert(a.request.namespace, list(tokens), cache, keep):
                 self.stats.snapshots_saved += 1
                 a.stored = max(a.stored, min(len(tokens), len(a.request.tokens)))
         except Exception:

@@ -88,8 +88,13 @@ class Grammars:
         or :func:`lark_grammar`).
 
         Raises:
-            GrammarError: the grammar does not compile (the message says why).
+            GrammarError: the grammar does not compile (the message says why), or uses
+                JSON Schema keywords llguidance does not enforce (named).
         """
+        _, notes = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+        unenforced = [n.split(":", 1)[1].strip() for n in notes if n.startswith("Unimplemented keys")]
+        if unenforced:  # e.g. uniqueItems, contains, not: the output could break the schema
+            raise GrammarError(f"keywords the grammar engine cannot enforce: {', '.join(unenforced)}")
         try:
             matcher = llguidance.LLMatcher(self._tokenizer(), grammar)
         except Exception as e:  # llguidance raises ValueError/RuntimeError on bad input

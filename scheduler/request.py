@@ -100,6 +100,10 @@ class EngineRequest:
             constrained decoding, or None for free text. Used by this request only.
         priority: its latency class: 0 interactive, 1 standard, 2 batch; lower is served
             first (:mod:`scheduler.policy`).
+        keep: prompt offsets (tokens) of cache breakpoints, with the seconds the prefix
+            cache keeps each snapshot taken there (each is also in ``checkpoints``).
+        processors: further logits processors of this request alone, applied before its
+            ``mask`` (e.g. a :class:`scheduler.thinking.ThinkingBudget`).
     """
 
     id: str
@@ -113,6 +117,8 @@ class EngineRequest:
     max_queued: Optional[int] = None
     mask: Optional[Any] = None
     priority: int = 1
+    keep: dict = field(default_factory=dict)
+    processors: list = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
     prefix_key: Optional[Any] = field(default=None, repr=False, compare=False)  # set by the policy
     # Monotonic times (s) the engine passed its stages: engine_admitted, engine_restored,

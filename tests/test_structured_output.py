@@ -135,6 +135,16 @@ def test_bad_response_format_gets_a_400_naming_the_parameter(server, fmt, param)
     assert server.engine.alive
 
 
+@pytest.mark.parametrize("keyword", [{"uniqueItems": True}, {"contains": {"const": 1}}])
+def test_a_keyword_the_grammar_cannot_enforce_is_a_400_naming_it(server, keyword):
+    """Never silently ignored: the answer could break the schema."""
+    fmt = schema_format({"type": "array", "items": {"type": "integer"}, **keyword})
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(server.openai(), "hi", response_format=fmt)
+    assert e.value.body["param"] == "response_format.json_schema.schema"
+    assert next(iter(keyword)) in e.value.body["message"], e.value.body
+
+
 class BrokenMatcher:
     """A real llguidance matcher that raises on its ``fail_at``-th token (fault injection)."""
 

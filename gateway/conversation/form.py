@@ -27,7 +27,10 @@ class ToolCall:
 @dataclass
 class Turn:
     """One message. ``role`` is ``system``, ``user``, ``assistant`` or ``tool``;
-    ``tool_call_id`` (and ``name``, when known) tie a tool result to its call."""
+    ``tool_call_id`` (and ``name``, when known) tie a tool result to its call.
+    ``breaks`` are cache breakpoints inside it (Anthropic's ``cache_control``):
+    ``(character offset in text, seconds to keep the prefix)``; the prefix up to there is
+    snapshotted and kept."""
 
     role: str
     text: str = ""
@@ -35,6 +38,7 @@ class Turn:
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_call_id: Optional[str] = None
     name: Optional[str] = None
+    breaks: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -75,7 +79,8 @@ class Conversation:
 
     ``tool_choice`` is ``none``, ``auto``, ``required`` or ``function`` (then
     ``forced_tool`` names it). ``output_schema`` is a JSON Schema the answer must match
-    (None: free text); ``output_param`` names it in error messages. ``template_kwargs``
+    (None: free text); ``output_param`` names it in error messages; ``output_strict``: its
+    objects allow no property they do not name, unless they say so. ``template_kwargs``
     go to the chat template (e.g. ``enable_thinking``).
     """
 
@@ -87,10 +92,13 @@ class Conversation:
     parallel_tool_calls: bool = True
     output_schema: Optional[dict] = None
     output_param: str = "response_format"
+    output_strict: bool = False
     stop: list[str] = field(default_factory=list)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     model: Optional[str] = None
     stream: bool = False
+    continue_final: bool = False  # the last turn is an assistant's, to be continued (a prefill)
+    thinking_budget: Optional[int] = None  # tokens of reasoning before the thinking block is closed
 
 
 # ---------------------------------------------------------------------- events

@@ -44,6 +44,9 @@ class Generation:
         weight: float = 1.0,
         max_queued: int | None = None,
         mask=None,
+        priority: int = 1,
+        keep: dict | None = None,
+        processors: list | None = None,
     ):
         self.engine = engine
         self.id = f"req-{next(_counter)}-{uuid.uuid4().hex[:8]}"
@@ -62,6 +65,9 @@ class Generation:
             weight=weight,
             max_queued=max_queued,
             mask=mask,
+            priority=priority,
+            keep=dict(keep or {}),
+            processors=list(processors or []),
         )
 
     def _sink(self, events: list[Event]) -> None:

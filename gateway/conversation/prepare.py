@@ -9,14 +9,15 @@ from typing import Optional
 
 from gateway.conversation.form import Conversation, Sampling
 from gateway.conversation.prompts import Prompt, render_chat
-from gateway.conversation.structured import output_mask
+from gateway.conversation.structured import CONSTRAINED_THINKING_BUDGET, Thinking, constrains_answer, output_mask
 from gateway.conversation.textout import TextAssembler
 from gateway.conversation.tools import ToolPlan, plan_tools
-from gateway.http.errors import APIError
+from gateway.http.errors import APIError, context_too_long
 from gateway.models.handle import ModelHandle
 from gateway.tenancy.tenants import Tenant
 from scheduler import SamplingParams
 from scheduler.grammar import TokenMask
+from scheduler.thinking import ThinkingBudget
 
 
 def sampling_params(model: ModelHandle, tenant: Tenant, s: Sampling) -> SamplingParams:
@@ -59,27 +60,34 @@ def fit_context(model: ModelHandle, prompt: Prompt, params: SamplingParams) -> S
     """``params`` with ``max_tokens`` cut to the room the context leaves.
 
     Raises:
-        APIError: 400 for a prompt over the model's ``max_prompt_tokens`` or its context.
+        APIError: 400 ``context_length_exceeded`` for a prompt over the model's
+            ``max_prompt_tokens`` or its context (in the words clients match:
+            :func:`gateway.http.errors.context_too_long`).
     """
     n = len(prompt.tokens)
     cap = model.spec.max_prompt_tokens
     if cap is not None and n > cap:
-        raise APIError(400, f"the prompt has {n} tokens; this server's limit is {cap} tokens",
-                       param="messages", code="context_length_exceeded")
+        raise context_too_long(n, cap)
     if n >= model.context_length:
-        raise APIError(400, f"the prompt has {n} tokens; this model's context is {model.context_length} tokens",
-                       param="messages", code="context_length_exceeded")
+        raise context_too_long(n, model.context_length)
     room = model.context_length - n
     if params.max_tokens > room:
         params = SamplingParams(**{**params.__dict__, "max_tokens": room})
     return params
 
 
-def prepare_chat(model: ModelHandle, conv: Conversation, marks: Optional[dict] = None
-                 ) -> tuple[Prompt, Optional[ToolPlan], Optional[TokenMask]]:
-    """Tools, prompt and output grammar of a conversation. Runs in a worker thread:
-    template, tokenizer and grammar compilation are CPU work that must not stall the
-    event loop, and none of it touches MLX.
+def prepare_chat(model: ModelHandle, conv: Conversation, marks: Optional[dict] = None, max_tokens: int = 0
+                 ) -> tuple[Prompt, Optional[ToolPlan], Optional[TokenMask], list]:
+    """Tools, prompt, output grammar and thinking budget of a conversation. Runs in a
+    worker thread: template, tokenizer and grammar compilation are CPU work that must not
+    stall the event loop, and none of it touches MLX.
+
+    A thinking model's reasoning is capped by the request's budget, or, before a
+    constrained answer, by :data:`CONSTRAINED_THINKING_BUDGET` and an eighth of
+    ``max_tokens`` (so the answer still fits).
+
+    Returns:
+        ``(prompt, tool plan, token mask, further logits processors)``.
 
     Raises:
         APIError: 400 for bad tools, schemas or a conversation the template rejects.
@@ -87,13 +95,37 @@ def prepare_chat(model: ModelHandle, conv: Conversation, marks: Optional[dict] =
     if marks is not None:
         marks["render_in"] = time.monotonic()
     plan = plan_tools(conv, model.tokenizer)
-    mask = output_mask(model.grammars, conv, plan)
     spec = model.spec
     prompt = render_chat(model.tokenizer, conv, spec.chat_template_args, spec.checkpoint_every, plan,
                          trimmable=model.trimmable)
+    thinking = thinks(model, prompt)
+    mask = output_mask(model.grammars, conv, plan, thinking)
+    processors = []
+    budget = conv.thinking_budget
+    if budget is None and constrains_answer(conv, plan):
+        budget = min(CONSTRAINED_THINKING_BUDGET, max(4, max_tokens // 8)) if max_tokens else CONSTRAINED_THINKING_BUDGET
+    if thinking is not None and budget:
+        tags = [model.tokenizer.convert_tokens_to_ids(t) for t in (model.tokenizer.think_start,
+                                                                   model.tokenizer.think_end)]
+        if all(isinstance(t, int) and t >= 0 for t in tags):
+            processors.append(ThinkingBudget(tags[0], tags[1], budget, inside=thinking.opened))
     if marks is not None:
         marks["render_out"] = time.monotonic()
-    return prompt, plan, mask
+    return prompt, plan, mask, processors
+
+
+def thinks(model: ModelHandle, prompt: Prompt) -> Optional[Thinking]:
+    """Whether the model will think before answering ``prompt``: its template has think
+    tags, and the prompt does not end with a closed (empty) block, as templates render
+    thinking turned off."""
+    tok = model.tokenizer
+    if not getattr(tok, "has_thinking", False):
+        return None
+    tail = tok.decode(prompt.tokens[-8:]).rstrip()
+    if tail.endswith(tok.think_end):
+        return None
+    literal = model.grammars.lark_literal
+    return Thinking(literal(tok.think_start), literal(tok.think_end), prompt.opens_reasoning)
 
 
 def text_assembler(model: ModelHandle, stop: list[str], opens_reasoning: bool, reasoning: bool = True

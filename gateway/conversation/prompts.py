@@ -6,10 +6,13 @@ templates and tokenizers are pure Python/Rust work that must not stall decoding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from cache.checkpoints import encode_with_ends, plan_chat_checkpoints, plan_completion_checkpoints, render_text
+from cache.checkpoints import (
+    MARK_CLOSE, MARK_OPEN, encode_with_ends, marker_offsets, plan_chat_checkpoints, plan_completion_checkpoints,
+    render_text, tokens_before,
+)
 from gateway.http.errors import APIError
 from gateway.conversation.form import Conversation
 from gateway.conversation.tools import ToolPlan, template_messages
@@ -30,6 +33,7 @@ class Prompt:
     opens_reasoning: bool = False
     messages: Optional[list[dict]] = field(default=None, repr=False)  # the template messages (chat only)
     template_kwargs: dict = field(default_factory=dict, repr=False)
+    breakpoints: dict[int, float] = field(default_factory=dict)  # cache breakpoint offset -> seconds to keep
 
 
 def render_chat(
@@ -46,17 +50,29 @@ def render_chat(
     way ``apply_chat_template(tokenize=True)`` does; the token offsets of the text let
     the checkpoint planner place its offsets without tokenizing again.
 
+    A conversation whose last turn is an assistant's to continue (``continue_final``, a
+    prefill) is rendered without the generation prompt and cut right after that turn's
+    text, as ``continue_final_message`` does in Hugging Face's templates. Cache
+    breakpoints (``Turn.breaks``) become checkpoints at exactly their token boundary
+    (:attr:`Prompt.breakpoints`), found by rendering the conversation with markers there.
+
     Raises:
         APIError: 400 when the template rejects the conversation.
     """
     if not getattr(tokenizer, "has_chat_template", False):
         raise APIError(400, "this model has no chat template; use /v1/completions")
+    prefill = conv.continue_final and bool(conv.turns) and conv.turns[-1].role == "assistant" \
+        and bool(conv.turns[-1].text)
     messages = template_messages(conv.turns, tools)
     kwargs = {**default_template_kwargs, **conv.template_kwargs}
     if tools is not None and tools.in_template:
         kwargs["tools"] = tools.tools
+    if conv.continue_final and not prefill and messages and messages[-1]["role"] == "assistant":
+        messages = messages[:-1]  # an empty prefill: an ordinary answer
     try:
-        text = render_text(tokenizer, messages, True, kwargs)
+        text = render_text(tokenizer, messages, not prefill, kwargs)
+        if prefill:
+            text = _continued(text, messages[-1]["content"])
     except APIError:
         raise
     except Exception as e:  # jinja's raise_exception, bad kwargs, ...
@@ -64,10 +80,59 @@ def render_chat(
     tokens, ends = encode_with_ends(tokenizer, text)
     if not tokens:
         raise APIError(400, "the rendered prompt is empty", param="messages")
-    checkpoints = plan_chat_checkpoints(tokenizer, messages, tokens, kwargs, interval=checkpoint_every,
-                                        prompt_text=text, token_ends=ends, boundaries=not trimmable,
-                                        trimmable=trimmable)
-    return Prompt(tokens, checkpoints, _opens_reasoning(tokenizer, tokens), messages, kwargs)
+    if prefill:
+        checkpoints = plan_completion_checkpoints(tokens, interval=checkpoint_every)
+    else:
+        checkpoints = plan_chat_checkpoints(tokenizer, messages, tokens, kwargs, interval=checkpoint_every,
+                                            prompt_text=text, token_ends=ends, boundaries=not trimmable,
+                                            trimmable=trimmable)
+    breakpoints = _breakpoints(tokenizer, conv, tools, kwargs, not prefill, text, tokens, ends)
+    checkpoints = sorted(set(checkpoints) | set(breakpoints))
+    return Prompt(tokens, checkpoints, _opens_reasoning(tokenizer, tokens), None if prefill else messages, kwargs,
+                  breakpoints)
+
+
+def _continued(text: str, content: str) -> str:
+    """``text`` (rendered without the generation prompt) cut right after the last
+    assistant message's ``content``: the answer continues it.
+
+    Raises:
+        APIError: 400 when the template does not show the content as it is.
+    """
+    i = text.rfind(content)
+    if i < 0:
+        raise APIError(400, "the chat template does not show the last assistant message as given, so it "
+                       "cannot be continued", param="messages")
+    return text[: i + len(content)]
+
+
+def _breakpoints(tokenizer, conv: Conversation, tools: Optional[ToolPlan], kwargs: dict, generation_prompt: bool,
+                 text: str, tokens: list[int], ends) -> dict[int, float]:
+    """Token offsets of the conversation's cache breakpoints, with the seconds each is to
+    be kept: the conversation is rendered again with a marker at each, and the markers'
+    places in the prompt's text become token boundaries. A breakpoint the template does
+    not show in place (it rewrites that text) is left out."""
+    if not any(t.breaks for t in conv.turns):
+        return {}
+    marked, ttls = [], {}
+    for t in conv.turns:
+        body = t.text
+        for pos, ttl in sorted(t.breaks, reverse=True):  # from the end, so offsets stay valid
+            name = f"b{len(ttls)}"
+            ttls[name] = ttl
+            body = body[:pos] + f"{MARK_OPEN}{name}{MARK_CLOSE}" + body[pos:]
+        marked.append(replace(t, text=body))
+    try:
+        marked_text = render_text(tokenizer, template_messages(marked, tools), generation_prompt, kwargs)
+    except Exception:
+        return {}
+    out: dict[int, float] = {}
+    for name, chars in marker_offsets(text, marked_text).items():
+        if name in ttls:
+            at = tokens_before(tokenizer, text, tokens, ends, chars)
+            if 0 < at <= len(tokens):
+                out[at] = max(out.get(at, 0.0), ttls[name])
+    return out
 
 
 def render_completion(tokenizer, text: str | list[int], checkpoint_every: int) -> Prompt:

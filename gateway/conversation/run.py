@@ -35,6 +35,7 @@ from gateway.conversation.tools import ToolPlan
 from gateway.http.errors import APIError
 from gateway.http.sse import wait_for_disconnect
 from gateway.models.handle import ModelHandle
+from gateway.tenancy.tenants import PRIORITIES
 from scheduler import SamplingParams
 from scheduler.grammar import TokenMask
 from scheduler.request import DoneEvent, ErrorEvent, ProgressEvent, PromptEvent, TokenEvent
@@ -72,10 +73,11 @@ async def start_conversation(call: Call, conv: Conversation) -> "Run | PendingRu
         marks = call.record.marks
         with model.engine.arrivals.prepare():  # an idle engine may wait for it (scheduler.arrivals)
             marks["render_start"] = time.monotonic()
-            prompt, plan, mask = await anyio.to_thread.run_sync(prepare_chat, model, conv, marks)
+            prompt, plan, mask, processors = await anyio.to_thread.run_sync(prepare_chat, model, conv, marks,
+                                                                            params.max_tokens)
             marks["render_end"] = time.monotonic()
             asm = text_assembler(model, conv.stop, prompt.opens_reasoning)
-            return Run.submit(call, model, prompt, params, asm, plan, mask)
+            return Run.submit(call, model, prompt, params, asm, plan, mask, processors)
 
     return await begin(call, conv.model, conv.stream, start)
 
@@ -143,10 +145,12 @@ class Run:
     error_status: Optional[int] = None
     settled: bool = False
     first_at: Optional[float] = None  # monotonic seconds of the first token
+    last_at: float = 0.0  # monotonic seconds of the latest token
 
     @classmethod
     def submit(cls, call: Call, model: ModelHandle, prompt: Prompt, params: SamplingParams,
-               asm: TextAssembler, plan: Optional[ToolPlan] = None, mask: Optional[TokenMask] = None) -> "Run":
+               asm: TextAssembler, plan: Optional[ToolPlan] = None, mask: Optional[TokenMask] = None,
+               processors: Optional[list] = None) -> "Run":
         """Check the prompt against the limits and hand it to the engine.
 
         Raises:
@@ -158,7 +162,9 @@ class Run:
         call.ticket.charge_prompt(len(prompt.tokens))
         t = call.tenant
         gen = Generation(model.engine, prompt.tokens, params, prompt.checkpoints, namespace=t.cache_group,
-                         tenant=t.name, weight=t.weight, max_queued=t.max_queued, mask=mask)
+                         tenant=t.name, weight=t.weight, max_queued=t.max_queued, mask=mask,
+                         priority=PRIORITIES.index(call.priority), keep=prompt.breakpoints,
+                         processors=processors)
         call.record.request_id = gen.id
         call.record.prompt_tokens = len(prompt.tokens)
         if call.front.config.log_prompts:
@@ -284,12 +290,17 @@ class Run:
                 m.cached_tokens.labels(*labels).inc(ev.cached_tokens)
                 front.usage.add(tenant, prompt=prompt_len, cached=ev.cached_tokens)
             elif isinstance(ev, TokenEvent):
+                now = time.monotonic()
                 if self.first_at is None:
-                    self.first_at = time.monotonic()
+                    self.first_at = now
                     rec.marks["first_token"] = self.first_at
                     rec.marks.update(gen.request.timings)  # the engine's marks, all set by now
                     rec.ttft_seconds = self.first_at - gen.arrival
                     m.ttft.labels(*labels).observe(self.first_at - gen.arrival)
+                    m.class_ttft.labels(self.model.name, call.priority).observe(self.first_at - gen.arrival)
+                else:
+                    m.inter_token.labels(self.model.name, call.priority).observe(now - self.last_at)
+                self.last_at = now
                 self.tokens.append(ev)
                 call.ticket.charge_completion(1)
                 d = self.asm.feed(ev.token)

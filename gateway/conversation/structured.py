@@ -2,37 +2,85 @@
 
 A conversation's ``output_schema`` (OpenAI's ``response_format``, Anthropic's
 ``output_config.format``, the Responses API's ``text.format``) constrains the output to
-JSON valid for the schema (compact, no free whitespace). A ``tool_choice`` of ``required`` or a
+JSON valid for the schema (compact, no free whitespace); a strict one allows no
+properties its objects do not name, unless they say so
+(:func:`gateway.conversation.tools.closed_schema`), like every tool's arguments. A
+schema keyword the grammar engine cannot enforce (``uniqueItems``, ``contains``, ...) is
+a 400 naming it, never silently ignored. A ``tool_choice`` of ``required`` or a
 named function takes precedence, since the output must then be a call
-(:func:`gateway.conversation.tools.call_grammar`). The grammar is compiled into the request's
+(:func:`gateway.conversation.tools.call_lark`); under ``auto``, on models whose call tag is
+a special token, text stays free and a call, once begun, follows its tool's schema
+(:func:`gateway.conversation.tools.lazy_call_lark`). The grammar is compiled into the request's
 :class:`scheduler.grammar.TokenMask` here, off the engine thread, so a bad schema is a
 400 before anything is queued.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 from gateway.http.errors import APIError
 from gateway.conversation.form import Conversation
-from gateway.conversation.tools import ToolPlan, call_grammar, check_schema
-from scheduler.grammar import GrammarError, Grammars, TokenMask, json_schema_grammar
+from gateway.conversation.tools import ToolPlan, call_lark, check_schema, closed_schema, json_lark, lazy_call_lark
+from scheduler.grammar import GrammarError, Grammars, TokenMask, lark_grammar
+
+# Reasoning tokens a thinking model may spend before a constrained answer, unless the
+# request gives a budget of its own (Anthropic's thinking.budget_tokens).
+CONSTRAINED_THINKING_BUDGET = 512
 
 
-def output_mask(grammars: Grammars, conv: Conversation, plan: Optional[ToolPlan]) -> Optional[TokenMask]:
-    """The token mask for a conversation, or None when its output is free.
+@dataclass(frozen=True)
+class Thinking:
+    """A model about to think: its think tags as Lark expressions, and whether the prompt
+    already opened the block."""
+
+    open: str
+    close: str
+    opened: bool
+
+
+def output_mask(grammars: Grammars, conv: Conversation, plan: Optional[ToolPlan],
+                thinking: Optional[Thinking] = None) -> Optional[TokenMask]:
+    """The token mask for a conversation, or None when its output is free. For a model
+    that thinks first (``thinking``), the constraint begins after its think block: any
+    text up to the end tag (capped by a :class:`scheduler.thinking.ThinkingBudget`), then
+    the call or the JSON, as reasoning-aware structured output does elsewhere.
 
     Raises:
-        APIError: 400 for an invalid schema, or one the grammar engine cannot compile.
+        APIError: 400 for an invalid schema, or one the grammar engine cannot compile (a
+            keyword it cannot enforce, such as ``uniqueItems``, is named).
     """
     forced = plan is not None and plan.choice in ("required", "function")
     schema = conv.output_schema
     if not forced and schema is None:
-        return None
+        lazy = lazy_call_lark(plan, grammars.lark_literal)
+        return None if lazy is None else _compiled(grammars, lazy, "tools")
     if not forced:
         check_schema(schema, conv.output_param)
     param = "tools" if forced else conv.output_param
+    if not forced and conv.output_strict:
+        schema = closed_schema(schema)
+    body = call_lark(plan, grammars.lark_literal, root="body") if forced else f"body: {json_lark(schema)}"
+    if thinking is None:
+        lark = "start: body\n" + body
+    elif thinking.opened:
+        lark = f"start: THINK_TEXT {thinking.close} /\\n{{0,2}}/ body\nTHINK_TEXT: /(.|\\n)*/\n{body}"
+    else:
+        lark = (f"start: think? body\nthink: {thinking.open} THINK_TEXT {thinking.close} /\\n{{0,2}}/\n"
+                f"THINK_TEXT: /(.|\\n)*/\n{body}")
+    return _compiled(grammars, lark, param)
+
+
+def constrains_answer(conv: Conversation, plan: Optional[ToolPlan]) -> bool:
+    """Whether the answer must be a call or JSON (a forced call, an output schema), so a
+    thinking model's reasoning gets a budget before it; a grammar that only constrains
+    calls the model chooses to make (:func:`lazy_call_lark`) does not."""
+    return conv.output_schema is not None or (plan is not None and plan.choice in ("required", "function"))
+
+
+def _compiled(grammars: Grammars, lark: str, param: str) -> TokenMask:
     try:
-        return grammars.mask(call_grammar(plan, grammars.lark_literal) if forced else json_schema_grammar(schema))
+        return grammars.mask(lark_grammar(lark))
     except (GrammarError, ValueError, RuntimeError) as e:
         raise APIError(400, f"unsupported JSON Schema: {e}", param=param)

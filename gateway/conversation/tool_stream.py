@@ -72,11 +72,22 @@ def _tagged_calls(body: str, plan: ToolPlan) -> Optional[list[ToolCall]]:
 
 
 def whole_call_deltas(calls: list[ToolCall], first_index: int) -> list[ToolCallDelta]:
-    """Deltas for complete calls: id and name first, then all the arguments."""
-    deltas = []
-    for i, call in enumerate(calls, first_index):
-        deltas += [ToolCallDelta(i, "", call.id, call.name), ToolCallDelta(i, call.arguments)]
-    return deltas
+    """Deltas for complete calls: one each, with its id, name and all its arguments."""
+    return [ToolCallDelta(i, call.arguments, call.id, call.name) for i, call in enumerate(calls, first_index)]
+
+
+def merged(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """``deltas`` with consecutive pieces of one call joined, so that one piece of output
+    carries at most one delta per call index (OpenAI's streams never carry two entries
+    of one index in a chunk, and clients that merge per chunk break on it)."""
+    out: list[ToolCallDelta] = []
+    for d in deltas:
+        if out and out[-1].index == d.index:
+            last = out[-1]
+            out[-1] = ToolCallDelta(d.index, last.arguments + d.arguments, last.id or d.id, last.name or d.name)
+        else:
+            out.append(d)
+    return out
 
 
 class ToolCallStream:
@@ -101,18 +112,18 @@ class ToolCallStream:
         self._in_string = self._escaped = False
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
-        """Add content text; returns what can be released now."""
+        """Add content text; returns what can be released now (at most one delta per call)."""
         self._buf += text
         if self._constrained:
-            return "", self._scan_constrained()
+            return "", merged(self._scan_constrained())
         if self.plan.format.kind == "json":
             return self._feed_json(), []
         return self._feed_tagged(final=False)
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        """The end of the output: release what is held back."""
+        """The end of the output: release what is held back (at most one delta per call)."""
         if self._constrained:
-            return "", self._scan_constrained()
+            return "", merged(self._scan_constrained())
         if self.plan.format.kind == "json":
             text, self._buf = self._buf, ""
             calls = _json_calls(text.strip(), self.plan.names) if text.strip() else None

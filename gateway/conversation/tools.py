@@ -16,7 +16,7 @@ Two call formats:
   rendered as that JSON and tool results as a user turn.
 
 ``tool_choice`` ``required`` or a named function is enforced by a grammar
-(:func:`call_grammar`): the output is always a call to an offered function whose
+(:func:`call_lark`): the output is always a call to an offered function whose
 arguments validate against its JSON schema. Tagged formats other than ``json_tools``
 are constrained to the json format instead (their own syntax has no JSON-schema form).
 Calls are read out of the output by :mod:`gateway.conversation.tool_stream`.
@@ -32,7 +32,7 @@ import jsonschema
 
 from gateway.http.errors import APIError
 from gateway.conversation.form import Conversation, Turn
-from scheduler.grammar import JSON_DEFAULTS, json_schema_grammar, lark_grammar
+from scheduler.grammar import JSON_DEFAULTS
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -91,6 +91,41 @@ def template_renders_tools(tokenizer) -> bool:
     """True when the chat template reads a ``tools`` variable."""
     template = getattr(tokenizer, "chat_template", None)
     return isinstance(template, str) and "tools" in template
+
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+
+
+def closed_schema(schema: Any) -> Any:
+    """``schema`` with ``"additionalProperties": false`` on every object schema that names
+    its properties and says nothing about others (``additionalProperties``,
+    ``patternProperties``, ``unevaluatedProperties``), at any depth; a copy.
+
+    Tool arguments and strict output formats are constrained this way, as vLLM does:
+    schemas made by frameworks (langchain's ``@tool``, pydantic) never say
+    ``additionalProperties``, and left open the grammar lets a small model write extra
+    keys until ``max_tokens``. A schema that allows other properties keeps them.
+    """
+    if isinstance(schema, list):
+        return [closed_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_schema(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: closed_schema(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = closed_schema(out[key])
+    if isinstance(out.get("properties"), dict) and not {"additionalProperties", "patternProperties",
+                                                         "unevaluatedProperties"} & out.keys():
+        out["additionalProperties"] = False
+    return out
 
 
 def check_schema(schema: dict, param: str) -> None:
@@ -218,12 +253,13 @@ def template_messages(turns: list[Turn], plan: Optional[ToolPlan]) -> list[dict[
 # ---------------------------------------------------------------------- grammar
 def _call_schema(tool: dict) -> dict:
     fn = tool["function"]
-    return {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": fn["parameters"]},
+    return {"type": "object", "properties": {"name": {"const": fn["name"]},
+                                             "arguments": closed_schema(fn["parameters"])},
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def call_grammar(plan: ToolPlan, literal: Callable[[str], str] = json.dumps) -> Optional[str]:
-    """The grammar that forces a call (``required``/named choice), else None.
+def call_lark(plan: ToolPlan, literal: Callable[[str], str] = json.dumps, root: str = "start") -> Optional[str]:
+    """Lark rules, rooted at ``root``, that force a call (``required``/named choice), else None.
 
     ``literal`` turns a tag into a Lark expression (:meth:`Grammars.lark_literal`, for
     tags that are special tokens)."""
@@ -233,8 +269,35 @@ def call_grammar(plan: ToolPlan, literal: Callable[[str], str] = json.dumps) -> 
     one = _call_schema(tools[0]) if len(tools) == 1 else {"anyOf": [_call_schema(t) for t in tools]}
     if plan.format.is_json_tools:
         start, end = literal(plan.format.start), literal(plan.format.end)
-        rule = 'start: call ("\\n" call)*' if plan.parallel else "start: call"
-        return lark_grammar(f'{rule}\ncall: {start} "\\n" obj "\\n" {end}\nobj: %json {json.dumps({**one, "x-guidance": JSON_DEFAULTS})}')
+        rule = f'{root}: call ("\\n" call)*' if plan.parallel else f"{root}: call"
+        return f'{rule}\ncall: {start} "\\n" obj "\\n" {end}\nobj: {json_lark(one)}'
     if plan.parallel:
-        return json_schema_grammar({"anyOf": [one, {"type": "array", "items": one, "minItems": 1}]})
-    return json_schema_grammar(one)
+        one = {"anyOf": [one, {"type": "array", "items": one, "minItems": 1}]}
+    return f"{root}: {json_lark(one)}"
+
+
+def lazy_call_lark(plan: Optional[ToolPlan], literal: Callable[[str], str]) -> Optional[str]:
+    """Lark rules for ``tool_choice`` ``auto`` where the model's call tag is one special
+    token (Qwen3's and Hermes-style ``<tool_call>``): any tokens but that tag (free text,
+    reasoning included), then, once the model writes the tag, calls whose names and
+    arguments follow the offered tools' (closed) schemas. None where that does not apply:
+    no tools, another choice, or a call that starts as text (Llama 3's JSON calls), which
+    a token mask cannot wait for without constraining the text before it.
+
+    llguidance reads ``<[^id]>`` as any token but ``id``; a trigger-started grammar as
+    llama.cpp's lazy grammars are, expressed as one grammar.
+    """
+    if plan is None or plan.choice != "auto" or not plan.format.is_json_tools:
+        return None
+    start = literal(plan.format.start)
+    if not (start.startswith("<[") and start.endswith("]>")):
+        return None
+    one = _call_schema(plan.tools[0]) if len(plan.tools) == 1 else {"anyOf": [_call_schema(t) for t in plan.tools]}
+    calls = 'calls: call ("\\n" call)*' if plan.parallel else "calls: call"
+    return (f"start: free calls?\nfree: <[^{start[2:-2]}]>*\n{calls}\n"
+            f'call: {start} "\\n" obj "\\n" {literal(plan.format.end)}\nobj: {json_lark(one)}')
+
+
+def json_lark(schema: dict) -> str:
+    """An inline Lark JSON schema: compact JSON valid for ``schema``."""
+    return f'%json {json.dumps({**schema, "x-guidance": JSON_DEFAULTS})}'

@@ -44,6 +44,17 @@ _ANTHROPIC_TYPES = {
 }
 
 
+def context_too_long(prompt: int, limit: int, param: str = "messages") -> APIError:
+    """The 400 for a prompt of ``prompt`` tokens over a limit of ``limit``, in the words
+    clients recognise to compact or truncate: OpenAI's (``context_length_exceeded``,
+    matched by litellm's ``ContextWindowExceededError``) and Anthropic's (``prompt is too
+    long: N tokens > M maximum``)."""
+    return APIError(400, f"This model's maximum context length is {limit} tokens. However, your messages resulted "
+                    f"in {prompt} tokens. Please reduce the length of the messages.", param=param,
+                    code="context_length_exceeded",
+                    anthropic_message=f"prompt is too long: {prompt} tokens > {limit} maximum")
+
+
 def error_style(path: str) -> str:
     """``anthropic`` for the Anthropic Messages routes, else ``openai``."""
     return "anthropic" if path.startswith("/v1/messages") else "openai"
@@ -63,6 +74,7 @@ class APIError(Exception):
         param: Optional[str] = None,
         code: Optional[str] = None,
         headers: Optional[dict[str, str]] = None,
+        anthropic_message: Optional[str] = None,
     ):
         super().__init__(message)
         self.status = status
@@ -70,6 +82,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+        self.anthropic_message = anthropic_message  # the words Anthropic's API uses, where clients match them
 
     def body(self) -> dict:
         return {
@@ -82,7 +95,7 @@ class APIError(Exception):
         }
 
     def anthropic_body(self) -> dict:
-        message = self.message if self.param is None else f"{self.param}: {self.message}"
+        message = self.anthropic_message or (self.message if self.param is None else f"{self.param}: {self.message}")
         return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
                                            "message": message}}
 

@@ -29,8 +29,8 @@ from gateway.conversation.run import start_conversation
 from gateway.conversation.tools import check_schema, plan_tools
 from gateway.http.errors import APIError
 from gateway.http.sse import SSEResponse, comment, guarded, named_event
-from gateway.protocols.anthropic_schemas import (CountTokensRequest, MessageParam, MessagesRequest, TextBlock,
-                                                 ThinkingBlock, ToolResultBlock, ToolUseBlock, parse)
+from gateway.protocols.anthropic_schemas import (CountTokensRequest, MediaBlock, MessageParam, MessagesRequest,
+                                                 TextBlock, ThinkingBlock, ToolResultBlock, ToolUseBlock, parse)
 from gateway.models.handle import ModelHandle
 
 STOP_REASONS = {"stop": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens",
@@ -49,49 +49,76 @@ def tool_use_id(call_id: str) -> str:
 
 
 # ---------------------------------------------------------------------- request
-def _message_turns(m: MessageParam, i: int) -> list[Turn]:
+def _message_turns(m: MessageParam, i: int, model: Optional[str]) -> tuple[list[Turn], list[float]]:
     """The turns of message ``i``: a user message's tool results become ``tool`` turns,
     followed by its text as a user turn; an assistant message is one turn (its
-    ``tool_use`` blocks as calls, its ``thinking`` as reasoning).
+    ``tool_use`` blocks as calls, its ``thinking`` as reasoning). Blocks with
+    ``cache_control`` become breakpoints at their end (a text block's in its turn's text,
+    a tool result's at the end of its turn); a breakpoint on a block that has no text of
+    its own (a call) is returned, to be placed at the start of the next turn.
 
     Raises:
-        APIError: 400 for a block its role may not hold.
+        APIError: 400 for a block its role may not hold, or an image or document (the
+            model, named, takes none).
     """
     if isinstance(m.content, str):
-        return [Turn(m.role, m.content)]
-    turns, text, reasoning, calls = [], [], [], []
+        return [Turn(m.role, m.content)], []
+    turns, text, reasoning, calls, breaks, carry = [], [], [], [], [], []
     allowed = (TextBlock, ToolResultBlock) if m.role == "user" else (TextBlock, ToolUseBlock, ThinkingBlock)
     for j, b in enumerate(m.content):
+        if isinstance(b, MediaBlock):
+            raise APIError(400, f"the model '{model}' does not accept {b.type}s: send text only",
+                           param=f"messages.{i}.content.{j}")
         if isinstance(b, TextBlock):
             text.append(b.text)
+            if b.cache_control is not None:
+                breaks.append((len("".join(text)), b.cache_control.seconds))
         elif not isinstance(b, allowed):
             if b.type != "redacted_thinking" or m.role != "assistant":
                 raise APIError(400, f"a {m.role} message may not hold {b.type} blocks",
                                param=f"messages.{i}.content.{j}.type")
         elif isinstance(b, ToolResultBlock):
             result = b.text()
-            turns.append(Turn("tool", f"Error: {result}" if b.is_error else result, tool_call_id=b.tool_use_id))
+            result = f"Error: {result}" if b.is_error else result
+            cc = [(len(result), b.cache_control.seconds)] if b.cache_control is not None else []
+            turns.append(Turn("tool", result, tool_call_id=b.tool_use_id, breaks=cc))
         elif isinstance(b, ToolUseBlock):
             calls.append(ToolCall(b.id, b.name, json.dumps(b.input, ensure_ascii=False)))
+            if b.cache_control is not None:
+                carry.append(b.cache_control.seconds)
         elif isinstance(b, ThinkingBlock):
             reasoning.append(b.thinking)
     if m.role == "assistant":
-        return [Turn("assistant", "".join(text), "".join(reasoning) if reasoning else None, calls)]
+        return [Turn("assistant", "".join(text), "".join(reasoning) if reasoning else None, calls, breaks=breaks)], carry
     if text or not turns:
-        turns.append(Turn("user", "".join(text)))
-    return turns
+        turns.append(Turn("user", "".join(text), breaks=breaks))
+    return turns, carry
 
 
 def to_conversation(req: CountTokensRequest) -> Conversation:
     """An Anthropic request as the internal form (a :class:`CountTokensRequest` has no
-    sampling settings: the defaults are used).
+    sampling settings: the defaults are used). A last ``assistant`` message is a prefill:
+    the answer continues it. ``cache_control`` breakpoints (system and message blocks;
+    a tool's at the end of the system prompt, where templates render tools) become the
+    turns' ``breaks``.
 
     Raises:
-        APIError: 400 for a content block in the wrong role.
+        APIError: 400 for a content block in the wrong role, or an image.
     """
-    turns = [Turn("system", s)] if (s := req.system_text()) is not None else []
+    turns = [Turn("system", s, breaks=req.system_breaks())] if (s := req.system_text()) is not None else []
+    tool_ttls = [t.cache_control.seconds for t in req.tools or [] if t.cache_control is not None]
+    carry: list[float] = []
     for i, m in enumerate(req.messages):
-        turns += _message_turns(m, i)
+        new, later = _message_turns(m, i, req.model)
+        if carry and new:  # a breakpoint on an earlier call: where the next turn begins
+            new[0].breaks.insert(0, (0, max(carry)))
+        turns += new
+        carry = later
+    if tool_ttls:  # a tool's breakpoint: the prompt up to the first message (templates render tools first)
+        if turns and turns[0].role == "system":
+            turns[0].breaks.append((len(turns[0].text), max(tool_ttls)))
+        elif turns:
+            turns[0].breaks.insert(0, (0, max(tool_ttls)))
     tools = [FunctionTool(t.name, t.description, t.input_schema, f"tools.{i}", "input_schema")
              for i, t in enumerate(req.tools or [])]
     tc = req.tool_choice
@@ -105,8 +132,12 @@ def to_conversation(req: CountTokensRequest) -> Conversation:
     kwargs = {}
     if req.thinking is not None:
         kwargs["enable_thinking"] = req.thinking.type != "disabled"
+    # Anthropic's structured outputs always follow the schema: strict.
     conv = Conversation(turns, Sampling(), tools, choice, tc.name if choice == "function" else None, parallel,
-                        schema, schema_param, template_kwargs=kwargs, model=req.model)
+                        schema, schema_param, schema is not None, template_kwargs=kwargs, model=req.model)
+    conv.continue_final = req.messages[-1].role == "assistant"
+    if req.thinking is not None and req.thinking.type == "enabled":
+        conv.thinking_budget = req.thinking.budget_tokens
     if isinstance(req, MessagesRequest):
         conv.sampling = Sampling(
             max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
@@ -119,12 +150,19 @@ def to_conversation(req: CountTokensRequest) -> Conversation:
 
 
 # ---------------------------------------------------------------------- response
-def usage(u: Usage, cache_written: Optional[int] = None) -> dict:
-    """Anthropic's ``usage`` from the internal one (``cache_written`` overrides
-    ``u.cache_written``, e.g. 0 before it is known)."""
-    written = u.cache_written if cache_written is None else cache_written
-    return {"input_tokens": max(0, u.prompt - u.cached - written), "cache_creation_input_tokens": written,
+def usage(u: Usage, breakpoint: int = 0) -> dict:
+    """Anthropic's ``usage``: ``cache_read_input_tokens`` came from the prefix cache,
+    ``cache_creation_input_tokens`` are written to it up to the last ``cache_control``
+    breakpoint (``breakpoint``, tokens; 0 when there is none), ``input_tokens`` the rest;
+    the three sum to the prompt."""
+    created = max(0, min(breakpoint, u.prompt) - u.cached)
+    return {"input_tokens": u.prompt - u.cached - created, "cache_creation_input_tokens": created,
             "cache_read_input_tokens": u.cached, "output_tokens": u.completion}
+
+
+def last_breakpoint(run) -> int:
+    """The offset (tokens) of the prompt's last cache breakpoint; 0 when it has none."""
+    return max(run.prompt.breakpoints, default=0)
 
 
 def tool_input(arguments: str) -> dict:
@@ -229,7 +267,7 @@ async def messages(request: Request) -> Response:
                     started = True
                     u = Usage(len(run.prompt.tokens), 0, run.cached)
                     yield named_event("message_start", {"type": "message_start", "message": message(
-                        mid, model, [], None, usage(u, cache_written=0))}) + named_event("ping", {"type": "ping"})
+                        mid, model, [], None, usage(u, last_breakpoint(run)))}) + named_event("ping", {"type": "ping"})
                 if isinstance(ev, Piece):
                     out = blocks.feed(ev)
                     if out:
@@ -239,7 +277,8 @@ async def messages(request: Request) -> Response:
                         "type": "message_delta",
                         "delta": {"stop_reason": STOP_REASONS.get(ev.reason, "end_turn"),
                                   "stop_sequence": ev.stop_sequence},
-                        "usage": usage(ev.usage)}) + named_event("message_stop", {"type": "message_stop"})
+                        "usage": usage(ev.usage, last_breakpoint(run))}) + named_event("message_stop",
+                                                                                      {"type": "message_stop"})
 
         return SSEResponse(guarded(events(), lambda e: named_event("error", e.anthropic_body())),
                            send_timeout=front.config.client_timeout)
@@ -247,7 +286,8 @@ async def messages(request: Request) -> Response:
     result = await run.collect(request)
     if result is None:
         return Response(status_code=499)
-    return JSONResponse(message(mid, model, content_blocks(result), result.finished, usage(result.finished.usage)))
+    return JSONResponse(message(mid, model, content_blocks(result), result.finished,
+                                usage(result.finished.usage, last_breakpoint(run))))
 
 
 def _count(model: ModelHandle, conv: Conversation) -> int:

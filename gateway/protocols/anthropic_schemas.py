@@ -27,9 +27,22 @@ class _Strict(BaseModel):
 
 
 # ---------------------------------------------------------------------- content blocks
+class CacheControl(_Strict):
+    """``cache_control``: the prompt up to the end of this block is cached (snapshotted at
+    that token boundary) and kept for ``ttl`` (``5m``, the default, or ``1h``)."""
+
+    type: Literal["ephemeral"]
+    ttl: Optional[Literal["5m", "1h"]] = None
+
+    @property
+    def seconds(self) -> float:
+        return 3600.0 if self.ttl == "1h" else 300.0
+
+
 class TextBlock(_Strict):
     type: Literal["text"]
     text: StrictStr
+    cache_control: Optional[CacheControl] = None
 
 
 class ToolUseBlock(_Strict):
@@ -39,6 +52,7 @@ class ToolUseBlock(_Strict):
     id: StrictStr
     name: StrictStr
     input: dict[str, Any]
+    cache_control: Optional[CacheControl] = None
 
 
 class ToolResultBlock(_Strict):
@@ -48,6 +62,7 @@ class ToolResultBlock(_Strict):
     tool_use_id: StrictStr
     content: Union[StrictStr, list[TextBlock]] = ""
     is_error: Optional[StrictBool] = None
+    cache_control: Optional[CacheControl] = None
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
@@ -68,7 +83,15 @@ class RedactedThinkingBlock(_Strict):
     data: Optional[StrictStr] = None
 
 
-Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock],
+class MediaBlock(_Strict):
+    """An image or a document: parsed so that the answer can say the model takes none."""
+
+    type: Literal["image", "document"]
+    source: Optional[dict[str, Any]] = None
+    cache_control: Optional[CacheControl] = None
+
+
+Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock, MediaBlock],
                   Field(discriminator="type")]
 
 
@@ -87,6 +110,7 @@ class Tool(_Strict):
     name: str = Field(pattern=TOOL_NAME)
     description: Optional[StrictStr] = None
     input_schema: dict[str, Any] = Field(description="a JSON Schema of the tool's input object")
+    cache_control: Optional[CacheControl] = None
 
 
 class ToolChoice(_Strict):
@@ -151,6 +175,15 @@ class CountTokensRequest(_Strict):
         if self.system is None or isinstance(self.system, str):
             return self.system
         return "".join(b.text for b in self.system)
+
+    def system_breaks(self) -> list[tuple[int, float]]:
+        """Cache breakpoints of the system blocks: (offset in :meth:`system_text`, seconds)."""
+        out, at = [], 0
+        for b in self.system if isinstance(self.system, list) else []:
+            at += len(b.text)
+            if b.cache_control is not None:
+                out.append((at, b.cache_control.seconds))
+        return out
 
 
 class MessagesRequest(CountTokensRequest):

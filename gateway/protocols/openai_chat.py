@@ -45,9 +45,10 @@ def to_conversation(req: ChatRequest) -> Conversation:
         top_k=req.top_k, min_p=req.min_p, seed=req.seed, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
         logit_bias=req.logit_bias, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
+    strict = fmt is not None and fmt.json_schema is not None and fmt.json_schema.strict is True
     return Conversation(
         turns, sampling, tools, choice, forced, req.parallel_tool_calls is not False, schema,
-        "response_format.json_schema.schema", list(req.stop or []), dict(req.chat_template_kwargs or {}),
+        "response_format.json_schema.schema", strict, list(req.stop or []), dict(req.chat_template_kwargs or {}),
         req.model, req.stream)
 
 
