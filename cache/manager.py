@@ -28,7 +28,7 @@ Rules:
 - Full-attention KV is paged (``pages.py``): each unique token's KV is held once per
   namespace, on the tree edge it belongs to, and counted once. Other layers are
   held per snapshot and counted with their ``.nbytes``. Eviction drops whole
-  snapshots; their pages go when no snapshot at or below them remains
+  snapshots (``lru.py``); their pages go when no snapshot at or below them remains
   (``eviction.py`` predicts the bytes an eviction frees).
 """
 
@@ -51,6 +51,7 @@ from .entries import CacheHit, Entry, Group, Lease, compact, path_pages
 from .budget import CacheBudget
 from .eviction import EvictionDryRun, NewKey
 from .invariants import check_manager
+from .lru import LRUEviction
 from .metrics import CacheMetrics
 from .pages import PAGED_TYPE, assemble, is_paged, layout, token_bytes
 from .tiering import DiskLink, Spill
@@ -61,11 +62,13 @@ log = logging.getLogger(__name__)
 _BELOW_SEARCH_LIMIT = 64
 
 
-class PromptCacheManager:
+class PromptCacheManager(LRUEviction):
     """A bounded, leased, namespaced prefix cache of mlx-lm prompt-cache snapshots.
 
     Full-attention KV is stored once per unique token per namespace, in pages on the
-    tree's edges (``pages.py``); other layer types are kept whole per snapshot.
+    tree's edges (``pages.py``); other layer types are kept whole per snapshot. The
+    recency order and the evictions (quotas, the shared budget, :meth:`flush`) are its
+    base class, :class:`cache.lru.LRUEviction`.
 
     Args:
         max_bytes: bound on the bytes held: every page once, plus every snapshot's own
@@ -140,44 +143,6 @@ class PromptCacheManager:
         """Unique tokens whose KV pages are held for ``namespace``."""
         g = self._groups.get(namespace)
         return 0 if g is None else g.tokens
-
-    def set_quotas(self, quotas: dict[str, int]) -> None:
-        """Set per-namespace byte quotas (within ``max_bytes``), replacing earlier ones.
-
-        A namespace over its new quota sheds unleased snapshots, oldest first, now
-        (eviction reason ``quota``); one leased now goes when its last lease is released.
-        Namespaces absent from ``quotas`` have none.
-
-        Raises:
-            ValueError: for a negative quota.
-        """
-        if any(q < 0 for q in quotas.values()):
-            raise ValueError("quotas must be >= 0")
-        with self._lock:
-            for ns in self._quotas.keys() - quotas.keys():
-                self.metrics.quota.remove(ns)
-            self._quotas = {ns: int(q) for ns, q in quotas.items()}
-            for ns, q in self._quotas.items():
-                self.metrics.quota.labels(cache_group=ns).set(q)
-                self._shed(ns)
-
-    def _shed(self, namespace: str) -> None:
-        """Drop unleased snapshots of ``namespace``, oldest first, while it is over its
-        quota (eviction reason ``quota``). Lock held."""
-        q = self._quotas.get(namespace)
-        if q is None or self.namespace_bytes(namespace) <= q:
-            return
-        for e in [e for e in self._eviction_order() if e.namespace == namespace]:
-            if self.namespace_bytes(namespace) <= q:
-                break
-            self._drop(e)
-            self.metrics.evictions.labels(reason="quota").inc()
-
-    def _eviction_order(self) -> list[Entry]:
-        """Unleased entries in the order they go: least recently used first, those kept by
-        a cache breakpoint (until their ``keep_until``) after all the others. Lock held."""
-        now = time.monotonic()
-        return [e for e in self._lru if e.keep_until <= now] + [e for e in self._lru if e.keep_until > now]
 
     # -- lookup ---------------------------------------------------------------
     def _select(self, namespace: str, tokens: Sequence[int]) -> tuple[Entry, int] | None:
@@ -283,7 +248,7 @@ class PromptCacheManager:
                 self._shed(entry.namespace)  # its quota shrank while it was leased
             self.metrics.leases.set(self._num_leases)
 
-    # -- insert / evict -------------------------------------------------------
+    # -- insert ---------------------------------------------------------------
     def refresh(self, namespace: str, tokens: Sequence[int], keep_for: float | None = None) -> bool:
         """If a snapshot keyed exactly ``tokens`` is stored, mark it recently used (and
         kept for ``keep_for`` seconds more, if given) and return True (the caller need not
@@ -297,16 +262,6 @@ class PromptCacheManager:
             if node.value.leases == 0:
                 self._touch(node.value)
             return True
-
-    @staticmethod
-    def _keep(entry: Entry, keep_for: float | None) -> None:
-        if keep_for:
-            entry.keep_until = max(entry.keep_until, time.monotonic() + keep_for)
-
-    def _touch(self, entry: Entry) -> None:
-        """Move an unleased entry to the most recently used end. Lock held."""
-        self._lru.move_to_end(entry)
-        entry.used = time.monotonic()
 
     def insert(self, namespace: str, tokens: Sequence[int], cache: list[Any], keep_for: float | None = None) -> bool:
         """Store ``cache`` as the snapshot after ``tokens``; the manager takes ownership.
@@ -383,58 +338,6 @@ class PromptCacheManager:
             self.disk.spill()  # what this insert evicted
         return True
 
-    def _eviction_plan(self, namespace: str, run: EvictionDryRun) -> list[tuple[Entry, str]] | None:
-        """Unleased entries to drop (LRU first, with the reason) so that the new snapshot
-        of ``run`` fits its group's quota and the global bounds (``run.new_bytes()``
-        grows when a drop frees the path the new key shares); None when that is
-        impossible. Nothing is changed. Lock held."""
-        if self.max_entries < 1:
-            return None
-        total_b, total_e = self.nbytes, self._entries
-        quota = self._quotas.get(namespace)
-        if quota is not None:
-            group_b = self.namespace_bytes(namespace)
-            order = self._eviction_order()
-            for e in order:
-                if group_b + run.new_bytes() <= quota:
-                    break
-                if e.namespace == namespace:
-                    freed = run.drop(e, "quota")
-                    group_b -= freed
-                    total_b -= freed
-                    total_e -= 1
-            if group_b + run.new_bytes() > quota:
-                return None
-        for e in self._eviction_order():
-            if total_e + 1 <= self.max_entries and total_b + run.new_bytes() <= self.max_bytes:
-                break
-            if id(e) in run.dropped:
-                continue
-            reason = "bytes" if total_b + run.new_bytes() > self.max_bytes else "entries"
-            total_b -= run.drop(e, reason)
-            total_e -= 1
-        if total_e + 1 > self.max_entries or total_b + run.new_bytes() > self.max_bytes:
-            return None
-        return run.plan
-
-    def _drop(self, entry: Entry, spill: bool = True) -> None:
-        """Remove an unleased entry from its tree and the accounting; with a disk tier,
-        queue it for the disk unless ``spill`` is False. Lock held."""
-        assert entry.leases == 0 and entry.alive
-        if entry.keep_until > time.monotonic():
-            self.metrics.kept_evicted.inc()  # memory forced out a breakpoint's prefix before its ttl
-        self._lru.pop(entry, None)
-        group = self._groups[entry.namespace]
-        if spill and self.disk is not None:
-            self.disk.evicted(self._spill_of(group, entry))
-        group.tree.remove_value(entry.node)  # prunes the pages no snapshot needs any more
-        self.version += 1
-        entry.alive = False
-        entry.node = None
-        entry.private = None
-        self._entries -= 1
-        self._account(group, entry, -1)
-
     def _account(self, group: Group, entry: Entry, sign: int) -> None:
         """Update totals and gauges after ``entry`` was stored (+1) or dropped (-1). Lock held."""
         group.private_bytes += sign * entry.private_bytes
@@ -449,48 +352,10 @@ class PromptCacheManager:
             self.metrics.entries.labels(cache_type=typ, cache_group=ns).set(count)
         self.metrics.tokens.labels(cache_group=ns).set(group.tokens)
 
-    def oldest_use(self) -> float | None:
-        """Last use (monotonic seconds) of the snapshot :meth:`evict_oldest` would drop
-        (``inf`` when only snapshots kept by a breakpoint are left); None when every
-        snapshot is leased or none is stored (``budget.py``)."""
-        with self._lock:
-            head = next(iter(self._eviction_order()), None)
-            if head is None:
-                return None
-            return head.used if head.keep_until <= time.monotonic() else float("inf")
-
-    def evict_oldest(self, reason: str) -> bool:
-        """Drop the least recently used unleased snapshot, those kept by a breakpoint last
-        (to the disk tier, if any), counted as an eviction for ``reason``; False if there
-        is none."""
-        with self._lock:
-            head = next(iter(self._eviction_order()), None)
-            if head is None:
-                return False
-            self._drop(head)
-            self.metrics.evictions.labels(reason=reason).inc()
-        if self.disk is not None:
-            self.disk.spill()
-        return True
-
     def close(self) -> None:
         """Leave the shared budget, if any (the model is unloaded)."""
         if self.budget is not None:
             self.budget.leave(self)
-
-    def flush(self, namespace: str | None = None) -> int:
-        """Drop every unleased snapshot of ``namespace`` (all namespaces if None).
-
-        Returns:
-            The number of snapshots dropped (leased ones are kept).
-        """
-        with self._lock:
-            victims = [e for e in self._lru if namespace is None or e.namespace == namespace]
-            for e in victims:
-                self._drop(e, spill=False)
-            if victims:
-                self.metrics.evictions.labels(reason="flush").inc(len(victims))
-            return len(victims)
 
     # -- disk tier --------------------------------------------------------------
     def _spill_of(self, group: Group, entry: Entry) -> Spill:

@@ -5,7 +5,8 @@ Batching is mlx-lm's ``BatchGenerator`` (continuous batching with left padding) 
 prompt join the decode step instead of running a forward of their own. A
 request's prompt is inserted as *segments* cut at its own checkpoint offsets, so
 prefill never crosses a checkpoint and each request's snapshot is extracted at exactly
-its own boundary, whatever the other rows of the batch are doing.
+its own boundary, whatever the other rows of the batch are doing
+(:mod:`scheduler.insertion`, which also pauses and resumes prefilling rows).
 
 The engine (:mod:`scheduler.engine`) decides what enters the batch and when;
 :class:`Batch` steps it and accounts for every row until it leaves.
@@ -20,26 +21,22 @@ import traceback
 from typing import Callable, Optional
 
 import mlx.core as mx
-from mlx.utils import tree_map
-from mlx_lm.generate import StopSequences
 
 from cache import PromptCacheManager
-from cache.checkpoints import row_snapshots
-from cache.entries import compact
 from scheduler.chunking import ChunkPlanner
 from scheduler.fairness import FairShare
 from scheduler.generator import JoiningBatchGenerator
-from scheduler.faults import RowFault
+from scheduler.insertion import RowInsertion
 from scheduler.metrics import SchedulerMetrics
 from scheduler.precompute import PrecomputeBook
 from scheduler.request import DoneEvent, EngineRequest, ErrorEvent, Event, ProgressEvent, TokenEvent
 from scheduler.rows import RECENT, EngineStats, Row
-from scheduler.sampling import greedy, make_processors, make_sampler
+from scheduler.sampling import greedy
 
 log = logging.getLogger("mlx_gateway.engine")
 
 
-class Batch:
+class Batch(RowInsertion):
     """The ``BatchGenerator`` and its rows, by uid (:attr:`active`) and by request id
     (:attr:`by_id`); used on the engine thread only.
 
@@ -148,90 +145,6 @@ class Batch:
     def num_prefilling(self) -> int:
         """Rows still prefilling their prompt."""
         return sum(1 for a in self.active.values() if not a.decoding)
-
-    def start_row(self, r: EngineRequest, extra_checkpoints=(), background: bool = False) -> Optional[Row]:
-        """Fetch ``r``'s cached prefix and put its prompt into the batch, cut into segments
-        where :func:`cache.checkpoints.row_snapshots` says; None (``r`` failed with a 500) if
-        that raised. A ``background`` row is a next-turn precompute: its lookup stays out
-        of the hit-rate metrics and it snapshots only at its end."""
-        lease = None
-        r.timings["engine_admitted"] = time.monotonic()
-        try:
-            hit = self.prompt_cache.fetch(r.namespace, r.tokens, count=not background)
-            r.timings["engine_restored"] = time.monotonic()
-            lease, cached = hit.lease, hit.cached_tokens
-            marks, snapshots = row_snapshots(len(r.tokens), cached, r.checkpoints, extra_checkpoints,
-                                             self.trimmable, precompute=background)
-            fault = RowFault()
-            uid = self._insert(r, cached, marks, hit.cache, list(r.tokens[:cached]), fault)
-        except Exception as e:
-            self.prompt_cache.release(lease)
-            log.exception("request %s could not be admitted", r.id)
-            self._send(r, [ErrorEvent(500, f"could not start the request: {e}")])
-            return None
-        active = Row(r, uid, lease, cached, snapshots, fault=fault, cache_source=hit.source, marks=marks)
-        self.active[uid] = active
-        self.by_id[r.id] = active
-        return active
-
-    def _insert(self, r: EngineRequest, start: int, marks: list[int], cache, tokens: list[int],
-                fault: RowFault) -> int:
-        """Put ``r``'s prompt from ``start`` on (tokens) into the generator over ``cache``
-        (covering ``tokens``), cut into segments at ``marks``; its uid."""
-        cuts = [start, *[m for m in marks if m > start], len(r.tokens)]
-        processors = make_processors(r.params) + list(r.processors) + ([r.mask] if r.mask is not None else [])
-        (uid,) = self.gen.insert_segments(
-            [[r.tokens[x:y] for x, y in zip(cuts, cuts[1:])]],
-            max_tokens=[r.params.max_tokens],
-            caches=[cache],
-            all_tokens=[tokens],
-            samplers=[fault.sampler(make_sampler(r.params))],
-            logits_processors=[fault.processors(processors)],
-            stop_sequences=[StopSequences([[t] for t in sorted(self.eos_token_ids)])],
-        )
-        return uid
-
-    def pause(self, a: Row) -> bool:
-        """Take the prefilling row ``a`` out of the generator between two steps, its cache
-        kept (a compact copy of what it has prefilled; its lease stays), to be put back by
-        :meth:`resume` and go on from there. False (``a`` left as it was) if it could not
-        be taken out."""
-        try:
-            extracted = self.gen.extract_cache([a.uid]).get(a.uid)
-            if extracted is None:
-                return False
-            cache, tokens = extracted
-            for layer in cache:
-                layer.state = tree_map(compact, layer.state)
-            mx.eval([layer.state for layer in cache])
-            self.gen.remove([a.uid])
-        except Exception:
-            log.exception("pausing request %s failed; it goes on", a.request.id)
-            return False
-        self.active.pop(a.uid, None)
-        self.by_id.pop(a.request.id, None)
-        a.paused = (cache, list(tokens))
-        return True
-
-    def resume(self, a: Row) -> bool:
-        """Put the paused row ``a`` back into the generator: its prefill goes on from where
-        it stopped, over its kept cache. False (``a`` failed with a 500) if that raised."""
-        cache, tokens = a.paused
-        r, done = a.request, len(tokens)
-        try:
-            uid = self._insert(r, done, a.marks, cache, tokens, a.fault)
-        except Exception as e:
-            log.exception("resuming request %s failed", r.id)
-            a.paused = None
-            self._count_failure(a)
-            self.prompt_cache.release(a.lease)
-            a.lease = None
-            self._send(r, [ErrorEvent(500, f"could not resume the request: {e}")])
-            return False
-        a.uid, a.paused, a.progress_base = uid, None, done - a.cached
-        self.active[uid] = a
-        self.by_id[r.id] = a
-        return True
 
     def _finish_precompute(self, a: Row) -> None:
         """``a``'s prefix is stored (or could not be): take it out of the batch."""

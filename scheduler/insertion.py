@@ -1,0 +1,123 @@
+"""Putting prompts into the batch generator: new rows, paused and resumed ones (engine thread only).
+
+A request's prompt is inserted as *segments* cut at its checkpoint offsets (the marks
+:func:`cache.checkpoints.row_snapshots` picks), over the prefix the prompt cache
+restored for it, so prefill never crosses a checkpoint and the row's snapshot is
+extracted at exactly its own boundary. A prefilling row can be taken out of the
+generator between two steps with its cache kept (:meth:`RowInsertion.pause`, for a
+request of a better latency class) and put back later to go on from there
+(:meth:`RowInsertion.resume`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import mlx.core as mx
+from mlx.utils import tree_map
+from mlx_lm.generate import StopSequences
+
+from cache.checkpoints import row_snapshots
+from cache.entries import compact
+from scheduler.faults import RowFault
+from scheduler.request import EngineRequest, ErrorEvent
+from scheduler.rows import Row
+from scheduler.sampling import make_processors, make_sampler
+
+log = logging.getLogger("mlx_gateway.engine")
+
+
+class RowInsertion:
+    """How rows enter the generator: the base class of :class:`scheduler.batch.Batch`.
+
+    Uses the batch's ``gen`` (a :class:`scheduler.generator.JoiningBatchGenerator`),
+    ``prompt_cache``, ``trimmable``, ``eos_token_ids``, ``active`` (rows by uid) and
+    ``by_id`` (rows by request id), and its ``_send`` and ``_count_failure``. Not usable
+    on its own.
+    """
+
+    def start_row(self, r: EngineRequest, extra_checkpoints=(), background: bool = False) -> Optional[Row]:
+        """Fetch ``r``'s cached prefix and put its prompt into the batch, cut into segments
+        where :func:`cache.checkpoints.row_snapshots` says; None (``r`` failed with a 500) if
+        that raised. A ``background`` row is a next-turn precompute: its lookup stays out
+        of the hit-rate metrics and it snapshots only at its end."""
+        lease = None
+        r.timings["engine_admitted"] = time.monotonic()
+        try:
+            hit = self.prompt_cache.fetch(r.namespace, r.tokens, count=not background)
+            r.timings["engine_restored"] = time.monotonic()
+            lease, cached = hit.lease, hit.cached_tokens
+            marks, snapshots = row_snapshots(len(r.tokens), cached, r.checkpoints, extra_checkpoints,
+                                             self.trimmable, precompute=background)
+            fault = RowFault()
+            uid = self._insert(r, cached, marks, hit.cache, list(r.tokens[:cached]), fault)
+        except Exception as e:
+            self.prompt_cache.release(lease)
+            log.exception("request %s could not be admitted", r.id)
+            self._send(r, [ErrorEvent(500, f"could not start the request: {e}")])
+            return None
+        active = Row(r, uid, lease, cached, snapshots, fault=fault, cache_source=hit.source, marks=marks)
+        self.active[uid] = active
+        self.by_id[r.id] = active
+        return active
+
+    def _insert(self, r: EngineRequest, start: int, marks: list[int], cache, tokens: list[int],
+                fault: RowFault) -> int:
+        """Put ``r``'s prompt from ``start`` on (tokens) into the generator over ``cache``
+        (covering ``tokens``), cut into segments at ``marks``; its uid."""
+        cuts = [start, *[m for m in marks if m > start], len(r.tokens)]
+        processors = make_processors(r.params) + list(r.processors) + ([r.mask] if r.mask is not None else [])
+        (uid,) = self.gen.insert_segments(
+            [[r.tokens[x:y] for x, y in zip(cuts, cuts[1:])]],
+            max_tokens=[r.params.max_tokens],
+            caches=[cache],
+            all_tokens=[tokens],
+            samplers=[fault.sampler(make_sampler(r.params))],
+            logits_processors=[fault.processors(processors)],
+            stop_sequences=[StopSequences([[t] for t in sorted(self.eos_token_ids)])],
+        )
+        return uid
+
+    def pause(self, a: Row) -> bool:
+        """Take the prefilling row ``a`` out of the generator between two steps, its cache
+        kept (a compact copy of what it has prefilled; its lease stays), to be put back by
+        :meth:`resume` and go on from there. False (``a`` left as it was) if it could not
+        be taken out."""
+        try:
+            extracted = self.gen.extract_cache([a.uid]).get(a.uid)
+            if extracted is None:
+                return False
+            cache, tokens = extracted
+            for layer in cache:
+                layer.state = tree_map(compact, layer.state)
+            mx.eval([layer.state for layer in cache])
+            self.gen.remove([a.uid])
+        except Exception:
+            log.exception("pausing request %s failed; it goes on", a.request.id)
+            return False
+        self.active.pop(a.uid, None)
+        self.by_id.pop(a.request.id, None)
+        a.paused = (cache, list(tokens))
+        return True
+
+    def resume(self, a: Row) -> bool:
+        """Put the paused row ``a`` back into the generator: its prefill goes on from where
+        it stopped, over its kept cache. False (``a`` failed with a 500) if that raised."""
+        cache, tokens = a.paused
+        r, done = a.request, len(tokens)
+        try:
+            uid = self._insert(r, done, a.marks, cache, tokens, a.fault)
+        except Exception as e:
+            log.exception("resuming request %s failed", r.id)
+            a.paused = None
+            self._count_failure(a)
+            self.prompt_cache.release(a.lease)
+            a.lease = None
+            self._send(r, [ErrorEvent(500, f"could not resume the request: {e}")])
+            return False
+        a.uid, a.paused, a.progress_base = uid, None, done - a.cached
+        self.active[uid] = a
+        self.by_id[r.id] = a
+        return True
