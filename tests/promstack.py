@@ -5,7 +5,8 @@ Shared by ``test_dashboard.py``, ``test_prometheus_e2e.py`` and
 
 - the PromQL of the Grafana dashboard (panels and template variables) and of the
   recording rules, with Grafana's variables substituted;
-- the metric names an expression reads;
+- the metric names an expression reads, and the label matchers of each selector of one;
+- the panels of each dashboard row;
 - :class:`Prometheus`: the ``prometheus`` binary on a free loopback port, scraping one
   gateway with a config derived from ``deploy/prometheus/prometheus.yml``;
 - :func:`workload`: requests that share a long prefix, so the prefix cache hits.
@@ -154,16 +155,43 @@ def exposed_samples(text: str) -> dict[str, float]:
     return out
 
 
-def series_values(text: str, name: str, label: str) -> dict[str, float]:
-    """``label`` value -> value of the samples called ``name`` (summed over other labels)."""
+def series_values(text: str, name: str, label: str, **match: str) -> dict[str, float]:
+    """``label`` value -> value of the samples called ``name`` (summed over other labels),
+    of the samples whose labels have the values of ``match`` only (e.g. ``model="chat"``)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name == name:
+            if s.name == name and all(s.labels.get(k) == v for k, v in match.items()):
                 key = s.labels.get(label, "")
                 out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def labelled_samples(text: str, label: str) -> set[str]:
+    """Names of the samples of Prometheus text ``text`` that carry ``label``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples if label in s.labels}
+
+
+def selectors(expr: str, name: str) -> list[str]:
+    """The label matchers (``""`` for none) of each selector of the metric ``name`` in ``expr``."""
+    return [m.group(1) or "" for m in re.finditer(
+        r"(?<![\w:])%s(?![\w:])\s*(?:\{([^}]*)\})?" % re.escape(name), expr)]
+
+
+def row_panels(dash: dict) -> dict[str, list[dict]]:
+    """Row title -> the panels of that row: a collapsed row's own ``panels``, or the
+    top-level panels laid out below it and above the next row (Grafana's layout)."""
+    rows = sorted((p for p in dash["panels"] if p["type"] == "row"), key=lambda p: p["gridPos"]["y"])
+    out: dict[str, list[dict]] = {}
+    for i, row in enumerate(rows):
+        top = row["gridPos"]["y"]
+        bottom = rows[i + 1]["gridPos"]["y"] if i + 1 < len(rows) else float("inf")
+        out[row["title"]] = list(row.get("panels", [])) + [
+            p for p in dash["panels"] if p["type"] != "row" and top < p["gridPos"]["y"] < bottom]
     return out
 
 
@@ -342,19 +370,21 @@ TEST_TENANTS = {
     "bob": ("mgw-test-bob", "weight = 2.0\n"),
     "carol": ("mgw-test-carol", "requests_per_minute = 1\n"),
 }
+# The admin key of the tenants file (no tenant's): loads and unloads models.
+ADMIN_KEY = "mgw-test-admin"
 
 
 def tenant_setup(tmp: Path) -> tuple[dict, list[Optional[str]]]:
     """ServeConfig overrides and API keys for :data:`TEST_TENANTS`, written as a tenants
-    file in ``tmp``; ``({}, [None])`` (the open default tenant) for a gateway without
-    ``--tenants``."""
+    file in ``tmp`` with :data:`ADMIN_KEY` as its admin key; ``({}, [None])`` (the open
+    default tenant, admin on loopback) for a gateway without ``--tenants``."""
     import hashlib
 
     from gateway.config import ServeConfig
 
     if "tenants" not in ServeConfig.__dataclass_fields__:
         return {}, [None]
-    lines = []
+    lines = [f'[admin]\nkey_sha256 = ["{hashlib.sha256(ADMIN_KEY.encode()).hexdigest()}"]\n']
     for name, (key, extra) in TEST_TENANTS.items():
         digest = hashlib.sha256(key.encode()).hexdigest()
         lines.append(f'[tenants.{name}]\nkey_sha256 = ["{digest}"]\n{extra}')

@@ -1,6 +1,8 @@
 """A real Prometheus scrapes a live gateway with the project's config and rules, and every
 PromQL expression of the dashboard and the rules returns data; the token hit rate it
-computes equals the gateway's own counters.
+computes equals the gateway's own counters. The gateway serves two models, the second
+unloaded and loaded again while Prometheus scrapes, so that the Models row's load and
+unload series move.
 
 Needs ``prometheus`` and ``promtool`` on PATH (Debian: ``apt-get install prometheus``,
 which ``.ci/run`` does). Skipped only on machines with no package manager to install
@@ -12,11 +14,17 @@ from __future__ import annotations
 import math
 import re
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from functools import partial
+from typing import Callable
 
+import httpx
 import pytest
 
 from conftest import live_server, model_path, wait_until
 from promstack import (
+    ADMIN_KEY,
     PROM_CONFIG,
     RULES,
     Prometheus,
@@ -25,6 +33,7 @@ from promstack import (
     exposed_on_this_platform,
     load_dashboard,
     package_manager,
+    row_panels,
     rule_queries,
     series_values,
     substitute,
@@ -37,14 +46,21 @@ WINDOW = "5m"
 HITS = "mlx_gateway_prefix_cache_hits_tokens_total"
 QUERIES = "mlx_gateway_prefix_cache_queries_tokens_total"
 # The dashboard's token hit rate (overall and per cache group) and per-tenant hit rate.
-OVERALL = f"sum(rate({HITS}[$__rate_interval])) / sum(rate({QUERIES}[$__rate_interval]))"
-PER_GROUP = (f"sum by (cache_group) (rate({HITS}[$__rate_interval])) / "
-             f"sum by (cache_group) (rate({QUERIES}[$__rate_interval]))")
+OVERALL = (f'sum(rate({HITS}{{model=~"$model"}}[$__rate_interval])) / '
+           f'sum(rate({QUERIES}{{model=~"$model"}}[$__rate_interval]))')
+PER_GROUP = (f'sum by (cache_group) (rate({HITS}{{model=~"$model"}}[$__rate_interval])) / '
+             f'sum by (cache_group) (rate({QUERIES}{{model=~"$model"}}[$__rate_interval]))')
 PER_TENANT = ('sum by (tenant) (rate(mlx_gateway_cached_tokens_total{tenant=~"$tenant",model=~"$model"}'
               '[$__rate_interval])) / sum by (tenant) (rate(mlx_gateway_prompt_tokens_total'
               '{tenant=~"$tenant",model=~"$model"}[$__rate_interval]))')
 TOLERANCE = 0.01
 ALL = {"tenant": ".*", "model": ".*"}  # Grafana's "All"
+# The models: the workload's (the first, which answers requests that name none), and a
+# spare one asked once before Prometheus starts, then unloaded and loaded again by an
+# admin while Prometheus scrapes. Hit rates are checked for MODEL with the dashboard's
+# model variable set to it.
+MODEL, SPARE = "test-model", "spare"
+ONE = {"tenant": ".*", "model": MODEL}
 
 
 def _tools() -> tuple[str, str]:
@@ -90,13 +106,42 @@ def _metrics_counting(client, n: int) -> str:
     return wait_until(text, 10, f"the gateway to count the {n} chat requests sent")
 
 
+def _specs(path, overrides: dict) -> list:
+    """MODEL as ``live_server`` serves a lone model (pinned, loaded at start), and SPARE:
+    the same model with other random weights (two models of the same files would share
+    a disk-tier directory, which one model at a time may hold), loaded on first use,
+    never unloaded but by an admin."""
+    from gateway.config import ServeConfig
+    from gateway.models.demo_model import build_model_dir
+    from gateway.models.spec import model_specs
+
+    spare = build_model_dir(path.parent / f"{path.name}-seed1", "qwen3", tokenizer_dir=path, seed=1)
+    base = model_specs(ServeConfig(model=str(path), **overrides))[0]
+    return [replace(base, name=MODEL),
+            replace(base, name=SPARE, path=str(spare), pin=False, preload=False, keep_alive=None)]
+
+
+def _admin(client: httpx.Client, keys: list, action: str, model: str) -> None:
+    """``POST /admin/models/{model}/{action}``, again while the model is busy (409: the
+    request that used it last is still releasing it)."""
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"} if keys != [None] else {}
+
+    def done():
+        r = client.post(f"/admin/models/{model}/{action}", headers=headers, timeout=60)
+        assert r.status_code in (200, 409), r.text
+        return r.status_code == 200 or None
+
+    wait_until(done, 10, f"the admin to {action} {model}")
+
+
 def _evaluate_all(prom: Prometheus, dashboard: list, rules: list) -> list[str]:
-    """Evaluate every query; return one line per query without data."""
-    failures = []
+    """Evaluate every query (a few at a time); return one line per query without data."""
+    checks: list[tuple[str, Callable[[], object]]] = []  # (failure, what is truthy when it has data)
     # Template variables: label_values(...) through the label values API.
     for q in dashboard:
-        if q.label is not None and not prom.label_values(q.label, substitute(q.expr, ALL)):
-            failures.append(f"{q.where}: label_values({q.expr}, {q.label}) is empty")
+        if q.label is not None:
+            checks.append((f"{q.where}: label_values({q.expr}, {q.label}) is empty",
+                           partial(prom.label_values, q.label, substitute(q.expr, ALL))))
     # Panels with "All" selected, then with every real value selected (Grafana's
     # multi-value regex) for the panels that use a variable.
     real = {name: _regex(prom.label_values(name, "mlx_gateway_requests_total")) for name in ALL}
@@ -104,70 +149,115 @@ def _evaluate_all(prom: Prometheus, dashboard: list, rules: list) -> list[str]:
         for q in dashboard:
             if q.label is None and (values is ALL or "$" in q.expr.replace("$__", "")):
                 expr = substitute(q.expr, values, WINDOW)
-                if not _finite(prom.query(expr)):
-                    failures.append(f"{q.where} ({values}): no finite value for {expr}")
+                checks.append((f"{q.where} ({values}): no finite value for {expr}",
+                               partial(_finite_query, prom, expr)))
     # Every rule's expression, and the series it records.
     for q in rules:
-        if not _finite(prom.query(q.expr)):
-            failures.append(f"rule {q.where}: no finite value for {q.expr.strip()}")
-        if not _finite(prom.query(q.where)):
-            failures.append(f"rule {q.where}: no recorded series")
-    return failures
+        checks.append((f"rule {q.where}: no finite value for {q.expr.strip()}",
+                       partial(_finite_query, prom, q.expr)))
+        checks.append((f"rule {q.where}: no recorded series", partial(_finite_query, prom, q.where)))
+    with ThreadPoolExecutor(8) as pool:
+        found = list(pool.map(lambda check: check[1](), checks))
+    return [failure for (failure, _), data in zip(checks, found) if not data]
+
+
+def _finite_query(prom: Prometheus, expr: str) -> list[float]:
+    return _finite(prom.query(expr))
 
 
 def _check_hit_rates(prom: Prometheus, before: str, after: str) -> None:
-    """The hit rates Prometheus computes over the window equal the gateway's own
-    counters' increase between the two ``/metrics`` texts."""
+    """The hit rates Prometheus computes over the window for MODEL equal the increase of
+    MODEL's own counters between the two ``/metrics`` texts; so does the rule's (every
+    model's: SPARE's counters went back to 0 with its reload, an increase of 0)."""
 
     def delta(name: str, label: str) -> dict[str, float]:
-        a, b = series_values(before, name, label), series_values(after, name, label)
+        a, b = series_values(before, name, label, model=MODEL), series_values(after, name, label, model=MODEL)
         return {k: v - a.get(k, 0.0) for k, v in b.items()}
 
     hits, queries = delta(HITS, "cache_group"), delta(QUERIES, "cache_group")
     overall = sum(hits.values()) / sum(queries.values())
     assert 0.3 < overall < 1, overall  # the workload really hit the cache
-    got = _finite(prom.query(substitute(OVERALL, {}, WINDOW)))
+    got = _finite(prom.query(substitute(OVERALL, ONE, WINDOW)))
     assert got and abs(got[0] - overall) < TOLERANCE, (got, overall)
     rule = _finite(prom.query("mlx_gateway:prefix_cache_token_hit_rate:ratio_rate5m"))
     assert rule and abs(rule[0] - overall) < TOLERANCE, (rule, overall)
-    per_group = _by(prom.query(substitute(PER_GROUP, {}, WINDOW)), "cache_group")
+    per_group = _by(prom.query(substitute(PER_GROUP, ONE, WINDOW)), "cache_group")
     for group, q in queries.items():
         if q > 0:
             assert abs(per_group[group] - hits.get(group, 0.0) / q) < TOLERANCE, (group, per_group)
     cached = delta("mlx_gateway_cached_tokens_total", "tenant")
     prompt = delta("mlx_gateway_prompt_tokens_total", "tenant")
-    per_tenant = _by(prom.query(substitute(PER_TENANT, ALL, WINDOW)), "tenant")
+    per_tenant = _by(prom.query(substitute(PER_TENANT, ONE, WINDOW)), "tenant")
     for tenant, p in prompt.items():
         if p > 0:
             assert abs(per_tenant[tenant] - cached.get(tenant, 0.0) / p) < TOLERANCE, (tenant, per_tenant)
+
+
+def _check_models_row(prom: Prometheus, dash: dict, after: str) -> None:
+    """The Models row's queries (model variable on All) say what the gateway does: both
+    models loaded, their weights under the budget, SPARE's reload timed and its unload
+    counted with reason admin."""
+    panels = {p["title"]: p for p in row_panels(dash)["Models"]}
+
+    def query(title: str, ref: str = "A") -> list[dict]:
+        t = next(t for t in panels[title]["targets"] if t["refId"] == ref)
+        return prom.query(substitute(t["expr"], ALL, WINDOW))
+
+    assert _by(query("Models loaded"), "model") == {MODEL: 1.0, SPARE: 1.0}
+    weights = _by(query("Weights and memory budget"), "model")
+    assert weights == series_values(after, "mlx_gateway_model_weights_bytes", "model"), weights
+    assert set(weights) == {MODEL, SPARE} and all(w > 0 for w in weights.values()), weights
+    budget = _finite(query("Weights and memory budget", "B"))
+    assert budget and budget[0] > sum(weights.values()), (budget, weights)
+    assert _by(query("Prefix cache by model"), "model").get(MODEL, 0) > 0
+    load = {m: v for m, v in _by(query("Model load time"), "model").items() if math.isfinite(v)}
+    assert set(load) == {SPARE} and load[SPARE] > 0, load  # MODEL's only load was before Prometheus
+    assert all(v > 0 for v in _by(query("Model load time", "B"), "model").values())
+    unloads = {(s["metric"]["model"], s["metric"]["reason"]): float(s["value"][1])
+               for s in query("Unloads by reason")}
+    assert {k for k, v in unloads.items() if v > 0} == {(SPARE, "admin")}, unloads
+    assert set(_by(query("Requests in flight by model"), "model")) == {MODEL, SPARE}
 
 
 def test_prometheus_evaluates_dashboard_and_rules(tmp_path):
     prometheus, promtool = _tools()
     _promtool(promtool, "check", "config", str(PROM_CONFIG))
     _promtool(promtool, "check", "rules", str(RULES))
-    dashboard = dashboard_queries(load_dashboard())
+    dash = load_dashboard()
+    dashboard = dashboard_queries(dash)
     exprs = {q.expr for q in dashboard}
     for e in (OVERALL, PER_GROUP, PER_TENANT):
         assert e in exprs, f"the dashboard no longer has {e}"
 
     overrides, keys = tenant_setup(tmp_path)
     overrides["prompt_cache_dir"] = str(tmp_path / "prompt-cache")  # the disk tier's panel too
-    with live_server(model_path("qwen3"), **overrides) as server:
+    path = model_path("qwen3")
+    with live_server(path, _specs(path, overrides), **overrides) as server:
         client = server.client()
         # Before Prometheus starts: create every series, so that its first sample is this
-        # baseline and rates over the whole window are (final - baseline) / time.
+        # baseline and rates over the whole window are (final - baseline) / time. One
+        # request loads SPARE and lists it among the model variable's values.
         sent = len(workload(server.url, keys))
+        headers = {"Authorization": f"Bearer {keys[0]}"} if keys[0] else {}
+        r = client.post("/v1/chat/completions", headers=headers, timeout=120, json={
+            "model": SPARE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        sent += 1
         before = _metrics_counting(client, sent)
         with Prometheus(server.url.removeprefix("http://"), binary=prometheus) as prom:
             _promtool(promtool, "check", "config", str(prom.config_path))
-            prom.wait_for(f"sum({QUERIES})", sum(series_values(before, QUERIES, "cache_group").values()))
+            prom.wait_for(f'sum({QUERIES}{{model="{MODEL}"}})',
+                          sum(series_values(before, QUERIES, "cache_group", model=MODEL).values()))
             assert prom.targets_up()
+            _admin(client, keys, "unload", SPARE)  # scraped before: its load and unload move
+            _admin(client, keys, "load", SPARE)
             sent += len(workload(server.url, keys))
             after = _metrics_counting(client, sent)
             for name in (QUERIES, HITS):
-                prom.wait_for(f"sum({name})", sum(series_values(after, name, "cache_group").values()))
+                prom.wait_for(f'sum({name}{{model="{MODEL}"}})',
+                              sum(series_values(after, name, "cache_group", model=MODEL).values()))
             prom.wait_rounds(2)  # two more scrapes and rule evaluations with the final values
             failures = _evaluate_all(prom, [q for q in dashboard if exposed_on_this_platform(q)], rule_queries())
             assert not failures, "\n".join(failures)
             _check_hit_rates(prom, before, after)
+            _check_models_row(prom, dash, after)
