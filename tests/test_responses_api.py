@@ -224,6 +224,39 @@ def test_tool_loop_history_and_previous_response_id_give_the_same_prompts(server
     assert all(u.input_tokens_details.cached_tokens >= u.input_tokens - 16 for u in whole[1:])
 
 
+def test_input_items_list_the_chain_with_stable_ids(client):
+    """``GET /v1/responses/{id}/input_items`` through the SDK: the chain's items, then the
+    response's own input, OpenAI's shapes, ids kept along the chain, pages that join up."""
+    body = dict(model="test-model", temperature=0, max_output_tokens=8)
+    r1 = client.responses.create(input="First question.", **body)
+    r2 = client.responses.create(input=[{"role": "user", "content": "Second."},
+                                        {"role": "assistant", "content": "An answer given before."}],
+                                 previous_response_id=r1.id, **body)
+    first = list(client.responses.input_items.list(r1.id, order="asc"))
+    assert [(it.type, it.role, it.content[0].type, it.content[0].text) for it in first] == [
+        ("message", "user", "input_text", "First question.")]
+    items = list(client.responses.input_items.list(r2.id, order="asc"))
+    assert [it.id for it in items[:1 + len(r1.output)]] == [first[0].id] + [it.id for it in r1.output]
+    own = items[1 + len(r1.output):]
+    assert [(it.role, it.content[0].type, it.content[0].text, it.status) for it in own] == [
+        ("user", "input_text", "Second.", "completed"), ("assistant", "output_text", "An answer given before.",
+                                                         "completed")]
+    assert len({it.id for it in items}) == len(items) and all(it.id for it in items)
+    paged = list(client.responses.input_items.list(r2.id, limit=1))  # default order: newest first
+    assert [it.id for it in paged] == [it.id for it in reversed(items)]
+    raw = client.responses.input_items.with_raw_response.list(r2.id, limit=2, order="asc").http_response.json()
+    assert raw["object"] == "list" and raw["has_more"] is True and raw["first_id"] == items[0].id
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.input_items.list(r2.id, limit=0)
+    assert e.value.body["param"] == "limit"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_items.list(r2.id, after="msg_unknown")
+    client.responses.delete(r1.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list(r1.id)
+    assert [it.id for it in client.responses.input_items.list(r2.id, order="asc")] == [it.id for it in items]
+
+
 def test_reasoning_and_parallel_call_items_are_history(client):
     call = lambda i: {"type": "function_call", "call_id": f"call_{i}", "name": "add", "arguments": '{"a":1,"b":2}'}
     out = lambda i: {"type": "function_call_output", "call_id": f"call_{i}", "output": "3"}
@@ -343,6 +376,8 @@ def test_tenants_cannot_see_each_others_responses(tenant_server):
         bodies.append(e.value.body)
         with pytest.raises(openai.NotFoundError):
             sdk["bob"].responses.delete(rid)
+        with pytest.raises(openai.NotFoundError):
+            sdk["bob"].responses.input_items.list(rid)
         with pytest.raises(openai.NotFoundError) as e:
             sdk["bob"].responses.create(model="test-model", input="more", previous_response_id=rid)
         assert e.value.body["param"] == "previous_response_id"

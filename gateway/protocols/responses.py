@@ -1,5 +1,6 @@
 """OpenAI Responses API: ``POST /v1/responses``, ``GET /v1/responses/{id}`` and
-``DELETE /v1/responses/{id}``, a thin adapter between the API's items and the internal
+``DELETE /v1/responses/{id}`` (``GET .../input_items`` is ``responses_items.py``), a
+thin adapter between the API's items and the internal
 :class:`Conversation` and its events.
 
 Input items (``message``, ``function_call``, ``function_call_output``, ``reasoning``)
@@ -36,6 +37,7 @@ from gateway.conversation.run import Run, start_conversation
 from gateway.http.errors import APIError
 from gateway.http.sse import SSEResponse, comment, guarded, named_event
 from gateway.protocols.responses_events import OutputBuilder, object_id
+from gateway.protocols.responses_items import with_ids
 from gateway.protocols.responses_schemas import (FunctionCallItem, FunctionCallOutputItem, MessageItem,
                                                  ReasoningItem, ResponsesRequest, parse_items, parse_request)
 from gateway.protocols.responses_store import ResponseStore
@@ -209,7 +211,7 @@ async def create_response(request: Request) -> Response:
         e.param = PARAMS.get(e.param, e.param)  # the shared code names chat's parameters
         raise
     base, out = base_response(call, req, object_id("resp")), OutputBuilder()
-    new_items = dump_items(items)
+    new_items = with_ids(dump_items(items))
 
     def keep(response: dict) -> None:
         if req.store:

@@ -26,6 +26,7 @@ from gateway.protocols.anthropic import count_tokens, messages
 from gateway.protocols.openai_chat import chat_completions
 from gateway.protocols.openai_completions import completions
 from gateway.protocols.responses import create_response, delete_response, retrieve_response
+from gateway.protocols.responses_items import list_input_items
 from gateway.protocols.responses_store import ResponseStore
 from gateway.routes import admin, service
 from gateway.routes.openapi import openapi_json
@@ -37,6 +38,7 @@ ROUTES = [
     ("POST", "/v1/responses", create_response),
     ("GET", "/v1/responses/{response_id}", retrieve_response),
     ("DELETE", "/v1/responses/{response_id}", delete_response),
+    ("GET", "/v1/responses/{response_id}/input_items", list_input_items),
     ("POST", "/v1/messages", messages),
     ("POST", "/v1/messages/count_tokens", count_tokens),
     ("GET", "/v1/models", service.models),

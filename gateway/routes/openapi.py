@@ -140,6 +140,9 @@ RESPONSE_SCHEMAS: dict[str, dict] = {
                                                          "total_tokens": _INT}}),
     "ResponseDeleted": _obj(["id", "object", "deleted"], id=_STR, object={"const": "response"},
                             deleted={"const": True}),
+    "InputItemList": _obj(["object", "data", "first_id", "last_id", "has_more"], object={"const": "list"},
+                          data={"type": "array", "items": _EVENT}, first_id=_NULLABLE_STR,
+                          last_id=_NULLABLE_STR, has_more={"type": "boolean"}),
     "Health": _obj(["status"], status={"enum": ["ok", "loading", "error", "dead"]},
                    model=_STR, running=_INT, waiting=_INT, detail=_NULLABLE_STR),
 }
@@ -258,6 +261,18 @@ def _response_op(op_id: str, summary: str, result: str, description: str) -> dic
                           "404": _json("Error", "no response with this id for this key"), **_errors(*GET_ERRORS)}}
 
 
+def _input_items_op() -> dict:
+    op = _response_op("listInputItems", "The input items of a stored response", "InputItemList",
+                      "a page of the items the response was generated from (its chain's, then its own input)")
+    op["parameters"] += [
+        {"name": "after", "in": "query", "required": False, "schema": _STR},
+        {"name": "limit", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 1,
+                                                                        "maximum": 100}},
+        {"name": "order", "in": "query", "required": False, "schema": {"enum": ["asc", "desc"]}}]
+    op["responses"]["400"] = _json("Error", "a query parameter out of range, or an unknown `after`")
+    return op
+
+
 def _restrict(schemas: dict[str, dict], models: Optional[Sequence[str]], max_tokens_limit: Optional[int]) -> None:
     """Write one server's facts into copies of the request schemas (in place)."""
     for name in ("ChatRequest", "CompletionRequest", "MessagesRequest", "CountTokensRequest", "ResponsesRequest"):
@@ -307,6 +322,7 @@ def openapi_document(models: Optional[Sequence[str]] = None, max_tokens_limit: O
             "get": _response_op("getResponse", "A stored response", "Response", "the stored response object"),
             "delete": _response_op("deleteResponse", "Delete a stored response", "ResponseDeleted",
                                    "`{id, object: response, deleted: true}`")},
+        "/v1/responses/{response_id}/input_items": {"get": _input_items_op()},
         "/v1/models": {"get": {
             "operationId": "listModels", "summary": "The served model names", "security": SECURED,
             "responses": {"200": _json("ModelList", "the model names this server answers to"),
