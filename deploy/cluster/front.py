@@ -32,6 +32,7 @@ left out here too. A replica that refuses the connection is skipped for the next
 the hashing order. A replica lost while it streams an answer cuts that stream (the client
 sees the connection end before the response does), as the router does.
 
+Which requests go around the router, and the affinity key, are in ``front_rules.py``.
 Run it with the gateway's own dependencies (starlette, uvicorn, httpx)::
 
     python deploy/cluster/front.py --router http://127.0.0.1:30000 --port 8080
@@ -54,6 +55,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from front_rules import affinity_key, around_router, merge_usage  # beside this script
 
 log = logging.getLogger("mlx_gateway.front")
 
@@ -316,77 +319,6 @@ class FrontApp:
                 await self.client.aclose()
 
         return Starlette(routes=routes, lifespan=lifespan)
-
-
-def around_router(request: Request, body: bytes) -> bool:
-    """Whether a request the router would serve must go around it, straight to a replica:
-
-    - a browser's (an ``Origin`` header, and every CORS preflight): the router answers CORS
-      itself, with ``Access-Control-Allow-Origin: *`` unless given ``--cors-allowed-origins``,
-      in place of the gateway's ``--allowed-origins`` and the tenants' ``origins``;
-    - one that asks for a latency class (an ``x-priority`` header, or ``priority`` in a chat
-      body): the router drops both (and every field of a chat body it does not know).
-    """
-    if request.method == "OPTIONS" or "origin" in request.headers or "x-priority" in request.headers:
-        return True
-    if request.url.path == "/v1/chat/completions" and b'"priority"' in body:
-        try:
-            data = json.loads(body)
-        except ValueError:
-            return False
-        return isinstance(data, dict) and "priority" in data
-    return False
-
-
-def affinity_key(path: str, data: dict) -> bytes:
-    """What a conversation's requests share from its first turn on: the model, and the
-    system prompt (or instructions) with the first message (or input item, or the start of
-    a completion's prompt)."""
-    if path.startswith("/v1/messages"):
-        messages = data.get("messages")
-        parts = [data.get("system"), messages[0] if isinstance(messages, list) and messages else None]
-    elif path == "/v1/responses":
-        items = data.get("input")
-        parts = [data.get("instructions"), items[0] if isinstance(items, list) and items else items]
-    elif path == "/v1/chat/completions":
-        messages = data.get("messages")
-        parts = messages[:2] if isinstance(messages, list) else [messages]
-    elif path == "/v1/completions":
-        prompt = data.get("prompt")
-        parts = [prompt[:1024] if isinstance(prompt, (str, list)) else prompt]
-    else:
-        parts = []
-    return json.dumps([data.get("model"), *parts], sort_keys=True, default=str).encode()
-
-
-def merge_usage(a, b):
-    """Two replicas' ``/v1/usage`` answers as one: counts added, window starts the earliest,
-    an admin's per-tenant lists joined by tenant."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = dict(a)
-        for k, v in b.items():
-            if k not in out:
-                out[k] = v
-            elif k in ("start", "since", "seconds"):
-                out[k] = min(out[k], v) if all(isinstance(x, (int, float)) for x in (out[k], v)) else out[k]
-            else:
-                out[k] = merge_usage(out[k], v)
-        return out
-    if isinstance(a, list) and isinstance(b, list):
-        by_tenant = {x.get("tenant"): x for x in a if isinstance(x, dict)}
-        out = list(a)
-        for x in b:
-            t = x.get("tenant") if isinstance(x, dict) else None
-            if t is not None and t in by_tenant:
-                merged = merge_usage(by_tenant[t], x)
-                out[out.index(by_tenant[t])] = merged
-                by_tenant[t] = merged
-            else:
-                out.append(x)
-        return out
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
-        return a + b
-    return a
 
 
 class _IdWatcher:
