@@ -8,11 +8,8 @@ Layout: ``root/`` (mode 0700) holds one directory per model identity
 own. An entry is ``<entry_name(group, tokens)>.safetensors`` (0600) holding the arrays,
 the caller's metadata and the reserved keys listed in ``disk_format.py``.
 
-Writes are atomic (the classic temp file / fsync / rename / fsync-directory sequence,
-as described for SQLite's and LMDB's crash safety and done by ``atomicwrites``): a
-``.tmp-*`` file opened ``O_EXCL`` with mode 0600, written, fsynced, ``os.replace``-d
-onto its final name, then the directory is fsynced. A crash leaves at most a temp
-file, removed at the next start. Lookup mirrors ``manager.py`` ``_select``.
+Writes are atomic (``disk_files.write_atomic``: temp file, fsync, rename, fsync of the
+directory). A crash leaves at most a ``.tmp-*`` file, removed at the next start. Lookup mirrors ``manager.py`` ``_select``.
 
 Bound: the sum of entry file sizes (bytes), counting the temp file being written,
 stays ``<= max_bytes``: the writer evicts least recently used entries (file mtime
@@ -30,8 +27,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import secrets
-import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -40,6 +35,7 @@ from pathlib import Path
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from .disk_files import secure_dir, unlink_quietly, write_atomic
 from .disk_format import RESERVED_KEYS, build_file, entry_name, parse_file, read_file_header
 from .restore import restorable
 from .tree import Node, RadixTree
@@ -77,37 +73,6 @@ class DiskEntry:
 
     def __repr__(self) -> str:
         return f"<DiskEntry {self.name} {self.group!r} {self.num_tokens} tokens {self.nbytes} B>"
-
-
-def secure_dir(path: Path) -> None:
-    """Make ``path`` a directory of this user with mode exactly 0700 (created if missing).
-
-    Raises:
-        NotADirectoryError / PermissionError / OSError, naming the path.
-    """
-    try:
-        if not path.exists():
-            path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = os.stat(path)
-    except OSError as e:
-        raise OSError(e.errno, f"disk cache directory {path} cannot be created: {e.strerror}") from e
-    if not stat.S_ISDIR(st.st_mode):
-        raise NotADirectoryError(f"disk cache path {path} is not a directory")
-    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
-        raise PermissionError(f"disk cache directory {path} is owned by uid {st.st_uid}, not {os.geteuid()}")
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(path, 0o700)
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise PermissionError(f"disk cache directory {path} is not writable")
-
-
-def _unlink(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        log.warning("disk cache: cannot delete %s: %s", path, e)
 
 
 class DiskTier:
@@ -210,7 +175,7 @@ class DiskTier:
         for p in self.dir.iterdir():
             if p.name.startswith(_TMP_PREFIX):
                 log.info("disk cache: removing leftover temp file %s", p)
-                _unlink(p)
+                unlink_quietly(p)
             elif p.name.endswith(_SUFFIX) and not p.is_symlink() and p.is_file():
                 try:
                     meta, tokens, size = read_file_header(p, self.model_identity)
@@ -218,7 +183,7 @@ class DiskTier:
                 except Exception as e:  # ValueError, OSError
                     log.warning("disk cache: deleting unreadable entry %s: %s", p, e)
                     self._reads.labels(outcome="corrupt").inc()
-                    _unlink(p)
+                    unlink_quietly(p)
                     continue
                 found.append((mtime, DiskEntry(meta["group"], len(tokens), size, meta["trimmable"] == "1", p), tokens))
         for _, entry, tokens in sorted(found, key=lambda x: x[0]):
@@ -248,7 +213,7 @@ class DiskTier:
         del self._lru[entry]
         self._bytes -= entry.nbytes
         self._update_gauges()
-        _unlink(entry.path)
+        unlink_quietly(entry.path)
         return True
 
     def _evict_until(self, budget: int) -> None:
@@ -412,31 +377,12 @@ class DiskTier:
         with self._lock:
             self._evict_until(self.max_bytes - size)
         final = self.dir / f"{name}{_SUFFIX}"
-        tmp = self.dir / f"{_TMP_PREFIX}{secrets.token_hex(8)}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
-            try:
-                os.fchmod(fd, 0o600)  # whatever the umask
-                view = memoryview(payload)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, final)
+            write_atomic(final, payload, _TMP_PREFIX)
         except OSError as e:  # ENOSPC, EFBIG, EDQUOT, EACCES, EIO, ...
             log.warning("disk cache: write of %s (%d bytes) skipped: %s", final.name, size, e)
-            _unlink(tmp)
             self._writes.labels(outcome="failed").inc()
             return
-        try:
-            dfd = os.open(self.dir, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        except OSError as e:  # the file is complete; only its new name may not be durable yet
-            log.debug("disk cache: fsync of %s failed: %s", self.dir, e)
         with self._lock:
             self._add(DiskEntry(group, len(tokens), size, trimmable, final), tokens)
         self._writes.labels(outcome="written").inc()

@@ -307,7 +307,7 @@ def serve(cfg: ServeConfig) -> None:
         tenants = tenant_table(cfg)
         check_limits_store(cfg)
         if cfg.prompt_cache_dir:  # and a disk-tier directory that cannot be used
-            from cache.disk import secure_dir
+            from cache.disk_files import secure_dir
 
             secure_dir(Path(cfg.prompt_cache_dir).expanduser())
     except (TenantsFileError, ValueError, OSError) as e:
