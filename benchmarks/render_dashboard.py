@@ -128,7 +128,7 @@ def query_panels(prom: Prometheus, start: float, end: float, step: float = 1.0) 
         p = panels[title]
         series = []
         for t in p["targets"]:
-            expr = substitute(t["expr"], {"tenant": ".*", "model": ".*"}, RATE_WINDOW)
+            expr = substitute(t["expr"], {"instance": ".*", "tenant": ".*", "model": ".*"}, RATE_WINDOW)
             for s in prom.query_range(expr, start, end, step):
                 legend = re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: s["metric"].get(m.group(1), ""),
                                 t.get("legendFormat") or "") or expr

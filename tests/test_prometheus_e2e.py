@@ -2,11 +2,14 @@
 PromQL expression of the dashboard and the rules returns data; the token hit rate it
 computes equals the gateway's own counters. The gateway serves two models, the second
 unloaded and loaded again while Prometheus scrapes, so that the Models row's load and
-unload series move.
+unload series move; its tenants' requests come in every latency class and one from an
+Origin its key is not bound to, for the Latency classes row; and it shares its tenants'
+limits through a real Redis (``--limits-store``), the only way it exports the Cluster row's
+``mlx_gateway_limits_store_up``.
 
-Needs ``prometheus`` and ``promtool`` on PATH (Debian: ``apt-get install prometheus``,
-which ``.ci/run`` does). Skipped only on machines with no package manager to install
-them; anywhere else their absence is a failure.
+Needs ``prometheus``, ``promtool`` and ``redis-server`` on PATH (Debian: ``apt-get install
+prometheus redis-server``, which ``.ci/run`` does). Skipped only on machines with no package
+manager to install them; anywhere else their absence is a failure.
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ from promstack import (
     PROM_CONFIG,
     RULES,
     Prometheus,
+    Redis,
     binaries,
     dashboard_queries,
     exposed_on_this_platform,
     load_dashboard,
     package_manager,
+    require_redis,
     row_panels,
     rule_queries,
     series_values,
@@ -45,22 +50,26 @@ from promstack import (
 WINDOW = "5m"
 HITS = "mlx_gateway_prefix_cache_hits_tokens_total"
 QUERIES = "mlx_gateway_prefix_cache_queries_tokens_total"
-# The dashboard's token hit rate (overall and per cache group) and per-tenant hit rate.
-OVERALL = (f'sum(rate({HITS}{{model=~"$model"}}[$__rate_interval])) / '
-           f'sum(rate({QUERIES}{{model=~"$model"}}[$__rate_interval]))')
-PER_GROUP = (f'sum by (cache_group) (rate({HITS}{{model=~"$model"}}[$__rate_interval])) / '
-             f'sum by (cache_group) (rate({QUERIES}{{model=~"$model"}}[$__rate_interval]))')
-PER_TENANT = ('sum by (tenant) (rate(mlx_gateway_cached_tokens_total{tenant=~"$tenant",model=~"$model"}'
-              '[$__rate_interval])) / sum by (tenant) (rate(mlx_gateway_prompt_tokens_total'
-              '{tenant=~"$tenant",model=~"$model"}[$__rate_interval]))')
+# The dashboard's token hit rate (overall, per cache group and per replica) and per-tenant hit rate.
+M = 'model=~"$model",instance=~"$instance"'
+OVERALL = (f'sum(rate({HITS}{{{M}}}[$__rate_interval])) / '
+           f'sum(rate({QUERIES}{{{M}}}[$__rate_interval]))')
+PER_GROUP = (f'sum by (cache_group) (rate({HITS}{{{M}}}[$__rate_interval])) / '
+             f'sum by (cache_group) (rate({QUERIES}{{{M}}}[$__rate_interval]))')
+PER_REPLICA = (f'sum by (instance) (rate({HITS}{{{M}}}[$__rate_interval])) / '
+               f'sum by (instance) (rate({QUERIES}{{{M}}}[$__rate_interval]))')
+PER_TENANT = ('sum by (tenant) (rate(mlx_gateway_cached_tokens_total{tenant=~"$tenant",model=~"$model",'
+              'instance=~"$instance"}[$__rate_interval])) / sum by (tenant) (rate(mlx_gateway_prompt_tokens_total'
+              '{tenant=~"$tenant",model=~"$model",instance=~"$instance"}[$__rate_interval]))')
 TOLERANCE = 0.01
-ALL = {"tenant": ".*", "model": ".*"}  # Grafana's "All"
+ALL = {"instance": ".*", "tenant": ".*", "model": ".*"}  # Grafana's "All"
 # The models: the workload's (the first, which answers requests that name none), and a
 # spare one asked once before Prometheus starts, then unloaded and loaded again by an
 # admin while Prometheus scrapes. Hit rates are checked for MODEL with the dashboard's
 # model variable set to it.
 MODEL, SPARE = "test-model", "spare"
-ONE = {"tenant": ".*", "model": MODEL}
+ONE = {"instance": ".*", "tenant": ".*", "model": MODEL}
+CLASSES = ("interactive", "standard", "batch")  # the priority label of the class histograms; 0, 1, 2 elsewhere
 
 
 def _tools() -> tuple[str, str]:
@@ -193,6 +202,73 @@ def _check_hit_rates(prom: Prometheus, before: str, after: str) -> None:
             assert abs(per_tenant[tenant] - cached.get(tenant, 0.0) / p) < TOLERANCE, (tenant, per_tenant)
 
 
+def _panel_query(prom: Prometheus, panels: list[dict], title: str, ref: str = "A",
+                 values: dict = ALL) -> list[dict]:
+    """The result of the target ``ref`` of the panel ``title`` (of ``panels``), over the window."""
+    panel = next(p for p in panels if p["title"] == title)
+    t = next(t for t in panel["targets"] if t["refId"] == ref)
+    return prom.query(substitute(t["expr"], values, WINDOW))
+
+
+def _by_legend(prom: Prometheus, panels: list[dict], title: str) -> dict[str, float]:
+    """Legend -> value of the panel ``title``'s targets (each one series, named by its legend)."""
+    panel = next(p for p in panels if p["title"] == title)
+    out = {}
+    for t in panel["targets"]:
+        res = _panel_query(prom, panels, title, t["refId"])
+        assert len(res) == 1, (title, t["legendFormat"], res)
+        out[t["legendFormat"]] = float(res[0]["value"][1])
+    return out
+
+
+def _check_classes_row(prom: Prometheus, dash: dict, before: str, after: str) -> None:
+    """The Latency classes row (every variable on All) has a TTFT and an inter-token gap for
+    each class the workload used (bob's interactive, alice's and carol's standard, the
+    requests asking for batch); the queue, pauses and resumes of each class under its name,
+    as the gateway counts them; and the origin refusals of alice's key only."""
+    panels = row_panels(dash)["Latency classes"]
+    for title in ("Time to first token by class", "Inter-token gap by class"):
+        for ref in ("A", "B"):
+            got = {k: v for k, v in _by(_panel_query(prom, panels, title, ref), "priority").items()
+                   if math.isfinite(v)}
+            assert set(got) == set(CLASSES) and all(v > 0 for v in got.values()), (title, ref, got)
+    queued = _by_legend(prom, panels, "Queued by class")
+    gauge = series_values(after, "mlx_gateway_requests_queued_by_class", "priority")
+    assert queued == {name: gauge[str(i)] for i, name in enumerate(CLASSES)}, (queued, gauge)
+    moved = _by_legend(prom, panels, "Prefill pauses and resumes / s")
+    assert set(moved) == {f"{what} {name}" for what in ("paused", "resumed") for name in CLASSES}, moved
+    for what, name in (("paused", "mlx_gateway_prefill_pauses_total"),
+                       ("resumed", "mlx_gateway_prefill_resumes_total")):
+        a, b = series_values(before, name, "priority"), series_values(after, name, "priority")
+        for i, cls in enumerate(CLASSES):
+            rate = moved[f"{what} {cls}"]
+            assert math.isfinite(rate) and (rate > 0) == (b[str(i)] > a.get(str(i), 0.0)), (what, cls, rate, a, b)
+    refused = _by(_panel_query(prom, panels, "Origin refused (403) / s by tenant"), "tenant")
+    assert {t for t, v in refused.items() if v > 0} == {"alice"}, refused
+    counted = series_values(after, "mlx_gateway_origin_refused_total", "tenant")
+    assert set(refused) == set(counted) and counted["alice"] > 0, (refused, counted)
+
+
+def _check_cluster_row(prom: Prometheus, dash: dict, target: str) -> None:
+    """The Cluster row, with the instance variable on All and on the one replica scraped:
+    one series per replica (its scrape address), the hit rate the same as the overall one,
+    decode tokens generated, no request left running or waiting, the limits store up."""
+    panels = row_panels(dash)["Cluster"]
+    assert prom.label_values("instance", "mlx_gateway_requests_total") == [target]
+    one = dict(ONE, instance=_regex([target]))
+    for values in (ONE, one):
+        overall = _finite(prom.query(substitute(OVERALL, values, WINDOW)))
+        per_replica = _by(_panel_query(prom, panels, "Token hit rate by replica", values=values), "instance")
+        assert set(per_replica) == {target} and abs(per_replica[target] - overall[0]) < TOLERANCE, per_replica
+        assert _by(_panel_query(prom, panels, "Load by replica", "A", values), "instance") == {target: 0.0}
+        decode = _by(_panel_query(prom, panels, "Load by replica", "B", values), "instance")
+        assert set(decode) == {target} and decode[target] > 0, decode
+        assert _by(_panel_query(prom, panels, "Waiting by replica", values=values), "instance") == {target: 0.0}
+        assert _by(_panel_query(prom, panels, "Limits store by replica", values=values), "instance") == {target: 1.0}
+    nobody = dict(ONE, instance=_regex(["no-such-replica:1"]))
+    assert not _panel_query(prom, panels, "Token hit rate by replica", values=nobody)
+
+
 def _check_models_row(prom: Prometheus, dash: dict, after: str) -> None:
     """The Models row's queries (model variable on All) say what the gateway does: both
     models loaded, their weights under the budget, SPARE's reload timed and its unload
@@ -226,13 +302,16 @@ def test_prometheus_evaluates_dashboard_and_rules(tmp_path):
     dash = load_dashboard()
     dashboard = dashboard_queries(dash)
     exprs = {q.expr for q in dashboard}
-    for e in (OVERALL, PER_GROUP, PER_TENANT):
+    for e in (OVERALL, PER_GROUP, PER_REPLICA, PER_TENANT):
         assert e in exprs, f"the dashboard no longer has {e}"
 
     overrides, keys = tenant_setup(tmp_path)
     overrides["prompt_cache_dir"] = str(tmp_path / "prompt-cache")  # the disk tier's panel too
     path = model_path("qwen3")
-    with live_server(path, _specs(path, overrides), **overrides) as server:
+    with Redis(require_redis()) as redis, \
+            live_server(path, _specs(path, overrides), limits_store=redis.url, **overrides) as server:
+        # Not the 50 ms of a request's wait: a loaded machine must not fall back to local limits.
+        server.front.limiter.store.timeout = 5.0
         client = server.client()
         # Before Prometheus starts: create every series, so that its first sample is this
         # baseline and rates over the whole window are (final - baseline) / time. One
@@ -257,7 +336,12 @@ def test_prometheus_evaluates_dashboard_and_rules(tmp_path):
                 prom.wait_for(f'sum({name}{{model="{MODEL}"}})',
                               sum(series_values(after, name, "cache_group", model=MODEL).values()))
             prom.wait_rounds(2)  # two more scrapes and rule evaluations with the final values
+            # Every check below reads the state of one instant (the queries' load may make
+            # the gateway miss a later scrape).
+            prom.settle()
             failures = _evaluate_all(prom, [q for q in dashboard if exposed_on_this_platform(q)], rule_queries())
             assert not failures, "\n".join(failures)
             _check_hit_rates(prom, before, after)
             _check_models_row(prom, dash, after)
+            _check_classes_row(prom, dash, before, after)
+            _check_cluster_row(prom, dash, server.url.removeprefix("http://"))
