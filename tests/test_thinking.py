@@ -64,6 +64,13 @@ def test_a_required_call_comes_after_the_think_block_within_its_budget(server):
     generated = [t.token for t in r.choices[0].logprobs.content]
     assert generated[0] == "<think>" and "</think>" in generated
     assert generated.index("</think>") - 1 <= max_tokens // 8  # the reasoning tokens: the budget
+    # usage counts them (between the think tags), streamed or not
+    thought = r.usage.completion_tokens_details.reasoning_tokens
+    assert generated.index("</think>") - 1 <= thought <= generated.index("</think>") + 1, (thought, generated)
+    chunks = list(server.openai().chat.completions.create(
+        model="test-model", messages=ASK, tools=[ADD], tool_choice="required", parallel_tool_calls=False,
+        max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == thought
 
 
 def test_a_json_schema_answer_comes_after_the_think_block(server):

@@ -135,12 +135,14 @@ class Comment:
 @dataclass
 class Usage:
     """Tokens: ``prompt`` includes ``cached`` (read from the prefix cache);
-    ``cache_written`` prompt tokens past those were stored in it by this request."""
+    ``cache_written`` prompt tokens past those were stored in it by this request;
+    ``reasoning`` of the ``completion`` tokens carried only thinking."""
 
     prompt: int
     completion: int
     cached: int
     cache_written: int = 0
+    reasoning: int = 0
 
 
 @dataclass

@@ -189,6 +189,7 @@ class Run:
         tools = ToolCallStream(self.plan) if self.plan is not None and self.plan.parses else None
         pieces = self._pieces()
         reply: list[str] = []
+        thought = 0  # tokens that carried only reasoning
         try:
             async for piece in pieces:
                 if isinstance(piece, Comment):
@@ -197,6 +198,7 @@ class Run:
                 if tools is not None and piece.text:
                     piece.text, piece.tool_calls = tools.feed(piece.text)
                 if piece.text or piece.reasoning or piece.tool_calls or piece.tokens:
+                    thought += len(piece.tokens) if piece.reasoning and not (piece.text or piece.tool_calls) else 0
                     reply.append(piece.text)
                     yield piece
             if tools is not None:
@@ -215,8 +217,8 @@ class Run:
                 t, front = self.call.tenant, self.call.front
                 if front.config.precompute_next_turn and not front.draining:
                     schedule_next_turn(self.model, self.prompt, "".join(reply), t.cache_group, t.name)  # never raises
-            yield Finished(reason, Usage(len(self.prompt.tokens), len(self.tokens), self.cached, self.cache_written),
-                           matched)
+            yield Finished(reason, Usage(len(self.prompt.tokens), len(self.tokens), self.cached, self.cache_written,
+                                         thought), matched)
         except Exception:
             self._end("error")  # no-op when the engine's error already ended it
             raise

@@ -24,12 +24,14 @@ def stream_response(front, chunks) -> SSEResponse:
 
 
 def usage(u: Usage) -> dict:
-    """The ``usage`` object, with ``prompt_tokens_details.cached_tokens``."""
+    """The ``usage`` object, with ``prompt_tokens_details.cached_tokens`` and
+    ``completion_tokens_details.reasoning_tokens`` (generated tokens that carried only thinking)."""
     return {
         "prompt_tokens": u.prompt,
         "completion_tokens": u.completion,
         "total_tokens": u.prompt + u.completion,
         "prompt_tokens_details": {"cached_tokens": u.cached},
+        "completion_tokens_details": {"reasoning_tokens": u.reasoning},
     }
 
 
