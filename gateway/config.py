@@ -58,6 +58,7 @@ class ServeConfig:
     metrics_key: Optional[str] = None
     allowed_hosts: list[str] = field(default_factory=list)
     shutdown_grace: float = 30.0
+    pipeline: bool = False
     prefill_budget: float = 0.2
     gather_wait: float = 0.02
     batch_share: float = 0.05
@@ -158,6 +159,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    "restored on a later hit, also after a restart (default: no disk tier)")
     p.add_argument("--prompt-cache-disk-bytes", type=parse_size, default=d.prompt_cache_disk_bytes,
                    help="byte bound of the disk tier; least recently used files go first (default 32G)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="under mlx.launch: split the model across the ranks by layers (mlx-lm's pipeline split) "
+                   "instead of tensor parallel (see docs/cluster.md)")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                    help="save a prefix-cache snapshot every N prompt tokens of long prompts (default %(default)s)")
     p.add_argument("--max-body-bytes", type=parse_size, default=d.max_body_bytes,

@@ -313,6 +313,12 @@ def serve(cfg: ServeConfig) -> None:
     except (TenantsFileError, ValueError, OSError) as e:
         raise SystemExit(f"mlx-gateway: {e}")
     fetch_default_model(specs)
+    from gateway.ranks import join, serve_follower
+
+    cluster = join(cfg, specs)  # under mlx.launch: one model split across the ranks
+    if cluster is not None and cluster.rank > 0:
+        serve_follower(cfg, specs[0], cluster)
+        return
     gateway = build_gateway(cfg, tenants, specs)
     if trim_after > 0:  # the kept memory goes back to the kernel after a quiet spell
         IdleTrimmer(gateway.activity, trim_after).start()
@@ -333,5 +339,7 @@ def serve(cfg: ServeConfig) -> None:
         if link is not None:
             link.close()  # out of the router, if the drain ended before the link saw it
         gateway.stop()  # a graceful stop writes the prompt caches to their disk tier first
+    if cluster is not None and cluster.error:
+        raise SystemExit(f"mlx-gateway: {cluster.error}")
     if not server.started:
         raise SystemExit(3)

@@ -19,8 +19,9 @@ TOLERANCE = 1e-4
 def _run(model, prompts: list[list[int]], steps: int) -> list[list[mx.array]]:
     # A stream of the calling thread's own: mlx-lm's default generation stream is the
     # engine loop's, and a model is probed on its load thread while the loop runs.
+    stream = mx.new_stream(mx.default_device())
     gen = BatchGenerator(model, max_tokens=steps, sampler=greedy, prefill_batch_size=len(prompts),
-                         completion_batch_size=len(prompts), stream=mx.new_stream(mx.default_device()))
+                         completion_batch_size=len(prompts), stream=stream)
     uids = gen.insert(prompts)
     out: dict[int, list[mx.array]] = {u: [] for u in uids}
     try:
@@ -32,6 +33,9 @@ def _run(model, prompts: list[list[int]], steps: int) -> list[list[mx.array]]:
                 out[r.uid].append(r.logprobs)
     finally:
         gen.close()
+        # The step mlx-lm computes ahead is still running: let it end here (a split model's
+        # collectives must not overlap the next ones; scheduler.distributed).
+        mx.synchronize(stream)
     return [out[u] for u in uids]
 
 

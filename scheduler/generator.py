@@ -169,9 +169,11 @@ class JoiningBatchGenerator(BatchGenerator):
     step later.
     """
 
+    generation_batch_class = JoiningGenerationBatch  # the decode batch's class (scheduler.distributed)
+
     def __init__(self, model, **kwargs):
         super().__init__(model, **kwargs)
-        self._generation_batch = JoiningGenerationBatch.empty(self.model, self.sampler)
+        self._generation_batch = self.generation_batch_class.empty(self.model, self.sampler)
 
     def _next(self):
         prompt_responses: list = []

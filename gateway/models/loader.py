@@ -198,11 +198,15 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
     from mlx_lm.utils import load_model as load_weights
 
     from gateway.cpu.weights import float32_weights_for_cpu_backend, served_bytes
+    from scheduler import distributed
     from scheduler.equivalence import batch_is_exact
 
     path = resolve_path(spec)
     model_path = Path(_download(path))
     model, config = load_weights(model_path, lazy=True)  # shapes only: nothing read yet
+    cluster = distributed.current()
+    if cluster is not None:  # one model across the ranks of mlx.launch (gateway/ranks.py)
+        cluster.shard(model)
     reserve(served_bytes(model))
     # Linux CPU: only float32 matmuls use BLAS (docs/deployment.md, "Weights in float32")
     loaded_as = "float32" if float32_weights_for_cpu_backend(model) is None else None
@@ -226,6 +230,8 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
                     decode_concurrency=cfg.decode_concurrency, prefill_step_size=cfg.prefill_step_size,
                     prefill_budget=cfg.prefill_budget, max_waiting=cfg.max_waiting, registry=registry,
                     pad_free_prefill=not exact, loop=loop, name=spec.name)
+    if cluster is not None:
+        distributed.lead(engine, cluster)
     if configure is not None:
         configure(engine)
     warm_up(tokenizer, spec.chat_template_args)
