@@ -66,6 +66,23 @@ def test_json_schema_output_parses_and_validates(server, schema, stream):
         jsonschema.validate(json.loads(text), schema)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_logprobs_of_a_constrained_answer_are_json_numbers(server, stream):
+    """Where the grammar allows fewer tokens than ``top_logprobs`` asks for, the others
+    have -inf, which JSON cannot carry: they come as OpenAI's -9999.0 (very unlikely)."""
+    kw = dict(model="test-model", messages=[{"role": "user", "content": "Describe someone."}], max_tokens=100,
+              temperature=0, response_format=schema_format(PERSON), logprobs=True, top_logprobs=5)
+    if stream:
+        entries = [e for c in server.openai().chat.completions.create(stream=True, **kw)
+                   if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    else:
+        entries = server.openai().chat.completions.create(**kw).choices[0].logprobs.content
+    tops = [t.logprob for e in entries for t in e.top_logprobs]
+    assert entries and all(-9999.0 <= e.logprob <= 0 for e in entries)
+    assert all(-9999.0 <= lp <= 0 for lp in tops)
+    assert -9999.0 in tops  # some step allowed fewer than 5 tokens (e.g. a '"' or a ':')
+
+
 def test_json_object_output_is_an_object(server):
     client = server.openai()
     for prompt in ("Reply in JSON.", "Another one", "{"):

@@ -35,8 +35,19 @@ def usage(u: Usage) -> dict:
     }
 
 
+# OpenAI's logprob for a token that is practically impossible (its API reference: "-9999.0
+# is used to signify that the token is very unlikely"). A token a grammar rules out has
+# -inf, which JSON cannot carry.
+UNLIKELY = -9999.0
+
+
+def _json_logprob(lp: float) -> float:
+    return lp if lp > UNLIKELY else UNLIKELY
+
+
 class LogprobFormatter:
-    """Turns :class:`TokenEvent` logprobs into OpenAI's chat or completions shape."""
+    """Turns :class:`TokenEvent` logprobs into OpenAI's chat or completions shape
+    (logprobs below :data:`UNLIKELY`, e.g. -inf for tokens a grammar rules out, as UNLIKELY)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -48,10 +59,10 @@ class LogprobFormatter:
         text = self._text(ev.token)
         return {
             "token": text,
-            "logprob": ev.logprob,
+            "logprob": _json_logprob(ev.logprob),
             "bytes": list(text.encode()),
             "top_logprobs": [
-                {"token": (t := self._text(i)), "logprob": lp, "bytes": list(t.encode())}
+                {"token": (t := self._text(i)), "logprob": _json_logprob(lp), "bytes": list(t.encode())}
                 for i, lp in (ev.top_logprobs or [])
             ],
         }
@@ -61,8 +72,8 @@ class LogprobFormatter:
         for ev in events:
             text = self._text(ev.token)
             tokens.append(text)
-            lps.append(ev.logprob)
-            tops.append({self._text(i): lp for i, lp in (ev.top_logprobs or [])})
+            lps.append(_json_logprob(ev.logprob))
+            tops.append({self._text(i): _json_logprob(lp) for i, lp in (ev.top_logprobs or [])})
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
