@@ -251,6 +251,14 @@ def test_input_items_list_the_chain_with_stable_ids(client):
     assert e.value.body["param"] == "limit"
     with pytest.raises(openai.BadRequestError):
         client.responses.input_items.list(r2.id, after="msg_unknown")
+    # an item id the conversation has already (here: r1's output, sent again) is refused
+    again = {"type": "message", "role": "user", "content": "Once more.", "id": first[0].id}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(input=[again], previous_response_id=r1.id, **body)
+    assert e.value.body["param"] == "input" and first[0].id in e.value.body["message"]
+    twice = {"type": "message", "role": "user", "content": "Hi.", "id": "msg_twice"}
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(input=[twice, twice], **body)
     client.responses.delete(r1.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.input_items.list(r1.id)

@@ -37,7 +37,7 @@ from gateway.conversation.run import Run, start_conversation
 from gateway.http.errors import APIError
 from gateway.http.sse import SSEResponse, comment, guarded, named_event
 from gateway.protocols.responses_events import OutputBuilder, object_id
-from gateway.protocols.responses_items import with_ids
+from gateway.protocols.responses_items import check_unique_ids, with_ids
 from gateway.protocols.responses_schemas import (FunctionCallItem, FunctionCallOutputItem, MessageItem,
                                                  ReasoningItem, ResponsesRequest, parse_items, parse_request)
 from gateway.protocols.responses_store import ResponseStore
@@ -190,8 +190,9 @@ async def create_response(request: Request) -> Response:
     """``POST /v1/responses``: a response object, or its stream of events.
 
     Raises:
-        APIError: 400 for a bad body (dotted parameter path), 401, 404 for an unknown
-            ``previous_response_id`` or model, 403, 413/429/503 when it cannot be queued.
+        APIError: 400 for a bad body (dotted parameter path) or an input item whose id
+            its conversation already has, 401, 404 for an unknown ``previous_response_id``
+            or model, 403, 413/429/503 when it cannot be queued.
     """
     front: Front = request.app.state.front
     store: ResponseStore = request.app.state.responses
@@ -204,6 +205,8 @@ async def create_response(request: Request) -> Response:
         if prev is None:
             raise not_found(req.previous_response_id, "previous_response_id")
         history = prev.items
+    new_items = with_ids(dump_items(items))
+    check_unique_ids(history, new_items)
     conv = to_conversation(req, parse_items(history, "previous_response_id") + items)
     try:
         run = await start_conversation(call, conv)
@@ -211,7 +214,6 @@ async def create_response(request: Request) -> Response:
         e.param = PARAMS.get(e.param, e.param)  # the shared code names chat's parameters
         raise
     base, out = base_response(call, req, object_id("resp")), OutputBuilder()
-    new_items = with_ids(dump_items(items))
 
     def keep(response: dict) -> None:
         if req.store:

@@ -35,6 +35,22 @@ def with_ids(items: list[dict]) -> list[dict]:
             for it in items]
 
 
+def check_unique_ids(history: list[dict], items: list[dict]) -> None:
+    """Refuse an input item whose id is already in the conversation (``history``, the
+    ``previous_response_id`` chain's items, or an earlier input item), as OpenAI does: a
+    list cursor (``after``) names an item by its id.
+
+    Raises:
+        APIError: 400 naming the id (param ``input``).
+    """
+    seen = {it.get("id") for it in history}
+    for it in items:
+        if it["id"] in seen:
+            raise APIError(400, f"Duplicate item found with id {it['id']}. Remove duplicate items from your "
+                                "input and try again.", param="input")
+        seen.add(it["id"])
+
+
 def listed(item: dict) -> dict:
     """One stored input item in the list's shape (see the module docstring)."""
     if item.get("type", "message") != "message":
