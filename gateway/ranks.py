@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -38,6 +39,8 @@ def join(cfg: ServeConfig, specs: list[ModelSpec]) -> Optional[distributed.Clust
         raise SystemExit("mlx-gateway: across ranks, exactly one model is served (one --model)")
     if cfg.prompt_cache_dir:
         raise SystemExit("mlx-gateway: --prompt-cache-dir (the disk tier) is not supported across ranks")
+    # Loaded at start, never unloaded (keep_alive, admin): the other ranks leave with it.
+    specs[0] = replace(specs[0], pin=True, preload=True, keep_alive=None)
     return cluster
 
 
@@ -73,7 +76,7 @@ def serve_follower(cfg: ServeConfig, spec: ModelSpec, cluster: distributed.Clust
     cluster.connect()  # rank 0 does the same once its engine is made (scheduler.distributed.lead)
     log.info("rank %d of %d serves its part of %s (%s parallel)", cluster.rank, cluster.size, spec.name,
              cluster.split)
-    _leave_with_rank0(cluster)
+    _leave_with_rank0(cluster, cfg.shutdown_grace + FOLLOWER_MARGIN)
     try:
         distributed.follow(cluster, model, tokenizer.eos_token_ids, prompt_concurrency=cfg.prompt_concurrency,
                            decode_concurrency=cfg.decode_concurrency, prefill_step_size=cfg.prefill_step_size,
@@ -84,22 +87,22 @@ def serve_follower(cfg: ServeConfig, spec: ModelSpec, cluster: distributed.Clust
     log.info("rank %d: rank 0 stopped; leaving", cluster.rank)
 
 
-# Seconds a follower waits for rank 0's stop after SIGTERM or SIGINT before leaving anyway.
-FOLLOWER_GRACE = 60.0
+# Seconds a follower waits for rank 0's stop after SIGTERM or SIGINT, beyond rank 0's
+# --shutdown-grace, before leaving anyway.
+FOLLOWER_MARGIN = 30.0
 
 
-def _leave_with_rank0(cluster: distributed.Cluster) -> None:
+def _leave_with_rank0(cluster: distributed.Cluster, grace: float) -> None:
     """SIGTERM and SIGINT (Ctrl-C reaches every rank of a local launch) do not end a
     follower at once: rank 0 drains its requests, then tells the followers to stop; were
-    they gone first, its requests would fail. A follower still running
-    :data:`FOLLOWER_GRACE` seconds after the signal leaves anyway."""
+    they gone first, its requests would fail. A follower still running ``grace`` seconds
+    after the signal leaves anyway."""
     import signal
     import threading
 
     def later(signum, frame) -> None:
-        log.info("rank %d: signal %d; leaving when rank 0 stops (at most %g s)", cluster.rank, signum,
-                 FOLLOWER_GRACE)
-        timer = threading.Timer(FOLLOWER_GRACE, lambda: os._exit(0))
+        log.info("rank %d: signal %d; leaving when rank 0 stops (at most %g s)", cluster.rank, signum, grace)
+        timer = threading.Timer(grace, lambda: os._exit(0))
         timer.daemon = True
         timer.start()
 

@@ -332,7 +332,7 @@ class EngineCore:
         paused = next((a for a in self._paused if a.request.id == request_id), None)
         if paused is not None:
             self._paused.remove(paused)
-            self.prompt_cache.release(paused.lease)
+            self._batch.drop_paused(paused)
             self._send(paused.request, [DoneEvent(reason)])
             self._count_early_end(reason)
             return

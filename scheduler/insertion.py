@@ -102,6 +102,12 @@ class RowInsertion:
         a.paused = (cache, list(tokens))
         return True
 
+    def drop_paused(self, a: Row) -> None:
+        """Forget the paused row ``a`` (its request ended while paused): its kept cache goes
+        and its lease is released."""
+        a.paused = None
+        self.prompt_cache.release(a.lease)
+
     def resume(self, a: Row) -> bool:
         """Put the paused row ``a`` back into the generator: its prefill goes on from where
         it stopped, over its kept cache. False (``a`` failed with a 500) if that raised."""

@@ -97,9 +97,9 @@ class Server:
         return out
 
     def chat(self, content: str, max_tokens: int = 16, timeout: float = 60.0, stop: list | None = None,
-             priority: str | None = None):
+             priority: str | None = None, **extra):
         body = {"model": self.model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-                "temperature": 0}
+                "temperature": 0, **extra}
         if stop:
             body["stop"] = stop
         if priority:
@@ -182,13 +182,19 @@ def _with_a_pause(server: Server) -> dict:
 
 def _workload(server: Server, pause: bool = False) -> dict:
     """The same requests for every server: a short one, the same ended by a stop string,
-    two sharing a long prefix (the second restores it), and a concurrent pair."""
+    two sharing a long prefix (the second restores it), a grammar-constrained one with
+    logprobs, a sampled one, and a concurrent pair."""
     out = {"short": server.chat("hello there, how are you", 8)}
     text = out["short"][0]
     if len(text) > 6:  # a stop string ends it early: the gateway cancels the row (a "stop")
         out["stopped"] = server.chat("hello there, how are you", 8, stop=[text[4:7]])
     out["prefix1"] = server.chat(LONG + " first question?", 8)
     out["prefix2"] = server.chat(LONG + " second question!", 8)
+    # grammar-constrained (the grammar lives on rank 0; the followers get its tokens), with logprobs
+    out["schema"] = server.chat("a point please", 24, response_format={"type": "json_schema", "json_schema": {
+        "name": "p", "schema": POINT, "strict": True}}, logprobs=True, top_logprobs=2)
+    # sampled: rank 0 samples; every rank feeds its tokens
+    out["sampled"] = server.chat("pick some words", 8, temperature=0.9, seed=7)
     # A concurrent pair: the second arrives while the first decodes, and joins its batch.
     pair: dict = {}
     first = threading.Event()
@@ -205,6 +211,10 @@ def _workload(server: Server, pause: bool = False) -> dict:
     if pause:
         out.update(_with_a_pause(server))
     return out
+
+
+POINT = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
+                                          "ok": {"type": "boolean"}}, "required": ["x", "ok"]}
 
 
 def _max_decode_batch(metrics: str) -> int:
@@ -238,6 +248,8 @@ def _check_against_one_process(tmp_path: Path, cluster: Server, model: Path, ext
     agree = sum(got[k][0] == want[k][0] for k in want)
     print(f"{Path(model).name}: {agree}/{len(want)} greedy completions of the split model equal to one process")
     assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in want.items()}  # greedy texts
+    point = json.loads(got["schema"][0])
+    assert set(point) == {"x", "ok"} and 0 <= point["x"] <= 9
     # cached tokens of the requests sent one at a time (the pair's depend on timing)
     one_at_a_time = [k for k in ("short", "stopped", "prefix1", "prefix2") if k in got]
     assert [got[k][1] for k in one_at_a_time] == [want[k][1] for k in one_at_a_time]

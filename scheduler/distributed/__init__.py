@@ -32,8 +32,11 @@ one sleeps, where one blocked in a ring collective spins), or through ``all_sum`
 mlx_lm.server does where there is no ring hostfile. Rank 0 sends a heartbeat every second.
 A peer's process ending closes its link, which the other side notices at once (a
 collective in flight with it may raise ``connection to a peer was lost``, or never
-return): rank 0 ends its requests with a 503 and exits with status 1 (within seconds, even
-with its engine thread stuck), a follower exits with status 1.
+return); a peer that vanishes silently fails the link's keepalive or send timeout (about
+20 s); without links, an engine that finishes no step for 60 s counts as stuck. Then
+rank 0 ends its requests with a 503 and exits with status 1 (within seconds, even with its
+engine thread stuck), a follower exits with status 1. A row rank 0 fails (its grammar, its
+sampler, a snapshot it could not take) fails on every rank before the next forward.
 
 Modules: :mod:`~scheduler.distributed.cluster` (the group, links, failure),
 :mod:`~scheduler.distributed.leader` (rank 0), :mod:`~scheduler.distributed.follower`

@@ -5,6 +5,7 @@ See :mod:`scheduler.distributed`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -25,6 +26,10 @@ from scheduler.generator import JoiningGenerationBatch
 log = logging.getLogger("mlx_gateway.distributed")
 
 HARD_EXIT_SECONDS = 5.0  # after a failure, rank 0 exits by then even if its engine thread is stuck
+HELLO_SECONDS = 10.0  # a connection to rank 0's link port must present its key within this
+# A link whose peer stops acknowledging (machine gone, network cut: no FIN) fails after this
+# many seconds of unacknowledged data (Linux TCP_USER_TIMEOUT) or of silent keepalive probes.
+LINK_TIMEOUT_SECONDS = 20
 
 
 class ClusterLost(RuntimeError):
@@ -91,21 +96,23 @@ class Cluster:
             try:
                 while len(links) < self.size - 1:
                     conn, _ = server.accept()
-                    conn.settimeout(timeout)
-                    hello = _recv_exact(conn, 20)
+                    conn.settimeout(HELLO_SECONDS)
+                    try:
+                        hello = _recv_exact(conn, 20)
+                    except OSError:  # a stray connection (a port scan, a probe): not a rank
+                        conn.close()
+                        continue
                     if hello[:16] != key:
                         conn.close()
                         continue
-                    conn.settimeout(None)
-                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    _tune(conn)
                     links[int.from_bytes(hello[16:], "little")] = conn
             finally:
                 server.close()
             self._links = [links[r] for r in sorted(links)]
         else:
             conn = socket.create_connection((host, header[0]), timeout=timeout)
-            conn.settimeout(None)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _tune(conn)
             conn.sendall(key + self.rank.to_bytes(4, "little"))
             self._links = [conn]
         threading.Thread(target=self._watch, name="cluster-watch", daemon=True).start()
@@ -167,6 +174,8 @@ class Cluster:
         for conn in self._links:
             poller.register(conn, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
         while not self.failed:
+            if self.stopped:  # rank 0 said stop: the links close now, and poll() would spin
+                return
             if poller.poll(1000) and not self.stopped:
                 who = "rank 0" if self.rank else "a follower rank"
                 self.fail(f"{who} is gone: [ring] connection to a peer was lost")
@@ -212,9 +221,25 @@ def _rank0_host() -> Optional[str]:
     try:
         with open(os.environ["MLX_HOSTFILE"]) as f:
             hosts = json.load(f)
-        return str(hosts[0][0]).rsplit(":", 1)[0]
+        return str(hosts[0][0]).rsplit(":", 1)[0].strip("[]")  # "[::1]:5000" too
     except Exception:
         return None
+
+
+def _tune(conn: socket.socket) -> None:
+    """A link: blocking, no Nagle delay, and a peer that stops answering noticed within
+    about :data:`LINK_TIMEOUT_SECONDS` (keepalive probes while idle; on Linux also a bound on
+    unacknowledged sends) instead of the kernel's retransmission timeout (minutes)."""
+    conn.settimeout(None)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle = ("TCP_KEEPIDLE", "TCP_KEEPALIVE")  # Linux, macOS
+    for name, value in ((next((n for n in idle if hasattr(socket, n)), None), 5), ("TCP_KEEPINTVL", 5),
+                        ("TCP_KEEPCNT", max(1, LINK_TIMEOUT_SECONDS // 5 - 1)),
+                        ("TCP_USER_TIMEOUT", LINK_TIMEOUT_SECONDS * 1000)):
+        if name is not None and hasattr(socket, name):
+            with contextlib.suppress(OSError):
+                conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def _recv_exact(conn, n: int) -> bytes:

@@ -29,7 +29,8 @@ class Stream:
     def __init__(self, cluster: Cluster):
         self.cluster = cluster
         self._ops: deque = deque()
-        self.chunk = 0
+        self.chunk = 0  # rank 0's prefill chunk for the next step (tokens)
+        self.decoding = 0  # rows in rank 0's decode batch as that step starts
 
     def next(self):
         while not self._ops:
@@ -120,6 +121,9 @@ class FollowerGenerator(JoiningBatchGenerator):
 
     def _next(self):
         self.prefill_step_size = self._ops.chunk
+        if len(self._generation_batch) != self._ops.decoding:
+            raise ClusterLost(f"out of step with rank 0: {len(self._generation_batch)} rows decode here, "
+                              f"{self._ops.decoding} there")
         return super()._next()
 
     def _sync(self, gb) -> None:
@@ -200,8 +204,16 @@ class FollowerBatch(Batch):
         elif kind == "preempt":
             self.preempt_precomputes()
         elif kind == "step":
-            self.stream.chunk = op[1]
+            self.stream.chunk, self.stream.decoding = op[1], op[2]
             self.step()
+        elif kind == "fail":
+            a = self.by_id.get(op[1])
+            if a is not None:  # else already failed here by the same fault
+                super()._fail_row(a, "failed on rank 0")
+        elif kind == "drop_paused":
+            a = self.paused.pop(op[1], None)
+            if a is not None:
+                self.drop_paused(a)
         elif kind == "check":
             _, what, rid, outcome = op
             if outcome != self._outcome:

@@ -19,6 +19,9 @@ from scheduler.sampling import greedy
 log = logging.getLogger("mlx_gateway.distributed")
 
 HEARTBEAT_SECONDS = 1.0
+# An engine thread that has not taken a heartbeat for this long is stuck (in a collective
+# whose peer is gone, with a backend whose loss this rank cannot see): the cluster stops.
+STUCK_SECONDS = 60.0
 
 
 class Recorder:
@@ -81,13 +84,15 @@ class LeaderGenerator(JoiningBatchGenerator):
         self._generation_batch.sync = self._sync
 
     def _next(self):
-        self._recorder.flush("step", self.prefill_step_size)
+        self._recorder.flush("step", self.prefill_step_size, len(self._generation_batch))
         return super()._next()
 
     def _sync(self, gb) -> None:
         tokens = gb._next_tokens.tolist()
         rows = [self._owner.active.get(uid) for uid in gb.uids]
-        faults = [int(a is not None and a.fault.error is not None) for a in rows]
+        # A row failing this step on rank 0 (its sampler, processors or grammar) fails on
+        # every rank, so the next forward has the same rows everywhere.
+        faults = [int(a is not None and a.error() is not None) for a in rows]
         self._owner.cluster.broadcast((tokens, faults))
 
 
@@ -128,6 +133,15 @@ class LeaderBatch(Batch):
         ok = super().cancel(request_id, reason)
         self.recorder.record("check", "cancel", request_id, ok)
         return ok
+
+    def _fail_row(self, a, message: str) -> None:
+        # Failures of rank 0's own (a token event, a snapshot extract) happen nowhere else.
+        self.recorder.record("fail", a.request.id)
+        super()._fail_row(a, message)
+
+    def drop_paused(self, a) -> None:
+        self.recorder.record("drop_paused", a.request.id)
+        super().drop_paused(a)
 
     def preempt_precomputes(self) -> None:
         if any(a.precompute is not None for a in self.active.values()):
@@ -198,9 +212,11 @@ def _heartbeat(engine, cluster: Cluster, recorder: Recorder) -> None:
         if not engine.alive:
             return
         try:
-            engine.call(beat, timeout=600)
+            engine.call(beat, timeout=STUCK_SECONDS)
         except TimeoutError:
-            continue
+            if engine.alive and not recorder.stopped:
+                cluster.fail(f"the engine has not finished a step in {STUCK_SECONDS:g} s: a rank is lost or stuck")
+            return
         except Exception as e:
             if engine.alive or not recorder.stopped:
                 cluster.fail(f"lost contact with the other ranks: {e}")
