@@ -108,3 +108,28 @@ def _leave_with_rank0(cluster: distributed.Cluster, grace: float) -> None:
 
     signal.signal(signal.SIGTERM, later)
     signal.signal(signal.SIGINT, later)
+
+
+def stop_if_load_fails(models, cluster: distributed.Cluster) -> None:
+    """Rank 0: a model load that fails after the split (the memory budget, the tokenizer,
+    the probes) leaves the followers waiting in the load's collectives; stop the cluster
+    then, with the load's error, instead of serving nothing with health "error".
+
+    ``models`` is the gateway's :class:`gateway.models.registry.ModelRegistry`; watched by
+    a daemon thread until the model is loaded or the cluster stops.
+    """
+    import threading
+    import time
+
+    def watch() -> None:
+        while not cluster.failed and not cluster.stopped:
+            state, why = models.startup()
+            if state == "ok":
+                return
+            if state == "error":
+                cluster.fail(f"loading the model failed on rank 0: {why}")
+                return
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, name="cluster-load-watch", daemon=True).start()
+

@@ -313,7 +313,7 @@ def serve(cfg: ServeConfig) -> None:
     except (TenantsFileError, ValueError, OSError) as e:
         raise SystemExit(f"mlx-gateway: {e}")
     fetch_default_model(specs)
-    from gateway.ranks import join, serve_follower
+    from gateway.ranks import join, serve_follower, stop_if_load_fails
 
     cluster = join(cfg, specs)  # under mlx.launch: one model split across the ranks
     if cluster is not None and cluster.rank > 0:
@@ -323,6 +323,8 @@ def serve(cfg: ServeConfig) -> None:
     if trim_after > 0:  # the kept memory goes back to the kernel after a quiet spell
         IdleTrimmer(gateway.activity, trim_after).start()
     gateway.start()
+    if cluster is not None:
+        stop_if_load_fails(gateway.models, cluster)
     config = uvicorn.Config(gateway.app, host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(),
                             timeout_graceful_shutdown=UVICORN_GRACE,
                             h11_max_incomplete_event_size=cfg.max_header_bytes, log_config=None)

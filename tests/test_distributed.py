@@ -286,6 +286,22 @@ def test_pipeline_matches_one_process(tmp_path):
     assert "rank 1: rank 0 stopped; leaving" in cluster.log()
 
 
+def test_a_load_that_fails_on_rank_0_stops_every_rank(tmp_path):
+    """A memory budget the weights do not fit: rank 0's load fails after the split, while
+    rank 1 waits in the load's collectives; the launch ends with rank 0's reason."""
+    cluster = Server(tmp_path, "no-room", model_path("qwen3", None), 2, "--memory-budget", "64K")
+    try:
+        cluster.proc.wait(60)
+    except subprocess.TimeoutExpired:
+        cluster.stop()
+        raise AssertionError("the ranks kept running after rank 0's load failed:\n" + cluster.log()[-3000:])
+    finally:
+        cluster.stop()
+    # (mlx.launch's own status is 0 whatever its ranks' were; rank 0's message says why)
+    assert re.search(r"^mlx-gateway: loading the model failed on rank 0: .*memory budget", cluster.log(),
+                     re.M), cluster.log()[-3000:]
+
+
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks' processes in /proc")
 def test_a_lost_rank_stops_the_server(tensor_cluster):
     """Rank 1 is killed while a request decodes: the request ends with a 503 naming the
