@@ -71,6 +71,11 @@ def test_a_required_call_comes_after_the_think_block_within_its_budget(server):
         model="test-model", messages=ASK, tools=[ADD], tool_choice="required", parallel_tool_calls=False,
         max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == thought
+    # the Responses API counts them the same way (one count, in the shared generation)
+    r = server.openai().responses.create(model="test-model", input=ASK[0]["content"], tools=[
+        {"type": "function", **ADD["function"]}], tool_choice="required", parallel_tool_calls=False,
+        max_output_tokens=max_tokens, temperature=0)
+    assert r.usage.output_tokens_details.reasoning_tokens == thought > 0
 
 
 def test_a_json_schema_answer_comes_after_the_think_block(server):

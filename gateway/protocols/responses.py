@@ -117,11 +117,11 @@ def dump_items(items: list) -> list[dict]:
 
 
 # ---------------------------------------------------------------------- response
-def usage(u: Usage, reasoning_tokens: int) -> dict:
+def usage(u: Usage) -> dict:
     """The Responses API's ``usage`` (``input_tokens`` include the cached ones)."""
     return {"input_tokens": u.prompt,
             "input_tokens_details": {"cached_tokens": u.cached, "cache_write_tokens": u.cache_written},
-            "output_tokens": u.completion, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "output_tokens": u.completion, "output_tokens_details": {"reasoning_tokens": u.reasoning},
             "total_tokens": u.prompt + u.completion}
 
 
@@ -153,7 +153,7 @@ def final_response(base: dict, out: OutputBuilder, finished: Finished) -> dict:
     return {**base, "status": "incomplete" if cut else "completed",
             "completed_at": None if cut else int(time.time()),
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
-            "output": out.items, "usage": usage(finished.usage, out.reasoning_tokens)}
+            "output": out.items, "usage": usage(finished.usage)}
 
 
 def failed_response(base: dict, out: OutputBuilder, error: APIError) -> dict:

@@ -31,7 +31,6 @@ class OutputBuilder:
 
     :meth:`feed` and :meth:`finish` return event dicts (``type``, ``sequence_number``,
     ...) in order; the last item of :attr:`items` is the open one, if any.
-    ``reasoning_tokens`` counts generated tokens that carried only reasoning text.
     """
 
     def __init__(self) -> None:
@@ -39,7 +38,6 @@ class OutputBuilder:
         self.items: list[dict] = []
         self.kind: Optional[str] = None
         self.text = ""
-        self.reasoning_tokens = 0
 
     def event(self, kind: str, **data) -> dict:
         """The next event of type ``kind`` (numbered)."""
@@ -100,8 +98,6 @@ class OutputBuilder:
             self.text += piece.reasoning
             out.append(self.event("response.reasoning_text.delta", **self._where(), content_index=0,
                                   delta=piece.reasoning))
-            if not piece.text:
-                self.reasoning_tokens += len(piece.tokens)
         if piece.text:
             if self.kind != "message":
                 out += self._open({"id": object_id("msg"), "type": "message", "role": "assistant",
