@@ -1,6 +1,5 @@
-"""OpenAI Responses API: ``POST /v1/responses``, ``GET /v1/responses/{id}`` and
-``DELETE /v1/responses/{id}`` (``GET .../input_items`` is ``responses_items.py``), a
-thin adapter between the API's items and the internal
+"""OpenAI Responses API: ``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}``
+and ``GET /v1/responses/{id}/input_items`` (listed by ``responses_items.py``), a thin adapter between the API's items and the internal
 :class:`Conversation` and its events.
 
 Input items (``message``, ``function_call``, ``function_call_output``, ``reasoning``)
@@ -37,10 +36,10 @@ from gateway.conversation.run import Run, start_conversation
 from gateway.http.errors import APIError
 from gateway.http.sse import SSEResponse, comment, guarded, named_event
 from gateway.protocols.responses_events import OutputBuilder, object_id
-from gateway.protocols.responses_items import check_unique_ids, with_ids
+from gateway.protocols.responses_items import check_unique_ids, input_items, page_query, with_ids
 from gateway.protocols.responses_schemas import (FunctionCallItem, FunctionCallOutputItem, MessageItem,
                                                  ReasoningItem, ResponsesRequest, parse_items, parse_request)
-from gateway.protocols.responses_store import ResponseStore
+from gateway.protocols.responses_store import ResponseStore, StoredResponse
 from gateway.tenancy.auth import authenticate
 
 PARAMS = {"max_tokens": "max_output_tokens", "messages": "input"}
@@ -249,8 +248,8 @@ async def create_response(request: Request) -> Response:
     return JSONResponse(response)
 
 
-async def retrieve_response(request: Request) -> Response:
-    """``GET /v1/responses/{response_id}``: the stored response object.
+def _stored(request: Request) -> StoredResponse:
+    """The caller's stored response named by the path.
 
     Raises:
         APIError: 401; 404 for an id that is unknown, deleted, evicted or another tenant's.
@@ -261,7 +260,28 @@ async def retrieve_response(request: Request) -> Response:
     entry = request.app.state.responses.get(tenant.name, rid)
     if entry is None:
         raise not_found(rid)
-    return JSONResponse(entry.response)
+    return entry
+
+
+async def retrieve_response(request: Request) -> Response:
+    """``GET /v1/responses/{response_id}``: the stored response object.
+
+    Raises:
+        APIError: 401; 404 for an id that is unknown, deleted, evicted or another tenant's.
+    """
+    return JSONResponse(_stored(request).response)
+
+
+async def list_input_items(request: Request) -> Response:
+    """``GET /v1/responses/{response_id}/input_items``: a page of the stored response's
+    input items (query ``after``, ``limit``, ``order``; ``responses_items.py``).
+
+    Raises:
+        APIError: 400 for a bad query parameter (or an ``after`` not in the list); 401;
+            404 for a response id that is unknown, deleted, evicted or another tenant's.
+    """
+    query = page_query(request.query_params)
+    return JSONResponse(input_items(_stored(request), *query))
 
 
 async def delete_response(request: Request) -> Response:

@@ -1,5 +1,6 @@
-"""OpenAI Responses API: ``GET /v1/responses/{id}/input_items``, the items a stored
-response was generated from, as a cursor-paginated list.
+"""OpenAI Responses API: the input items of ``GET /v1/responses/{id}/input_items`` (the
+route is in ``responses.py``), the items a stored response was generated from, as a
+cursor-paginated list.
 
 A response's input items are the whole conversation before its own output: the items
 of every response its ``previous_response_id`` chain goes back through (their inputs and
@@ -15,13 +16,9 @@ stays valid.
 
 from __future__ import annotations
 
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-
-from gateway.conversation.calls import Front
 from gateway.http.errors import APIError
 from gateway.protocols.responses_events import object_id
-from gateway.tenancy.auth import authenticate
+from gateway.protocols.responses_store import StoredResponse
 
 # Id prefixes of input items that came without one (OpenAI's, where it has one).
 ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
@@ -84,39 +81,27 @@ def page(items: list[dict], after: str | None, limit: int, order: str) -> dict:
             "last_id": data[-1]["id"] if data else None, "has_more": start + limit < len(ordered)}
 
 
-def _query(request: Request) -> tuple[str | None, int, str]:
-    """``after``, ``limit`` (1 to 100, default 20) and ``order`` (``desc`` default, or ``asc``).
+def page_query(query) -> tuple[str | None, int, str]:
+    """``after``, ``limit`` (1 to 100, default 20) and ``order`` (``desc`` default, or
+    ``asc``) of a request's ``query`` parameters (a mapping).
 
     Raises:
         APIError: 400 naming the parameter out of range.
     """
-    q = request.query_params
     try:
-        limit = int(q.get("limit", DEFAULT_LIMIT))
+        limit = int(query.get("limit", DEFAULT_LIMIT))
     except ValueError:
         raise APIError(400, "limit must be an integer", param="limit") from None
     if not 1 <= limit <= MAX_LIMIT:
         raise APIError(400, f"limit must be between 1 and {MAX_LIMIT}", param="limit")
-    order = q.get("order", "desc")
+    order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise APIError(400, "order must be 'asc' or 'desc'", param="order")
-    return q.get("after"), limit, order
+    return query.get("after"), limit, order
 
 
-async def list_input_items(request: Request) -> Response:
-    """``GET /v1/responses/{response_id}/input_items``: a page of the stored response's
-    input items (query ``after``, ``limit``, ``order``).
-
-    Raises:
-        APIError: 401; 400 for a bad query parameter; 404 for a response id that is
-            unknown, deleted, evicted or another tenant's.
-    """
-    front: Front = request.app.state.front
-    tenant = authenticate(front.tenants, request)
-    after, limit, order = _query(request)
-    rid = request.path_params["response_id"]
-    entry = request.app.state.responses.get(tenant.name, rid)
-    if entry is None:
-        raise APIError(404, f"no response with id '{rid}' found", code="not_found")
+def input_items(entry: StoredResponse, after: str | None, limit: int, order: str) -> dict:
+    """A page (:func:`page`) of the stored response's input items: everything in its
+    conversation before its own output, listed (:func:`listed`)."""
     inputs = entry.items[:len(entry.items) - len(entry.response["output"])]
-    return JSONResponse(page([listed(it) for it in inputs], after, limit, order))
+    return page([listed(it) for it in inputs], after, limit, order)

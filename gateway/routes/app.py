@@ -25,8 +25,7 @@ from gateway.http.middleware import GatewayMiddleware, metrics_key
 from gateway.protocols.anthropic import count_tokens, messages
 from gateway.protocols.openai_chat import chat_completions
 from gateway.protocols.openai_completions import completions
-from gateway.protocols.responses import create_response, delete_response, retrieve_response
-from gateway.protocols.responses_items import list_input_items
+from gateway.protocols.responses import create_response, delete_response, list_input_items, retrieve_response
 from gateway.protocols.responses_store import ResponseStore
 from gateway.routes import admin, service
 from gateway.routes.openapi import openapi_json
