@@ -1,6 +1,6 @@
 """OpenAI Responses API: ``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}``
-and ``GET /v1/responses/{id}/input_items`` (listed by ``responses_items.py``), a thin adapter between the API's items and the internal
-:class:`Conversation` and its events.
+and ``GET /v1/responses/{id}/input_items`` (listed by ``responses_items.py``), a thin
+adapter between the API's items and the internal :class:`Conversation` and its events.
 
 Input items (``message``, ``function_call``, ``function_call_output``, ``reasoning``)
 become turns: ``instructions`` is a system turn first, ``developer`` a system turn, and
