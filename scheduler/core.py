@@ -127,7 +127,7 @@ class EngineCore:
         self._batch.drop_all(reason)
         for a in self._paused:
             self._send(a.request, [ErrorEvent(503, reason)])
-            self.prompt_cache.release(a.lease)
+            self._batch.drop_paused(a)
         self._paused.clear()
         for r in self._waiting.drain():
             self._send(r, [ErrorEvent(503, reason)])

@@ -180,8 +180,6 @@ class FollowerBatch(Batch):
     def _apply(self, op) -> bool:
         kind = op[0]
         if self.prompt_cache.apply(op):
-            for rid in [rid for rid, a in self.paused.items() if a.lease is not None and a.lease.released]:
-                del self.paused[rid]  # rank 0 cancelled a paused row
             return True
         if kind == "start":
             (rid, tokens, max_tokens, checkpoints, namespace, keep), extra, background = op[1:]
