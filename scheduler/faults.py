@@ -50,6 +50,7 @@ class RowFault:
                 self._record(e)
                 return greedy(logprobs)
 
+        guarded.inner = sample  # the sampler itself (speculative decoding's rejection sampling)
         return guarded
 
     def processors(self, processors: list) -> list:

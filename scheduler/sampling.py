@@ -17,34 +17,58 @@ def greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
-def make_sampler(params: SamplingParams) -> Sampler:
-    """A sampler ``logprobs [1, V] -> token [1]`` for one request.
+class TemperatureSampler:
+    """Samples ``logprobs [n, V] -> tokens [n]`` at a temperature, after mlx-lm's filters
+    (top-p, min-p, top-k, ``mlx_lm.sample_utils``). With a ``seed`` it draws from its own
+    PRNG key chain (one split per draw), so a request's output does not depend on which
+    other requests share its batch.
 
-    Filters (top-p, min-p, top-k) are mlx-lm's own (``mlx_lm.sample_utils``). A request
-    with a ``seed`` draws from its own PRNG key chain (one split per token), so its
-    output does not depend on which other requests share its batch.
+    :meth:`scaled` and :meth:`draw` are the two halves of a call, for speculative
+    decoding's rejection sampling (:mod:`scheduler.speculative.verify`), which needs the
+    distribution itself and draws from an adjusted one.
     """
+
+    def __init__(self, params: SamplingParams):
+        self._filters = []
+        if 0 < params.top_p < 1:
+            self._filters.append(lambda x: apply_top_p(x, params.top_p))
+        if params.min_p > 0:
+            self._filters.append(lambda x: apply_min_p(x, params.min_p))
+        if params.top_k > 0:
+            self._filters.append(lambda x: apply_top_k(x, params.top_k))
+        self._key = mx.random.key(params.seed) if params.seed is not None else None
+        self._inv_temp = 1.0 / params.temperature
+
+    def scaled(self, logprobs: mx.array) -> mx.array:
+        """The logits sampled from: filtered (``-inf`` outside), over the temperature ``[n, V]``."""
+        for f in self._filters:
+            logprobs = f(logprobs)
+        return logprobs * self._inv_temp
+
+    def _subkey(self):
+        if self._key is None:
+            return None
+        self._key, sub = mx.random.split(self._key)
+        return sub
+
+    def draw(self, logits: mx.array) -> mx.array:
+        """One token per row of ``logits [n, V]`` from ``softmax(logits)``: ``[n]``."""
+        return mx.random.categorical(logits, key=self._subkey())
+
+    def uniform(self, n: int) -> mx.array:
+        """``n`` draws from U[0, 1), from the same key chain: ``[n]``."""
+        return mx.random.uniform(shape=(n,), key=self._subkey())
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        return self.draw(self.scaled(logprobs))
+
+
+def make_sampler(params: SamplingParams) -> Sampler:
+    """A sampler ``logprobs [1, V] -> token [1]`` for one request: :func:`greedy` at
+    temperature 0, else a :class:`TemperatureSampler`."""
     if params.temperature == 0:
         return greedy
-    filters = []
-    if 0 < params.top_p < 1:
-        filters.append(lambda x: apply_top_p(x, params.top_p))
-    if params.min_p > 0:
-        filters.append(lambda x: apply_min_p(x, params.min_p))
-    if params.top_k > 0:
-        filters.append(lambda x: apply_top_k(x, params.top_k))
-    key = [mx.random.key(params.seed)] if params.seed is not None else None
-    inv_temp = 1.0 / params.temperature
-
-    def sample(logprobs: mx.array) -> mx.array:
-        for f in filters:
-            logprobs = f(logprobs)
-        if key is None:
-            return mx.random.categorical(logprobs * inv_temp)
-        key[0], sub = mx.random.split(key[0])
-        return mx.random.categorical(logprobs * inv_temp, key=sub)
-
-    return sample
+    return TemperatureSampler(params)
 
 
 def make_processors(params: SamplingParams) -> list:
