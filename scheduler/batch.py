@@ -32,6 +32,7 @@ from scheduler.precompute import PrecomputeBook
 from scheduler.request import DoneEvent, EngineRequest, ErrorEvent, Event, ProgressEvent, TokenEvent
 from scheduler.rows import RECENT, EngineStats, Row
 from scheduler.sampling import greedy
+from scheduler.speculative import SpeculationConfig, speculator
 
 log = logging.getLogger("mlx_gateway.engine")
 
@@ -57,6 +58,7 @@ class Batch(RowInsertion):
         metrics, stats, precomputes: where the rows are accounted.
         fair: charged one token per generated token of a row's tenant.
         send: delivers events to a request's sink.
+        speculation: speculative decoding of the decode batch (:mod:`scheduler.speculative`).
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class Batch(RowInsertion):
         precomputes: PrecomputeBook,
         fair: FairShare,
         send: Callable[[EngineRequest, list[Event]], None],
+        speculation: SpeculationConfig = SpeculationConfig(),
     ):
         self.model = model
         self.eos_token_ids = eos_token_ids
@@ -89,6 +92,7 @@ class Batch(RowInsertion):
         self.precomputes = precomputes
         self.fair = fair
         self._send = send
+        self.speculation = speculation
         self.gen: Optional[JoiningBatchGenerator] = None
         self.active: dict[int, Row] = {}
         self.by_id: dict[str, Row] = {}
@@ -102,12 +106,9 @@ class Batch(RowInsertion):
 
     def _new_generator(self) -> JoiningBatchGenerator:
         return JoiningBatchGenerator(
-            self.model,
-            max_tokens=1 << 30,
-            sampler=greedy,
-            completion_batch_size=self.decode_concurrency,
-            prefill_batch_size=self.prompt_concurrency,
-            prefill_step_size=self.prefill_step_size,
+            self.model, max_tokens=1 << 30, sampler=greedy, completion_batch_size=self.decode_concurrency,
+            prefill_batch_size=self.prompt_concurrency, prefill_step_size=self.prefill_step_size,
+            speculator=speculator(self.speculation, self.stats.speculation, self.metrics),
         )
 
     def close(self) -> None:

@@ -24,6 +24,7 @@ from scheduler.metrics import SchedulerMetrics
 from scheduler.policy import Admission, ClassShare, InFlight, WaitingQueue
 from scheduler.precompute import PrecomputeBook, PrecomputeMetrics
 from scheduler.request import DoneEvent, EngineRequest, ErrorEvent, Event, ProgressEvent, PromptEvent, SamplingParams
+from scheduler.speculative import SpeculationConfig
 from scheduler.rows import RECENT, AdmissionRecord, EngineStats, WaitingCounts
 
 log = logging.getLogger("mlx_gateway.engine")
@@ -39,7 +40,8 @@ class EngineCore:
 
     def __init__(self, model, eos_token_ids: set[int], prompt_cache: PromptCacheManager, loop: EngineLoop, *,
                  prompt_concurrency: int, decode_concurrency: int, prefill_step_size: int, prefill_budget: float,
-                 max_waiting: int, registry: Optional[CollectorRegistry], pad_free_prefill: bool, name: str):
+                 max_waiting: int, registry: Optional[CollectorRegistry], pad_free_prefill: bool, name: str,
+                 speculation: SpeculationConfig = SpeculationConfig()):
         self.model = model
         self.name = name
         self.eos_token_ids = set(eos_token_ids)
@@ -66,6 +68,7 @@ class EngineCore:
             decode_concurrency=self.decode_concurrency, prefill_step_size=prefill_step_size,
             trimmable=self.trimmable, prompt_cache=prompt_cache, chunks=self.chunks, metrics=self.metrics,
             stats=self.stats, precomputes=self.precomputes, fair=loop.fair, send=self._send,
+            speculation=speculation,
         )
         self._closed = False  # set on the loop thread when the engine leaves it
         self._idle = threading.Condition()

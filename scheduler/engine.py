@@ -29,6 +29,7 @@ from scheduler.core import PERSIST_SECONDS, EngineCore
 from scheduler.loop import EngineLoop
 from scheduler.precompute import Precompute
 from scheduler.request import EngineRequest
+from scheduler.speculative import SpeculationConfig
 from scheduler.rows import AdmissionRecord, EngineDead, EngineOverloaded, EngineStats, TenantQueueFull
 
 # The errors and records are importable from here too.
@@ -63,6 +64,8 @@ class Engine(EngineCore):
         loop: the engine loop to run on (shared by every model of a gateway); None: the
             loop :meth:`start` makes for this engine alone.
         name: the served model's name, for logs.
+        speculation: speculative decoding (:mod:`scheduler.speculative`); the model must
+            allow it (:func:`scheduler.speculative.speculation_refusal`).
     """
 
     def __init__(
@@ -81,12 +84,14 @@ class Engine(EngineCore):
         gather_wait: float = 0.0,
         loop: Optional[EngineLoop] = None,
         name: str = "model",
+        speculation: SpeculationConfig = SpeculationConfig(),
     ):
         self._own_loop = loop is None
         super().__init__(model, eos_token_ids, prompt_cache, loop or EngineLoop(gather_wait=gather_wait),
                          prompt_concurrency=prompt_concurrency, decode_concurrency=decode_concurrency,
                          prefill_step_size=prefill_step_size, prefill_budget=prefill_budget,
-                         max_waiting=max_waiting, registry=registry, pad_free_prefill=pad_free_prefill, name=name)
+                         max_waiting=max_waiting, registry=registry, pad_free_prefill=pad_free_prefill, name=name,
+                         speculation=speculation)
         self._started = False
 
     # ----------------------------------------------------------------- public API

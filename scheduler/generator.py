@@ -59,6 +59,7 @@ class JoiningGenerationBatch(GenerationBatch):
         super().__init__(*args, **kwargs)
         self._fresh = [False] * len(self.uids)  # input is the last prompt token
         self._ahead = [False] * len(self.uids)  # input is a token already reported
+        self.speculator = None  # a scheduler.speculative.step.Speculator: its steps may verify drafts
 
     @classmethod
     def empty(cls, model, fallback_sampler) -> "JoiningGenerationBatch":
@@ -98,6 +99,12 @@ class JoiningGenerationBatch(GenerationBatch):
         self._ahead = [self._ahead[i] for i in keep]
 
     def next(self):
+        """One decode step: the speculator's when one is set, else :meth:`plain_next`."""
+        if self.speculator is not None:
+            return self.speculator.next(self)
+        return self.plain_next()
+
+    def plain_next(self):
         """One decode step. A fresh row (its input was its last prompt token) gets its
         first token reported at the end of this step, once the forward is done, rather than
         in the next step as mlx-lm's pipelining would; the next step then skips it.
@@ -171,9 +178,10 @@ class JoiningBatchGenerator(BatchGenerator):
 
     generation_batch_class = JoiningGenerationBatch  # the decode batch's class (scheduler.distributed)
 
-    def __init__(self, model, **kwargs):
+    def __init__(self, model, speculator=None, **kwargs):
         super().__init__(model, **kwargs)
         self._generation_batch = self.generation_batch_class.empty(self.model, self.sampler)
+        self._generation_batch.speculator = speculator
 
     def _next(self):
         prompt_responses: list = []

@@ -105,6 +105,15 @@ class SchedulerMetrics:
             self.queued_by_class.labels(c)
             self.pauses.labels(c)
             self.resumes.labels(c)
+        self.draft_tokens = Counter(
+            "mlx_gateway_speculative_draft_tokens",
+            "Tokens drafted for speculative decoding (--speculative) and verified.", registry=registry)
+        self.accepted_tokens = Counter(
+            "mlx_gateway_speculative_accepted_tokens",
+            "Drafted tokens the model accepted (each one a decode step saved).", registry=registry)
+        self.verify_steps = Counter(
+            "mlx_gateway_speculative_verify_steps",
+            "Decode steps that verified drafts (a [B, 1 + K] forward).", registry=registry)
         self.engine_errors = Counter(
             "mlx_gateway_engine_step_errors",
             "Engine steps that raised; the requests in that step failed.",

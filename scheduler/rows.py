@@ -11,6 +11,7 @@ from typing import Any, Optional
 from scheduler.faults import RowFault
 from scheduler.precompute import Precompute
 from scheduler.request import EngineRequest
+from scheduler.speculative.step import SpeculationStats
 
 RECENT = 4096  # requests remembered in admission_log and stats.generated_by_request
 
@@ -143,3 +144,4 @@ class EngineStats:
     max_prefill_batch: int = 0
     max_decode_batch: int = 0
     generated_by_request: dict[str, int] = field(default_factory=dict)  # last 4096 requests
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)

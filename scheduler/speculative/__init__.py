@@ -1,0 +1,35 @@
+"""Speculative decoding inside continuous batching (engine thread only).
+
+Each decode step may verify drafted tokens for every decoding row in one batched
+forward ``[B, 1 + K]``; accepted tokens stream out, rejected ones are rolled back.
+
+- :mod:`scheduler.speculative.lookup`: prompt lookup (n-gram) drafts from a row's own
+  prompt and output.
+- :mod:`scheduler.speculative.holes`: the decode batch's KV cache with *holes*, so one
+  row can roll back a rejected draft without moving the others (or its own KV).
+- :mod:`scheduler.speculative.acceptance`: each row's acceptance rate and whether a
+  draft is worth widening the step for.
+- :mod:`scheduler.speculative.verify`: greedy verification and rejection sampling.
+- :mod:`scheduler.speculative.step`: the speculative decode step itself.
+"""
+
+from typing import Optional
+
+from scheduler.speculative.config import SpeculationConfig, speculation_refusal
+from scheduler.speculative.step import SpeculationStats, Speculator
+
+__all__ = ["SpeculationConfig", "SpeculationStats", "Speculator", "speculation_refusal", "speculator"]
+
+
+def speculator(config: SpeculationConfig, stats: SpeculationStats, metrics) -> Optional[Speculator]:
+    """The decode batch's :class:`Speculator` for ``config`` (None when off), counting into
+    ``stats`` and ``metrics`` (a :class:`scheduler.metrics.SchedulerMetrics`)."""
+    if not config.enabled:
+        return None
+
+    def on_verify(drafted: int, accepted: int, width: int) -> None:
+        metrics.draft_tokens.inc(drafted)
+        metrics.accepted_tokens.inc(accepted)
+        metrics.verify_steps.inc()
+
+    return Speculator(config, stats, on_verify)

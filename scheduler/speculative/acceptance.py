@@ -1,0 +1,100 @@
+"""Whether drafting pays: each row's acceptance rate, and the width of the step.
+
+A verification forward of ``W = 1 + K`` positions costs more than a plain decode step:
+on the 2-core CPU this was built on, a 135M model (30 layers, 1,500 tokens of context)
+took 71 ms for ``[1, 1]`` and 101 ms for ``[1, 5]``, 129 ms for ``[4, 1]`` and 203 ms
+for ``[4, 5]``: about 10-15 % more per extra position (``benchmarks/bench_speculative.py``
+prints it). :class:`StepCost` keeps that ratio, measured on the running machine, and
+:func:`best_width` widens a step only as far as the tokens its drafts are expected to
+add outweigh it.
+
+A row's drafts are expected to add ``a + a^2 + ... + a^k`` tokens for ``k`` drafts at
+per-token acceptance rate ``a`` (Leviathan et al., 2023, "Fast Inference from
+Transformers via Speculative Decoding", eq. 1, with i.i.d. acceptance).
+"""
+
+from __future__ import annotations
+
+PRIOR_RATE = 0.5  # a new row's assumed acceptance rate
+DECAY = 0.9  # weight of the past in a row's rate, per verification
+MIN_RATE = 0.15  # below this a row stops drafting for a while
+COOLDOWN_STEPS = 16  # steps a row waits before drafting again (doubles each time, up to 256)
+
+
+class RowAcceptance:
+    """One row's acceptance rate of drafted tokens (decayed counts) and its cool-down."""
+
+    __slots__ = ("drafted", "accepted", "wait", "cooldown")
+
+    def __init__(self) -> None:
+        self.drafted = 2.0  # pseudo-counts holding PRIOR_RATE
+        self.accepted = 2.0 * PRIOR_RATE
+        self.wait = 0  # steps left before drafting again
+        self.cooldown = COOLDOWN_STEPS
+
+    @property
+    def rate(self) -> float:
+        """Accepted over drafted tokens, recent verifications weighing most."""
+        return self.accepted / self.drafted
+
+    def expected(self, k: int) -> float:
+        """Tokens ``k`` drafts are expected to add."""
+        a = self.rate
+        return sum(a ** j for j in range(1, k + 1))
+
+    def may_draft(self) -> bool:
+        """False while cooling down after a low rate (counts one step of it)."""
+        if self.wait > 0:
+            self.wait -= 1
+            return False
+        return True
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """One verification: ``accepted`` of ``drafted`` tokens were right."""
+        if drafted <= 0:
+            return
+        self.drafted = DECAY * self.drafted + drafted
+        self.accepted = DECAY * self.accepted + accepted
+        if self.rate < MIN_RATE:
+            self.wait = self.cooldown
+            self.cooldown = min(256, self.cooldown * 2)
+            self.drafted, self.accepted = 2.0, 2.0 * PRIOR_RATE  # a fresh start after the wait
+        elif accepted:
+            self.cooldown = COOLDOWN_STEPS
+
+
+class StepCost:
+    """The extra cost of each drafted position in a decode step, relative to a plain
+    step of the same batch size (``beta``; a ``[B, W]`` step costs ``1 + beta (W - 1)``
+    plain steps), measured from the steps themselves."""
+
+    def __init__(self, beta: float = 0.15):
+        self.beta = beta
+        self._plain: dict[int, float] = {}  # batch size -> seconds of a plain step (EMA)
+
+    def plain(self, batch: int, seconds: float) -> None:
+        """A plain decode step of ``batch`` rows took ``seconds``."""
+        old = self._plain.get(batch)
+        self._plain[batch] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def wide(self, batch: int, width: int, seconds: float) -> None:
+        """A verification step ``[batch, width]`` took ``seconds``."""
+        base = self._plain.get(batch)
+        if base is None or width <= 1 or base <= 0:
+            return
+        observed = max(0.0, (seconds / base - 1.0) / (width - 1))
+        self.beta = 0.8 * self.beta + 0.2 * min(observed, 2.0)
+
+
+def best_width(drafts: list[int], rows: list[RowAcceptance], beta: float) -> int:
+    """The step width ``W`` (1: a plain step) with the most expected tokens per unit of
+    cost, for rows offering ``drafts[i]`` tokens each, over every row of the batch (rows
+    offering none pay for the width too)."""
+    batch = len(drafts)
+    best, best_value = 1, float(batch)
+    for width in range(2, max(drafts, default=0) + 2):
+        gain = sum(r.expected(min(k, width - 1)) for k, r in zip(drafts, rows) if k)
+        value = (batch + gain) / (1.0 + beta * (width - 1))
+        if value > best_value * 1.02:  # a clear win only
+            best, best_value = width, value
+    return best

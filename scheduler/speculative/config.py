@@ -1,0 +1,54 @@
+"""Speculative decoding settings (``--speculative``, ``--num-draft-tokens``) and which
+models can speculate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+METHODS = ("off", "ngram")
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """How the decode batch drafts.
+
+    Attributes:
+        method: ``"off"`` or ``"ngram"`` (prompt lookup, :mod:`scheduler.speculative.lookup`).
+        num_draft_tokens: most tokens drafted per row and step (``K``; a verification
+            forward is ``[B, 1 + K]`` at most).
+        min_n, max_n: the n-gram lengths prompt lookup matches, longest first (tokens).
+    """
+
+    method: str = "off"
+    num_draft_tokens: int = 4
+    min_n: int = 2
+    max_n: int = 4
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(METHODS)}, not {self.method!r}")
+        if not 1 <= self.num_draft_tokens <= 16:
+            raise ValueError(f"num_draft_tokens must be 1..16, not {self.num_draft_tokens}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+
+def speculation_refusal(model) -> Optional[str]:
+    """Why ``model`` cannot speculate, or None if it can.
+
+    A rejected draft must be taken back out of every layer's cache. Full-attention layers
+    (mlx-lm's ``KVCache``) can: the decode batch masks the rejected positions
+    (:mod:`scheduler.speculative.holes`). Recurrent state (``ArraysCache``: Mamba, gated
+    delta nets) has no per-token history to roll back to, and sliding windows
+    (``RotatingKVCache``) overwrite the positions a rollback would need.
+    """
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    kinds = {type(c).__name__ for c in make_prompt_cache(model)}
+    if all(type(c) is KVCache for c in make_prompt_cache(model)):
+        return None
+    others = sorted(k for k in kinds if k != "KVCache")
+    return f"its layers keep {', '.join(others)} caches, which cannot roll back a rejected draft"

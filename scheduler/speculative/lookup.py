@@ -1,0 +1,81 @@
+"""Prompt lookup drafting: the tokens that followed the latest earlier occurrence of a
+row's last ``n`` tokens in its own prompt and output.
+
+This is "prompt lookup decoding" (Saxena, 2023, github.com/apoorvumang/prompt-lookup-decoding),
+vLLM's ``ngram`` speculative method (``prompt_lookup_max`` / ``prompt_lookup_min``): the
+longest suffix from ``max_n`` down to ``min_n`` tokens that occurred before wins. Agents
+often write text that repeats their context (an edited file, quoted code, JSON echoing
+its inputs), which these drafts predict.
+
+The index maps each n-gram to the position of the token that followed its latest
+occurrence, so proposing a draft is one dictionary lookup per ``n`` and extending the
+context costs ``O(max_n - min_n + 1)`` per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class PromptLookup:
+    """Drafts for one row from its own tokens (prompt, then output).
+
+    Args:
+        min_n, max_n: the n-gram lengths tried, longest first (tokens).
+
+    Use :meth:`sync` with the row's token list (it only grows; tokens already indexed
+    are not read again), then :meth:`propose`.
+    """
+
+    def __init__(self, min_n: int = 2, max_n: int = 4):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self._follow: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token after it
+
+    def sync(self, tokens: Sequence[int]) -> None:
+        """Index the tokens of ``tokens`` beyond those seen so far (``tokens`` extends the
+        sequence given before)."""
+        for t in tokens[len(self.tokens):]:
+            self._append(t)
+
+    def _append(self, token: int) -> None:
+        toks = self.tokens
+        p = len(toks)  # position of ``token``
+        for n in range(self.min_n, self.max_n + 1):
+            if p >= n:
+                self._follow[tuple(toks[p - n:p])] = p
+        toks.append(token)
+
+    def matches(self) -> bool:
+        """Some suffix of :attr:`tokens` (``min_n`` to ``max_n`` tokens) occurred before: a
+        cheap sign, without the next input token, that :meth:`propose` may find a draft
+        (in text that copies its context, it does)."""
+        toks = self.tokens
+        return any(len(toks) > n and tuple(toks[len(toks) - n:]) in self._follow
+                   for n in range(self.min_n, self.max_n + 1))
+
+    def propose(self, last: int, k: int) -> list[int]:
+        """Up to ``k`` draft tokens to follow ``last`` (the row's next input, not yet in
+        :attr:`tokens`); empty when no suffix of ``tokens + [last]`` occurred before.
+
+        A match close to the end continues periodically: the draft is what follows the
+        match in ``tokens + [last] + draft`` (a loop of period ``p`` drafts ``k`` tokens
+        of that loop, not just the ``p`` seen so far)."""
+        if k <= 0:
+            return []
+        toks = self.tokens
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if len(toks) + 1 < n:
+                continue
+            key = (*toks[len(toks) - n + 1:], last) if n > 1 else (last,)
+            pos = self._follow.get(key)
+            if pos is not None:
+                draft = toks[pos:pos + k]
+                seq_len = len(toks) + 1
+                while len(draft) < k:  # the match runs into the end: continue with the period
+                    j = pos + len(draft)
+                    draft.append(last if j == seq_len - 1 else draft[j - seq_len])
+                return draft
+        return []

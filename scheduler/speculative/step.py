@@ -1,0 +1,238 @@
+"""The speculative decode step over :class:`scheduler.generator.JoiningGenerationBatch`.
+
+Each step (:meth:`Speculator.next`):
+
+1. waits for the rows' pending input tokens (the ones sampled last step), since drafts
+   follow them (plain decoding overlaps this wait with building the next step's graph);
+2. asks each row that may draft for up to ``K`` prompt-lookup tokens: not rows with
+   logits processors (grammars, penalties, ``logit_bias``: their state follows one token
+   at a time), not a row's first step, not rows whose acceptance rate is cooling down;
+3. picks the step's width ``W`` (:func:`~scheduler.speculative.acceptance.best_width`);
+   ``W = 1`` is a plain step (mlx-lm's);
+4. else runs one forward ``[B, W]`` (each row's input token, its drafts, then filler),
+   verifies every row (:mod:`scheduler.speculative.verify`), takes each row's rejected
+   positions back out of the cache (:class:`~scheduler.speculative.holes.HoledKVCache`)
+   and reports the input token and the accepted drafts, in order, with their log-probs.
+   The token after them is the row's next input, as in plain decoding.
+
+A row that finishes on an accepted draft (EOS, ``max_tokens``) leaves with the cache and
+tokens up to that token, exactly what plain decoding would have left.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+
+from mlx_lm.sample_utils import greedy_sampler
+
+from scheduler.sampling import TemperatureSampler, greedy
+from scheduler.speculative.acceptance import RowAcceptance, StepCost, best_width
+from scheduler.speculative.config import SpeculationConfig
+from scheduler.speculative.holes import HoledKVCache
+from scheduler.speculative.lookup import PromptLookup
+from scheduler.speculative.verify import accept_greedy, accept_sampled
+
+
+PLAIN_SAMPLE = 8  # one plain step in this many is timed (waiting for it costs its overlap)
+GREEDY = (None, greedy, greedy_sampler)  # argmax samplers (ours, mlx-lm's; None: the batch's default)
+
+
+@dataclass
+class SpeculationStats:
+    """Counts since start (tokens unless noted): drafted and accepted tokens, and decode
+    steps by kind (``verify_steps`` are the ``[B, W > 1]`` ones)."""
+
+    drafted: int = 0
+    accepted: int = 0
+    plain_steps: int = 0
+    verify_steps: int = 0
+    verify_tokens: int = 0  # tokens the verify steps emitted (each row's input and accepted drafts)
+    ended_inside_draft: int = 0  # rows that stopped before the last of their accepted drafts
+
+
+class Speculator:
+    """Drafting, verification and rollback for one decode batch (engine thread only).
+
+    Args:
+        config: the method and ``K``.
+        stats: where counts go (shared with the engine's other statistics).
+        on_verify: called after each verify step with ``(drafted, accepted, width)``
+            (metrics).
+    """
+
+    def __init__(self, config: SpeculationConfig, stats: Optional[SpeculationStats] = None, on_verify=None):
+        self.config = config
+        self.stats = stats or SpeculationStats()
+        self.cost = StepCost()
+        self._on_verify = on_verify
+        self._lookups: dict[int, PromptLookup] = {}
+        self._acceptance: dict[int, RowAcceptance] = {}
+
+    # ----------------------------------------------------------------- per row
+    def _row(self, uid: int) -> tuple[PromptLookup, RowAcceptance]:
+        lookup = self._lookups.get(uid)
+        if lookup is None:
+            lookup = self._lookups[uid] = PromptLookup(self.config.min_n, self.config.max_n)
+            self._acceptance[uid] = RowAcceptance()
+        return lookup, self._acceptance[uid]
+
+    def _forget_gone(self, uids: list[int]) -> None:
+        if len(self._lookups) > len(uids):
+            live = set(uids)
+            for uid in [u for u in self._lookups if u not in live]:
+                del self._lookups[uid], self._acceptance[uid]
+
+    def _may_draft(self, batch, i: int) -> bool:
+        """Row ``i`` may draft this step, and its tokens so far suggest it will find one."""
+        if batch._fresh[i] or batch.logits_processors[i]:
+            return False
+        sampler = batch.samplers[i]
+        if not any(sampler is g for g in GREEDY) and \
+                not isinstance(getattr(sampler, "inner", sampler), TemperatureSampler):
+            return False
+        lookup, acceptance = self._row(batch.uids[i])
+        if batch.max_tokens[i] - batch._num_tokens[i] <= 2 or not acceptance.may_draft():
+            return False
+        lookup.sync(batch.tokens[i])
+        return lookup.matches()
+
+    def _draft(self, batch, i: int, token: int) -> list[int]:
+        room = batch.max_tokens[i] - batch._num_tokens[i] - 2
+        return self._lookups[batch.uids[i]].propose(token, min(room, self.config.num_draft_tokens))
+
+    # ----------------------------------------------------------------- the step
+    def next(self, batch) -> list:
+        """One decode step of ``batch`` (a ``JoiningGenerationBatch``), speculative when
+        drafts pay; returns its ``GenerationBatch.Response`` s (several per row when
+        drafts were accepted, in order).
+
+        A step where no row's tokens suggest a draft is mlx-lm's plain step, pipelined as
+        usual: only steps that may draft wait for the rows' pending tokens first.
+        """
+        if not batch.uids:
+            return []
+        self._forget_gone(batch.uids)
+        candidates = [self._may_draft(batch, i) for i in range(len(batch.uids))]
+        if not any(candidates):
+            return self._plain(batch, timed=self.stats.plain_steps % PLAIN_SAMPLE == 0)
+        mx.eval(batch._next_tokens)
+        inputs = batch._next_tokens.tolist()
+        drafts = [self._draft(batch, i, t) if c else [] for i, (t, c) in enumerate(zip(inputs, candidates))]
+        rows = [self._row(uid)[1] for uid in batch.uids]
+        width = best_width([len(d) for d in drafts], rows, self.cost.beta)
+        if width == 1:
+            return self._plain(batch, timed=True)
+        tic = time.perf_counter()
+        batch.prompt_cache = [HoledKVCache.adopt(c) for c in batch.prompt_cache]
+        responses = self._verify(batch, inputs, [d[: width - 1] for d in drafts], width)
+        self.cost.wide(len(inputs), width, time.perf_counter() - tic)
+        return responses
+
+    def _plain(self, batch, timed: bool) -> list:
+        """mlx-lm's step; ``timed``: wait for its forward and time it (the cost model)."""
+        tic = time.perf_counter()
+        rows = len(batch.uids)
+        responses = batch.plain_next()
+        if timed and batch._next_tokens is not None:
+            mx.eval(batch._next_tokens)
+            self.cost.plain(rows, time.perf_counter() - tic)
+        self.stats.plain_steps += 1
+        return responses
+
+    def _logprobs(self, batch, inputs: mx.array) -> mx.array:
+        """The forward ``[B, W] -> [B, W, V]`` log-probabilities, the logits processors
+        applied at position 0 (rows with processors have no drafts)."""
+        logits = batch.model(inputs, cache=batch.prompt_cache)
+        if any(batch.logits_processors):
+            first = []
+            for e, processors in enumerate(batch.logits_processors):
+                row = logits[e: e + 1, 0]
+                if processors:
+                    context = batch._token_context[e].update_and_fetch(inputs[e: e + 1, 0])
+                    for processor in processors:
+                        row = processor(context, row)
+                first.append(row)
+            logits = mx.concatenate([mx.concatenate(first, axis=0)[:, None], logits[:, 1:]], axis=1)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def _verify(self, batch, inputs: list[int], drafts: list[list[int]], width: int) -> list:
+        grid = [[t, *d, *[t] * (width - 1 - len(d))] for t, d in zip(inputs, drafts)]
+        logprobs = self._logprobs(batch, mx.array(grid, dtype=mx.uint32))  # [B, W, V]
+        targets = mx.argmax(logprobs, axis=-1)
+        mx.eval(targets, logprobs)
+        targets = targets.tolist()
+        accepted, following = [], []
+        for i, d in enumerate(drafts):
+            sampler = batch.samplers[i]
+            if any(sampler is g for g in GREEDY):
+                a = accept_greedy(targets[i], d)
+                accepted.append(a)
+                following.append(targets[i][a])
+            elif d:
+                a, token = accept_sampled(getattr(sampler, "inner", sampler), logprobs[i, : len(d) + 1], d)
+                accepted.append(a)
+                following.append(token)
+            else:
+                accepted.append(0)
+                following.append(int(sampler(logprobs[i, 0:1]).item()))
+        for c in batch.prompt_cache:
+            c.reject([width - 1 - a for a in accepted])
+        previous = batch._next_logprobs
+        batch._next_tokens = mx.array(following, dtype=mx.uint32)
+        batch._next_logprobs = [logprobs[i, a] for i, a in enumerate(accepted)]
+        for i, (t, d, a) in enumerate(zip(inputs, drafts, accepted)):
+            batch.tokens[i].extend([t, *d[:a]])
+            if d:
+                self._acceptance[batch.uids[i]].record(len(d), a)
+        drafted = sum(len(d) for d in drafts)
+        self.stats.drafted += drafted
+        self.stats.accepted += sum(accepted)
+        self.stats.verify_steps += 1
+        if self._on_verify is not None:
+            self._on_verify(drafted, sum(accepted), width)
+        return self._report(batch, inputs, drafts, accepted, previous, logprobs)
+
+    def _report(self, batch, inputs, drafts, accepted, previous, logprobs) -> list:
+        """Responses for each row's input token (unless reported already) and accepted
+        drafts; rows that finish leave the batch with the cache up to their last token."""
+        fresh, batch._fresh = batch._fresh, [False] * len(batch.uids)
+        ahead, batch._ahead = batch._ahead, [False] * len(batch.uids)
+        keep, responses = [], []
+        for i, uid in enumerate(batch.uids):
+            out = [] if (ahead[i] or fresh[i]) else [(inputs[i], previous[i])]
+            out += [(drafts[i][j], logprobs[i, j]) for j in range(accepted[i])]
+            if fresh[i] and batch._num_tokens[i] + 1 < batch.max_tokens[i]:
+                # a row's first token is reported as soon as it is known (as in plain steps)
+                out.append((int(batch._next_tokens[i].item()), batch._next_logprobs[i]))
+                batch._ahead[i] = True
+            finish, n = None, 0
+            for n, (token, lp) in enumerate(out, start=1):
+                batch._num_tokens[i] += 1
+                if batch._num_tokens[i] >= batch.max_tokens[i]:
+                    finish = "length"
+                if batch._matchers[i].advance(token):
+                    finish = "stop"
+                if finish is None:
+                    responses.append(batch.Response(uid, token, lp, None, None, None))
+                    continue
+                # cache tokens after this one (out's last token may be the pending one)
+                extra = max(0, len(out) - n - (1 if batch._ahead[i] else 0))
+                cache = batch.extract_cache(i)
+                tokens = batch.tokens[i]
+                if extra:
+                    self.stats.ended_inside_draft += 1
+                    for layer in cache:
+                        layer.trim(extra)
+                    tokens = tokens[: len(tokens) - extra]
+                responses.append(batch.Response(uid, token, lp, finish, cache, tokens))
+                break
+            self.stats.verify_tokens += n if out else 0
+            if finish is None:
+                keep.append(i)
+        if len(keep) < len(batch.uids):
+            batch.filter(keep)
+        return responses

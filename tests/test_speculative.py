@@ -1,0 +1,375 @@
+"""Speculative decoding (prompt lookup) inside continuous batching: the same greedy tokens
+as plain decoding, per architecture, with batching, prefix-cache hits, checkpoints,
+grammars, stop strings and ``max_tokens`` crossing a draft; rolled-back caches never
+longer than their tokens; the rejection sampler's distribution; the settings."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import httpx
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from cache import PromptCacheManager
+from conftest import EventSink, live_server, model_path
+from scheduler import Engine, EngineRequest, SamplingParams
+from scheduler.request import TokenEvent
+from mlx_lm.generate import StopSequences
+
+from scheduler.generator import JoiningBatchGenerator
+from scheduler.sampling import TemperatureSampler, greedy
+from scheduler.speculative import SpeculationConfig, SpeculationStats, Speculator, speculation_refusal
+from scheduler.speculative.acceptance import RowAcceptance, best_width
+from scheduler.speculative.holes import HoledKVCache
+from scheduler.speculative.lookup import PromptLookup
+from scheduler.speculative.verify import accept_sampled
+
+NGRAM = SpeculationConfig("ngram", 4)
+
+
+# ----------------------------------------------------------------------------- drafting
+def test_prompt_lookup_takes_the_latest_longest_match():
+    lookup = PromptLookup(min_n=2, max_n=3)
+    lookup.sync([1, 2, 3, 9, 7, 2, 3, 8, 5, 1, 2])
+    # suffix (1, 2, 3): its only earlier occurrence is at the start, followed by 9, 7
+    assert lookup.propose(3, 2) == [9, 7]
+    # suffix (5, 7) never occurred; (7,) is shorter than min_n
+    assert lookup.propose(7, 3) == []
+    lookup.sync([1, 2, 3, 9, 7, 2, 3, 8, 5, 1, 2, 4, 2, 3])
+    # (2, 3, x): (4, 2, 3) never occurred; (2, 3) last occurred before 8
+    assert lookup.propose(6, 2) == []  # (3, 6) never occurred
+    assert PromptLookup(2, 2).propose(5, 4) == []
+
+
+def test_prompt_lookup_continues_a_loop_past_the_end():
+    lookup = PromptLookup(min_n=2, max_n=4)
+    lookup.sync([9, 4, 5, 4, 5])
+    assert lookup.propose(4, 5) == [5, 4, 5, 4, 5]
+    lookup = PromptLookup(min_n=2, max_n=4)
+    lookup.sync([3, 3, 3])
+    assert lookup.propose(3, 4) == [3, 3, 3, 3]
+
+
+def test_width_follows_the_expected_gain():
+    good, bad = RowAcceptance(), RowAcceptance()
+    for _ in range(10):
+        good.record(4, 4)
+        bad.record(4, 1)
+    assert best_width([4], [good], 0.15) == 5
+    assert best_width([0, 0, 0, 0], [RowAcceptance()] * 4, 0.15) == 1
+    # one row of eight drafting does not pay for widening the other seven
+    assert best_width([4] + [0] * 7, [good] + [bad] * 7, 0.15) == 1
+    # a low acceptance rate stops a row drafting for a while, then it tries again
+    low = RowAcceptance()
+    low.record(4, 0)
+    low.record(4, 0)
+    assert not low.may_draft()
+    for _ in range(20):
+        low.may_draft()
+    assert low.may_draft()
+
+
+# ----------------------------------------------------------------------------- rollback
+def _batch(lengths: list[int], seed: int = 0):
+    """Per-row KVCache [1, 2, L, 4] of random KV, and their merge as a HoledKVCache."""
+    mx.random.seed(seed)
+    rows = []
+    for n in lengths:
+        c = KVCache()
+        c.update_and_fetch(mx.random.normal((1, 2, n, 4)), mx.random.normal((1, 2, n, 4)))
+        rows.append(c)
+    return rows, HoledKVCache.adopt(BatchKVCache.merge(rows))
+
+
+def _append(batch: HoledKVCache, width: int, seed: int):
+    mx.random.seed(seed)
+    B = batch.offset.shape[0]
+    k, v = mx.random.normal((B, 2, width, 4)), mx.random.normal((B, 2, width, 4))
+    batch.update_and_fetch(k, v)
+    return k, v
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_rejected_positions_leave_each_row_exactly_its_tokens(compact):
+    rows, batch = _batch([5, 9, 3])
+    want = [(r.keys[..., : r.offset, :], r.values[..., : r.offset, :]) for r in rows]
+    for step, accepted in enumerate([[2, 0, 1], [0, 0, 0], [3, 1, 3]]):
+        k, v = _append(batch, 4, seed=step + 1)
+        batch.reject([3 - a for a in accepted])
+        for i, a in enumerate(accepted):
+            keep = 1 + a
+            want[i] = (mx.concatenate([want[i][0], k[i: i + 1, :, :keep]], axis=2),
+                       mx.concatenate([want[i][1], v[i: i + 1, :, :keep]], axis=2))
+        if compact:
+            batch.compact()
+            assert batch.holes is None
+    assert batch.offset.tolist() == [w[0].shape[2] for w in want]
+    for i, (wk, wv) in enumerate(want):
+        got = batch.extract(i)
+        assert got.offset == wk.shape[2]
+        assert mx.array_equal(got.keys[..., : got.offset, :], wk) and mx.array_equal(got.values[..., : got.offset, :], wv)
+    # the mask hides exactly the holes and the left padding: real positions = offset
+    mask = batch.make_mask(1)
+    assert mask[:, 0, 0, :-1].sum(axis=1).tolist() == batch.offset.tolist()
+
+
+def test_holes_survive_filter_and_extend():
+    rows, batch = _batch([4, 6])
+    _append(batch, 3, seed=1)
+    batch.reject([2, 0])  # row 0 keeps 1 of 3, row 1 all 3: two holes in row 0
+    want0 = batch.extract(0)
+    others, more = _batch([2], seed=7)
+    batch.extend(more)
+    assert [batch.extract(i).offset for i in range(3)] == [5, 9, 2]
+    assert mx.array_equal(batch.extract(0).keys, want0.keys)
+    assert mx.array_equal(batch.extract(2).keys[..., :2, :], others[0].keys[..., :2, :])
+    batch.filter([0, 2])
+    assert mx.array_equal(batch.extract(0).keys, want0.keys)
+    assert batch.make_mask(1)[:, 0, 0, :-1].sum(axis=1).tolist() == [5, 2]
+
+
+# ----------------------------------------------------------------------------- greedy identity
+def _run(engine: Engine, prompts, max_tokens, checkpoints=None, concurrent=True) -> list[list[int]]:
+    sinks = [EventSink() for _ in prompts]
+    requests = [EngineRequest(f"r{i}-{random.random()}", p, SamplingParams(max_tokens=m), s,
+                              checkpoints=list(checkpoints or []))
+                for i, (p, m, s) in enumerate(zip(prompts, max_tokens, sinks))]
+    if concurrent:
+        with engine.arrivals.prepare():
+            for r in requests:
+                engine.submit(r)
+    for r, s in zip(requests, sinks):
+        if not concurrent:
+            engine.submit(r)
+        assert s.done.wait(120)
+    return [s.tokens for s in sinks]
+
+
+def _workload(seed: int):
+    """Prompts that repeat themselves (so drafts exist, some right, some wrong), of
+    different lengths, two sharing a prefix."""
+    rng = random.Random(seed)
+    loop = [rng.randrange(10, 500) for _ in range(12)]
+    shared = [rng.randrange(10, 500) for _ in range(40)]
+    prompts = [loop * 5, shared + loop * 2, shared + [rng.randrange(10, 500) for _ in range(30)],
+               [rng.randrange(10, 500) for _ in range(25)] * 3, [7, 8, 9] * 9]
+    return prompts, [48, 40, 33, 45, 20]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_greedy_tokens_equal_plain_decoding(arch):
+    model, tok = mlx_lm.load(str(model_path(arch)))
+    prompts, max_tokens = _workload(1)
+    outputs, stats = {}, {}
+    for name, spec in (("plain", SpeculationConfig()), ("ngram", NGRAM)):
+        engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
+                        decode_concurrency=8, gather_wait=30.0, speculation=spec)
+        engine.start()
+        try:
+            solo = [_run(engine, [p], [m])[0] for p, m in zip(prompts, max_tokens)]  # one at a time, cold
+            engine.call(engine.prompt_cache.flush)
+            burst = _run(engine, prompts, max_tokens)  # batched, cold
+            warm = _run(engine, prompts, max_tokens)  # batched, every prompt (and answer) cached
+            assert engine.wait_idle(60)
+            assert engine.prompt_cache.num_leases == 0
+            outputs[name], stats[name] = (solo, burst, warm), engine.stats.speculation
+        finally:
+            engine.stop()
+    reference = outputs["plain"][0]
+    for name, runs in outputs.items():
+        for what, got in zip(("solo", "burst", "warm"), runs):
+            assert got == reference, f"{arch} {name} {what}"
+    s = stats["ngram"]
+    assert s.verify_steps > 0 and 0 < s.accepted < s.drafted, s  # drafts were taken and refused
+    assert stats["plain"].drafted == 0
+
+
+def _generate(model, prompts, max_tokens, stops, speculator=None):
+    """Rows through the batch generator; per row its tokens, finish reason, and the
+    length of the tokens and of the cache it left with."""
+    gen = JoiningBatchGenerator(model, speculator=speculator, max_tokens=1 << 20, prefill_batch_size=4,
+                                completion_batch_size=8, prefill_step_size=64, sampler=greedy)
+    uids = gen.insert(prompts, max_tokens=max_tokens, stop_sequences=[StopSequences([s]) for s in stops])
+    out, ends = {u: [] for u in uids}, {}
+    while len(ends) < len(uids):
+        for g in gen.next()[1]:
+            out[g.uid].append(g.token)
+            if g.finish_reason:
+                ends[g.uid] = (g.finish_reason, len(g.all_tokens), g.prompt_cache[0].offset)
+    gen.close()
+    return [(out[u], ends[u]) for u in uids]
+
+
+def test_stop_inside_an_accepted_draft():
+    """A row whose stop sequence completes inside an accepted draft ends there, with the
+    tokens plain decoding gives and a cache holding exactly its tokens up to the stop."""
+    model, _ = mlx_lm.load(str(model_path("qwen3")))
+    prompts, max_tokens = _workload(1)
+    free = _generate(model, prompts, max_tokens, [[10 ** 6]] * len(prompts))
+    # per row, the first run of four equal tokens (the demo model's answers fall into
+    # loops): it completes while drafts, which by then repeat the loop, are verified
+    stops = []
+    for out, _ in free:
+        j = next((j for j in range(1, len(out) - 4) if len(set(out[j:j + 4])) == 1), None)
+        stops.append(out[j:j + 4] if j is not None else [10 ** 6])
+    plain = _generate(model, prompts, max_tokens, stops)
+    stats = SpeculationStats()
+    spec = _generate(model, prompts, max_tokens, stops, Speculator(NGRAM, stats))
+    assert spec == plain
+    assert all(end[1] == end[2] for _, end in spec)
+    assert sum(end[0] == "stop" for _, end in spec) >= 2
+    assert stats.ended_inside_draft > 0, stats
+
+
+def test_snapshots_after_speculation_are_exact():
+    """The prefix cache holds, for each finished answer, KV equal to a cold prefill of its
+    tokens (a rolled-back row never leaves extra positions in a snapshot), so that a later
+    request continuing that answer gets the plain tokens."""
+    model, tok = mlx_lm.load(str(model_path("qwen3")))
+    prompts, max_tokens = _workload(2)
+    engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
+                    decode_concurrency=8, gather_wait=30.0, speculation=NGRAM)
+    plain = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=1,
+                   decode_concurrency=1)
+    engine.start()
+    plain.start()
+    try:
+        answers = _run(engine, prompts, max_tokens)
+        assert engine.stats.speculation.accepted > 0
+        follow = [p + a + [5, 6, 7] for p, a in zip(prompts, answers)]
+        cached_before = engine.stats.cached_tokens
+        got = _run(engine, follow, [12] * len(follow))
+        assert engine.stats.cached_tokens - cached_before >= sum(len(p) + len(a) - 1 for p, a in zip(prompts, answers))
+        want = [_run(plain, [f], [12])[0] for f in follow]
+        assert got == want
+    finally:
+        engine.stop()
+        plain.stop()
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_5"])
+def test_models_that_cannot_roll_back_do_not_speculate(arch):
+    model, _ = mlx_lm.load(str(model_path(arch)))
+    reason = speculation_refusal(model)
+    assert reason and "cannot roll back" in reason
+    qwen, _ = mlx_lm.load(str(model_path("qwen3")))
+    assert speculation_refusal(qwen) is None
+    with live_server(model_path(arch), speculative="ngram") as server:
+        r = httpx.post(f"{server.url}/v1/completions", json={
+            "model": "test-model", "prompt": "one two three " * 20, "max_tokens": 30, "temperature": 0}, timeout=60)
+        assert r.status_code == 200
+        assert server.engine.stats.speculation.plain_steps == 0  # no speculator at all
+
+
+# ----------------------------------------------------------------------------- through the API
+def _chat(url: str, body: dict) -> dict:
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": "test-model", "temperature": 0, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_api_answers_equal_with_grammar_stop_strings_and_max_tokens():
+    """Over HTTP, concurrently: plain chat, a json_schema answer (its row never drafts: its
+    grammar follows one token at a time), stop strings that fall inside an accepted draft,
+    and short ``max_tokens``; every answer the same with ``--speculative ngram`` as without."""
+    text = "alpha beta gamma delta " * 12
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"],
+              "additionalProperties": False}
+    bodies = [
+        {"messages": [{"role": "user", "content": text}], "max_tokens": 60},
+        {"messages": [{"role": "user", "content": "repeat " + text}], "max_tokens": 7},
+        {"messages": [{"role": "user", "content": text + " json"}], "max_tokens": 30,
+         "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}},
+    ]
+
+    def answers(speculative: str, stops=None) -> list[str]:
+        with live_server(model_path("qwen3"), speculative=speculative, decode_concurrency=8) as server:
+            async def burst():
+                async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+                    rs = await asyncio.gather(*(c.post("/v1/chat/completions", json={
+                        "model": "test-model", "temperature": 0, **b, **({"stop": stops[i]} if stops else {})})
+                        for i, b in enumerate(bodies)))
+                return [r.json()["choices"][0]["message"]["content"] for r in rs]
+
+            out = asyncio.run(burst())
+            return out, server.engine.stats.speculation
+
+    plain, _ = answers("off")
+    spec, stats = answers("ngram")
+    assert spec == plain
+    assert stats.accepted > 0
+    # stop strings cut from the middle of each plain answer
+    stops = [[a[len(a) // 2: len(a) // 2 + 4]] if len(a) > 8 else None for a in plain]
+    stops = [s if s and s[0].strip() else None for s in stops]
+    plain_stopped, _ = answers("off", stops)
+    spec_stopped, _ = answers("ngram", stops)
+    assert spec_stopped == plain_stopped
+
+
+# ----------------------------------------------------------------------------- sampling
+def test_rejection_sampling_keeps_the_distribution():
+    """Chi-square test of the first token emitted after a verified draft: whether the draft
+    is accepted or the residual is drawn, it must be distributed as ``p`` itself."""
+    V, draws = 8, 4000
+    logits = mx.array([[2.0, 1.0, 0.5, 0.0, -0.5, 1.5, -1.0, 0.2], [0.0] * V])
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    p = mx.softmax(logits[0]).tolist()
+    for draft in (0, 3):  # a likely and an unlikely draft
+        sampler = TemperatureSampler(SamplingParams(temperature=1.0, seed=draft + 1))
+        counts = [0] * V
+        for _ in range(draws):
+            accepted, following = accept_sampled(sampler, logprobs, [draft])
+            counts[draft if accepted else following] += 1
+        chi2 = sum((c - draws * q) ** 2 / (draws * q) for c, q in zip(counts, p))
+        assert chi2 < 24.32, (draft, counts, chi2)  # df 7, p = 0.001
+
+
+def test_sampled_requests_speculate():
+    model, tok = mlx_lm.load(str(model_path("qwen3")))
+    prompts, _ = _workload(3)
+    engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
+                    decode_concurrency=8, speculation=NGRAM)
+    engine.start()
+    try:
+        sinks = [EventSink() for _ in prompts]
+        for i, (p, s) in enumerate(zip(prompts, sinks)):
+            engine.submit(EngineRequest(f"s{i}", p, SamplingParams(max_tokens=30, temperature=0.3, seed=i), s))
+        for s in sinks:
+            assert s.done.wait(120)
+            assert len([e for e in s.events if isinstance(e, TokenEvent)]) == 30
+        assert engine.stats.speculation.accepted > 0
+    finally:
+        engine.stop()
+
+
+# ----------------------------------------------------------------------------- settings
+def test_settings_are_checked(tmp_path):
+    import argparse
+
+    from gateway.config import ServeConfig, add_serve_arguments
+    from gateway.models.spec import ModelsFileError, defaults, load_models_file
+
+    with pytest.raises(ValueError):
+        SpeculationConfig("draft")
+    with pytest.raises(ValueError):
+        SpeculationConfig("ngram", 0)
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert parser.parse_args(["--speculative", "ngram", "--num-draft-tokens", "6"]).num_draft_tokens == 6
+    for bad in (["--speculative", "medusa"], ["--num-draft-tokens", "0"], ["--num-draft-tokens", "17"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+    base = defaults(ServeConfig(speculative="ngram"))
+    good = tmp_path / "good.toml"
+    good.write_text('[models.a]\npath = "demo"\n[models.b]\npath = "demo"\nspeculative = "off"\nnum_draft_tokens = 2\n')
+    a, b = load_models_file(good, base)
+    assert (a.speculative, a.num_draft_tokens, b.speculative, b.num_draft_tokens) == ("ngram", 4, "off", 2)
+    for bad in ('speculative = "eagle"', "num_draft_tokens = 0", "num_draft_tokens = 40"):
+        f = tmp_path / "bad.toml"
+        f.write_text(f'[models.a]\npath = "demo"\n{bad}\n')
+        with pytest.raises(ModelsFileError):
+            load_models_file(f, base)
