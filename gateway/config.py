@@ -64,6 +64,8 @@ class ServeConfig:
     batch_share: float = 0.05
     interactive_budget: float = 0.01
     precompute_next_turn: bool = True
+    speculative: str = "off"
+    num_draft_tokens: int = 4
 
 
 def _json_object(text: str) -> dict:
@@ -74,6 +76,16 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("must be a JSON object")
     return value
+
+
+def _draft_count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}")
+    if not 1 <= n <= 16:
+        raise argparse.ArgumentTypeError(f"must be 1..16, got {n}")
+    return n
 
 
 def parse_size(text: str) -> int:
@@ -149,6 +161,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="when a chat reply ends and nothing waits, prefill the prefix its next request will "
                    "share (the reply as the template will show it) at the lowest priority; any request "
                    "preempts it (default: on)")
+    p.add_argument("--speculative", choices=("off", "ngram"), default=d.speculative,
+                   help="speculative decoding: 'ngram' drafts each decoding row's next tokens from its own "
+                   "prompt and output (prompt lookup) and verifies them in the batch's forward; greedy "
+                   "output is unchanged, sampled output keeps its distribution (default %(default)s)")
+    p.add_argument("--num-draft-tokens", type=_draft_count, default=d.num_draft_tokens,
+                   help="most tokens drafted per row and step with --speculative (default %(default)s)")
     p.add_argument("--prompt-cache-bytes", type=parse_size, default=d.prompt_cache_bytes,
                    help="byte bound of the prefix cache, e.g. 8G (default 8G)")
     p.add_argument("--prompt-cache-size", type=int, default=d.prompt_cache_size,

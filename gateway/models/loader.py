@@ -35,6 +35,7 @@ from gateway.models.handle import ModelHandle
 from gateway.models.spec import ModelSpec
 from scheduler import Engine
 from scheduler.loop import EngineLoop
+from scheduler.speculative import SpeculationConfig, speculation_refusal
 
 log = logging.getLogger("mlx_gateway")
 
@@ -74,6 +75,18 @@ def resolve_path(spec: ModelSpec) -> str:
         log.info("%s: serving %s from %s", spec.name, DEFAULT_MODEL_ID, path)
         return str(path)
     return spec.path
+
+
+def _speculation(spec: ModelSpec, model, cluster) -> SpeculationConfig:
+    """The model's speculative decoding, or off (with a warning) where it cannot roll back
+    a draft or runs split across ranks (the other ranks replay plain steps only)."""
+    if spec.speculative == "off":
+        return SpeculationConfig()
+    why = "it runs split across ranks" if cluster is not None else speculation_refusal(model)
+    if why is not None:
+        log.warning("%s: speculative decoding is off: %s", spec.name, why)
+        return SpeculationConfig()
+    return SpeculationConfig(spec.speculative, spec.num_draft_tokens)
 
 
 def context_length(model, tokenizer, default: int = 32768) -> int:
@@ -226,7 +239,8 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
         except OSError as e:
             manager.close()
             raise DiskTierUnusable(f"the prompt cache's disk tier cannot be used: {e}") from e
-    engine = Engine(model, tokenizer.eos_token_ids, manager, prompt_concurrency=cfg.prompt_concurrency,
+    engine = Engine(model, tokenizer.eos_token_ids, manager, speculation=_speculation(spec, model, cluster),
+                    prompt_concurrency=cfg.prompt_concurrency,
                     decode_concurrency=cfg.decode_concurrency, prefill_step_size=cfg.prefill_step_size,
                     prefill_budget=cfg.prefill_budget, max_waiting=cfg.max_waiting, registry=registry,
                     pad_free_prefill=not exact, loop=loop, name=spec.name)

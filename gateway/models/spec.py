@@ -16,6 +16,8 @@ model, ``NAME`` the name clients send as ``model``::
     prompt_cache_bytes = "2G"      # this model's share of the prefix cache
     max_prompt_tokens = 8192       # longest prompt (default: the model's context)
     checkpoint_every = 4096        # snapshot every N tokens of long prompts
+    speculative = "ngram"          # speculative decoding: "ngram" or "off"
+    num_draft_tokens = 4           # most tokens drafted per row and step
 
 Every setting but ``path`` is optional; the ``serve`` flags of the same names are the
 defaults (``--keep-alive`` for ``keep_alive``).
@@ -41,7 +43,8 @@ DEMO_NAME = "mlx-gateway-demo"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 
 _FIELDS = {"path", "aliases", "pin", "keep_alive", "max_tokens", "max_tokens_limit", "temp", "top_p", "top_k",
-           "min_p", "chat_template_args", "prompt_cache_bytes", "max_prompt_tokens", "checkpoint_every"}
+           "min_p", "chat_template_args", "prompt_cache_bytes", "max_prompt_tokens", "checkpoint_every",
+           "speculative", "num_draft_tokens"}
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
@@ -70,6 +73,8 @@ class ModelSpec:
         prompt_cache_bytes: this model's bound on its prefix cache (bytes).
         max_prompt_tokens: the longest prompt (tokens); None: the model's context.
         checkpoint_every: a prefix-cache snapshot every N prompt tokens of long prompts.
+        speculative: ``"ngram"`` or ``"off"`` (``scheduler.speculative``).
+        num_draft_tokens: most tokens drafted per row and step.
     """
 
     name: str
@@ -88,6 +93,8 @@ class ModelSpec:
     prompt_cache_bytes: int = 8 << 30
     max_prompt_tokens: Optional[int] = None
     checkpoint_every: int = 4096
+    speculative: str = "off"
+    num_draft_tokens: int = 4
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -125,7 +132,8 @@ def defaults(cfg: ServeConfig) -> dict:
                 max_tokens_limit=cfg.max_tokens_limit, temp=cfg.temp, top_p=cfg.top_p, top_k=cfg.top_k,
                 min_p=cfg.min_p, chat_template_args=dict(cfg.chat_template_args),
                 prompt_cache_bytes=cfg.prompt_cache_bytes, max_prompt_tokens=cfg.max_prompt_tokens,
-                checkpoint_every=cfg.checkpoint_every)
+                checkpoint_every=cfg.checkpoint_every, speculative=cfg.speculative,
+                num_draft_tokens=cfg.num_draft_tokens)
 
 
 def served_name(path: str) -> str:
@@ -232,12 +240,19 @@ def _spec(name: str, t, base: dict) -> ModelSpec:
         raise ModelsFileError(f"{where}: {e}") from e
     for key, kind, low in (("max_tokens", int, 1), ("max_tokens_limit", int, 1), ("top_k", int, 0),
                            ("max_prompt_tokens", int, 1), ("checkpoint_every", int, 1),
+                           ("num_draft_tokens", int, 1),
                            ("temp", float, 0.0), ("top_p", float, 0.0), ("min_p", float, 0.0)):
         if key in t:
             try:
                 settings[key] = _number(t[key], kind, low)
             except ValueError as e:
                 raise ModelsFileError(f"{where}: {key} {e}") from e
+    if "speculative" in t:
+        if t["speculative"] not in ("off", "ngram"):
+            raise ModelsFileError(f"{where}: speculative must be 'off' or 'ngram', got {t['speculative']!r}")
+        settings["speculative"] = t["speculative"]
+    if settings["num_draft_tokens"] > 16:
+        raise ModelsFileError(f"{where}: num_draft_tokens must be <= 16")
     if "chat_template_args" in t:
         if not isinstance(t["chat_template_args"], dict):
             raise ModelsFileError(f"{where}: chat_template_args must be a table")
