@@ -306,6 +306,7 @@ def test_prometheus_evaluates_dashboard_and_rules(tmp_path):
 
     overrides, keys = tenant_setup(tmp_path)
     overrides["prompt_cache_dir"] = str(tmp_path / "prompt-cache")  # the disk tier's panel too
+    overrides["speculative"] = "ngram"  # and the speculative decoding panel
     path = model_path("qwen3")
     with RedisServer(require_redis()) as redis, \
             live_server(path, _specs(path, overrides), limits_store=redis.url, **overrides) as server:

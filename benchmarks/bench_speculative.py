@@ -1,0 +1,219 @@
+"""Speculative decoding (``--speculative ngram``) against ``--speculative off``, in one run;
+prints figures, asserts nothing.
+
+Model: ``--model PATH`` (for instance the default model, SmolLM2-135M-Instruct, whose real
+weights copy their context), else a random-weight model of SmolLM2-135M's shape (llama,
+30 layers, hidden 576, 9 heads, 3 KV heads) with the Llama 3 tokenizer (its vocabulary,
+128k tokens, makes the output layer about 2.6x SmolLM2's), float32. Each setting is a
+fresh ``mlx-gateway serve`` subprocess; the workloads, streamed over the chat API:
+
+* ``code-edit``: the prompt holds a ~1,500-token source file (``scheduler/batch.py``) and
+  asks for it back with one rename; greedy, ``--answer`` tokens. Random weights do not
+  edit the file: their greedy output falls into a loop within a few tokens, which prompt
+  lookup predicts almost perfectly, so there the figure is the mechanism's ceiling, not
+  what a real model gets.
+* ``no-repetition``: fresh random words, sampled at temperature 1 with a seed per request
+  (the output never repeats, so drafts are rare): what speculation costs when it does not
+  help.
+
+Each at 1 stream and at ``--streams`` concurrent streams. Figures per row: decode
+tokens/s (completion tokens after the first, over the time from first to last token,
+summed over the streams), the ratio ngram / off, acceptance rate (accepted / drafted
+tokens, from ``/metrics``), tokens per verify step and per decode step, and whether every
+output was the same text as with ``off``. It also prints what a verification forward
+costs here: ``[B, W]`` against ``[B, 1]`` over a 1,500-token context, in process.
+``--out DIR`` writes ``speculative.json`` and ``speculative.md``. On Linux, preload the
+system OpenBLAS (``gateway/cpu/blas.py``).
+
+Usage::
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
+        python benchmarks/bench_speculative.py [--model PATH] [--answer 128] [--streams 4] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scenarios import free_port, start, words  # noqa: E402
+
+SMOL_SHAPE = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+              "head_dim": 64, "intermediate_size": 1536, "rope_theta": 100000.0, "max_position_embeddings": 8192}
+
+
+def smol_shaped_model() -> str:
+    """A random-weight llama of SmolLM2-135M's shape with the Llama 3 fixture tokenizer."""
+    from gateway.models.demo_model import build_model_dir
+
+    tokenizer = ROOT / "tests" / "fixtures" / "tokenizers" / "llama3"
+    return str(build_model_dir(Path(tempfile.gettempdir()) / "mlx-gateway-bench-smol135-shape", "llama",
+                               tokenizer_dir=tokenizer, overrides=SMOL_SHAPE))
+
+
+def code_prompt(n_chars: int = 6000) -> list[dict]:
+    source = (ROOT / "scheduler" / "batch.py").read_text()[:n_chars]
+    return [{"role": "user", "content": "Here is a Python file:\n\n```python\n" + source + "\n```\n\n"
+             "Write the whole file again with the class `Batch` renamed to `RunningBatch`. "
+             "Change nothing else."}]
+
+
+async def stream(c: httpx.AsyncClient, body: dict) -> dict:
+    t0, times, text, usage = time.monotonic(), [], "", {}
+    async with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True,
+                                                             "stream_options": {"include_usage": True}}) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            for ch in chunk.get("choices", []):
+                piece = (ch.get("delta") or {}).get("content") or ""
+                if piece:
+                    times.append(time.monotonic())
+                    text += piece
+    return {"ttft": (times[0] if times else time.monotonic()) - t0, "text": text,
+            "tokens": usage.get("completion_tokens", 0),
+            "decode_s": (times[-1] - times[0]) if len(times) > 1 else 0.0}
+
+
+def metric(text: str, name: str) -> float:
+    """Sum of a Prometheus series' samples over its labels (0 when absent)."""
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
+
+
+SERIES = ("mlx_gateway_speculative_draft_tokens_total", "mlx_gateway_speculative_accepted_tokens_total",
+          "mlx_gateway_speculative_verify_steps_total", "mlx_gateway_decode_tokens_total",
+          "mlx_gateway_decode_batch_size_count", "mlx_gateway_decode_batch_size_sum")
+
+
+async def workload(url: str, model: str, kind: str, streams: int, answer: int) -> dict:
+    if kind == "code-edit":
+        bodies = [{"messages": code_prompt(6000 - 40 * i), "temperature": 0} for i in range(streams)]
+    else:
+        bodies = [{"messages": [{"role": "user", "content": words(60, 900 + i)}], "temperature": 1.0, "seed": i}
+                  for i in range(streams)]
+    async with httpx.AsyncClient(base_url=url, timeout=3600) as c:
+        before = (await c.get("/metrics")).text
+        rs = await asyncio.gather(*(stream(c, {"model": model, "max_tokens": answer, **b}) for b in bodies))
+        after = (await c.get("/metrics")).text
+    delta = {s: metric(after, s) - metric(before, s) for s in SERIES}
+    drafted, accepted = delta[SERIES[0]], delta[SERIES[1]]
+    return {
+        "decode_tok_s": sum((r["tokens"] - 1) / r["decode_s"] for r in rs if r["decode_s"] > 0),
+        "texts": [r["text"] for r in rs],
+        "tokens": sum(r["tokens"] for r in rs),
+        "acceptance": accepted / drafted if drafted else None,
+        "tokens_per_row_step": delta[SERIES[3]] / delta[SERIES[5]] if delta[SERIES[5]] else None,
+        "verify_steps": delta[SERIES[2]], "decode_steps": delta[SERIES[4]],
+    }
+
+
+def run_setting(model_dir: str, speculative: str, streams: int, answer: int, k: int) -> dict:
+    port = free_port()
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--model", model_dir, "--port", str(port),
+           "--served-model-name", "m", "--speculative", speculative, "--num-draft-tokens", str(k),
+           "--no-precompute-next-turn", "--decode-concurrency", str(max(8, streams))]
+    proc, _ = start(cmd, port, env=dict(os.environ))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        out = {}
+        for kind in ("code-edit", "no-repetition"):
+            for n in (1, streams):
+                asyncio.run(workload(url, "m", kind, n, 8))  # warm-up: compiles, fills allocator pools
+                out[f"{kind}/{n}"] = asyncio.run(workload(url, "m", kind, n, answer))
+        return out
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def verify_cost(model_dir: str, context: int = 1500) -> list[tuple[int, int, float]]:
+    """(B, W, seconds of a [B, W] forward over ``context`` cached tokens / seconds of [B, 1])."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import BatchKVCache
+
+    from gateway.cpu import cpu_backend
+
+    if cpu_backend():
+        from gateway.cpu.allocator import keep_freed_memory
+        from gateway.cpu.attention import install
+
+        keep_freed_memory()
+        install()
+    model, _ = load(model_dir)
+    rows = []
+    for B in (1, 4):
+        caches = [BatchKVCache([0] * B) for _ in model.layers]
+        mx.eval(model(mx.random.randint(0, 1000, (B, context)), cache=caches))
+        base = None
+        for W in (1, 3, 5):
+            times = []
+            for _ in range(5):
+                tic = time.perf_counter()
+                mx.eval(model(mx.random.randint(0, 1000, (B, W)), cache=caches))
+                times.append(time.perf_counter() - tic)
+                for c in caches:
+                    c.trim(W)
+            t = statistics.median(times)
+            base = base or t
+            rows.append((B, W, t / base))
+    return rows
+
+
+def table(results: dict, streams: int) -> str:
+    lines = ["| workload | streams | off tok/s | ngram tok/s | ratio | acceptance | tokens/row-step | same output |",
+             "|---|---|---|---|---|---|---|---|"]
+    for kind in ("code-edit", "no-repetition"):
+        for n in (1, streams):
+            off, on = results["off"][f"{kind}/{n}"], results["ngram"][f"{kind}/{n}"]
+            acc = f"{on['acceptance']:.2f}" if on["acceptance"] is not None else "no drafts"
+            tps = f"{on['tokens_per_row_step']:.2f}" if on["tokens_per_row_step"] else "-"
+            lines.append(f"| {kind} | {n} | {off['decode_tok_s']:.1f} | {on['decode_tok_s']:.1f} | "
+                         f"{on['decode_tok_s'] / off['decode_tok_s']:.2f} | {acc} | {tps} | "
+                         f"{'yes' if on['texts'] == off['texts'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="model directory (default: random weights of SmolLM2-135M's shape)")
+    ap.add_argument("--answer", type=int, default=128, help="answer tokens per request (default 128)")
+    ap.add_argument("--streams", type=int, default=4, help="concurrent streams of the batched rows (default 4)")
+    ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--out", help="directory for speculative.json and speculative.md")
+    args = ap.parse_args()
+    model_dir = args.model or smol_shaped_model()
+    cost = verify_cost(model_dir)
+    print("verification forward cost (relative to [B, 1], 1,500 cached tokens):")
+    for B, W, r in cost:
+        print(f"  [B={B}, W={W}]: {r:.2f}x")
+    results = {s: run_setting(model_dir, s, args.streams, args.answer, args.num_draft_tokens) for s in ("off", "ngram")}
+    md = table(results, args.streams)
+    print(md)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        slim = {s: {w: {k: v for k, v in r.items() if k != "texts"} for w, r in res.items()}
+                for s, res in results.items()}
+        (out / "speculative.json").write_text(json.dumps({"cost": cost, "results": slim}, indent=2))
+        (out / "speculative.md").write_text(md + "\n")
+
+
+if __name__ == "__main__":
+    main()
