@@ -55,6 +55,14 @@ def _mlx_cache() -> Any:
     return cache
 
 
+def _as_mlx_quantized(row: Any) -> Any:
+    """A :class:`cache.quantized.QuantizedKVRow` as mlx-lm's ``QuantizedKVCache`` (the
+    disk format names only mlx-lm's classes); :func:`decode_snapshot` turns it back."""
+    plain = _mlx_cache().QuantizedKVCache(row.group_size, row.bits)
+    plain.keys, plain.values, plain.offset = row.keys, row.values, row.offset
+    return plain
+
+
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
@@ -95,6 +103,8 @@ def encode_snapshot(cache: Sequence[Any]) -> tuple[dict[str, np.ndarray], dict[s
     leaves: dict[str, mx.array] = {}
     layers = []
     for i, layer in enumerate(cache):
+        if type(layer).__name__ == "QuantizedKVRow":  # stored as mlx-lm's class (same state)
+            layer = _as_mlx_quantized(layer)
         name = type(layer).__name__
         if getattr(_mlx_cache(), name, None) is not type(layer):
             raise ValueError(f"layer {i}: {name} is not an mlx_lm.models.cache class")
@@ -202,6 +212,10 @@ def decode_snapshot(arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> 
             obj = cls.from_state(state) if meta is None else cls.from_state(state, meta)
         except Exception as e:  # a class rejecting its state is a malformed file
             raise ValueError(f"layer {i}: {layer['class']}.from_state failed: {e}") from None
+        if type(obj).__name__ == "QuantizedKVCache":
+            from cache.quantized import QuantizedKVRow
+
+            obj = QuantizedKVRow.of(obj)
         out.append(obj)
     unused = arrays.keys() - used
     if unused:

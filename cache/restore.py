@@ -8,6 +8,7 @@ state after exactly ``L`` tokens. A request that wants ``T`` tokens of it
 layer cache class          restore to ``T`` tokens from a snapshot of ``L`` tokens
 =========================  ==========================================================
 ``KVCache``                any ``T <= L`` (``trim(L - T)`` just lowers ``offset``)
+``QuantizedKVRow``         any ``T <= L`` (same; ``--kv-bits``, ``cache/quantized.py``)
 ``ConcatenateKVCache``     any ``T <= L`` (same as ``KVCache``)
 ``RotatingKVCache``        ``T == L``, or ``T < L`` only while nothing was rotated out:
                            mlx-lm's ``is_trimmable()`` is ``offset < max_size``
@@ -54,6 +55,7 @@ RULES: dict[str, str] = {
     "ArraysCache": "exact",
     "CacheList": "members",
     "QuantizedKVCache": "exact",
+    "QuantizedKVRow": "any",  # cache/quantized.py: trim lowers offset, like KVCache
     "ChunkedKVCache": "exact",
 }
 

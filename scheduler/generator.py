@@ -28,18 +28,22 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBat
 from mlx_lm.models.cache import KVCache, TokenBuffer
 
 from cache.pages import PagedKVCache
+from cache.quantized import BatchQuantizedKVCache, QuantizedKVRow
 
 
 def merge_with_room(caches: list[list]) -> list:
     """Per layer, one batch cache of the per-sequence ``caches`` (``B`` lists, one cache
     per layer each), like mlx-lm's ``_merge_caches``, except that ``KVCache`` layers
-    (plain or paged) become a ``BatchKVCache`` ``[B, H, T, D]`` with room for the next
-    token, so the decode step that follows writes in place instead of reallocating it."""
+    (plain or paged) become a ``BatchKVCache`` ``[B, H, T, D]`` (quantized rows a
+    ``BatchQuantizedKVCache``) with room for the next token, so the decode step that
+    follows writes in place instead of reallocating it."""
     merged = []
     for layer in range(len(caches[0])):
         per_row = [c[layer] for c in caches]
         if all(isinstance(c, KVCache) for c in per_row):
             merged.append(PagedKVCache.merge(per_row, room=1))
+        elif all(isinstance(c, QuantizedKVRow) for c in per_row):
+            merged.append(BatchQuantizedKVCache.merge(per_row, room=1))
         else:
             merged.append(_merge_caches([[c] for c in per_row])[0])
     return merged
