@@ -66,6 +66,8 @@ class ServeConfig:
     precompute_next_turn: bool = True
     speculative: str = "off"
     num_draft_tokens: int = 4
+    kv_bits: Optional[int] = None
+    kv_group_size: int = 64
 
 
 def _json_object(text: str) -> dict:
@@ -167,6 +169,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    "output is unchanged, sampled output keeps its distribution (default %(default)s)")
     p.add_argument("--num-draft-tokens", type=_draft_count, default=d.num_draft_tokens,
                    help="most tokens drafted per row and step with --speculative (default %(default)s)")
+    p.add_argument("--kv-bits", type=int, choices=(4, 8), default=d.kv_bits,
+                   help="keep the KV cache quantized to this many bits (MLX's affine quantization): the running "
+                   "batch, the prefix cache and its disk tier; only for models whose layers are all full attention "
+                   "(default: float)")
+    p.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=d.kv_group_size,
+                   help="elements per quantization group with --kv-bits (must divide the head dimension; "
+                   "default %(default)s)")
     p.add_argument("--prompt-cache-bytes", type=parse_size, default=d.prompt_cache_bytes,
                    help="byte bound of the prefix cache, e.g. 8G (default 8G)")
     p.add_argument("--prompt-cache-size", type=int, default=d.prompt_cache_size,

@@ -59,6 +59,7 @@ def serve_follower(cfg: ServeConfig, spec: ModelSpec, cluster: distributed.Clust
     from cache.restore import always_trimmable
     from gateway.cpu.weights import float32_weights_for_cpu_backend
     from gateway.models.loader import logits_size, resolve_path
+    from cache.quantized import quantize_kv
     from scheduler.equivalence import batch_is_exact
 
     # The same steps, and so the same collectives, as gateway.models.loader.load_model.
@@ -70,6 +71,11 @@ def serve_follower(cfg: ServeConfig, spec: ModelSpec, cluster: distributed.Clust
         raise SystemExit(f"mlx-gateway: rank {cluster.rank}: {e}")
     float32_weights_for_cpu_backend(model)
     mx.eval(model.parameters())
+    if spec.kv_bits:
+        try:
+            quantize_kv(model, spec.kv_bits, spec.kv_group_size)
+        except ValueError as e:  # rank 0 reports it too, as a failed load
+            raise SystemExit(f"mlx-gateway: rank {cluster.rank}: {e}")
     batch_is_exact(model)
     logits_size(model)
     tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id", None))

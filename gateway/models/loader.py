@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry
 
 from cache import CacheBudget, PromptCacheManager
 from cache.checkpoints import encode_with_ends, render_text
+from cache.quantized import quantize_kv
 from gateway.config import ServeConfig
 from gateway.models.handle import ModelHandle
 from gateway.models.spec import ModelSpec
@@ -224,6 +225,11 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
     # Linux CPU: only float32 matmuls use BLAS (docs/deployment.md, "Weights in float32")
     loaded_as = "float32" if float32_weights_for_cpu_backend(model) is None else None
     mx.eval(model.parameters())
+    if spec.kv_bits:
+        try:
+            quantize_kv(model, spec.kv_bits, spec.kv_group_size)
+        except ValueError as e:
+            raise ValueError(f"{spec.name}: --kv-bits {spec.kv_bits}: {e}") from None
     weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
     exact = batch_is_exact(model)
     vocab = logits_size(model)
@@ -235,7 +241,10 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
                                  budget=cache_budget)
     if cfg.prompt_cache_dir:
         try:
-            manager.attach_disk(open_disk_tier(cfg, path, tokenizer, registry, loaded_as, spec.name))
+            # quantized snapshots only ever go to a gateway quantizing the same way
+            kv = f"kv{spec.kv_bits}g{spec.kv_group_size}" if spec.kv_bits else None
+            changed = "+".join(x for x in (loaded_as, kv) if x) or None
+            manager.attach_disk(open_disk_tier(cfg, path, tokenizer, registry, changed, spec.name))
         except OSError as e:
             manager.close()
             raise DiskTierUnusable(f"the prompt cache's disk tier cannot be used: {e}") from e

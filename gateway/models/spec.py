@@ -18,6 +18,8 @@ model, ``NAME`` the name clients send as ``model``::
     checkpoint_every = 4096        # snapshot every N tokens of long prompts
     speculative = "ngram"          # speculative decoding: "ngram" or "off"
     num_draft_tokens = 4           # most tokens drafted per row and step
+    kv_bits = 8                    # quantized KV cache: 8 or 4 bits (default: float)
+    kv_group_size = 64             # elements per quantization group
 
 Every setting but ``path`` is optional; the ``serve`` flags of the same names are the
 defaults (``--keep-alive`` for ``keep_alive``).
@@ -44,7 +46,7 @@ DEFAULT_NAME = "SmolLM2-135M-Instruct"
 
 _FIELDS = {"path", "aliases", "pin", "keep_alive", "max_tokens", "max_tokens_limit", "temp", "top_p", "top_k",
            "min_p", "chat_template_args", "prompt_cache_bytes", "max_prompt_tokens", "checkpoint_every",
-           "speculative", "num_draft_tokens"}
+           "speculative", "num_draft_tokens", "kv_bits", "kv_group_size"}
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
@@ -75,6 +77,7 @@ class ModelSpec:
         checkpoint_every: a prefix-cache snapshot every N prompt tokens of long prompts.
         speculative: ``"ngram"`` or ``"off"`` (``scheduler.speculative``).
         num_draft_tokens: most tokens drafted per row and step.
+        kv_bits, kv_group_size: a quantized KV cache (``cache.quantized``); None: float.
     """
 
     name: str
@@ -95,6 +98,8 @@ class ModelSpec:
     checkpoint_every: int = 4096
     speculative: str = "off"
     num_draft_tokens: int = 4
+    kv_bits: Optional[int] = None
+    kv_group_size: int = 64
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -133,7 +138,7 @@ def defaults(cfg: ServeConfig) -> dict:
                 min_p=cfg.min_p, chat_template_args=dict(cfg.chat_template_args),
                 prompt_cache_bytes=cfg.prompt_cache_bytes, max_prompt_tokens=cfg.max_prompt_tokens,
                 checkpoint_every=cfg.checkpoint_every, speculative=cfg.speculative,
-                num_draft_tokens=cfg.num_draft_tokens)
+                num_draft_tokens=cfg.num_draft_tokens, kv_bits=cfg.kv_bits, kv_group_size=cfg.kv_group_size)
 
 
 def served_name(path: str) -> str:
@@ -251,6 +256,12 @@ def _spec(name: str, t, base: dict) -> ModelSpec:
         if t["speculative"] not in ("off", "ngram"):
             raise ModelsFileError(f"{where}: speculative must be 'off' or 'ngram', got {t['speculative']!r}")
         settings["speculative"] = t["speculative"]
+    for key, allowed in (("kv_bits", (4, 8)), ("kv_group_size", (32, 64, 128))):
+        if key in t:
+            if isinstance(t[key], bool) or t[key] not in allowed:
+                raise ModelsFileError(f"{where}: {key} must be one of {', '.join(map(str, allowed))}, "
+                                      f"got {t[key]!r}")
+            settings[key] = t[key]
     if settings["num_draft_tokens"] > 16:
         raise ModelsFileError(f"{where}: num_draft_tokens must be <= 16")
     if "chat_template_args" in t:

@@ -50,5 +50,7 @@ def speculation_refusal(model) -> Optional[str]:
     kinds = {type(c).__name__ for c in make_prompt_cache(model)}
     if all(type(c) is KVCache for c in make_prompt_cache(model)):
         return None
+    if "QuantizedKVRow" in kinds:
+        return "its KV cache is quantized (--kv-bits), and quantized batches do not take drafts back yet"
     others = sorted(k for k in kinds if k != "KVCache")
     return f"its layers keep {', '.join(others)} caches, which cannot roll back a rejected draft"
