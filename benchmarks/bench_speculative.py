@@ -19,16 +19,19 @@ fresh ``mlx-gateway serve`` subprocess; the workloads, streamed over the chat AP
 Each at 1 stream and at ``--streams`` concurrent streams. Figures per row: decode
 tokens/s (completion tokens after the first, over the time from first to last token,
 summed over the streams), the ratio ngram / off, acceptance rate (accepted / drafted
-tokens, from ``/metrics``), tokens per verify step and per decode step, and whether every
-output was the same text as with ``off``. It also prints what a verification forward
-costs here: ``[B, W]`` against ``[B, 1]`` over a 1,500-token context, in process.
+tokens, from ``/metrics``, summed over the runs), tokens per row and decode step, and
+whether every output was the same text as with ``off`` (for sampled output, only while no
+draft was verified: speculative sampling keeps the distribution, not the draws). It also
+prints what a verification forward costs here: ``[B, W]`` against ``[B, 1]`` over a
+1,500-token context, in process.
+``--repeat N`` runs each setting N times, taking turns, each figure the median.
 ``--out DIR`` writes ``speculative.json`` and ``speculative.md``. On Linux, preload the
 system OpenBLAS (``gateway/cpu/blas.py``).
 
 Usage::
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        python benchmarks/bench_speculative.py [--model PATH] [--answer 128] [--streams 4] [--out DIR]
+        python benchmarks/bench_speculative.py [--model PATH] [--answer 128] [--streams 4] [--repeat 1] [--out DIR]
 """
 
 from __future__ import annotations
@@ -117,7 +120,7 @@ async def workload(url: str, model: str, kind: str, streams: int, answer: int) -
         "decode_tok_s": sum((r["tokens"] - 1) / r["decode_s"] for r in rs if r["decode_s"] > 0),
         "texts": [r["text"] for r in rs],
         "tokens": sum(r["tokens"] for r in rs),
-        "acceptance": accepted / drafted if drafted else None,
+        "drafted": drafted, "accepted": accepted,
         "tokens_per_row_step": delta[SERIES[3]] / delta[SERIES[5]] if delta[SERIES[5]] else None,
         "verify_steps": delta[SERIES[2]], "decode_steps": delta[SERIES[4]],
     }
@@ -176,17 +179,38 @@ def verify_cost(model_dir: str, context: int = 1500) -> list[tuple[int, int, flo
     return rows
 
 
+def median_runs(runs: list[dict]) -> dict:
+    """Per workload, each figure's median over ``runs`` (texts: whether every run gave the
+    same as the first, kept as the first run's when so)."""
+    out = {}
+    for key, first in runs[0].items():
+        row = {}
+        for name, value in first.items():
+            values = [r[key][name] for r in runs]
+            if name == "texts":
+                row[name] = value if all(v == value for v in values) else None
+            elif name in ("drafted", "accepted"):
+                row[name] = sum(values)
+            elif all(isinstance(v, (int, float)) for v in values):
+                row[name] = statistics.median(values)
+            else:
+                row[name] = value
+        out[key] = row
+    return out
+
+
 def table(results: dict, streams: int) -> str:
-    lines = ["| workload | streams | off tok/s | ngram tok/s | ratio | acceptance | tokens/row-step | same output |",
+    lines = ["| workload | streams | off tok/s | ngram tok/s | ratio | acceptance of drafts | tokens/row-step | "
+             "same output |",
              "|---|---|---|---|---|---|---|---|"]
     for kind in ("code-edit", "no-repetition"):
         for n in (1, streams):
             off, on = results["off"][f"{kind}/{n}"], results["ngram"][f"{kind}/{n}"]
-            acc = f"{on['acceptance']:.2f}" if on["acceptance"] is not None else "no drafts"
+            acc = f"{on['accepted'] / on['drafted']:.2f} of {on['drafted']:.0f}" if on["drafted"] else "no drafts"
             tps = f"{on['tokens_per_row_step']:.2f}" if on["tokens_per_row_step"] else "-"
             lines.append(f"| {kind} | {n} | {off['decode_tok_s']:.1f} | {on['decode_tok_s']:.1f} | "
                          f"{on['decode_tok_s'] / off['decode_tok_s']:.2f} | {acc} | {tps} | "
-                         f"{'yes' if on['texts'] == off['texts'] else 'no'} |")
+                         f"{'yes' if on['texts'] is not None and on['texts'] == off['texts'] else 'no'} |")
     return "\n".join(lines)
 
 
@@ -196,6 +220,7 @@ def main() -> None:
     ap.add_argument("--answer", type=int, default=128, help="answer tokens per request (default 128)")
     ap.add_argument("--streams", type=int, default=4, help="concurrent streams of the batched rows (default 4)")
     ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each setting, taking turns; figures are medians")
     ap.add_argument("--out", help="directory for speculative.json and speculative.md")
     args = ap.parse_args()
     model_dir = args.model or smol_shaped_model()
@@ -203,7 +228,11 @@ def main() -> None:
     print("verification forward cost (relative to [B, 1], 1,500 cached tokens):")
     for B, W, r in cost:
         print(f"  [B={B}, W={W}]: {r:.2f}x")
-    results = {s: run_setting(model_dir, s, args.streams, args.answer, args.num_draft_tokens) for s in ("off", "ngram")}
+    runs = {"off": [], "ngram": []}
+    for _ in range(args.repeat):  # the settings take turns, so machine drift hits both
+        for s in runs:
+            runs[s].append(run_setting(model_dir, s, args.streams, args.answer, args.num_draft_tokens))
+    results = {s: median_runs(r) for s, r in runs.items()}
     md = table(results, args.streams)
     print(md)
     if args.out:

@@ -32,7 +32,9 @@ class PromptLookup:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
-        self._follow: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token after it
+        # hash of an n-gram -> index of the token after its latest occurrence (a hash, not the
+        # tuple, to halve the memory; a collision only makes a draft that verification rejects)
+        self._follow: dict[int, int] = {}
 
     def sync(self, tokens: Sequence[int]) -> None:
         """Index the tokens of ``tokens`` beyond those seen so far (``tokens`` extends the
@@ -45,7 +47,7 @@ class PromptLookup:
         p = len(toks)  # position of ``token``
         for n in range(self.min_n, self.max_n + 1):
             if p >= n:
-                self._follow[tuple(toks[p - n:p])] = p
+                self._follow[hash(tuple(toks[p - n:p]))] = p
         toks.append(token)
 
     def matches(self) -> bool:
@@ -53,7 +55,7 @@ class PromptLookup:
         cheap sign, without the next input token, that :meth:`propose` may find a draft
         (in text that copies its context, it does)."""
         toks = self.tokens
-        return any(len(toks) > n and tuple(toks[len(toks) - n:]) in self._follow
+        return any(len(toks) > n and hash(tuple(toks[len(toks) - n:])) in self._follow
                    for n in range(self.min_n, self.max_n + 1))
 
     def propose(self, last: int, k: int) -> list[int]:
@@ -70,7 +72,7 @@ class PromptLookup:
             if len(toks) + 1 < n:
                 continue
             key = (*toks[len(toks) - n + 1:], last) if n > 1 else (last,)
-            pos = self._follow.get(key)
+            pos = self._follow.get(hash(key))
             if pos is not None:
                 draft = toks[pos:pos + k]
                 seq_len = len(toks) + 1
