@@ -373,3 +373,29 @@ def test_settings_are_checked(tmp_path):
         f.write_text(f'[models.a]\npath = "demo"\n{bad}\n')
         with pytest.raises(ModelsFileError):
             load_models_file(f, base)
+
+
+def test_a_failing_rejection_sampler_fails_nobody(monkeypatch):
+    """An error inside one row's speculative sampling does not fail the batch step: that row
+    samples as a plain step would (its guarded sampler), the other rows go on."""
+    def broken(self, n):
+        raise RuntimeError("no uniform draws today")
+
+    monkeypatch.setattr(TemperatureSampler, "uniform", broken)
+    model, tok = mlx_lm.load(str(model_path("qwen3")))
+    prompts, _ = _workload(4)
+    engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
+                    decode_concurrency=8, gather_wait=30.0, speculation=NGRAM)
+    engine.start()
+    try:
+        sinks = [EventSink() for _ in prompts]
+        with engine.arrivals.prepare():
+            for i, (p, s) in enumerate(zip(prompts, sinks)):
+                params = SamplingParams(max_tokens=24, temperature=0.5, seed=i) if i % 2 else SamplingParams(max_tokens=24)
+                engine.submit(EngineRequest(f"f{i}", p, params, s))
+        for s in sinks:
+            assert s.done.wait(120)
+            assert len(s.tokens) == 24
+        assert engine.stats.failed == 0 and engine.stats.speculation.verify_steps > 0
+    finally:
+        engine.stop()

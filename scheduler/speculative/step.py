@@ -173,7 +173,10 @@ class Speculator:
                 accepted.append(a)
                 following.append(targets[i][a])
             elif d:
-                a, token = accept_sampled(getattr(sampler, "inner", sampler), logprobs[i, : len(d) + 1], d)
+                try:
+                    a, token = accept_sampled(getattr(sampler, "inner", sampler), logprobs[i, : len(d) + 1], d)
+                except Exception:  # as a plain step: the row's guarded sampler records the fault
+                    a, token = 0, int(sampler(logprobs[i, 0:1]).item())
                 accepted.append(a)
                 following.append(token)
             else:
