@@ -4,9 +4,11 @@
   only, no copy) and encoded on the thread that owns MLX at the next :meth:`spill`
   (the manager calls it after each insert); the disk tier's writer thread then
   writes the numpy copies, so decoding never waits for the disk.
-- A lookup that memory serves poorly is tried on disk (:meth:`load`): the file is
-  read, verified and decoded on the calling (engine) thread, then inserted into
-  memory like any other snapshot.
+- A request that memory would serve poorly has its disk entry read when it arrives, on
+  the engine's prefetch thread (:meth:`prefetch`: the file is read and verified there);
+  its lookup on the engine thread (:meth:`load`) then only turns those arrays into MLX
+  arrays and inserts them into memory like any other snapshot. A lookup with nothing
+  read ahead reads the file itself.
 - At a graceful shutdown the manager hands its snapshots to :meth:`spill` too
   (``PromptCacheManager.persist``).
 
@@ -32,6 +34,9 @@ log = logging.getLogger(__name__)
 # Tokens a disk entry must restore beyond the memory hit before it is read: reading a
 # file for a handful of tokens costs more than computing them.
 MIN_GAIN = 16
+# Files read ahead and not yet taken (their request was cancelled, or memory served it
+# after all): the oldest goes first beyond this many.
+READ_AHEAD = 8
 
 
 @dataclass
@@ -56,6 +61,7 @@ class DiskLink:
         self.tier = tier
         self._pending: list[Spill] = []
         self._lock = threading.Lock()
+        self._read_ahead: dict[str, tuple] = {}  # entry name -> (arrays, metadata), oldest first
 
     def evicted(self, spill: Spill) -> None:
         """Queue a snapshot for :meth:`spill` (any thread; cheap: keeps references)."""
@@ -88,6 +94,27 @@ class DiskLink:
             sent += self.tier.submit(s.namespace, s.tokens, arrays, meta, s.trimmable)
         return sent
 
+    def worth_reading(self, namespace: str, tokens: Sequence[int], have: int):
+        """The disk entry that restores the most of ``tokens`` if it gives at least
+        :data:`MIN_GAIN` tokens more than ``have`` (what memory restores), else None
+        (any thread: an index lookup, no file read)."""
+        found = self.tier.lookup(namespace, tokens)
+        return None if found is None or found[1] < have + MIN_GAIN else found[0]
+
+    def prefetch(self, namespace: str, tokens: Sequence[int], have: int) -> bool:
+        """Read and verify the file of the entry :meth:`worth_reading` finds, on this
+        thread (not the engine's: no MLX here), for a later :meth:`load`; True if one was
+        read."""
+        entry = self.worth_reading(namespace, tokens, have)
+        got = None if entry is None else self.tier.read(entry)
+        if got is None:
+            return False
+        with self._lock:
+            self._read_ahead[entry.name] = got
+            while len(self._read_ahead) > READ_AHEAD:
+                del self._read_ahead[next(iter(self._read_ahead))]
+        return True
+
     def load(self, namespace: str, tokens: Sequence[int], have: int) -> tuple[list[int], list[Any]] | None:
         """Read the disk entry that restores the most of ``tokens``, if it gives at least
         :data:`MIN_GAIN` tokens more than ``have`` (what memory restores).
@@ -97,11 +124,13 @@ class DiskLink:
             exactly ``key``), or None (nothing better, or the file was unreadable:
             the tier logs and deletes it).
         """
-        found = self.tier.lookup(namespace, tokens)
-        if found is None or found[1] < have + MIN_GAIN:
+        entry = self.worth_reading(namespace, tokens, have)
+        if entry is None:
             return None
-        entry, _ = found
-        got = self.tier.read(entry)
+        with self._lock:
+            got = self._read_ahead.pop(entry.name, None)
+        if got is None or not entry.alive:
+            got = self.tier.read(entry)
         if got is None:
             return None
         arrays, meta = got

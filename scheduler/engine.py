@@ -28,6 +28,7 @@ from cache import PromptCacheManager
 from scheduler.core import PERSIST_SECONDS, EngineCore
 from scheduler.loop import EngineLoop
 from scheduler.precompute import Precompute
+from scheduler.prefetch import DiskPrefetch
 from scheduler.request import EngineRequest
 from scheduler.speculative import SpeculationConfig
 from scheduler.rows import AdmissionRecord, EngineDead, EngineOverloaded, EngineStats, TenantQueueFull
@@ -93,6 +94,7 @@ class Engine(EngineCore):
                          max_waiting=max_waiting, registry=registry, pad_free_prefill=pad_free_prefill, name=name,
                          speculation=speculation)
         self._started = False
+        self._prefetch = DiskPrefetch(prompt_cache, self._hand_over)
 
     # ----------------------------------------------------------------- public API
     @property
@@ -122,6 +124,7 @@ class Engine(EngineCore):
         whose message is ``reason``. With a disk tier, the prompt cache is written to it
         first. An engine on a loop of its own stops that loop; one on a shared loop
         leaves it (the model is unloaded) and the loop serves the others."""
+        self._prefetch.close()
         if self._own_loop:
             self._loop.stop(timeout, reason)
         elif self._started:
@@ -143,7 +146,14 @@ class Engine(EngineCore):
         self._waiting_counts.add(request, self.max_waiting)
         with self._idle:
             self._is_idle = False
+        if not self._prefetch.start(request):  # else handed over once its disk entry is read
+            self._post("submit", request)
+
+    def _hand_over(self, request: EngineRequest, cancelled: Optional[str]) -> None:
+        """A request whose disk entry was read ahead (:mod:`scheduler.prefetch`) goes in."""
         self._post("submit", request)
+        if cancelled is not None:
+            self._post("cancel", (request.id, cancelled))
 
     def reserve_precompute(self, limit: int = 8) -> bool:
         """Announce a next-turn precompute that is being rendered (thread-safe): until its
@@ -169,6 +179,7 @@ class Engine(EngineCore):
         with a :class:`DoneEvent` whose finish reason is ``reason``: ``"cancelled"`` (the
         client left; counted as a cancellation) or ``"stop"`` (the gateway matched a stop
         string; counted as finished, and its prompt + completion are cached)."""
+        self._prefetch.cancel(request_id, reason)
         self._post("cancel", (request_id, reason))
 
     def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
