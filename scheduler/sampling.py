@@ -55,6 +55,11 @@ class TemperatureSampler:
         """One token per row of ``logits [n, V]`` from ``softmax(logits)``: ``[n]``."""
         return mx.random.categorical(logits, key=self._subkey())
 
+    @property
+    def seeded(self) -> bool:
+        """Draws come from the request's own key chain (its ``seed``)."""
+        return self._key is not None
+
     def uniform(self, n: int) -> mx.array:
         """``n`` draws from U[0, 1), from the same key chain: ``[n]``."""
         return mx.random.uniform(shape=(n,), key=self._subkey())

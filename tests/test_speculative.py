@@ -329,6 +329,7 @@ def test_rejection_sampling_keeps_the_distribution():
 
 
 def test_sampled_requests_speculate():
+    mx.random.seed(0)
     model, tok = mlx_lm.load(str(model_path("qwen3")))
     prompts, _ = _workload(3)
     engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
@@ -337,13 +338,28 @@ def test_sampled_requests_speculate():
     try:
         sinks = [EventSink() for _ in prompts]
         for i, (p, s) in enumerate(zip(prompts, sinks)):
-            engine.submit(EngineRequest(f"s{i}", p, SamplingParams(max_tokens=30, temperature=0.3, seed=i), s))
+            engine.submit(EngineRequest(f"s{i}", p, SamplingParams(max_tokens=30, temperature=0.1), s))
         for s in sinks:
             assert s.done.wait(120)
             assert len([e for e in s.events if isinstance(e, TokenEvent)]) == 30
         assert engine.stats.speculation.accepted > 0
+        # a seeded request never drafts: its tokens do not depend on the rows beside it
+        seeded = SamplingParams(max_tokens=30, temperature=0.7, seed=11)
+        alone = _run_params(engine, [prompts[0]], [seeded])[0]
+        beside = _run_params(engine, prompts, [seeded] + [SamplingParams(max_tokens=30)] * (len(prompts) - 1))[0]
+        assert alone == beside
     finally:
         engine.stop()
+
+
+def _run_params(engine: Engine, prompts, params) -> list[list[int]]:
+    sinks = [EventSink() for _ in prompts]
+    with engine.arrivals.prepare():
+        for i, (p, q, s) in enumerate(zip(prompts, params, sinks)):
+            engine.submit(EngineRequest(f"p{i}-{random.random()}", p, q, s))
+    for s in sinks:
+        assert s.done.wait(120)
+    return [s.tokens for s in sinks]
 
 
 # ----------------------------------------------------------------------------- settings
@@ -391,7 +407,7 @@ def test_a_failing_rejection_sampler_fails_nobody(monkeypatch):
         sinks = [EventSink() for _ in prompts]
         with engine.arrivals.prepare():
             for i, (p, s) in enumerate(zip(prompts, sinks)):
-                params = SamplingParams(max_tokens=24, temperature=0.5, seed=i) if i % 2 else SamplingParams(max_tokens=24)
+                params = SamplingParams(max_tokens=24, temperature=0.5) if i % 2 else SamplingParams(max_tokens=24)
                 engine.submit(EngineRequest(f"f{i}", p, params, s))
         for s in sinks:
             assert s.done.wait(120)

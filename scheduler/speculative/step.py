@@ -91,9 +91,12 @@ class Speculator:
         if batch._fresh[i] or batch.logits_processors[i]:
             return False
         sampler = batch.samplers[i]
-        if not any(sampler is g for g in GREEDY) and \
-                not isinstance(getattr(sampler, "inner", sampler), TemperatureSampler):
-            return False
+        if not any(sampler is g for g in GREEDY):
+            inner = getattr(sampler, "inner", sampler)
+            # a seeded row keeps its draws independent of the batch: it takes one key per
+            # token, which verifying a draft (a uniform draw, then a token) would not
+            if not isinstance(inner, TemperatureSampler) or inner.seeded:
+                return False
         lookup, acceptance = self._row(batch.uids[i])
         if batch.max_tokens[i] - batch._num_tokens[i] <= 2 or not acceptance.may_draft():
             return False
