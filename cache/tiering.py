@@ -35,8 +35,9 @@ log = logging.getLogger(__name__)
 # file for a handful of tokens costs more than computing them.
 MIN_GAIN = 16
 # Files read ahead and not yet taken (their request was cancelled, or memory served it
-# after all): the oldest goes first beyond this many.
+# after all): the oldest go first beyond this many, or beyond this many bytes.
 READ_AHEAD = 8
+READ_AHEAD_BYTES = 1 << 30
 
 
 @dataclass
@@ -48,6 +49,11 @@ class Spill:
     pages: list[Page]
     private: list[Any]
     trimmable: bool
+
+
+def _nbytes(read: tuple) -> int:
+    """Bytes of a read file's arrays."""
+    return sum(a.nbytes for a in read[0].values())
 
 
 class DiskLink:
@@ -62,6 +68,7 @@ class DiskLink:
         self._pending: list[Spill] = []
         self._lock = threading.Lock()
         self._read_ahead: dict[str, tuple] = {}  # entry name -> (arrays, metadata), oldest first
+        self._reading: set[str] = set()  # entry names being read ahead
 
     def evicted(self, spill: Spill) -> None:
         """Queue a snapshot for :meth:`spill` (any thread; cheap: keeps references)."""
@@ -106,12 +113,23 @@ class DiskLink:
         thread (not the engine's: no MLX here), for a later :meth:`load`; True if one was
         read."""
         entry = self.worth_reading(namespace, tokens, have)
-        got = None if entry is None else self.tier.read(entry)
+        if entry is None:
+            return False
+        with self._lock:
+            if entry.name in self._read_ahead or entry.name in self._reading:
+                return True  # read (or being read) for another request: one read serves both
+            self._reading.add(entry.name)
+        try:
+            got = self.tier.read(entry)
+        finally:
+            with self._lock:
+                self._reading.discard(entry.name)
         if got is None:
             return False
         with self._lock:
             self._read_ahead[entry.name] = got
-            while len(self._read_ahead) > READ_AHEAD:
+            while len(self._read_ahead) > READ_AHEAD or (
+                    len(self._read_ahead) > 1 and sum(_nbytes(a) for a in self._read_ahead.values()) > READ_AHEAD_BYTES):
                 del self._read_ahead[next(iter(self._read_ahead))]
         return True
 
@@ -128,8 +146,8 @@ class DiskLink:
         if entry is None:
             return None
         with self._lock:
-            got = self._read_ahead.pop(entry.name, None)
-        if got is None or not entry.alive:
+            got = self._read_ahead.pop(entry.name, None)  # verified when read, even if evicted since
+        if got is None:
             got = self.tier.read(entry)
         if got is None:
             return None

@@ -38,6 +38,7 @@ class DiskPrefetch:
         self._cache = prompt_cache
         self._hand_over = hand_over
         self._pool: Optional[ThreadPoolExecutor] = None
+        self._closed = False
         self._lock = threading.Lock()
         self._reading: dict[str, Optional[str]] = {}  # request id -> cancel reason
 
@@ -45,12 +46,18 @@ class DiskPrefetch:
         """Read ``request``'s disk entry in the background and hand it over when done;
         False (nothing started) when memory serves it as well as the disk would."""
         link = self._cache.disk
-        if link is None:
+        if link is None or self._closed:
             return False
-        have = self._cache.match_length(request.namespace, request.tokens)
-        if link.worth_reading(request.namespace, request.tokens, have) is None:
+        try:
+            have = self._cache.match_length(request.namespace, request.tokens)
+            if link.worth_reading(request.namespace, request.tokens, have) is None:
+                return False
+        except Exception:  # the engine looks it up itself
+            log.exception("looking up the disk entry of request %s failed", request.id)
             return False
         with self._lock:
+            if self._closed:
+                return False
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disk-prefetch")
             self._reading[request.id] = None
@@ -66,9 +73,9 @@ class DiskPrefetch:
         except Exception:  # the engine reads it again, or computes the prefix
             log.exception("reading ahead the disk entry of request %s failed", request.id)
         finally:
-            with self._lock:
+            with self._lock:  # a cancel lands before the hand-over (and is passed on) or after it
                 reason = self._reading.pop(request.id, None)
-            self._hand_over(request, reason)
+                self._hand_over(request, reason)
 
     def cancel(self, request_id: str, reason: str) -> None:
         """Remember that ``request_id`` was cancelled, if its file is being read."""
@@ -79,6 +86,6 @@ class DiskPrefetch:
     def close(self) -> None:
         """Stop taking reads; those under way still hand their request over."""
         with self._lock:
-            pool, self._pool = self._pool, None
+            pool, self._pool, self._closed = self._pool, None, True
         if pool is not None:
             pool.shutdown(wait=False)
