@@ -59,7 +59,7 @@ def _as_mlx_quantized(row: Any) -> Any:
     """A :class:`cache.quantized.QuantizedKVRow` as mlx-lm's ``QuantizedKVCache`` (the
     disk format names only mlx-lm's classes); :func:`decode_snapshot` turns it back."""
     plain = _mlx_cache().QuantizedKVCache(row.group_size, row.bits)
-    plain.keys, plain.values, plain.offset = row.keys, row.values, row.offset
+    plain.keys, plain.values, plain.offset = row.state[:3]  # cut to its tokens
     return plain
 
 

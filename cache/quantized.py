@@ -91,10 +91,16 @@ def quantize_kv(model, bits: int, group_size: int = 64) -> None:
     in mlx-lm and here) then gives :class:`QuantizedKVRow` layers.
 
     Raises:
-        ValueError: as :func:`quantized_caches`; ``group_size`` must divide the head
-            dimension (checked by MLX at the first token).
+        ValueError: as :func:`quantized_caches`, or ``group_size`` does not divide the
+            model's head dimension (from its config: ``head_dim``, else hidden size over
+            attention heads).
     """
     layers = len(quantized_caches(model, bits, group_size))  # checks the model once
+    args = getattr(model, "args", None)
+    head_dim = getattr(args, "head_dim", None) or (
+        getattr(args, "hidden_size", 0) // max(1, getattr(args, "num_attention_heads", 1) or 1))
+    if head_dim and head_dim % group_size:
+        raise ValueError(f"kv_group_size {group_size} does not divide the model's head dimension {head_dim}")
     model.make_cache = lambda: [QuantizedKVRow(group_size, bits) for _ in range(layers)]
 
 

@@ -168,3 +168,12 @@ def test_start_refuses_a_model_it_cannot_quantize(tmp_path):
         f.write_text(f'[models.a]\npath = "demo"\n{bad}\n')
         with pytest.raises(ModelsFileError):
             load_models_file(f, defaults(ServeConfig()))
+
+
+def test_a_group_size_that_does_not_fit_the_heads_is_refused():
+    model, _ = mlx_lm.load(str(wide_head_model("qwen3")))  # 64-dimensional heads
+    with pytest.raises(ValueError, match="does not divide the model's head dimension 64"):
+        quantize_kv(model, 8, 128)
+    small, _ = mlx_lm.load(str(model_path("qwen3")))  # 16-dimensional heads
+    with pytest.raises(ValueError, match="head dimension 16"):
+        quantize_kv(small, 8, 32)
