@@ -23,12 +23,25 @@ from mlx_lm.generate import StopSequences
 from scheduler.generator import JoiningBatchGenerator
 from scheduler.sampling import TemperatureSampler, greedy
 from scheduler.speculative import SpeculationConfig, SpeculationStats, Speculator, speculation_refusal
-from scheduler.speculative.acceptance import RowAcceptance, best_width
+from scheduler.speculative.acceptance import RowAcceptance, StepCost, best_width
 from scheduler.speculative.holes import HoledKVCache
 from scheduler.speculative.lookup import PromptLookup
 from scheduler.speculative.verify import accept_sampled
 
 NGRAM = SpeculationConfig("ngram", 4)
+
+
+@pytest.fixture(autouse=True)
+def steady_step_cost(monkeypatch):
+    """A fixed, low cost per drafted position (no measuring): whether a step verifies
+    drafts then depends on the rows' drafts and acceptance alone, not on how loaded the
+    machine running the tests is. ``test_width_follows_the_expected_gain`` covers the rule."""
+    def fixed(self, beta: float = 0.05):
+        self.beta, self._plain = 0.05, {}
+
+    monkeypatch.setattr(StepCost, "__init__", fixed)
+    monkeypatch.setattr(StepCost, "plain", lambda self, batch, seconds: None)
+    monkeypatch.setattr(StepCost, "wide", lambda self, batch, width, seconds: None)
 
 
 # ----------------------------------------------------------------------------- drafting
@@ -71,6 +84,17 @@ def test_width_follows_the_expected_gain():
     for _ in range(20):
         low.may_draft()
     assert low.may_draft()
+
+
+def test_step_cost_is_measured(monkeypatch):
+    monkeypatch.undo()  # the real StepCost, not the fixture's fixed one
+    cost = StepCost(beta=0.15)
+    cost.wide(1, 5, 0.2)  # no plain step of that size measured yet: nothing learnt
+    assert cost.beta == 0.15
+    for _ in range(30):
+        cost.plain(1, 0.1)
+        cost.wide(1, 5, 0.2)  # twice a plain step for 4 drafted positions: 0.25 each
+    assert abs(cost.beta - 0.25) < 0.01
 
 
 # ----------------------------------------------------------------------------- rollback
