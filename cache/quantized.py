@@ -26,7 +26,7 @@ of ``s`` bytes (the model's dtype), against ``2 H D s`` in float: 0.28 (8 bits) 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_map, tree_reduce
@@ -79,11 +79,12 @@ def quantized_caches(model, bits: int, group_size: int) -> list[Any]:
 
     if bits not in BITS:
         raise ValueError(f"kv_bits must be 4 or 8, not {bits}")
-    kinds = sorted({type(c).__name__ for c in make_prompt_cache(model) if type(c) is not KVCache})
+    layers = make_prompt_cache(model)
+    kinds = sorted({type(c).__name__ for c in layers if type(c) is not KVCache})
     if kinds:
         raise ValueError(f"cannot quantize the KV cache of a model whose layers keep {', '.join(kinds)} caches "
                          "(only full-attention KVCache layers can be quantized)")
-    return [QuantizedKVRow(group_size, bits) for _ in range(len(make_prompt_cache(model)))]
+    return [QuantizedKVRow(group_size, bits) for _ in layers]
 
 
 def quantize_kv(model, bits: int, group_size: int = 64) -> None:
@@ -149,14 +150,6 @@ class BatchQuantizedKVCache(BatchKVCache):
             self.offset = self.offset - padding
             self.left_padding += padding
             self._right_padding = None
-
-    @property
-    def state(self):
-        return self.keys, self.values, self.offset, self.left_padding, self._idx
-
-    @state.setter
-    def state(self, v):
-        self.keys, self.values, self.offset, self.left_padding, self._idx = v
 
     def filter(self, batch_indices):
         index = mx.array(batch_indices)
@@ -237,7 +230,3 @@ class BatchQuantizedKVCache(BatchKVCache):
             return 0
         return tree_reduce(lambda a, x: a + x.nbytes, (self.keys, self.values), 0)
 
-
-def kv_bits_of(cache: list[Any]) -> Optional[int]:
-    """The bits of a quantized snapshot (None for float)."""
-    return next((c.bits for c in cache if isinstance(c, QuantizedKVCache)), None)

@@ -47,9 +47,10 @@ def speculation_refusal(model) -> Optional[str]:
     """
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    kinds = {type(c).__name__ for c in make_prompt_cache(model)}
-    if all(type(c) is KVCache for c in make_prompt_cache(model)):
+    layers = make_prompt_cache(model)
+    if all(type(c) is KVCache for c in layers):
         return None
+    kinds = {type(c).__name__ for c in layers}
     if "QuantizedKVRow" in kinds:
         return "its KV cache is quantized (--kv-bits), and quantized batches do not take drafts back yet"
     others = sorted(k for k in kinds if k != "KVCache")

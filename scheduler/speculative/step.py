@@ -41,6 +41,10 @@ PLAIN_SAMPLE = 8  # one plain step in this many is timed (waiting for it costs i
 GREEDY = (None, greedy, greedy_sampler)  # argmax samplers (ours, mlx-lm's; None: the batch's default)
 
 
+def _greedy(sampler) -> bool:
+    return any(sampler is g for g in GREEDY)
+
+
 @dataclass
 class SpeculationStats:
     """Counts since start (tokens unless noted): drafted and accepted tokens, and decode
@@ -50,7 +54,6 @@ class SpeculationStats:
     accepted: int = 0
     plain_steps: int = 0
     verify_steps: int = 0
-    verify_tokens: int = 0  # tokens the verify steps emitted (each row's input and accepted drafts)
     ended_inside_draft: int = 0  # rows that stopped before the last of their accepted drafts
 
 
@@ -91,7 +94,7 @@ class Speculator:
         if batch._fresh[i] or batch.logits_processors[i]:
             return False
         sampler = batch.samplers[i]
-        if not any(sampler is g for g in GREEDY):
+        if not _greedy(sampler):
             inner = getattr(sampler, "inner", sampler)
             # a seeded row keeps its draws independent of the batch: it takes one key per
             # token, which verifying a draft (a uniform draw, then a token) would not
@@ -171,7 +174,7 @@ class Speculator:
         accepted, following = [], []
         for i, d in enumerate(drafts):
             sampler = batch.samplers[i]
-            if any(sampler is g for g in GREEDY):
+            if _greedy(sampler):
                 a = accept_greedy(targets[i], d)
                 accepted.append(a)
                 following.append(targets[i][a])
@@ -215,7 +218,7 @@ class Speculator:
                 # a row's first token is reported as soon as it is known (as in plain steps)
                 out.append((int(batch._next_tokens[i].item()), batch._next_logprobs[i]))
                 batch._ahead[i] = True
-            finish, n = None, 0
+            finish = None
             for n, (token, lp) in enumerate(out, start=1):
                 batch._num_tokens[i] += 1
                 if batch._num_tokens[i] >= batch.max_tokens[i]:
@@ -236,7 +239,6 @@ class Speculator:
                     tokens = tokens[: len(tokens) - extra]
                 responses.append(batch.Response(uid, token, lp, finish, cache, tokens))
                 break
-            self.stats.verify_tokens += n if out else 0
             if finish is None:
                 keep.append(i)
         if len(keep) < len(batch.uids):
