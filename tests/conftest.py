@@ -374,3 +374,21 @@ class EventSink:
     def tokens(self) -> list[int]:
         return [e.token for e in self.events if isinstance(e, TokenEvent)]
 
+
+
+def engine_tokens(engine, prompts: list[list[int]], params: list, timeout: float = 120.0) -> list[list[int]]:
+    """Submit ``prompts`` (token ids) to ``engine`` as one burst (an idle engine starts them
+    together, ``scheduler.arrivals``), each with its ``SamplingParams`` (an int: greedy with
+    that ``max_tokens``); wait for all of them and return each one's generated tokens."""
+    import uuid
+
+    from scheduler import EngineRequest, SamplingParams
+
+    sinks = [EventSink() for _ in prompts]
+    with engine.arrivals.prepare():
+        for p, q, s in zip(prompts, params, sinks):
+            q = SamplingParams(max_tokens=q) if isinstance(q, int) else q
+            engine.submit(EngineRequest(f"t-{uuid.uuid4().hex[:12]}", p, q, s))
+    for s in sinks:
+        assert s.done.wait(timeout), "a request did not finish"
+    return [s.tokens for s in sinks]

@@ -14,9 +14,9 @@ import pytest
 from cache import PromptCacheManager
 from cache.disk_codec import decode_snapshot, encode_snapshot
 from cache.quantized import BatchQuantizedKVCache, QuantizedKVRow, quantize_kv, quantized_caches
-from conftest import _MODEL_CACHE, EventSink, TOKENIZERS, live_server, model_path
+from conftest import _MODEL_CACHE, TOKENIZERS, engine_tokens, live_server, model_path
 from gateway.models.demo_model import build_model_dir
-from scheduler import Engine, EngineRequest, SamplingParams
+from scheduler import Engine
 
 
 def wide_head_model(arch: str):
@@ -25,21 +25,6 @@ def wide_head_model(arch: str):
     tok, vocab = {"qwen3": (None, None), "llama": ("llama3", 128256)}[arch]
     return build_model_dir(_MODEL_CACHE / f"{arch}-hd64", arch, tokenizer_dir=TOKENIZERS / tok if tok else None,
                            vocab_size=vocab, overrides={"head_dim": 64})
-
-
-def _run(engine: Engine, prompts, max_tokens: int, together: bool) -> list[list[int]]:
-    sinks = [EventSink() for _ in prompts]
-    requests = [EngineRequest(f"q{i}-{random.random()}", p, SamplingParams(max_tokens=max_tokens), s)
-                for i, (p, s) in enumerate(zip(prompts, sinks))]
-    if together:
-        with engine.arrivals.prepare():
-            for r in requests:
-                engine.submit(r)
-    for r, s in zip(requests, sinks):
-        if not together:
-            engine.submit(r)
-        assert s.done.wait(120)
-    return [s.tokens for s in sinks]
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -58,10 +43,10 @@ def test_every_path_gives_the_cold_single_tokens(arch, bits):
         solo = []
         for p in prompts:  # cold, one at a time
             engine.call(engine.prompt_cache.flush)
-            solo.append(_run(engine, [p], 12, together=False)[0])
+            solo.append(engine_tokens(engine, [p], [12])[0])
         engine.call(engine.prompt_cache.flush)
-        assert _run(engine, prompts, 12, together=True) == solo  # batched, left-padded, chunked
-        warm = _run(engine, prompts, 12, together=True)  # every prompt cached (quantized snapshots)
+        assert engine_tokens(engine, prompts, [12] * len(prompts)) == solo  # batched, left-padded, chunked
+        warm = engine_tokens(engine, prompts, [12] * len(prompts))  # every prompt cached (quantized snapshots)
         assert warm == solo
         assert engine.stats.cached_tokens > 0
         assert engine.wait_idle(60) and engine.prompt_cache.num_leases == 0

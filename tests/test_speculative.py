@@ -15,9 +15,8 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from cache import PromptCacheManager
-from conftest import EventSink, live_server, model_path
-from scheduler import Engine, EngineRequest, SamplingParams
-from scheduler.request import TokenEvent
+from conftest import engine_tokens, live_server, model_path
+from scheduler import Engine, SamplingParams
 from mlx_lm.generate import StopSequences
 
 from scheduler.generator import JoiningBatchGenerator
@@ -157,22 +156,6 @@ def test_holes_survive_filter_and_extend():
 
 
 # ----------------------------------------------------------------------------- greedy identity
-def _run(engine: Engine, prompts, max_tokens, checkpoints=None, concurrent=True) -> list[list[int]]:
-    sinks = [EventSink() for _ in prompts]
-    requests = [EngineRequest(f"r{i}-{random.random()}", p, SamplingParams(max_tokens=m), s,
-                              checkpoints=list(checkpoints or []))
-                for i, (p, m, s) in enumerate(zip(prompts, max_tokens, sinks))]
-    if concurrent:
-        with engine.arrivals.prepare():
-            for r in requests:
-                engine.submit(r)
-    for r, s in zip(requests, sinks):
-        if not concurrent:
-            engine.submit(r)
-        assert s.done.wait(120)
-    return [s.tokens for s in sinks]
-
-
 def _workload(seed: int):
     """Prompts that repeat themselves (so drafts exist, some right, some wrong), of
     different lengths, two sharing a prefix."""
@@ -194,10 +177,10 @@ def test_greedy_tokens_equal_plain_decoding(arch):
                         decode_concurrency=8, gather_wait=30.0, speculation=spec)
         engine.start()
         try:
-            solo = [_run(engine, [p], [m])[0] for p, m in zip(prompts, max_tokens)]  # one at a time, cold
+            solo = [engine_tokens(engine, [p], [m])[0] for p, m in zip(prompts, max_tokens)]  # one at a time, cold
             engine.call(engine.prompt_cache.flush)
-            burst = _run(engine, prompts, max_tokens)  # batched, cold
-            warm = _run(engine, prompts, max_tokens)  # batched, every prompt (and answer) cached
+            burst = engine_tokens(engine, prompts, max_tokens)  # batched, cold
+            warm = engine_tokens(engine, prompts, max_tokens)  # batched, every prompt (and answer) cached
             assert engine.wait_idle(60)
             assert engine.prompt_cache.num_leases == 0
             outputs[name], stats[name] = (solo, burst, warm), engine.stats.speculation
@@ -262,13 +245,13 @@ def test_snapshots_after_speculation_are_exact():
     engine.start()
     plain.start()
     try:
-        answers = _run(engine, prompts, max_tokens)
+        answers = engine_tokens(engine, prompts, max_tokens)
         assert engine.stats.speculation.accepted > 0
         follow = [p + a + [5, 6, 7] for p, a in zip(prompts, answers)]
         cached_before = engine.stats.cached_tokens
-        got = _run(engine, follow, [12] * len(follow))
+        got = engine_tokens(engine, follow, [12] * len(follow))
         assert engine.stats.cached_tokens - cached_before >= sum(len(p) + len(a) - 1 for p, a in zip(prompts, answers))
-        want = [_run(plain, [f], [12])[0] for f in follow]
+        want = [engine_tokens(plain, [f], [12])[0] for f in follow]
         assert got == want
     finally:
         engine.stop()
@@ -354,36 +337,24 @@ def test_rejection_sampling_keeps_the_distribution():
 
 def test_sampled_requests_speculate():
     mx.random.seed(0)
-    model, tok = mlx_lm.load(str(model_path("qwen3")))
+    model, _ = mlx_lm.load(str(model_path("qwen3")))
     prompts, _ = _workload(3)
-    engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
+    engine = Engine(model, set(),  # no end token: every sampled row runs its full length
+                    PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
                     decode_concurrency=8, speculation=NGRAM)
     engine.start()
     try:
-        sinks = [EventSink() for _ in prompts]
-        for i, (p, s) in enumerate(zip(prompts, sinks)):
-            engine.submit(EngineRequest(f"s{i}", p, SamplingParams(max_tokens=30, temperature=0.1), s))
-        for s in sinks:
-            assert s.done.wait(120)
-            assert len([e for e in s.events if isinstance(e, TokenEvent)]) == 30
+        for tokens in engine_tokens(engine, prompts, [SamplingParams(max_tokens=30, temperature=0.1)] * len(prompts)):
+            assert len(tokens) == 30
         assert engine.stats.speculation.accepted > 0
         # a seeded request never drafts: its tokens do not depend on the rows beside it
         seeded = SamplingParams(max_tokens=30, temperature=0.7, seed=11)
-        alone = _run_params(engine, [prompts[0]], [seeded])[0]
-        beside = _run_params(engine, prompts, [seeded] + [SamplingParams(max_tokens=30)] * (len(prompts) - 1))[0]
+        alone = engine_tokens(engine, [prompts[0]], [seeded])[0]
+        beside = engine_tokens(engine, prompts, [seeded] + [SamplingParams(max_tokens=30)] * (len(prompts) - 1))[0]
         assert alone == beside
     finally:
         engine.stop()
 
-
-def _run_params(engine: Engine, prompts, params) -> list[list[int]]:
-    sinks = [EventSink() for _ in prompts]
-    with engine.arrivals.prepare():
-        for i, (p, q, s) in enumerate(zip(prompts, params, sinks)):
-            engine.submit(EngineRequest(f"p{i}-{random.random()}", p, q, s))
-    for s in sinks:
-        assert s.done.wait(120)
-    return [s.tokens for s in sinks]
 
 
 # ----------------------------------------------------------------------------- settings
@@ -422,20 +393,16 @@ def test_a_failing_rejection_sampler_fails_nobody(monkeypatch):
         raise RuntimeError("no uniform draws today")
 
     monkeypatch.setattr(TemperatureSampler, "uniform", broken)
-    model, tok = mlx_lm.load(str(model_path("qwen3")))
+    model, _ = mlx_lm.load(str(model_path("qwen3")))
     prompts, _ = _workload(4)
-    engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
+    engine = Engine(model, set(),  # no end token: every sampled row runs its full length
+                    PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
                     decode_concurrency=8, gather_wait=30.0, speculation=NGRAM)
     engine.start()
     try:
-        sinks = [EventSink() for _ in prompts]
-        with engine.arrivals.prepare():
-            for i, (p, s) in enumerate(zip(prompts, sinks)):
-                params = SamplingParams(max_tokens=24, temperature=0.5) if i % 2 else SamplingParams(max_tokens=24)
-                engine.submit(EngineRequest(f"f{i}", p, params, s))
-        for s in sinks:
-            assert s.done.wait(120)
-            assert len(s.tokens) == 24
+        params = [SamplingParams(max_tokens=24, temperature=0.5) if i % 2 else 24 for i in range(len(prompts))]
+        for tokens in engine_tokens(engine, prompts, params):
+            assert len(tokens) == 24
         assert engine.stats.failed == 0 and engine.stats.speculation.verify_steps > 0
     finally:
         engine.stop()
