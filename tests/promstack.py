@@ -210,6 +210,18 @@ def package_manager() -> Optional[str]:
     return next((m for m in PACKAGE_MANAGERS if shutil.which(m)), None)
 
 
+def stop_process(proc: Optional[subprocess.Popen], grace: float = 10.0) -> None:
+    """SIGTERM ``proc`` if it still runs, SIGKILL it after ``grace`` seconds, and reap it."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(grace)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -293,13 +305,7 @@ class Prometheus:
             return ""
 
     def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc)
         if self._dir is not None:
             self._dir.cleanup()
             self._dir = None

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from promstack import free_port, package_manager
+from promstack import free_port, package_manager, stop_process
 
 
 def redis_binary() -> Optional[str]:
@@ -121,13 +121,7 @@ class RedisServer:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc)
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
