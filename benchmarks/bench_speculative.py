@@ -17,9 +17,10 @@ fresh ``mlx-gateway serve`` subprocess; the workloads, streamed over the chat AP
   when it does not help. Its outputs are random draws, so they are not compared.
 
 Each at 1 stream and at ``--streams`` concurrent streams. Figures per row: decode
-tokens/s (completion tokens after the first, over the time from first to last token,
-summed over the streams), the ratio ngram / off, acceptance rate (accepted / drafted
-tokens, from ``/metrics``, summed over the runs), tokens per row and decode step, and
+tokens/s (completion tokens after the first, over the time from the first token to the
+end of the stream, ``scenarios.stream_chat``, summed over the streams), the ratio
+ngram / off, acceptance rate (accepted / drafted tokens, from ``/metrics``, summed over
+the runs), tokens per row and decode step, and
 whether every output was the same text as with ``off`` (for sampled output, only while no
 draft was verified: speculative sampling keeps the distribution, not the draws). It also
 prints what a verification forward costs here: ``[B, W]`` against ``[B, 1]`` over a
@@ -52,7 +53,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scenarios import free_port, start, words  # noqa: E402
+from scenarios import free_port, start, stream_chat, words  # noqa: E402
 
 SMOL_SHAPE = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
               "head_dim": 64, "intermediate_size": 1536, "rope_theta": 100000.0, "max_position_embeddings": 8192}
@@ -74,26 +75,6 @@ def code_prompt(n_chars: int = 6000) -> list[dict]:
              "Change nothing else."}]
 
 
-async def stream(c: httpx.AsyncClient, body: dict) -> dict:
-    t0, times, text, usage = time.monotonic(), [], "", {}
-    async with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True,
-                                                             "stream_options": {"include_usage": True}}) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
-            for ch in chunk.get("choices", []):
-                piece = (ch.get("delta") or {}).get("content") or ""
-                if piece:
-                    times.append(time.monotonic())
-                    text += piece
-    return {"ttft": (times[0] if times else time.monotonic()) - t0, "text": text,
-            "tokens": usage.get("completion_tokens", 0),
-            "decode_s": (times[-1] - times[0]) if len(times) > 1 else 0.0}
-
-
 def metric(text: str, name: str) -> float:
     """Sum of a Prometheus series' samples over its labels (0 when absent)."""
     return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
@@ -106,20 +87,19 @@ SERIES = ("mlx_gateway_speculative_draft_tokens_total", "mlx_gateway_speculative
 
 async def workload(url: str, model: str, kind: str, streams: int, answer: int) -> dict:
     if kind == "code-edit":
-        bodies = [{"messages": code_prompt(6000 - 40 * i), "temperature": 0} for i in range(streams)]
+        bodies = [(code_prompt(6000 - 40 * i), 0) for i in range(streams)]
     else:
-        bodies = [{"messages": [{"role": "user", "content": words(60, 900 + i)}], "temperature": 1.0}
-                  for i in range(streams)]
+        bodies = [([{"role": "user", "content": words(60, 900 + i)}], 1.0) for i in range(streams)]
     async with httpx.AsyncClient(base_url=url, timeout=3600) as c:
         before = (await c.get("/metrics")).text
-        rs = await asyncio.gather(*(stream(c, {"model": model, "max_tokens": answer, **b}) for b in bodies))
+        rs = await asyncio.gather(*(stream_chat(c, messages, answer, model, temperature=t) for messages, t in bodies))
         after = (await c.get("/metrics")).text
     delta = {s: metric(after, s) - metric(before, s) for s in SERIES}
     drafted, accepted = delta[SERIES[0]], delta[SERIES[1]]
     return {
-        "decode_tok_s": sum((r["tokens"] - 1) / r["decode_s"] for r in rs if r["decode_s"] > 0),
+        "decode_tok_s": sum((r["completion"] - 1) / r["decode_s"] for r in rs if r["decode_s"] > 0),
         "texts": [r["text"] for r in rs],
-        "tokens": sum(r["tokens"] for r in rs),
+        "tokens": sum(r["completion"] for r in rs),
         "drafted": drafted, "accepted": accepted,
         "tokens_per_row_step": delta[SERIES[3]] / delta[SERIES[5]] if delta[SERIES[5]] else None,
         "verify_steps": delta[SERIES[2]], "decode_steps": delta[SERIES[4]],
