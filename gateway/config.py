@@ -62,7 +62,7 @@ class ServeConfig:
     prefill_budget: float = 0.2
     gather_wait: float = 0.02
     batch_share: float = 0.05
-    interactive_budget: float = 0.01
+    interactive_budget: float = 0.005
     precompute_next_turn: bool = True
     speculative: str = "off"
     num_draft_tokens: int = 4

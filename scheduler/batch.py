@@ -30,7 +30,7 @@ from scheduler.insertion import RowInsertion
 from scheduler.metrics import SchedulerMetrics
 from scheduler.precompute import PrecomputeBook
 from scheduler.request import DoneEvent, EngineRequest, ErrorEvent, Event, ProgressEvent, TokenEvent
-from scheduler.rows import RECENT, EngineStats, Row
+from scheduler.rows import RECENT, EngineStats, Row, holds_decode
 from scheduler.sampling import greedy
 from scheduler.speculative import SpeculationConfig, speculator
 
@@ -124,19 +124,9 @@ class Batch(RowInsertion):
             del gen
 
     def kv_bytes(self) -> int:
-        """Bytes of the generator's prompt and decode batch caches (``.nbytes`` of each
-        layer cache; nothing is evaluated)."""
-        gen = self.gen
-        if gen is None or not self.active:
-            return 0
-        total = 0
-        for batch in (getattr(gen, "_prompt_batch", None), getattr(gen, "_generation_batch", None)):
-            for c in getattr(batch, "prompt_cache", None) or []:
-                try:
-                    total += int(c.nbytes)
-                except Exception:  # an empty layer cache has no arrays yet
-                    pass
-        return total
+        """Bytes of the generator's batch caches (:meth:`JoiningBatchGenerator.kv_bytes
+        <scheduler.generator.JoiningBatchGenerator.kv_bytes>`); 0 with no rows."""
+        return self.gen.kv_bytes() if self.gen is not None and self.active else 0
 
     # ----------------------------------------------------------------- rows in and out
     def serving(self) -> bool:
@@ -216,16 +206,21 @@ class Batch(RowInsertion):
             share: this engine's share of the loop's prefill budget this turn (other
                 models prefill in the same turn).
         """
+        classes = tuple(sorted({a.rank for a in self.active.values() if not a.decoding}))
         prefilling = self.num_prefilling()
         decoding = len(self.active) - prefilling
+        hold = not decode_only and holds_decode(self.active.values())
+        if hold:
+            decoding = 0
         if decode_only:
             chunk = 0
         elif (prefilling and not decoding and not decoding_elsewhere
               and all(a.precompute is not None for a in self.active.values())):
-            chunk = self.chunks.idle_chunk(prefilling)  # preemptible: a request waits at most one chunk
+            chunk = self.chunks.idle_chunk(prefilling, classes)  # preemptible: a request waits one chunk
         else:
-            chunk = self.chunks.next_chunk(prefilling, decoding + decoding_elsewhere, cap, share)
+            chunk = self.chunks.next_chunk(prefilling, decoding + decoding_elsewhere, cap, share, classes)
         self.gen.prefill_step_size = chunk
+        self.gen.hold_decode = hold
         tic = time.perf_counter()
         try:
             prompt_responses, gen_responses = self.gen.next()
@@ -246,7 +241,9 @@ class Batch(RowInsertion):
             a = self.active.get(pr.uid)
             if a is not None:
                 prefilled += self._on_prompt_progress(a, pr)
-        self.chunks.record(chunk, prefilled, decoding + decoding_elsewhere, seconds)
+        self.chunks.record(chunk, prefilled, decoding + decoding_elsewhere, seconds, classes)
+        if hold:
+            self.metrics.decode_holds.inc()
         self._fail_faulty_rows()
         events: dict[int, list[Event]] = {}
         for gr in gen_responses:

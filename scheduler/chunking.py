@@ -9,9 +9,12 @@ sequences decode, the planner instead:
 * sizes each prefill chunk so that the step takes about ``budget`` seconds (times the
   ratio of prompts in prefill to streams decoding, when above 1: a cold burst whose
   first request already decodes is not slowed to protect that one stream), from the
-  time per prompt token measured on the previous chunk (a chunk's cost grows with the
-  context it attends to, so the size adapts as a long prompt advances); sizes are
-  multiples of :data:`ALIGN` tokens, the first chunk is :data:`FIRST_CHUNK` tokens;
+  time per prompt token measured on the previous chunk of the same latency classes (a
+  chunk's cost grows with the context it attends to, so the size adapts as a long
+  prompt advances, and a short interactive prompt's fast chunk does not size the next
+  chunk of long agent prompts); sizes are multiples of :data:`ALIGN` tokens
+  (:data:`CAP_ALIGN` under a latency-class cap), the first chunk is
+  :data:`FIRST_CHUNK` tokens;
 * after each prefill chunk, runs decode-only steps (a prefill step size of 0, which
   makes ``next()`` advance only the decoding batch) until they have had
   :data:`DECODE_SHARE` of the chunk's time (:class:`DecodeShare`, shared by the models of
@@ -34,6 +37,9 @@ from __future__ import annotations
 from typing import Optional
 
 ALIGN = 32  # chunk sizes are multiples of this many tokens
+# Under a latency-class cap (:meth:`ChunkPlanner.next_chunk`), chunks may be as small as
+# this many tokens per prompt, so that several long prompts together still fit the cap.
+CAP_ALIGN = 8
 FIRST_CHUNK = 128  # tokens per prompt before any chunk has been timed
 HEADROOM = 0.85  # aim this fraction of the budget, as the next chunk attends to more context
 DECODE_SHARE = 0.1  # decode-only time owed after a prefill chunk, as a fraction of its time
@@ -82,24 +88,28 @@ class ChunkPlanner:
         self.step_size = max(1, step_size)
         self.budget = max(0.0, budget)
         self.share = share or DecodeShare()
-        self._per_token = 0.0  # seconds per prompt token of the last timed chunk
+        # Seconds per prompt token of the last timed chunk, by the latency classes prefilling in it.
+        self._per_token: dict[tuple, float] = {}
         self.decode_step = 0.0  # seconds of a step that only decodes (moving average)
         self.decode_only_steps = 0  # steps that advanced only the decoding batch
         self.budgeted_steps = 0  # prefill steps whose chunk the budget cut below step_size
 
-    def next_chunk(self, prefilling: int, decoding: int, cap: Optional[float] = None, share: float = 1.0) -> int:
+    def next_chunk(self, prefilling: int, decoding: int, cap: Optional[float] = None, share: float = 1.0,
+                   classes: tuple = ()) -> int:
         """Tokens per prompt for the next step; 0 for a decode-only step.
 
         Args:
             prefilling: requests admitted and still in prefill.
-            decoding: requests decoding.
+            decoding: requests decoding (0 when the step holds the decoding rows back).
             cap: seconds the step may take at most, whatever decodes (the prompts are of a
                 lower latency class than requests that may arrive: each new one waits for
                 the step in progress); None: no cap.
             share: the part of the step's budgets this prefill may take (other models
                 prefill in the same step).
+            classes: the latency classes of the prompts prefilling (sorted): the chunk is
+                sized from the cost per token last measured for the same classes.
         """
-        capped = self.step_size if cap is None else self._sized(prefilling, cap * share)
+        capped = self.step_size if cap is None else self._sized(prefilling, cap * share, classes, CAP_ALIGN)
         if not prefilling or not decoding or not self.budget:
             self.share.clear()
             return capped
@@ -107,32 +117,34 @@ class ChunkPlanner:
             return 0
         # A prompt waiting for its first token is a user waiting too: when more prompts
         # prefill than streams decode, the step may take proportionally longer.
-        return min(capped, self._sized(prefilling, share * self.budget * max(1.0, prefilling / decoding)))
+        return min(capped, self._sized(prefilling, share * self.budget * max(1.0, prefilling / decoding), classes))
 
-    def idle_chunk(self, prefilling: int) -> int:
+    def idle_chunk(self, prefilling: int, classes: tuple = ()) -> int:
         """Tokens per prompt for a step that prefills only preemptible work (next-turn
         precompute) while nothing decodes: sized to the budget like a chunk beside decoding
         rows, so that a request arriving meanwhile waits at most about one budget; no
         decode-only steps follow it."""
         if not prefilling or not self.budget:
             return self.step_size
-        return self._sized(prefilling, self.budget)
+        return self._sized(prefilling, self.budget, classes)
 
-    def _sized(self, prefilling: int, budget: float) -> int:
-        if self._per_token <= 0:
+    def _sized(self, prefilling: int, budget: float, classes: tuple, align: int = ALIGN) -> int:
+        # Classes not timed yet: the costliest of those that were (a chunk too small, not too long).
+        per_token = self._per_token.get(classes) or max(self._per_token.values(), default=0.0)
+        if per_token <= 0:
             per_row = FIRST_CHUNK
         else:
-            per_row = int(HEADROOM * budget / self._per_token) // prefilling
-        per_row = max(ALIGN, per_row - per_row % ALIGN)
+            per_row = int(HEADROOM * budget / per_token) // prefilling
+        per_row = max(align, per_row - per_row % align)
         if per_row < self.step_size:
             self.budgeted_steps += 1
             return per_row
         return self.step_size
 
-    def record(self, chunk: int, prefilled: int, decoding: int, seconds: float) -> None:
+    def record(self, chunk: int, prefilled: int, decoding: int, seconds: float, classes: tuple = ()) -> None:
         """Account a finished step that took ``seconds``: planned with ``chunk`` tokens
-        per prompt, it prefilled ``prefilled`` prompt tokens in all while ``decoding``
-        sequences decoded."""
+        per prompt, it prefilled ``prefilled`` prompt tokens in all (of prompts of the
+        latency ``classes``) while ``decoding`` sequences decoded."""
         if not prefilled and decoding:
             self.decode_step = seconds if not self.decode_step else 0.8 * self.decode_step + 0.2 * seconds
         if chunk == 0:
@@ -141,5 +153,5 @@ class ChunkPlanner:
             return
         if prefilled and decoding and self.budget:
             self.share.owe(DECODE_SHARE * seconds)
-        if prefilled >= ALIGN:
-            self._per_token = seconds / prefilled
+        if prefilled >= CAP_ALIGN:
+            self._per_token[classes] = seconds / prefilled

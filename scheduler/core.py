@@ -18,6 +18,7 @@ from cache import PromptCacheManager
 from cache.restore import always_trimmable
 from scheduler.arrivals import Arrivals
 from scheduler.batch import Batch
+from scheduler.classes import LatencyClasses
 from scheduler.chunking import ChunkPlanner
 from scheduler.loop import EngineLoop
 from scheduler.metrics import SchedulerMetrics
@@ -33,7 +34,7 @@ log = logging.getLogger("mlx_gateway.engine")
 PERSIST_SECONDS = 60.0
 
 
-class EngineCore:
+class EngineCore(LatencyClasses):
     """One model's waiting queue, batch and prefix cache, as the engine loop drives them
     (every method here runs on the loop's thread). See :class:`scheduler.engine.Engine`
     for the arguments."""
@@ -106,8 +107,7 @@ class EngineCore:
     def prefill_class(self) -> int:
         """The best latency class among the rows prefilling (a next-turn precompute ranks
         below every class); 3 when none prefills."""
-        return min((3 if a.precompute is not None else a.request.priority
-                    for a in self._batch.active.values() if not a.decoding), default=3)
+        return min((a.rank for a in self._batch.active.values() if not a.decoding), default=3)
 
     @property
     def num_decoding(self) -> int:
@@ -172,7 +172,9 @@ class EngineCore:
         """
         if preempt:
             self._batch.preempt_precomputes()
+        self._resume_streams()
         allowed = self._classes_allowed()
+        self._make_room()
         prefilling = self._batch.num_prefilling()
         free = min(
             self.prompt_concurrency - prefilling,
@@ -186,41 +188,23 @@ class EngineCore:
             return
         if self.pad_free_prefill and prefilling:
             return
-        picks = self._waiting.pick(
-            1 if self.pad_free_prefill else free,
-            lambda r: self.prompt_cache.match_length(r.namespace, r.tokens),
-            self._in_flight(),
-            self.prompt_cache.version,
-            allowed,
-        )
+        n = 1 if self.pad_free_prefill else free
+        lower_room = self._lower_room()
+        if lower_room is not None:  # interactive first, then the lower classes within their room
+            classes = {0, 1, 2} if allowed is None else allowed
+            picks = self._pick(n, classes & {0})
+            picks += self._pick(min(n - len(picks), lower_room), classes - {0})
+        else:
+            picks = self._pick(n, allowed)
         for admission in picks:
             self._waiting_counts.remove(admission.request)
             self._insert(admission)
 
-    def _classes_allowed(self) -> Optional[set[int]]:
-        """Latency classes: pause the prefill of rows below the best class waiting,
-        prefilling or paused (their cache kept), and resume paused rows the allowed
-        classes include, while prompt slots are free; the classes that may be admitted
-        now (None: every class, when only one is present)."""
-        present = self._waiting.classes() | {a.request.priority for a in self._paused} | {
-            a.request.priority for a in self._batch.active.values() if not a.decoding and a.precompute is None}
-        if len(present) <= 1 and not self._paused:
-            return None
-        allowed = self._share.allowed(present)
-        for a in [a for a in self._batch.active.values()
-                  if not a.decoding and a.precompute is None and a.request.priority not in allowed]:
-            if self._batch.pause(a):
-                self._paused.append(a)
-                self.metrics.pauses.labels(str(a.request.priority)).inc()
-        self._paused.sort(key=lambda a: (a.request.priority, a.request.arrival))
-        for a in [a for a in self._paused if a.request.priority in allowed]:
-            if (self._batch.num_prefilling() >= self.prompt_concurrency
-                    or len(self._batch.active) >= self.decode_concurrency):
-                break
-            self._paused.remove(a)
-            if self._batch.resume(a):
-                self.metrics.resumes.labels(str(a.request.priority)).inc()
-        return allowed
+    def _pick(self, n: int, classes: Optional[set[int]]) -> list[Admission]:
+        if n <= 0 or (classes is not None and not classes):
+            return []
+        return self._waiting.pick(n, lambda r: self.prompt_cache.match_length(r.namespace, r.tokens),
+                                  self._in_flight(), self.prompt_cache.version, classes)
 
     def step(self, decode_only: bool = False, decoding_elsewhere: int = 0, share: float = 1.0) -> None:
         """One step of the batch (loop thread): see :meth:`Batch.step`. While interactive
@@ -228,8 +212,7 @@ class EngineCore:
         a lower class is cut to the loop's interactive budget (or two decode steps,
         when longer), so that the next interactive request waits at most about that long."""
         cap = None
-        lower = any(a.request.priority > 0 or a.precompute is not None
-                    for a in self._batch.active.values() if not a.decoding)
+        lower = any(a.rank > 0 for a in self._batch.active.values() if not a.decoding)
         if lower and self._loop.interactive_recent():
             cap = max(self._loop.interactive_budget, 2 * self.chunks.decode_step)
         self._batch.step(decode_only=decode_only, decoding_elsewhere=decoding_elsewhere, cap=cap, share=share)

@@ -22,6 +22,8 @@ architecture).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch, _extend_cache, _merge_caches
@@ -47,6 +49,30 @@ def merge_with_room(caches: list[list]) -> list:
         else:
             merged.append(_merge_caches([[c] for c in per_row])[0])
     return merged
+
+
+@dataclass
+class DecodingState:
+    """A decoding row taken out of the decode batch between two steps
+    (:meth:`JoiningBatchGenerator.take_decoding`), to be put back as it was
+    (:meth:`JoiningBatchGenerator.put_decoding`): its cache (one per layer, covering
+    ``tokens``), its pending input (the token sampled last, ``[1]``, not fed yet) with
+    its logprobs and whether it was reported already, and its sampler, processors, stop
+    matcher, token context and counts, which carry on unchanged (a seeded sampler's key
+    chain, a grammar's state)."""
+
+    cache: list
+    tokens: list[int]
+    pending: Any  # mx.array [1]
+    logprobs: Any
+    reported: bool
+    sampler: Any
+    processors: list
+    stop: Any
+    matcher: Any
+    context: Any
+    max_tokens: int
+    num_tokens: int
 
 
 def _last_token_only(segments: list[list[int]]) -> bool:
@@ -96,6 +122,36 @@ class JoiningGenerationBatch(GenerationBatch):
         self._matchers.extend(ss.matcher() for ss in stop_sequences)
         self._fresh.extend(True for _ in uids)
         self._ahead.extend(False for _ in uids)
+
+    def take(self, i: int) -> DecodingState:
+        """Take row ``i`` out of the batch (between two steps); see :class:`DecodingState`."""
+        state = DecodingState(
+            cache=self.extract_cache(i), tokens=list(self.tokens[i]), pending=self._next_tokens[i:i + 1],
+            logprobs=self._next_logprobs[i], reported=self._ahead[i], sampler=self.samplers[i],
+            processors=self.logits_processors[i], stop=self.stop_sequences[i], matcher=self._matchers[i],
+            context=self._token_context[i], max_tokens=self.max_tokens[i], num_tokens=self._num_tokens[i])
+        self.filter([j for j in range(len(self.uids)) if j != i])
+        return state
+
+    def put(self, uid: int, state: DecodingState) -> None:
+        """Put a row taken by :meth:`take` back under ``uid``: its next step feeds its
+        pending token, as the step it missed would have."""
+        self.uids.append(uid)
+        self.prompt_cache = _extend_cache(self.prompt_cache, merge_with_room([state.cache]))
+        self.tokens.append(state.tokens)
+        self.samplers.append(state.sampler)
+        self.logits_processors.append(state.processors)
+        self.stop_sequences.append(state.stop)
+        self.max_tokens.append(state.max_tokens)
+        pending = self._next_tokens
+        self._next_tokens = (state.pending if pending is None or pending.size == 0
+                             else mx.concatenate([pending, state.pending.astype(pending.dtype)]))
+        self._next_logprobs.append(state.logprobs)
+        self._token_context.append(state.context)
+        self._num_tokens.append(state.num_tokens)
+        self._matchers.append(state.matcher)
+        self._fresh.append(False)
+        self._ahead.append(state.reported)
 
     def filter(self, keep):
         super().filter(keep)
@@ -170,6 +226,10 @@ class JoiningBatchGenerator(BatchGenerator):
     4. one prefill chunk (``prefill_step_size`` tokens at most per row) of the rest,
        cut at segment ends as in mlx-lm, if the decode batch has room (as in mlx-lm).
 
+    With :attr:`hold_decode` set, step 3 is skipped: the decoding rows wait one step, their
+    caches and pending tokens untouched, while a prompt of a better latency class prefills
+    alone.
+
     A chunk runs only when the decode batch has room, and a step starts with the batch it
     ended with, so a row whose prompt is done always joins at the next step's start: no
     row ever waits in the prompt batch with only its last token left. Its end-of-prompt
@@ -186,6 +246,34 @@ class JoiningBatchGenerator(BatchGenerator):
         super().__init__(model, **kwargs)
         self._generation_batch = self.generation_batch_class.empty(self.model, self.sampler)
         self._generation_batch.speculator = speculator
+        self.hold_decode = False  # the next steps skip the decode forward (set per step by the batch)
+
+    def kv_bytes(self) -> int:
+        """Bytes of the prompt and decode batch caches (``.nbytes`` of each layer cache;
+        nothing is evaluated)."""
+        total = 0
+        for batch in (self._prompt_batch, self._generation_batch):
+            for c in getattr(batch, "prompt_cache", None) or []:
+                try:
+                    total += int(c.nbytes)
+                except Exception:  # an empty layer cache has no arrays yet
+                    pass
+        return total
+
+    def take_decoding(self, uid: int) -> Optional[DecodingState]:
+        """Take the decoding row ``uid`` out of the decode batch (between two steps), its
+        state kept; None if it is not decoding."""
+        gen = self._generation_batch
+        if uid not in gen.uids:
+            return None
+        return gen.take(gen.uids.index(uid))
+
+    def put_decoding(self, state: DecodingState) -> int:
+        """Put a row taken by :meth:`take_decoding` back into the decode batch; its new uid."""
+        uid = self._uid_count
+        self._uid_count += 1
+        self._generation_batch.put(uid, state)
+        return uid
 
     def _next(self):
         prompt_responses: list = []
@@ -194,7 +282,7 @@ class JoiningBatchGenerator(BatchGenerator):
         if len(gen) < self.completion_batch_size:
             prompt_responses += self._admit()
             prompt_responses += self._join_finished_prompts()
-        if len(gen) > 0:
+        if len(gen) > 0 and not self.hold_decode:
             tic = time.perf_counter()
             generation_responses = gen.next()
             self._counters.decode_time += time.perf_counter() - tic

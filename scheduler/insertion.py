@@ -6,7 +6,8 @@ restored for it, so prefill never crosses a checkpoint and the row's snapshot is
 extracted at exactly its own boundary. A prefilling row can be taken out of the
 generator between two steps with its cache kept (:meth:`RowInsertion.pause`, for a
 request of a better latency class) and put back later to go on from there
-(:meth:`RowInsertion.resume`).
+(:meth:`RowInsertion.resume`); so can a decoding row, when a better class needs its
+place in a full decode batch.
 """
 
 from __future__ import annotations
@@ -81,10 +82,13 @@ class RowInsertion:
         return uid
 
     def pause(self, a: Row) -> bool:
-        """Take the prefilling row ``a`` out of the generator between two steps, its cache
-        kept (a compact copy of what it has prefilled; its lease stays), to be put back by
-        :meth:`resume` and go on from there. False (``a`` left as it was) if it could not
-        be taken out."""
+        """Take the row ``a`` out of the generator between two steps, its cache kept (a
+        compact copy), to be put back by :meth:`resume` and go on from there: a prefilling
+        row keeps what it has prefilled (and its lease), a decoding row its whole state
+        (:class:`scheduler.generator.DecodingState`: its pending token, sampler, grammar).
+        False (``a`` left as it was) if it could not be taken out."""
+        if a.decoding:
+            return self._pause_decoding(a)
         try:
             extracted = self.gen.extract_cache([a.uid]).get(a.uid)
             if extracted is None:
@@ -102,6 +106,28 @@ class RowInsertion:
         a.paused = (cache, list(tokens))
         return True
 
+    def _pause_decoding(self, a: Row) -> bool:
+        try:
+            state = self.gen.take_decoding(a.uid)
+        except Exception:
+            log.exception("pausing the decoding request %s failed; it goes on", a.request.id)
+            return False
+        if state is None:
+            return False
+        self.active.pop(a.uid, None)
+        self.by_id.pop(a.request.id, None)
+        try:
+            for layer in state.cache:
+                layer.state = tree_map(compact, layer.state)
+            mx.eval([layer.state for layer in state.cache], state.pending)
+        except Exception as e:  # out of the batch already: it fails alone
+            log.exception("pausing the decoding request %s failed", a.request.id)
+            self._count_failure(a)
+            self._send(a.request, [ErrorEvent(500, f"pausing the request failed: {e}")])
+            return False
+        a.paused = state
+        return True
+
     def drop_paused(self, a: Row) -> None:
         """Forget the paused row ``a`` (its request ended while paused): its kept cache goes
         and its lease is released."""
@@ -111,6 +137,8 @@ class RowInsertion:
     def resume(self, a: Row) -> bool:
         """Put the paused row ``a`` back into the generator: its prefill goes on from where
         it stopped, over its kept cache. False (``a`` failed with a 500) if that raised."""
+        if a.decoding:
+            return self._resume_decoding(a)
         cache, tokens = a.paused
         r, done = a.request, len(tokens)
         try:
@@ -126,4 +154,18 @@ class RowInsertion:
         a.uid, a.paused, a.progress_base = uid, None, done - a.cached
         self.active[uid] = a
         self.by_id[r.id] = a
+        return True
+
+    def _resume_decoding(self, a: Row) -> bool:
+        try:
+            uid = self.gen.put_decoding(a.paused)
+        except Exception as e:
+            log.exception("resuming request %s failed", a.request.id)
+            a.paused = None
+            self._count_failure(a)
+            self._send(a.request, [ErrorEvent(500, f"could not resume the request: {e}")])
+            return False
+        a.uid, a.paused = uid, None
+        self.active[uid] = a
+        self.by_id[a.request.id] = a
         return True

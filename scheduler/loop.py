@@ -109,7 +109,7 @@ class EngineLoop:
     """
 
     def __init__(self, gather_wait: float = 0.0, name: str = "mlx-gateway-engine", batch_share: float = 0.05,
-                 interactive_budget: float = 0.01) -> None:
+                 interactive_budget: float = 0.005) -> None:
         self.gather_wait = max(0.0, gather_wait)
         self.batch_share = batch_share
         self.interactive_budget = max(0.0, interactive_budget)

@@ -91,7 +91,7 @@ class SchedulerMetrics:
         )
         self.queued_by_class = Gauge(
             "mlx_gateway_requests_queued_by_class",
-            "Requests waiting for admission or with their prefill paused, by latency class "
+            "Requests waiting for admission or paused (their prefill or decoding), by latency class "
             "(priority: 0 interactive, 1 standard, 2 batch).",
             ["priority"], registry=registry)
         self.pauses = Counter(
@@ -101,7 +101,17 @@ class SchedulerMetrics:
         self.resumes = Counter(
             "mlx_gateway_prefill_resumes",
             "Paused prefills put back into the batch, by class.", ["priority"], registry=registry)
+        self.decode_holds = Counter(
+            "mlx_gateway_decode_holds",
+            "Engine steps in which the decoding rows (all of lower latency classes) waited "
+            "while an interactive prompt prefilled alone.", registry=registry)
+        self.decode_pauses = Counter(
+            "mlx_gateway_decode_pauses",
+            "Decoding requests taken out of a full decode batch for a request of a better "
+            "latency class (their state kept; they go on later), by the paused request's class.",
+            ["priority"], registry=registry)
         for c in ("0", "1", "2"):
+            self.decode_pauses.labels(c)
             self.queued_by_class.labels(c)
             self.pauses.labels(c)
             self.resumes.labels(c)

@@ -39,10 +39,10 @@ MIN_SHARED_PREFIX = 32
 class ClassShare:
     """The guaranteed share of steps of the classes below the best one present: each step
     in which lower-class work waits while a better class runs earns them ``share`` of a
-    step; once a whole step is earned, that step serves one lower class alone (taken in
-    turn among them), the better one paused for it. With ``share`` 0.05, batch work gets
-    at least one step in twenty under a steady stream of interactive requests, and
-    always finishes.
+    step; once a whole step is earned, that step also serves one lower class (taken in
+    turn among them), beside the best one: the best class's prompts are never taken out
+    of the batch for it. With ``share`` 0.05, batch work gets at least one step in twenty
+    under a steady stream of interactive requests, and always finishes.
 
     Args:
         share: the fraction of such steps (0: none; lower classes wait for the better
@@ -63,9 +63,9 @@ class ClassShare:
         if self._credit < 1.0:
             return {min(present)}
         self._credit -= 1.0
-        lower = sorted(present)[1:]
+        best, *lower = sorted(present)
         self._turn += 1
-        return {lower[self._turn % len(lower)]}
+        return {best, lower[self._turn % len(lower)]}
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from scheduler.faults import RowFault
 from scheduler.precompute import Precompute
@@ -95,10 +95,11 @@ class Row:
     ``lease`` pins its restored cache entry until prefill ends; ``cached`` is the prompt
     tokens restored from the prefix cache and ``processed`` those prefilled since;
     ``pending_snapshots`` are the absolute prompt offsets (tokens) where it will still
-    save a snapshot; ``marks`` where its prefill segments end. A row whose prefill is
-    paused for a better latency class (:meth:`Batch.pause <scheduler.batch.Batch.pause>`)
-    is out of the generator and holds its cache in ``paused``; ``progress_base`` is what
-    it had prefilled when it was put back (the generator counts from there).
+    save a snapshot; ``marks`` where its prefill segments end. A row paused for a better
+    latency class (:meth:`Batch.pause <scheduler.batch.Batch.pause>`: its prefill between
+    two chunks, or its decoding when the decode batch is full) is out of the generator
+    and holds its state in ``paused``; ``progress_base`` is what it had prefilled when it
+    was put back (the generator counts from there).
     """
 
     request: EngineRequest
@@ -114,8 +115,16 @@ class Row:
     precompute: Optional[Precompute] = None  # a next-turn precompute: no client, lowest priority
     cache_source: str = "memory"  # where its cached prefix came from: "memory" or "disk"
     marks: list[int] = field(default_factory=list)
-    paused: Optional[tuple[list, list[int]]] = None  # (its cache, the tokens it covers) while paused
+    # While paused: (its cache, the tokens it covers) for a prefilling row, a
+    # scheduler.generator.DecodingState for a decoding one.
+    paused: Any = None
     progress_base: int = 0
+
+    @property
+    def rank(self) -> int:
+        """Its latency class (0 interactive, 1 standard, 2 batch); 3 for a next-turn
+        precompute, below every class."""
+        return 3 if self.precompute is not None else self.request.priority
 
     def error(self) -> Optional[str]:
         """Why this row must fail now (its sampler, a processor or its grammar raised), or None."""
@@ -145,3 +154,15 @@ class EngineStats:
     max_decode_batch: int = 0
     generated_by_request: dict[str, int] = field(default_factory=dict)  # last 4096 requests
     speculation: SpeculationStats = field(default_factory=SpeculationStats)
+
+
+def holds_decode(rows: Iterable[Row]) -> bool:
+    """A step's prefill runs alone, the decoding rows waiting (their KV untouched): an
+    interactive prompt with more than its last token to prefill, beside decoding rows all
+    of lower classes, and no interactive prompt joining the decode now. Such a step also
+    owes them no decode-only step first (:class:`scheduler.chunking.DecodeShare`)."""
+    rows = list(rows)
+    front = [a for a in rows if not a.decoding and a.rank == 0]
+    decoding = [a for a in rows if a.decoding]
+    return (bool(front) and bool(decoding) and all(a.rank > 0 for a in decoding)
+            and all(len(a.request.tokens) - a.cached - a.processed > 1 for a in front))

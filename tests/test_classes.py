@@ -39,11 +39,14 @@ class Timed(EventSink):
     def __init__(self):
         super().__init__()
         self.first_token_at = None
+        self.events_done_at = None
 
     def __call__(self, events):
         if self.first_token_at is None and any(isinstance(e, TokenEvent) for e in events):
             self.first_token_at = time.monotonic()
         super().__call__(events)
+        if self.done.is_set() and self.events_done_at is None:
+            self.events_done_at = time.monotonic()
 
 
 def engine(model, loop=None, **kw) -> Engine:
@@ -85,9 +88,10 @@ def test_the_best_class_is_picked_first_and_the_share_comes_round():
     assert [a.request.id for a in q.pick(4, lambda r: 0, [], classes={INTERACTIVE})] == ["i1"]
     share = ClassShare(0.25)
     steps = [share.allowed({INTERACTIVE, BATCH}) for _ in range(8)]
-    assert steps.count({BATCH}) == 2 and steps.count({INTERACTIVE}) == 6
+    assert steps.count({INTERACTIVE, BATCH}) == 2 and steps.count({INTERACTIVE}) == 6  # beside, never instead
     steps = [share.allowed({INTERACTIVE, STANDARD, BATCH}) for _ in range(8)]  # the lower ones take turns
-    assert steps.count({BATCH}) == 1 and steps.count({STANDARD}) == 1 and steps.count({INTERACTIVE}) == 6
+    assert steps.count({INTERACTIVE, BATCH}) == 1 and steps.count({INTERACTIVE, STANDARD}) == 1
+    assert steps.count({INTERACTIVE}) == 6
     assert ClassShare(0.0).allowed({INTERACTIVE, BATCH}) == {INTERACTIVE}
     assert ClassShare(0.25).allowed({STANDARD}) == {STANDARD}
 
@@ -118,11 +122,13 @@ def test_an_interactive_request_prefills_at_once_and_paused_prompts_resume_exact
         e.stop()
 
 
-@pytest.mark.parametrize("share", [0.25, 0.0])
-def test_batch_work_keeps_its_share_of_steps(model, share):
+@pytest.mark.parametrize("share,slots", [(0.25, 1), (0.25, 4), (0.0, 1)])
+def test_batch_work_keeps_its_share_of_steps(model, share, slots):
     """One batch prompt beside a steady stream of interactive ones (one always waiting):
-    with a share it finishes while they keep coming; without one it cannot."""
-    e = engine(model, loop=EngineLoop(batch_share=share), prompt_concurrency=1)
+    with a share it finishes while they keep coming; without one it cannot. Its share
+    turns run beside the interactive prompts when a prompt slot is free (none of those is
+    ever paused), instead of them when none is."""
+    e = engine(model, loop=EngineLoop(batch_share=share), prompt_concurrency=slots)
     stop, interactive = threading.Event(), []
 
     def feed():  # two interactive requests outstanding at all times, 60 in all
@@ -145,8 +151,95 @@ def test_batch_work_keeps_its_share_of_steps(model, share):
         t.join(60)
         assert finished == (share > 0), (share, len(interactive))
         assert batch.done.wait(60)  # and with the interactive stream gone, it finishes anyway
+        interactive_pauses = e.metrics.pauses.labels(str(INTERACTIVE))._value.get()
+        assert (interactive_pauses == 0) == (slots > 1 or share == 0), interactive_pauses
     finally:
         stop.set()
+        e.stop()
+
+
+def test_an_interactive_prompt_prefills_alone_while_lower_streams_wait(model):
+    """Standard rows decoding when an interactive prompt arrives: its prefill chunks run
+    without their decode forward (they wait, KV untouched), and every answer is its solo
+    answer."""
+    streams = [tokens(20 + i, 64) for i in range(2)]
+    prompt = tokens(98, 160)  # five 32-token chunks
+    want = [solo(model, p, 40) for p in streams] + [solo(model, prompt, 4)]
+    e = engine(model, loop=EngineLoop())
+    try:
+        sinks = [EventSink() for _ in range(3)]
+        for i, p in enumerate(streams):
+            e.submit(req(f"standard{i}", p, sinks[i], STANDARD, n=40))
+        wait_until(lambda: all(len(s.tokens) >= 2 for s in sinks[:2]), 60, "the standard rows to decode")
+        e.submit(req("interactive", prompt, sinks[2], INTERACTIVE))
+        for s in sinks:
+            assert s.done.wait(120)
+        assert [s.tokens for s in sinks] == want
+        assert e.metrics.decode_holds._value.get() >= 4  # its chunks but the one its last token joins
+    finally:
+        e.stop()
+
+
+@pytest.mark.parametrize("interactive_first", [True, False])
+def test_lower_class_prompts_prefill_one_at_a_time_while_interactive_requests_are_about(model, interactive_first):
+    """After an interactive request, standard prompts prefill one at a time (the step a new
+    interactive request waits for holds one prompt's chunk); without one, together."""
+    prompts = [tokens(40 + i, 256) for i in range(3)]
+    want = [solo(model, p, 4) for p in prompts]
+    e = engine(model, loop=EngineLoop())
+    try:
+        if interactive_first:
+            s = EventSink()
+            e.submit(req("interactive", tokens(5, 40), s, INTERACTIVE))
+            assert s.done.wait(60)
+        sinks = [EventSink() for _ in prompts]
+        for i, p in enumerate(prompts):
+            e.submit(req(f"standard{i}", p, sinks[i], STANDARD))
+        for s in sinks:
+            assert s.done.wait(120)
+        assert [s.tokens for s in sinks] == want
+        assert (e.stats.max_prefill_batch == 1) == interactive_first, e.stats.max_prefill_batch
+    finally:
+        e.stop()
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_full_decode_batch_pauses_lower_streams_for_an_interactive_request(model, speculative):
+    """Both decode slots held by standard streams (one greedy, one seeded sampling with a
+    repetition penalty): an interactive request takes the place of one, which is paused
+    with its whole state and goes on later; every answer is its solo answer."""
+    from scheduler.speculative import SpeculationConfig
+
+    spec = {"speculation": SpeculationConfig("ngram", 3)} if speculative else {}
+    greedy = SamplingParams(max_tokens=48)
+    seeded = SamplingParams(max_tokens=48, temperature=0.9, seed=7, repetition_penalty=1.2)
+    streams = [(tokens(60, 48), greedy), (tokens(61, 48), seeded)]
+    short = tokens(62, 40)
+
+    def alone(prompt, params):
+        e = engine(model, **spec)
+        try:
+            s = EventSink()
+            e.submit(EngineRequest("solo", prompt, params, s))
+            assert s.done.wait(60)
+            return s.tokens
+        finally:
+            e.stop()
+
+    want = [alone(p, params) for p, params in streams] + [alone(short, SamplingParams(max_tokens=4))]
+    e = engine(model, loop=EngineLoop(), prompt_concurrency=2, decode_concurrency=2, **spec)
+    try:
+        sinks = [Timed() for _ in range(3)]
+        for i, (p, params) in enumerate(streams):
+            e.submit(EngineRequest(f"standard{i}", p, params, sinks[i], priority=STANDARD, tenant="agent"))
+        wait_until(lambda: all(len(s.tokens) >= 4 for s in sinks[:2]), 60, "both streams to decode")
+        e.submit(req("interactive", short, sinks[2], INTERACTIVE))
+        for s in sinks:
+            assert s.done.wait(120)
+        assert sinks[2].done.is_set() and all(sinks[2].first_token_at < s.events_done_at for s in sinks[:2])
+        assert [s.tokens for s in sinks] == want
+        assert e.metrics.decode_pauses.labels(str(STANDARD))._value.get() == 1
+    finally:
         e.stop()
 
 
@@ -199,3 +292,22 @@ def test_a_request_may_lower_its_class_never_raise_it(server):
                                          "messages": [{"role": "user", "content": "hi"}]},
                    headers={"x-api-key": "mgw-agent"})
         assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error", r.text
+
+
+# ---------------------------------------------------------------------- chunk sizes
+
+
+def test_capped_chunks_are_sized_per_class_and_may_go_below_the_usual_alignment():
+    """The cost per token is kept by the classes prefilling: a short interactive prompt's
+    fast chunk does not size the next chunk of long standard prompts; under a class cap,
+    three prompts share the cap in chunks smaller than ALIGN."""
+    from scheduler.chunking import ALIGN, CAP_ALIGN, ChunkPlanner
+
+    p = ChunkPlanner(2048, 0.2)
+    p.record(96, 96, 0, 0.0096, (STANDARD,))  # 0.1 ms a token: long contexts
+    p.record(2048, 200, 0, 0.002, (INTERACTIVE,))  # 0.01 ms a token: a short prompt
+    capped = p.next_chunk(3, 0, cap=0.005, classes=(STANDARD,))
+    assert capped < ALIGN and capped % CAP_ALIGN == 0
+    assert 3 * capped * 1e-4 <= 0.005  # within the cap at the standard prompts' cost
+    assert p.next_chunk(1, 0, cap=0.005, classes=(INTERACTIVE,)) > 10 * capped
+    assert p.next_chunk(3, 0, cap=0.005, classes=(BATCH,)) == capped  # untimed: the costliest known

@@ -112,10 +112,12 @@ class Server:
         cached = (d["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         return d["choices"][0]["message"]["content"], cached
 
-    def chat_stream(self, content: str, max_tokens: int, first: threading.Event) -> tuple[str, int]:
+    def chat_stream(self, content: str, max_tokens: int, first: threading.Event,
+                    priority: str = "standard") -> tuple[str, int]:
         """A streamed chat completion; ``first`` is set when its first token arrives."""
         body = json.dumps({"model": self.model, "messages": [{"role": "user", "content": content}],
-                           "max_tokens": max_tokens, "temperature": 0, "stream": True}).encode()
+                           "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                           "priority": priority}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/chat/completions", body,
                                      {"content-type": "application/json"})
         text = ""
@@ -269,6 +271,40 @@ def _check_against_one_process(tmp_path: Path, cluster: Server, model: Path, ext
 
 def test_tensor_parallel_matches_one_process(tmp_path, tensor_cluster):
     _check_against_one_process(tmp_path, tensor_cluster, model_path("qwen3", None), pause=True)
+
+
+def test_a_decoding_row_paused_for_a_better_class_resumes_on_every_rank(tmp_path):
+    """One decode slot: a batch-class stream decoding when a standard request comes is
+    taken out of the decode batch on both ranks (its state kept) and goes on after; the
+    texts equal one process's with the same flags."""
+    model = model_path("qwen3", None)
+    flags = ("--prompt-concurrency", "1", "--decode-concurrency", "1")
+
+    def run(server: Server) -> dict:
+        server.wait_ready()
+        out, first = {}, threading.Event()
+        t = threading.Thread(target=lambda: out.update(stream=server.chat_stream(
+            "tell me a long story about cats", 64, first, priority="batch")))
+        t.start()
+        assert first.wait(30)
+        out["standard"] = server.chat("a quick one", 8)
+        t.join()
+        paused = re.findall(r'mlx_gateway_decode_pauses_total\{[^}]*priority="2"\} ([0-9.]+)', server.metrics())
+        return {"texts": out, "paused": float(paused[0])}
+
+    cluster = Server(tmp_path, "cluster", model, 2, *flags)
+    try:
+        got = run(cluster)
+        assert "Traceback" not in cluster.log()
+    finally:
+        cluster.stop()
+    single = Server(tmp_path, "single", model, 1, *flags)
+    try:
+        want = run(single)
+    finally:
+        single.stop()
+    assert got["paused"] >= 1 and want["paused"] >= 1
+    assert got["texts"] == want["texts"]
 
 
 def test_pipeline_matches_one_process(tmp_path):

@@ -31,6 +31,7 @@ class Stream:
         self._ops: deque = deque()
         self.chunk = 0  # rank 0's prefill chunk for the next step (tokens)
         self.decoding = 0  # rows in rank 0's decode batch as that step starts
+        self.hold_decode = False  # that step skips its decode forward (rank 0's generator's flag)
 
     def next(self):
         while not self._ops:
@@ -121,6 +122,7 @@ class FollowerGenerator(JoiningBatchGenerator):
 
     def _next(self):
         self.prefill_step_size = self._ops.chunk
+        self.hold_decode = self._ops.hold_decode
         if len(self._generation_batch) != self._ops.decoding:
             raise ClusterLost(f"out of step with rank 0: {len(self._generation_batch)} rows decode here, "
                               f"{self._ops.decoding} there")
@@ -202,7 +204,7 @@ class FollowerBatch(Batch):
         elif kind == "preempt":
             self.preempt_precomputes()
         elif kind == "step":
-            self.stream.chunk, self.stream.decoding = op[1], op[2]
+            self.stream.chunk, self.stream.decoding, self.stream.hold_decode = op[1], op[2], op[3]
             self.step()
         elif kind == "fail":
             a = self.by_id.get(op[1])

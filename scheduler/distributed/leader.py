@@ -84,7 +84,7 @@ class LeaderGenerator(JoiningBatchGenerator):
         self._generation_batch.sync = self._sync
 
     def _next(self):
-        self._recorder.flush("step", self.prefill_step_size, len(self._generation_batch))
+        self._recorder.flush("step", self.prefill_step_size, len(self._generation_batch), self.hold_decode)
         return super()._next()
 
     def _sync(self, gb) -> None:

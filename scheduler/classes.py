@@ -1,0 +1,86 @@
+"""Latency classes on one model's engine (engine loop thread only): which classes may
+prefill a step, the prefills and decoding rows paused for a better class and put back,
+and how many lower-class prompts prefill together while interactive requests are about.
+See docs/scheduling.md ("Latency classes") for the rules and their measurements.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+class LatencyClasses:
+    """The class rules of :class:`scheduler.core.EngineCore`, its base class: uses its
+    ``_waiting`` queue, ``_batch``, ``_paused`` rows, ``_share``
+    (:class:`scheduler.policy.ClassShare`), ``_loop``, ``metrics``, ``prompt_concurrency``
+    and ``decode_concurrency``. Not usable on its own."""
+
+    def _lower_room(self) -> Optional[int]:
+        """While interactive requests are about (:meth:`EngineLoop.interactive_recent`),
+        one standard or batch prompt prefills at a time, so that the step a new interactive
+        request waits for holds one prompt's chunk, not several: how many more may start
+        now. None: no limit."""
+        if not self._loop.interactive_recent():
+            return None
+        lower = sum(1 for a in self._batch.active.values() if not a.decoding and a.rank in (1, 2))
+        return max(0, 1 - lower)
+
+    def _make_room(self) -> None:
+        """The decode batch is full and requests of a better class than some decoding row
+        wait: pause decoding rows of the lowest classes (the latest first), one per such
+        request of the best class waiting and free prompt slot, their whole state kept
+        (:meth:`Batch.pause <scheduler.insertion.RowInsertion.pause>`). They go on where they
+        stopped, with the tokens they would have had, once no better class waits
+        (:meth:`_resume_streams`)."""
+        if len(self._batch.active) < self.decode_concurrency or not len(self._waiting):
+            return
+        best = min(self._waiting.classes())
+        victims = sorted((a for a in self._batch.active.values() if a.decoding and a.precompute is None
+                          and a.rank > best), key=lambda a: (-a.rank, -a.request.arrival))
+        n = min(self._waiting.count_by_class().get(best, 0), len(victims),
+                self.prompt_concurrency - self._batch.num_prefilling())
+        for a in victims[:max(0, n)]:
+            if self._batch.pause(a):
+                self._paused.append(a)
+                self.metrics.decode_pauses.labels(str(a.request.priority)).inc()
+
+    def _resume_streams(self) -> None:
+        """Put paused decoding rows back (the best class, then the earliest, first) while
+        the decode batch has room and no request of a better class waits for it."""
+        streams = sorted((a for a in self._paused if a.decoding), key=lambda a: (a.rank, a.request.arrival))
+        best_waiting = min(self._waiting.classes(), default=3)
+        for a in streams:
+            if len(self._batch.active) >= self.decode_concurrency or a.rank > best_waiting:
+                return
+            self._paused.remove(a)
+            self._batch.resume(a)
+
+    def _classes_allowed(self) -> Optional[set[int]]:
+        """Latency classes: pause the prefill of rows below the best class waiting,
+        prefilling or paused (their cache kept), and resume paused rows the allowed
+        classes include, while prompt slots are free; the classes that may be admitted
+        now (None: every class, when only one is present)."""
+        present = self._waiting.classes() | {a.request.priority for a in self._paused} | {
+            a.request.priority for a in self._batch.active.values() if not a.decoding and a.precompute is None}
+        if len(present) <= 1 and not self._paused:
+            return None
+        allowed = self._share.allowed(present)
+        lower = allowed - {min(present)}
+        if (lower and self._batch.num_prefilling() >= self.prompt_concurrency
+                and not any(not a.decoding and a.rank in lower for a in self._batch.active.values())):
+            allowed = lower  # a share turn with no prompt slot for it: the lower class alone
+        for a in [a for a in self._batch.active.values()
+                  if not a.decoding and a.precompute is None and a.request.priority not in allowed]:
+            if self._batch.pause(a):
+                self._paused.append(a)
+                self.metrics.pauses.labels(str(a.request.priority)).inc()
+        self._paused.sort(key=lambda a: (a.request.priority, a.request.arrival))
+        for a in [a for a in self._paused if a.request.priority in allowed and not a.decoding]:
+            room = self._lower_room()
+            if (self._batch.num_prefilling() >= self.prompt_concurrency
+                    or len(self._batch.active) >= self.decode_concurrency or room == 0):
+                break
+            self._paused.remove(a)
+            if self._batch.resume(a):
+                self.metrics.resumes.labels(str(a.request.priority)).inc()
+        return allowed
