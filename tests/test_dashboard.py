@@ -46,9 +46,10 @@ MODELS_ROW = {"mlx_gateway_model_loaded", "mlx_gateway_model_weights_bytes", "ml
 # (scheduler/metrics.py): their legends must name the class instead.
 CLASSES_ROW = {"mlx_gateway_class_time_to_first_token_seconds_bucket", "mlx_gateway_inter_token_seconds_bucket",
                "mlx_gateway_requests_queued_by_class", "mlx_gateway_prefill_pauses_total",
-               "mlx_gateway_prefill_resumes_total", "mlx_gateway_origin_refused_total"}
+               "mlx_gateway_prefill_resumes_total", "mlx_gateway_decode_holds_total", "mlx_gateway_decode_pauses_total",
+               "mlx_gateway_origin_refused_total"}
 NUMERIC_PRIORITY = {"mlx_gateway_requests_queued_by_class", "mlx_gateway_prefill_pauses_total",
-                    "mlx_gateway_prefill_resumes_total"}
+                    "mlx_gateway_prefill_resumes_total", "mlx_gateway_decode_pauses_total"}
 CLASS_NAMES = {"0": "interactive", "1": "standard", "2": "batch"}
 # What the Cluster row shows, each by replica.
 CLUSTER_ROW = {"mlx_gateway_prefix_cache_hits_tokens_total", "mlx_gateway_prefix_cache_queries_tokens_total",
@@ -205,7 +206,9 @@ def test_row_checks_report_class_numbers_and_missing_instances():
           panel('sum(mlx_gateway_requests_queued_by_class{priority="0"})', "interactive"),
           panel('sum(rate(mlx_gateway_prefill_pauses_total{priority="2"}[1m])) + '
                 'sum(rate(mlx_gateway_prefill_resumes_total{priority="2"}[1m]))', "batch"),
-          panel("mlx_gateway_origin_refused_total", "{{tenant}}")]
+          panel("mlx_gateway_origin_refused_total", "{{tenant}}"),
+          panel("sum(rate(mlx_gateway_decode_holds_total[1m]))", "holds"),
+          panel('sum(rate(mlx_gateway_decode_pauses_total{priority="1"}[1m]))', "standard")]
     check_classes_row(ok)
     for bad in (panel("sum by (priority) (mlx_gateway_requests_queued_by_class)", "{{priority}}"),
                 panel('sum(mlx_gateway_requests_queued_by_class{priority="1"})', "batch")):

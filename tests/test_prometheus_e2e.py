@@ -234,14 +234,17 @@ def _check_classes_row(prom: Prometheus, dash: dict, before: str, after: str) ->
     queued = _by_legend(prom, panels, "Queued by class")
     gauge = series_values(after, "mlx_gateway_requests_queued_by_class", "priority")
     assert queued == {name: gauge[str(i)] for i, name in enumerate(CLASSES)}, (queued, gauge)
-    moved = _by_legend(prom, panels, "Prefill pauses and resumes / s")
-    assert set(moved) == {f"{what} {name}" for what in ("paused", "resumed") for name in CLASSES}, moved
-    for what, name in (("paused", "mlx_gateway_prefill_pauses_total"),
-                       ("resumed", "mlx_gateway_prefill_resumes_total")):
+    moved = _by_legend(prom, panels, "Pauses, resumes and decode holds / s")
+    assert set(moved) == {f"{what} {name}" for what in ("paused", "resumed") for name in CLASSES} | {
+        "decoding paused standard", "decoding paused batch", "steps holding lower-class decoding"}, moved
+    for what, name, classes in (("paused", "mlx_gateway_prefill_pauses_total", CLASSES),
+                                ("resumed", "mlx_gateway_prefill_resumes_total", CLASSES),
+                                ("decoding paused", "mlx_gateway_decode_pauses_total", CLASSES[1:])):
         a, b = series_values(before, name, "priority"), series_values(after, name, "priority")
-        for i, cls in enumerate(CLASSES):
-            rate = moved[f"{what} {cls}"]
+        for cls in classes:
+            i, rate = CLASSES.index(cls), moved[f"{what} {cls}"]
             assert math.isfinite(rate) and (rate > 0) == (b[str(i)] > a.get(str(i), 0.0)), (what, cls, rate, a, b)
+    assert math.isfinite(moved["steps holding lower-class decoding"])
     refused = _by(_panel_query(prom, panels, "Origin refused (403) / s by tenant"), "tenant")
     assert {t for t, v in refused.items() if v > 0} == {"alice"}, refused
     counted = series_values(after, "mlx_gateway_origin_refused_total", "tenant")
