@@ -65,4 +65,5 @@ class RowFault:
                 self._record(e)
                 return logits
 
+        guarded.inner = process  # the processor itself (speculative decoding rewinds it)
         return guarded

@@ -133,6 +133,19 @@ class TokenMask:
         self._words = np.zeros((1, (n_vocab + 31) // 32), dtype=np.int32)
         self._eos_only: Optional[mx.array] = None
 
+    def validate(self, tokens: list[int]) -> int:
+        """How many leading ``tokens`` the grammar accepts from its current state (the
+        first is the token the next call feeds); nothing is consumed."""
+        try:
+            return int(self.matcher.validate_tokens(tokens))
+        except Exception:
+            return 0
+
+    def rollback(self, n: int) -> None:
+        """Take back the last ``n`` tokens the matcher consumed (a rejected draft's)."""
+        if n > 0 and self.error is None and not self.matcher.rollback(n):
+            self.error = f"the grammar could not take back {n} tokens: {self.matcher.get_error()}"
+
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         try:
             if self._started:

@@ -9,7 +9,11 @@ runs on the engine thread, one per request, and never raises into the batch.
 
 from __future__ import annotations
 
+from collections import deque
+
 import mlx.core as mx
+
+HISTORY = 32  # calls a budget can take back (a draft is at most 16 tokens)
 
 
 class ThinkingBudget:
@@ -29,8 +33,16 @@ class ThinkingBudget:
         self.spent = 0
         self.closed = False
         self._started = False
+        self._before: deque = deque(maxlen=HISTORY)  # the state before each of the last calls
+
+    def rollback(self, n: int) -> None:
+        """Take back the last ``n`` calls (a rejected draft's tokens; at most
+        :data:`HISTORY`)."""
+        for _ in range(min(n, len(self._before))):
+            self.inside, self.spent, self.closed = self._before.pop()
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        self._before.append((self.inside, self.spent, self.closed))
         if self._started and not self.closed:
             last = int(tokens[-1].item())
             if last == self.start_id:

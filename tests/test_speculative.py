@@ -272,6 +272,116 @@ def test_models_that_cannot_roll_back_do_not_speculate(arch):
         assert server.engine.stats.speculation.plain_steps == 0  # no speculator at all
 
 
+# ----------------------------------------------------------------------------- logits processors
+def _plain_and_ngram(arch: str, prompts, params) -> tuple[list, list, SpeculationStats]:
+    """Each prompt's tokens one at a time without speculation, then as one burst with it."""
+    model, tok = mlx_lm.load(str(model_path(arch)))
+    out = []
+    for spec in (SpeculationConfig(), NGRAM):
+        engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
+                        decode_concurrency=8, gather_wait=30.0, speculation=spec)
+        engine.start()
+        try:
+            if spec.method == "off":
+                out.append([engine_tokens(engine, [p], [q()])[0] for p, q in zip(prompts, params)])
+            else:
+                out.append(engine_tokens(engine, prompts, [q() for q in params]))
+                out.append(engine.stats.speculation)
+        finally:
+            engine.stop()
+    return out[0], out[1], out[2]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_rows_with_penalties_and_logit_bias_draft_and_keep_their_tokens(arch):
+    """Penalties and ``logit_bias`` apply at every verified position, with the context of
+    that position: greedy rows with them give the tokens plain decoding gives."""
+    prompts, max_tokens = _workload(3)
+    kinds = [dict(logit_bias=((11, 2.0), (12, -1.0))), dict(repetition_penalty=1.05),
+             dict(presence_penalty=0.3, frequency_penalty=0.2), dict(logit_bias=((7, 1.5),)), {}]
+    params = [lambda m=m, k=k: SamplingParams(max_tokens=m, **k) for m, k in zip(max_tokens, kinds)]
+    plain, spec, stats = _plain_and_ngram(arch, prompts, params)
+    assert spec == plain
+    assert stats.verify_steps > 0 and stats.accepted > 0, stats
+
+
+def test_grammar_rows_draft_within_their_grammar():
+    """A json_schema row drafts: its drafts are cut at the first token the grammar forbids,
+    its mask applies at every position, and its matcher takes back rejected tokens; the
+    answer is the one plain decoding gives and stays valid JSON."""
+    import json
+
+    from scheduler.grammar import Grammars, json_schema_grammar
+
+    model, tok = mlx_lm.load(str(model_path("qwen3")))
+    grammars = Grammars(tok._tokenizer, model.args.vocab_size, tok.eos_token_ids)
+    schema = {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]}, "minItems": 12, "maxItems": 12}
+    grammar = json_schema_grammar(schema)
+    echo = tok.encode(json.dumps(["alpha", "beta", "gamma"] * 4, separators=(",", ":")))
+    prompts = [echo * 2, tok.encode("list the words please ") + echo]
+
+    def run(spec):
+        engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
+                        decode_concurrency=8, gather_wait=30.0, speculation=spec)
+        engine.start()
+        try:
+            from conftest import EventSink
+            from scheduler import EngineRequest
+
+            sinks = [EventSink() for _ in prompts]
+            with engine.arrivals.prepare():
+                for i, (p, s) in enumerate(zip(prompts, sinks)):
+                    engine.submit(EngineRequest(f"g{i}", p, SamplingParams(max_tokens=400), s,
+                                                mask=grammars.mask(grammar)))
+            for s in sinks:
+                assert s.done.wait(120)
+            return [s.tokens for s in sinks], engine.stats.speculation
+        finally:
+            engine.stop()
+
+    plain, _ = run(SpeculationConfig())
+    spec, stats = run(NGRAM)
+    assert spec == plain
+    assert stats.accepted > 0 and stats.accepted < stats.drafted, stats
+    for tokens in spec:
+        text = tok.decode([t for t in tokens if t not in tok.eos_token_ids])
+        assert len(json.loads(text)) == 12
+
+
+def test_stateful_processors_take_back_rejected_tokens():
+    """A thinking budget and a grammar mask rewound after a rejected draft are where they
+    were after the accepted tokens alone."""
+    from scheduler.grammar import Grammars, json_schema_grammar
+    from scheduler.speculative.processors import draftable, grammar_prefix
+    from scheduler.thinking import ThinkingBudget
+
+    logits = mx.zeros((1, 16))
+    budget = ThinkingBudget(start_id=1, end_id=2, budget=3, inside=True)
+    budget(mx.array([0]), logits)  # its first call sees the prompt
+    for t in (5, 6):
+        budget(mx.array([t]), logits)
+    state = (budget.inside, budget.spent, budget.closed)
+    for t in (7, 8, 9):
+        budget(mx.array([t]), logits)
+    assert budget.spent == 3 + 2  # went on, then takes those three back
+    budget.rollback(3)
+    assert (budget.inside, budget.spent, budget.closed) == state
+
+    model, tok = mlx_lm.load(str(model_path("qwen3")))
+    grammars = Grammars(tok._tokenizer, model.args.vocab_size, tok.eos_token_ids)
+    mask = grammars.mask(json_schema_grammar({"type": "array", "items": {"enum": ["alpha", "beta"]}}))
+    ids = tok.encode('["alpha","beta","alpha"]')
+    wide = mx.zeros((1, model.args.vocab_size))
+    mask(mx.array([0]), wide)  # the prompt
+    assert grammar_prefix([mask], ids[0], ids[1:] + [ids[1]]) == len(ids) - 1  # cut at the second "["
+    for t in ids[:3]:
+        mask(mx.array([t]), wide)
+    mask.rollback(2)
+    assert mask.validate(ids[1:]) == len(ids) - 1  # as if only ids[0] had been fed
+    assert draftable([mask, budget, lambda tokens, logits: logits])
+    assert not draftable([object()])
+
+
 # ----------------------------------------------------------------------------- through the API
 def _chat(url: str, body: dict) -> dict:
     r = httpx.post(f"{url}/v1/chat/completions", json={"model": "test-model", "temperature": 0, **body}, timeout=120)
@@ -280,8 +390,8 @@ def _chat(url: str, body: dict) -> dict:
 
 
 def test_api_answers_equal_with_grammar_stop_strings_and_max_tokens():
-    """Over HTTP, concurrently: plain chat, a json_schema answer (its row never drafts: its
-    grammar follows one token at a time), stop strings that fall inside an accepted draft,
+    """Over HTTP, concurrently: plain chat, a json_schema answer (its drafts checked against
+    its grammar), stop strings that fall inside an accepted draft,
     and short ``max_tokens``; every answer the same with ``--speculative ngram`` as without."""
     text = "alpha beta gamma delta " * 12
     schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"],

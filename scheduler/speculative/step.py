@@ -4,15 +4,18 @@ Each step (:meth:`Speculator.next`):
 
 1. waits for the rows' pending input tokens (the ones sampled last step), since drafts
    follow them (plain decoding overlaps this wait with building the next step's graph);
-2. asks each row that may draft for up to ``K`` prompt-lookup tokens: not rows with
-   logits processors (grammars, penalties, ``logit_bias``: their state follows one token
-   at a time), not a row's first step, not rows whose acceptance rate is cooling down;
+2. asks each row that may draft for up to ``K`` prompt-lookup tokens: not a row's first
+   step, not rows whose acceptance rate is cooling down; a row's grammar cuts its draft
+   at the first token it forbids (:mod:`scheduler.speculative.processors`);
 3. picks the step's width ``W`` (:func:`~scheduler.speculative.acceptance.best_width`);
    ``W = 1`` is a plain step (mlx-lm's);
 4. else runs one forward ``[B, W]`` (each row's input token, its drafts, then filler),
-   verifies every row (:mod:`scheduler.speculative.verify`), takes each row's rejected
-   positions back out of the cache (:class:`~scheduler.speculative.holes.HoledKVCache`)
-   and reports the input token and the accepted drafts, in order, with their log-probs.
+   applies each row's logits processors (penalties, ``logit_bias``, grammar, thinking
+   budget) at every position it verifies, verifies every row
+   (:mod:`scheduler.speculative.verify`), takes each row's rejected positions back out of
+   the cache (:class:`~scheduler.speculative.holes.HoledKVCache`) and out of its
+   processors' state, and reports the input token and the accepted drafts, in order,
+   with their log-probs.
    The token after them is the row's next input, as in plain decoding.
 
 A row that finishes on an accepted draft (EOS, ``max_tokens``) leaves with the cache and
@@ -34,6 +37,7 @@ from scheduler.speculative.acceptance import RowAcceptance, StepCost, best_width
 from scheduler.speculative.config import SpeculationConfig
 from scheduler.speculative.holes import HoledKVCache
 from scheduler.speculative.lookup import PromptLookup
+from scheduler.speculative.processors import apply_along, draftable, grammar_prefix, rewind
 from scheduler.speculative.verify import accept_greedy, accept_sampled
 
 
@@ -91,7 +95,7 @@ class Speculator:
 
     def _may_draft(self, batch, i: int) -> bool:
         """Row ``i`` may draft this step, and its tokens so far suggest it will find one."""
-        if batch._fresh[i] or batch.logits_processors[i]:
+        if batch._fresh[i] or not draftable(batch.logits_processors[i] or []):
             return False
         sampler = batch.samplers[i]
         if not _greedy(sampler):
@@ -108,7 +112,9 @@ class Speculator:
 
     def _draft(self, batch, i: int, token: int) -> list[int]:
         room = batch.max_tokens[i] - batch._num_tokens[i] - 2
-        return self._lookups[batch.uids[i]].propose(token, min(room, self.config.num_draft_tokens))
+        draft = self._lookups[batch.uids[i]].propose(token, min(room, self.config.num_draft_tokens))
+        processors = batch.logits_processors[i]
+        return draft[:grammar_prefix(processors, token, draft)] if processors and draft else draft
 
     # ----------------------------------------------------------------- the step
     def next(self, batch) -> list:
@@ -149,25 +155,26 @@ class Speculator:
         self.stats.plain_steps += 1
         return responses
 
-    def _logprobs(self, batch, inputs: mx.array) -> mx.array:
-        """The forward ``[B, W] -> [B, W, V]`` log-probabilities, the logits processors
-        applied at position 0 (rows with processors have no drafts)."""
+    def _logprobs(self, batch, inputs: mx.array, drafts: list[list[int]]) -> mx.array:
+        """The forward ``[B, W] -> [B, W, V]`` log-probabilities, each row's logits
+        processors applied at its input and draft positions (the rest is filler)."""
         logits = batch.model(inputs, cache=batch.prompt_cache)
         if any(batch.logits_processors):
-            first = []
+            rows = []
             for e, processors in enumerate(batch.logits_processors):
-                row = logits[e: e + 1, 0]
+                row = logits[e]
                 if processors:
-                    context = batch._token_context[e].update_and_fetch(inputs[e: e + 1, 0])
-                    for processor in processors:
-                        row = processor(context, row)
-                first.append(row)
-            logits = mx.concatenate([mx.concatenate(first, axis=0)[:, None], logits[:, 1:]], axis=1)
+                    context = batch._token_context[e]
+                    context.update_and_fetch(inputs[e, :1])
+                    k = len(drafts[e])
+                    row = mx.concatenate([apply_along(processors, context, row[: k + 1], drafts[e]), row[k + 1:]])
+                rows.append(row)
+            logits = mx.stack(rows)
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
     def _verify(self, batch, inputs: list[int], drafts: list[list[int]], width: int) -> list:
         grid = [[t, *d, *[t] * (width - 1 - len(d))] for t, d in zip(inputs, drafts)]
-        logprobs = self._logprobs(batch, mx.array(grid, dtype=mx.uint32))  # [B, W, V]
+        logprobs = self._logprobs(batch, mx.array(grid, dtype=mx.uint32), drafts)  # [B, W, V]
         targets = mx.argmax(logprobs, axis=-1)
         mx.eval(targets, logprobs)
         targets = targets.tolist()
@@ -197,6 +204,8 @@ class Speculator:
             batch.tokens[i].extend([t, *d[:a]])
             if d:
                 self._acceptance[batch.uids[i]].record(len(d), a)
+                if batch.logits_processors[i]:
+                    rewind(batch.logits_processors[i], batch._token_context[i], len(d) - a)
         drafted = sum(len(d) for d in drafts)
         self.stats.drafted += drafted
         self.stats.accepted += sum(accepted)
