@@ -157,7 +157,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    "(default %(default)s)")
     p.add_argument("--interactive-budget", type=float, default=d.interactive_budget,
                    help="seconds a step that prefills only standard or batch prompts may take while interactive "
-                   "requests are about (within 30 s of the last one), or two decode steps when longer: a new "
+                   "requests are about (within 30 s of the last one), or one decode step when longer: a new "
                    "interactive request waits for the step in progress (default %(default)s)")
     p.add_argument("--precompute-next-turn", action=argparse.BooleanOptionalAction, default=d.precompute_next_turn,
                    help="when a chat reply ends and nothing waits, prefill the prefix its next request will "

@@ -209,12 +209,12 @@ class EngineCore(LatencyClasses):
     def step(self, decode_only: bool = False, decoding_elsewhere: int = 0, share: float = 1.0) -> None:
         """One step of the batch (loop thread): see :meth:`Batch.step`. While interactive
         requests are about (:attr:`EngineLoop.interactive_recent`), a step that prefills
-        a lower class is cut to the loop's interactive budget (or two decode steps,
+        a lower class is cut to the loop's interactive budget (or one decode step,
         when longer), so that the next interactive request waits at most about that long."""
         cap = None
         lower = any(a.rank > 0 for a in self._batch.active.values() if not a.decoding)
         if lower and self._loop.interactive_recent():
-            cap = max(self._loop.interactive_budget, 2 * self.chunks.decode_step)
+            cap = max(self._loop.interactive_budget, self.chunks.decode_step)
         self._batch.step(decode_only=decode_only, decoding_elsewhere=decoding_elsewhere, cap=cap, share=share)
 
     def end_turn(self, hold: bool) -> None:
