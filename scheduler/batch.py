@@ -338,7 +338,7 @@ class Batch(RowInsertion):
             self.metrics.prefill_tokens.inc(done - a.processed)
             self._rate_window[1] += done - a.processed
             a.processed = done
-            if not pr.end_of_prompt:
+            if not pr.end_of_prompt and a.progress_due(len(a.request.tokens), time.monotonic()):
                 self._send(a.request, [ProgressEvent(a.cached + done, len(a.request.tokens))])
         position = a.cached + a.processed
         if pr.end_of_prompt:

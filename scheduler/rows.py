@@ -88,6 +88,11 @@ class AdmissionRecord:
         return self.prompt_tokens - self.cached_tokens
 
 
+# Prefill progress events go out at most this often, unless the prompt advanced by this fraction.
+PROGRESS_SECONDS = 0.1
+PROGRESS_FRACTION = 0.05
+
+
 @dataclass
 class Row:
     """One request in the running batch (``uid`` is its row in the ``BatchGenerator``).
@@ -119,6 +124,18 @@ class Row:
     # scheduler.generator.DecodingState for a decoding one.
     paused: Any = None
     progress_base: int = 0
+    progress_sent: tuple = (0.0, 0)  # (monotonic seconds, tokens) of the last progress event
+
+    def progress_due(self, total: int, now: float) -> bool:
+        """A prefill progress event is due (and counted as sent): :data:`PROGRESS_SECONDS`
+        since the last one, or :data:`PROGRESS_FRACTION` of the prompt more prefilled. Small
+        chunks (a lower class beside interactive requests) would otherwise send one per
+        step, waking the event loop and the client every few milliseconds."""
+        at, tokens = self.progress_sent
+        if now - at < PROGRESS_SECONDS and self.processed - tokens < PROGRESS_FRACTION * total:
+            return False
+        self.progress_sent = (now, self.processed)
+        return True
 
     @property
     def rank(self) -> int:
