@@ -16,6 +16,11 @@ running never waits; new requests join at its next step, as in vLLM's and SGLang
 continuous batching, which have no such wait. Triton's dynamic batcher bounds a similar
 wait (``max_queue_delay_microseconds``) but waits for requests that may never come;
 this waits only for requests already inside the gateway.
+
+The same count, by class, lets a loop that is about to start a step of lower-class work
+wait the few milliseconds an interactive request needs to be tokenized instead
+(:meth:`scheduler.loop.EngineLoop._await_interactive`): it then starts at that step rather
+than after it.
 """
 
 from __future__ import annotations
@@ -39,23 +44,35 @@ class Arrivals:
         self._wake = wake
         self._lock = threading.Lock()
         self._preparing = 0
+        self._interactive = 0
 
     @property
     def preparing(self) -> int:
         """Requests announced by :meth:`prepare` whose preparation has not ended."""
         return self._preparing
 
+    @property
+    def interactive(self) -> int:
+        """Of those, the interactive ones (latency class 0)."""
+        return self._interactive
+
     @contextlib.contextmanager
-    def prepare(self) -> Iterator[None]:
-        """Count one request as being prepared for the duration of the block; submit it
-        inside the block, so that the engine sees it before the count drops."""
+    def prepare(self, priority: int = 1) -> Iterator[None]:
+        """Count one request (of latency class ``priority``) as being prepared for the
+        duration of the block; submit it inside the block, so that the engine sees it
+        before the count drops."""
+        interactive = int(priority == 0)
         with self._lock:
             self._preparing += 1
+            self._interactive += interactive
+        if interactive:
+            self._wake()  # a loop between steps may hold lower-class work for it
         try:
             yield
         finally:
             with self._lock:
                 self._preparing -= 1
+                self._interactive -= interactive
             self._wake()
 
 

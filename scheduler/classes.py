@@ -25,6 +25,17 @@ class LatencyClasses:
         lower = sum(1 for a in self._batch.active.values() if not a.decoding and a.rank in (1, 2))
         return max(0, 1 - lower)
 
+    def _streams_first(self) -> bool:
+        """An interactive row decodes while only lower classes prefill: this step decodes
+        only, so its next token comes after a decode step rather than after a prefill
+        chunk too; except on the lower classes' guaranteed share of steps
+        (:class:`scheduler.policy.ClassShare`)."""
+        rows = list(self._batch.active.values())
+        if any(not a.decoding and a.rank == 0 for a in rows) or not any(a.decoding and a.rank == 0 for a in rows):
+            return False
+        lower = {a.rank for a in rows if not a.decoding and a.precompute is None}
+        return not lower or self._share.allowed({0} | lower) == {0}
+
     def _make_room(self) -> None:
         """The decode batch is full and requests of a better class than some decoding row
         wait: pause decoding rows of the lowest classes (the latest first), one per such

@@ -110,6 +110,11 @@ class EngineCore(LatencyClasses):
         return min((a.rank for a in self._batch.active.values() if not a.decoding), default=3)
 
     @property
+    def interactive_pending(self) -> bool:
+        """An interactive request waits for admission or prefills."""
+        return 0 in self._waiting.classes() or self.prefill_class == 0
+
+    @property
     def num_decoding(self) -> int:
         return len(self._batch.active) - self._batch.num_prefilling()
 
@@ -210,9 +215,13 @@ class EngineCore(LatencyClasses):
         """One step of the batch (loop thread): see :meth:`Batch.step`. While interactive
         requests are about (:attr:`EngineLoop.interactive_recent`), a step that prefills
         a lower class is cut to the loop's interactive budget (or one decode step,
-        when longer), so that the next interactive request waits at most about that long."""
+        when longer), so that the next interactive request waits at most about that long;
+        while an interactive row decodes, lower classes do not prefill
+        (:meth:`_streams_first <scheduler.classes.LatencyClasses._streams_first>`)."""
         cap = None
         lower = any(a.rank > 0 for a in self._batch.active.values() if not a.decoding)
+        if lower and not decode_only and self._streams_first():
+            decode_only = True
         if lower and self._loop.interactive_recent():
             cap = max(self._loop.interactive_budget, self.chunks.decode_step)
         self._batch.step(decode_only=decode_only, decoding_elsewhere=decoding_elsewhere, cap=cap, share=share)

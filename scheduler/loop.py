@@ -44,6 +44,8 @@ log = logging.getLogger("mlx_gateway.engine")
 
 # Seconds after an interactive request during which lower classes prefill in short steps.
 INTERACTIVE_WINDOW = 30.0
+# Seconds a loop holds its next step for an interactive request the gateway is tokenizing.
+INTERACTIVE_ARRIVAL_WAIT = 0.02
 
 
 class Engine(Protocol):
@@ -75,6 +77,9 @@ class Engine(Protocol):
 
     @property
     def prefill_class(self) -> int: ...  # the best latency class prefilling (3: none)
+
+    @property
+    def interactive_pending(self) -> bool: ...  # an interactive request waits or prefills
 
     def precompute_due(self) -> Optional[float]: ...
 
@@ -240,6 +245,9 @@ class EngineLoop:
                     self._gather(engines)
                     if self._stopping:
                         break
+                self._await_interactive(engines)
+                if self._stopping:
+                    break
                 self._turn_once(engines)
         except BaseException as e:  # the loop itself broke: report, fail everyone
             self.error = e
@@ -296,6 +304,16 @@ class EngineLoop:
         waited = gather(self._preparing, self._inbox, self._handle, self.gather_wait, lambda: self._stopping)
         for e in waiting:
             e.metrics.gather_wait.observe(waited)
+
+    def _await_interactive(self, engines: list[Engine]) -> None:
+        """An interactive request is being prepared (template, tokenizer) while none waits
+        or prefills: hold the next step, which would be lower-class work, until it is
+        submitted (at most :data:`INTERACTIVE_ARRIVAL_WAIT` seconds), so that it starts at
+        that step instead of waiting for it to end (:func:`scheduler.arrivals.gather`)."""
+        if not any(e.arrivals.interactive for e in engines) or any(e.interactive_pending for e in engines):
+            return
+        gather(lambda: sum(e.arrivals.interactive for e in engines), self._inbox, self._handle,
+               INTERACTIVE_ARRIVAL_WAIT, lambda: self._stopping)
 
     def _drain_inbox(self) -> None:
         while True:

@@ -203,6 +203,80 @@ def test_lower_class_prompts_prefill_one_at_a_time_while_interactive_requests_ar
         e.stop()
 
 
+def test_lower_prompts_do_not_prefill_while_an_interactive_row_decodes(model):
+    """Streams first: from an interactive request's first token to its last, a standard
+    prompt in prefill does not advance (no share here); both answers are their solo ones."""
+    long_prompt, short = tokens(70, 1200), tokens(71, 40)
+    want = [solo(model, long_prompt, 4), solo(model, short, 24)]
+    e = engine(model, loop=EngineLoop(batch_share=0.0))
+    seen = {}
+
+    class Watch(Timed):
+        def __call__(self, events):
+            first = self.first_token_at is None and any(isinstance(x, TokenEvent) for x in events)
+            super().__call__(events)  # the engine's thread: its counters are between steps
+            if first:
+                seen["first"] = e.stats.prefill_tokens
+            if self.done.is_set() and "done" not in seen:
+                seen["done"] = e.stats.prefill_tokens
+
+    try:
+        sinks = [EventSink(), Watch()]
+        e.submit(req("standard", long_prompt, sinks[0], STANDARD))
+        wait_until(lambda: e.stats.prefill_tokens >= 64, 60, "the standard prompt to be prefilling")
+        e.submit(req("interactive", short, sinks[1], INTERACTIVE, n=24))
+        for s in sinks:
+            assert s.done.wait(120)
+        assert [s.tokens for s in sinks] == want
+        assert seen["done"] == seen["first"], seen  # no prefill while it decoded
+        assert seen["first"] < len(long_prompt) - 64  # the standard prompt was still prefilling
+    finally:
+        e.stop()
+
+
+def test_the_loop_holds_its_next_step_for_an_interactive_request_being_prepared():
+    """While the gateway prepares an interactive request (and none waits), the loop waits
+    for its submission, at most INTERACTIVE_ARRIVAL_WAIT seconds; a standard one is not
+    waited for."""
+    from types import SimpleNamespace
+
+    from scheduler.arrivals import Arrivals
+    from scheduler.loop import INTERACTIVE_ARRIVAL_WAIT
+
+    loop = EngineLoop()
+    arrivals = Arrivals(lambda: loop.post(("arrived", None)))
+    engines = [SimpleNamespace(arrivals=arrivals, interactive_pending=False)]
+
+    def waited(priority: int, prepared_for: float | None = None) -> float:
+        """Seconds the loop held while a request of ``priority`` was being prepared (for
+        ``prepared_for`` seconds by another thread; None: for longer than the bound)."""
+        started, release = threading.Event(), threading.Event()
+
+        def prepare():
+            with arrivals.prepare(priority):
+                started.set()
+                release.wait(prepared_for if prepared_for is not None else 1.0)
+
+        t = threading.Thread(target=prepare)
+        t.start()
+        started.wait()
+        t0 = time.monotonic()
+        loop._await_interactive(engines)
+        held = time.monotonic() - t0
+        release.set()
+        t.join()
+        return held
+
+    assert waited(1) < INTERACTIVE_ARRIVAL_WAIT / 2  # a standard request: no wait
+    assert waited(0) >= INTERACTIVE_ARRIVAL_WAIT * 0.9  # not submitted in time: the whole bound
+    assert waited(0, 0.005) < INTERACTIVE_ARRIVAL_WAIT * 0.9  # until it is submitted, not the bound
+    engines[0].interactive_pending = True
+    with arrivals.prepare(0):
+        t = time.monotonic()
+        loop._await_interactive(engines)
+        assert time.monotonic() - t < INTERACTIVE_ARRIVAL_WAIT / 2  # one already waits: go on
+
+
 @pytest.mark.parametrize("speculative", [False, True])
 def test_a_full_decode_batch_pauses_lower_streams_for_an_interactive_request(model, speculative):
     """Both decode slots held by standard streams (one greedy, one seeded sampling with a

@@ -94,6 +94,11 @@ class Call:
     priority: str = "standard"  # the latency class (tenancy.tenants.PRIORITIES)
     slot: Optional[Slot] = None
 
+    @property
+    def rank(self) -> int:
+        """The latency class as the engine numbers it: 0 interactive, 1 standard, 2 batch."""
+        return PRIORITIES.index(self.priority)
+
     def hold_model(self, name: Optional[str]) -> Future:
         """Find the model ``name`` and hold it until the call is answered; a Future of
         its handle (done unless it must be loaded first).

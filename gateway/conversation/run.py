@@ -35,7 +35,6 @@ from gateway.conversation.tools import ToolPlan
 from gateway.http.errors import APIError
 from gateway.http.sse import wait_for_disconnect
 from gateway.models.handle import ModelHandle
-from gateway.tenancy.tenants import PRIORITIES
 from scheduler import SamplingParams
 from scheduler.grammar import TokenMask
 from scheduler.request import DoneEvent, ErrorEvent, ProgressEvent, PromptEvent, TokenEvent
@@ -71,7 +70,7 @@ async def start_conversation(call: Call, conv: Conversation) -> "Run | PendingRu
     async def start(model: ModelHandle) -> Run:
         params = sampling_params(model, call.tenant, conv.sampling)
         marks = call.record.marks
-        with model.engine.arrivals.prepare():  # an idle engine may wait for it (scheduler.arrivals)
+        with model.engine.arrivals.prepare(call.rank):  # the engine may wait for it
             marks["render_start"] = time.monotonic()
             prompt, plan, mask, processors = await anyio.to_thread.run_sync(prepare_chat, model, conv, marks,
                                                                             params.max_tokens)
@@ -163,7 +162,7 @@ class Run:
         t = call.tenant
         gen = Generation(model.engine, prompt.tokens, params, prompt.checkpoints, namespace=t.cache_group,
                          tenant=t.name, weight=t.weight, max_queued=t.max_queued, mask=mask,
-                         priority=PRIORITIES.index(call.priority), keep=prompt.breakpoints,
+                         priority=call.rank, keep=prompt.breakpoints,
                          processors=processors)
         call.record.request_id = gen.id
         call.record.prompt_tokens = len(prompt.tokens)

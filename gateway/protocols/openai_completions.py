@@ -38,7 +38,7 @@ async def completions(request: Request) -> Response:
 
     async def start(model: ModelHandle) -> Run:
         params = sampling_params(model, call.tenant, sampling)
-        with model.engine.arrivals.prepare():  # an idle engine may wait for it (scheduler.arrivals)
+        with model.engine.arrivals.prepare(call.rank):  # the engine may wait for it
             prompt = await anyio.to_thread.run_sync(render_completion, model.tokenizer, req.prompt,
                                                     model.spec.checkpoint_every)
             return Run.submit(call, model, prompt, params,
