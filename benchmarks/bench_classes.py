@@ -9,7 +9,8 @@ float32) unless ``--model`` says otherwise:
   streamed answers.
 
 Each mode runs three phases on one fresh server, the prefix cache flushed before each:
-the extension alone, the agents alone, then both. Figures: the extension's TTFT p50/p95
+the agents alone (before any interactive request, so they prefill as on a gateway without
+an extension), the extension alone, then both. Figures: the extension's TTFT p50/p95
 and largest inter-token gap (both alone and beside the agents), the agents' prompt tokens
 per second (alone and beside the extension), and whether every answer beside the others
 is the text it was alone (greedy). Modes: ``classes`` (``ext`` is ``interactive``, ``agent``
@@ -134,8 +135,10 @@ def run_mode(mode: str, seconds: float, model: str, extra: list[str], log_dir: P
         proc, _ = start(cmd, port, log=log)
         try:
             url = f"http://127.0.0.1:{port}"
-            alone_ext, _, _ = asyncio.run(phase(url, seconds, ext=True, agents=False))
+            # The agents alone first: no interactive request has been seen yet, so their
+            # prompts prefill as they would on a gateway with no extension at all.
             _, alone_agents, agents_wall = asyncio.run(phase(url, seconds, ext=False, agents=True))
+            alone_ext, _, _ = asyncio.run(phase(url, seconds, ext=True, agents=False))
             both_ext, both_agents, both_wall = asyncio.run(phase(url, seconds, ext=True, agents=True))
         finally:
             proc.terminate()
