@@ -45,6 +45,7 @@ class Arrivals:
         self._lock = threading.Lock()
         self._preparing = 0
         self._interactive = 0
+        self.interactive_entered = 0  # interactive preparations begun so far (a loop waits once for each)
 
     @property
     def preparing(self) -> int:
@@ -65,6 +66,7 @@ class Arrivals:
         with self._lock:
             self._preparing += 1
             self._interactive += interactive
+            self.interactive_entered += interactive
         if interactive:
             self._wake()  # a loop between steps may hold lower-class work for it
         try:

@@ -97,6 +97,7 @@ class Batch(RowInsertion):
         self.active: dict[int, Row] = {}
         self.by_id: dict[str, Row] = {}
         self._step_prefilled_at = 0.0
+        self._held = 0  # steps in a row that held the decoding rows back (scheduler.rows.holds_decode)
         self._rate_window = [time.monotonic(), 0, 0]  # [start, prefill tokens, decode tokens]
 
     # ----------------------------------------------------------------- the generator
@@ -209,7 +210,7 @@ class Batch(RowInsertion):
         classes = tuple(sorted({a.rank for a in self.active.values() if not a.decoding}))
         prefilling = self.num_prefilling()
         decoding = len(self.active) - prefilling
-        hold = not decode_only and holds_decode(self.active.values())
+        hold = not decode_only and holds_decode(self.active.values(), self._held)
         if hold:
             decoding = 0
         if decode_only:
@@ -219,6 +220,9 @@ class Batch(RowInsertion):
             chunk = self.chunks.idle_chunk(prefilling, classes)  # preemptible: a request waits one chunk
         else:
             chunk = self.chunks.next_chunk(prefilling, decoding + decoding_elsewhere, cap, share, classes)
+        if hold and not chunk:  # nothing to prefill this step (decode time owed elsewhere): decode
+            hold = False
+        self._held = self._held + 1 if hold else 0
         self.gen.prefill_step_size = chunk
         self.gen.hold_decode = hold
         tic = time.perf_counter()

@@ -11,9 +11,10 @@ from typing import Optional
 
 class LatencyClasses:
     """The class rules of :class:`scheduler.core.EngineCore`, its base class: uses its
-    ``_waiting`` queue, ``_batch``, ``_paused`` rows, ``_share``
-    (:class:`scheduler.policy.ClassShare`), ``_loop``, ``metrics``, ``prompt_concurrency``
-    and ``decode_concurrency``. Not usable on its own."""
+    ``_waiting`` queue, ``_batch``, ``_paused`` rows, its share meters ``_share``,
+    ``_stream_share`` and ``_resume_share`` (:class:`scheduler.policy.ClassShare`, one per
+    decision), ``_loop``, ``metrics``, ``prompt_concurrency`` and ``decode_concurrency``.
+    Not usable on its own."""
 
     def _lower_room(self) -> Optional[int]:
         """While interactive requests are about (:meth:`EngineLoop.interactive_recent`),
@@ -34,20 +35,20 @@ class LatencyClasses:
         if any(not a.decoding and a.rank == 0 for a in rows) or not any(a.decoding and a.rank == 0 for a in rows):
             return False
         lower = {a.rank for a in rows if not a.decoding and a.precompute is None}
-        return not lower or self._share.allowed({0} | lower) == {0}
+        return not lower or self._stream_share.allowed({0} | lower) == {0}
 
-    def _make_room(self) -> None:
+    def _make_room(self, spare: frozenset = frozenset()) -> None:
         """The decode batch is full and requests of a better class than some decoding row
         wait: pause decoding rows of the lowest classes (the latest first), one per such
         request of the best class waiting and free prompt slot, their whole state kept
-        (:meth:`Batch.pause <scheduler.insertion.RowInsertion.pause>`). They go on where they
-        stopped, with the tokens they would have had, once no better class waits
-        (:meth:`_resume_streams`)."""
+        (:meth:`Batch.pause <scheduler.insertion.RowInsertion.pause>`); not the rows of
+        ``spare`` (request ids: put back this turn). They go on where they stopped, with the
+        tokens they would have had (:meth:`_resume_streams`)."""
         if len(self._batch.active) < self.decode_concurrency or not len(self._waiting):
             return
         best = min(self._waiting.classes())
         victims = sorted((a for a in self._batch.active.values() if a.decoding and a.precompute is None
-                          and a.rank > best), key=lambda a: (-a.rank, -a.request.arrival))
+                          and a.rank > best and a.request.id not in spare), key=lambda a: (-a.rank, -a.request.arrival))
         n = min(self._waiting.count_by_class().get(best, 0), len(victims),
                 self.prompt_concurrency - self._batch.num_prefilling())
         for a in victims[:max(0, n)]:
@@ -55,16 +56,23 @@ class LatencyClasses:
                 self._paused.append(a)
                 self.metrics.decode_pauses.labels(str(a.request.priority)).inc()
 
-    def _resume_streams(self) -> None:
+    def _resume_streams(self) -> frozenset:
         """Put paused decoding rows back (the best class, then the earliest, first) while
-        the decode batch has room and no request of a better class waits for it."""
+        the decode batch has room and no request of a better class waits for it, or when
+        their guaranteed share of turns comes round (:class:`scheduler.policy.ClassShare`:
+        they always finish); the request ids put back."""
         streams = sorted((a for a in self._paused if a.decoding), key=lambda a: (a.rank, a.request.arrival))
         best_waiting = min(self._waiting.classes(), default=3)
+        back = set()
         for a in streams:
-            if len(self._batch.active) >= self.decode_concurrency or a.rank > best_waiting:
-                return
+            if len(self._batch.active) >= self.decode_concurrency:
+                break
+            if a.rank > best_waiting and a.rank not in self._resume_share.allowed({best_waiting, a.rank}):
+                break
             self._paused.remove(a)
-            self._batch.resume(a)
+            if self._batch.resume(a):
+                back.add(a.request.id)
+        return frozenset(back)
 
     def _classes_allowed(self) -> Optional[set[int]]:
         """Latency classes: pause the prefill of rows below the best class waiting,

@@ -62,7 +62,9 @@ class EngineCore(LatencyClasses):
         # Recent admissions in order, for tests, benchmarks and debugging; bounded.
         self.admission_log: deque[AdmissionRecord] = deque(maxlen=RECENT)
         self._waiting = WaitingQueue(loop.fair)
-        self._share = ClassShare(loop.batch_share)
+        self._share = ClassShare(loop.batch_share)  # prefill turns of the lower classes
+        self._stream_share = ClassShare(loop.batch_share)  # their prefill while an interactive row decodes
+        self._resume_share = ClassShare(loop.batch_share)  # their paused streams' place in a full batch
         self._paused: list = []  # rows whose prefill waits for a better class (scheduler.rows.Row)
         self._batch = Batch(
             model, self.eos_token_ids, prompt_concurrency=self.prompt_concurrency,
@@ -110,9 +112,9 @@ class EngineCore(LatencyClasses):
         return min((a.rank for a in self._batch.active.values() if not a.decoding), default=3)
 
     @property
-    def interactive_pending(self) -> bool:
-        """An interactive request waits for admission or prefills."""
-        return 0 in self._waiting.classes() or self.prefill_class == 0
+    def interactive_busy(self) -> bool:
+        """An interactive request waits for admission, prefills or decodes."""
+        return 0 in self._waiting.classes() or any(a.rank == 0 for a in self._batch.active.values())
 
     @property
     def num_decoding(self) -> int:
@@ -177,9 +179,9 @@ class EngineCore(LatencyClasses):
         """
         if preempt:
             self._batch.preempt_precomputes()
-        self._resume_streams()
+        back = self._resume_streams()
         allowed = self._classes_allowed()
-        self._make_room()
+        self._make_room(spare=back)
         prefilling = self._batch.num_prefilling()
         free = min(
             self.prompt_concurrency - prefilling,

@@ -56,8 +56,9 @@ class DecodingState:
     """A decoding row taken out of the decode batch between two steps
     (:meth:`JoiningBatchGenerator.take_decoding`), to be put back as it was
     (:meth:`JoiningBatchGenerator.put_decoding`): its cache (one per layer, covering
-    ``tokens``), its pending input (the token sampled last, ``[1]``, not fed yet) with
-    its logprobs and whether it was reported already, and its sampler, processors, stop
+    ``tokens``), its pending input (the token sampled last, ``[1]``, not fed yet; its last
+    prompt token if it has not decoded yet) with its logprobs and whether it was reported
+    already, and its sampler, processors, stop
     matcher, token context and counts, which carry on unchanged (a seeded sampler's key
     chain, a grammar's state)."""
 
@@ -66,6 +67,7 @@ class DecodingState:
     pending: Any  # mx.array [1]
     logprobs: Any
     reported: bool
+    fresh: bool  # its pending input is its last prompt token (it has not decoded yet)
     sampler: Any
     processors: list
     stop: Any
@@ -127,8 +129,9 @@ class JoiningGenerationBatch(GenerationBatch):
         """Take row ``i`` out of the batch (between two steps); see :class:`DecodingState`."""
         state = DecodingState(
             cache=self.extract_cache(i), tokens=list(self.tokens[i]), pending=self._next_tokens[i:i + 1],
-            logprobs=self._next_logprobs[i], reported=self._ahead[i], sampler=self.samplers[i],
-            processors=self.logits_processors[i], stop=self.stop_sequences[i], matcher=self._matchers[i],
+            logprobs=self._next_logprobs[i], reported=self._ahead[i], fresh=self._fresh[i],
+            sampler=self.samplers[i], processors=self.logits_processors[i], stop=self.stop_sequences[i],
+            matcher=self._matchers[i],
             context=self._token_context[i], max_tokens=self.max_tokens[i], num_tokens=self._num_tokens[i])
         self.filter([j for j in range(len(self.uids)) if j != i])
         return state
@@ -150,7 +153,7 @@ class JoiningGenerationBatch(GenerationBatch):
         self._token_context.append(state.context)
         self._num_tokens.append(state.num_tokens)
         self._matchers.append(state.matcher)
-        self._fresh.append(False)
+        self._fresh.append(state.fresh)
         self._ahead.append(state.reported)
 
     def filter(self, keep):

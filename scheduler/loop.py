@@ -79,7 +79,7 @@ class Engine(Protocol):
     def prefill_class(self) -> int: ...  # the best latency class prefilling (3: none)
 
     @property
-    def interactive_pending(self) -> bool: ...  # an interactive request waits or prefills
+    def interactive_busy(self) -> bool: ...  # an interactive request waits, prefills or decodes
 
     def precompute_due(self) -> Optional[float]: ...
 
@@ -120,6 +120,7 @@ class EngineLoop:
         self.interactive_budget = max(0.0, interactive_budget)
         self._share = ClassShare(batch_share)
         self._last_interactive = float("-inf")  # monotonic seconds of the latest interactive admission
+        self._awaited: dict[int, int] = {}  # per engine, interactive preparations already waited for
         self.name = name
         self.fair = FairShare()  # one set of tenant counters for every model
         self.decode_share = DecodeShare()  # decode-only time owed after a prefill chunk, for every model
@@ -306,13 +307,17 @@ class EngineLoop:
             e.metrics.gather_wait.observe(waited)
 
     def _await_interactive(self, engines: list[Engine]) -> None:
-        """An interactive request is being prepared (template, tokenizer) while none waits
-        or prefills: hold the next step, which would be lower-class work, until it is
-        submitted (at most :data:`INTERACTIVE_ARRIVAL_WAIT` seconds), so that it starts at
-        that step instead of waiting for it to end (:func:`scheduler.arrivals.gather`)."""
-        if not any(e.arrivals.interactive for e in engines) or any(e.interactive_pending for e in engines):
+        """An interactive request began being prepared (template, tokenizer) since the last
+        such wait, while no interactive request waits, prefills or decodes: hold the next
+        step, which would be lower-class work, until it is submitted (at most
+        :data:`INTERACTIVE_ARRIVAL_WAIT` seconds, once per preparation), so that it starts
+        at that step instead of waiting for it to end (:func:`scheduler.arrivals.gather`)."""
+        entered = {id(e): e.arrivals.interactive_entered for e in engines}
+        new = [e for e in engines if entered[id(e)] > self._awaited.get(id(e), 0) and e.arrivals.interactive]
+        self._awaited = entered
+        if not new or any(e.interactive_busy for e in engines):
             return
-        gather(lambda: sum(e.arrivals.interactive for e in engines), self._inbox, self._handle,
+        gather(lambda: sum(e.arrivals.interactive for e in new), self._inbox, self._handle,
                INTERACTIVE_ARRIVAL_WAIT, lambda: self._stopping)
 
     def _drain_inbox(self) -> None:

@@ -88,6 +88,8 @@ class AdmissionRecord:
         return self.prompt_tokens - self.cached_tokens
 
 
+# Steps in a row that may hold lower-class decoding rows back for an interactive prefill.
+MAX_HOLDS = 4
 # Prefill progress events go out at most this often, unless the prompt advanced by this fraction.
 PROGRESS_SECONDS = 0.1
 PROGRESS_FRACTION = 0.05
@@ -173,13 +175,16 @@ class EngineStats:
     speculation: SpeculationStats = field(default_factory=SpeculationStats)
 
 
-def holds_decode(rows: Iterable[Row]) -> bool:
+def holds_decode(rows: Iterable[Row], held: int = 0) -> bool:
     """A step's prefill runs alone, the decoding rows waiting (their KV untouched): an
-    interactive prompt with more than its last token to prefill, beside decoding rows all
-    of lower classes, and no interactive prompt joining the decode now. Such a step also
-    owes them no decode-only step first (:class:`scheduler.chunking.DecodeShare`)."""
+    interactive prompt beside decoding rows all of lower classes, while no prefilling row
+    has only its last token left (it would join the decode batch this step, and needs
+    the decode forward), and for at most :data:`MAX_HOLDS` steps in a row (``held``: the
+    steps held just before), so lower-class streams always advance. Such a step also owes
+    them no decode-only step first (:class:`scheduler.chunking.DecodeShare`)."""
     rows = list(rows)
-    front = [a for a in rows if not a.decoding and a.rank == 0]
+    prefilling = [a for a in rows if not a.decoding]
     decoding = [a for a in rows if a.decoding]
-    return (bool(front) and bool(decoding) and all(a.rank > 0 for a in decoding)
-            and all(len(a.request.tokens) - a.cached - a.processed > 1 for a in front))
+    return (held < MAX_HOLDS and any(a.rank == 0 for a in prefilling) and bool(decoding)
+            and all(a.rank > 0 for a in decoding)
+            and all(len(a.request.tokens) - a.cached - a.processed > 1 for a in prefilling))

@@ -235,9 +235,9 @@ def test_lower_prompts_do_not_prefill_while_an_interactive_row_decodes(model):
 
 
 def test_the_loop_holds_its_next_step_for_an_interactive_request_being_prepared():
-    """While the gateway prepares an interactive request (and none waits), the loop waits
-    for its submission, at most INTERACTIVE_ARRIVAL_WAIT seconds; a standard one is not
-    waited for."""
+    """While the gateway prepares an interactive request (and none waits or decodes), the
+    loop waits for its submission, at most INTERACTIVE_ARRIVAL_WAIT seconds and once per
+    preparation; a standard one is not waited for."""
     from types import SimpleNamespace
 
     from scheduler.arrivals import Arrivals
@@ -245,7 +245,7 @@ def test_the_loop_holds_its_next_step_for_an_interactive_request_being_prepared(
 
     loop = EngineLoop()
     arrivals = Arrivals(lambda: loop.post(("arrived", None)))
-    engines = [SimpleNamespace(arrivals=arrivals, interactive_pending=False)]
+    engines = [SimpleNamespace(arrivals=arrivals, interactive_busy=False)]
 
     def waited(priority: int, prepared_for: float | None = None) -> float:
         """Seconds the loop held while a request of ``priority`` was being prepared (for
@@ -270,11 +270,83 @@ def test_the_loop_holds_its_next_step_for_an_interactive_request_being_prepared(
     assert waited(1) < INTERACTIVE_ARRIVAL_WAIT / 2  # a standard request: no wait
     assert waited(0) >= INTERACTIVE_ARRIVAL_WAIT * 0.9  # not submitted in time: the whole bound
     assert waited(0, 0.005) < INTERACTIVE_ARRIVAL_WAIT * 0.9  # until it is submitted, not the bound
-    engines[0].interactive_pending = True
+    with arrivals.prepare(0):  # once per preparation: a loop turn after the wait goes on
+        loop._await_interactive(engines)
+        t = time.monotonic()
+        loop._await_interactive(engines)
+        assert time.monotonic() - t < INTERACTIVE_ARRIVAL_WAIT / 2
+    engines[0].interactive_busy = True
     with arrivals.prepare(0):
         t = time.monotonic()
         loop._await_interactive(engines)
-        assert time.monotonic() - t < INTERACTIVE_ARRIVAL_WAIT / 2  # one already waits: go on
+        assert time.monotonic() - t < INTERACTIVE_ARRIVAL_WAIT / 2  # one already waits or decodes: go on
+
+
+def test_a_row_taken_out_before_its_first_decode_step_goes_on_exactly(model):
+    """A row that joined the decode batch in a step that held the decode forward (its input
+    still its last prompt token) and is then taken out and put back decodes the tokens it
+    would have: its state says it has not decoded yet."""
+    from scheduler.generator import JoiningBatchGenerator
+    from scheduler.sampling import greedy
+
+    m, _ = model
+    prompts = [tokens(80, 24), tokens(81, 30)]
+
+    def run(take: bool) -> dict:
+        gen = JoiningBatchGenerator(m, max_tokens=1 << 20, prefill_batch_size=4, completion_batch_size=4,
+                                    prefill_step_size=64, sampler=greedy)
+        uids = gen.insert(prompts, max_tokens=[12, 12])
+        gen.next()  # prefill: both rows have only their last prompt token left
+        gen.hold_decode = True
+        gen.next()  # they join the decode batch; no forward
+        gen.hold_decode = False
+        out = {u: [] for u in uids}
+        if take:
+            state = gen.take_decoding(uids[0])
+            assert state is not None and state.fresh
+            out[gen.put_decoding(state)] = out.pop(uids[0])
+        while any(len(v) < 12 for v in out.values()):
+            for r in gen.next()[1]:
+                out[r.uid].append(r.token)
+        gen.close()
+        return sorted(out.values())
+
+    assert run(True) == run(False)
+
+
+def test_paused_streams_finish_beside_a_steady_better_class(model):
+    """One decode slot, a batch-class stream in it, and standard requests always waiting:
+    the stream is paused for them and still finishes on its share of turns, with its
+    solo tokens."""
+    e = engine(model, loop=EngineLoop(batch_share=0.25), prompt_concurrency=1, decode_concurrency=1)
+    stop, standard = threading.Event(), []
+    want = solo(model, tokens(90, 32), 40)
+
+    def feed():  # two standard requests outstanding at all times, 200 in all
+        for i in range(200):
+            s = EventSink()
+            standard.append(s)
+            e.submit(req(f"s{i}", tokens(2000 + i, 24), s, STANDARD, n=2))
+            while i >= 1 and not stop.is_set() and not standard[i - 1].done.wait(0.01):
+                pass
+            if stop.is_set():
+                return
+
+    try:
+        stream = EventSink()
+        e.submit(req("stream", tokens(90, 32), stream, BATCH, n=40))
+        wait_until(lambda: len(stream.tokens) >= 2, 60, "the batch stream to decode")
+        t = threading.Thread(target=feed)
+        t.start()
+        finished = stream.done.wait(60) and sum(s.done.is_set() for s in standard) < 200
+        stop.set()
+        t.join(60)
+        assert finished, len(standard)
+        assert stream.tokens == want
+        assert e.metrics.decode_pauses.labels(str(BATCH))._value.get() >= 1
+    finally:
+        stop.set()
+        e.stop()
 
 
 @pytest.mark.parametrize("speculative", [False, True])
