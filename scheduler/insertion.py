@@ -94,9 +94,7 @@ class RowInsertion:
             if extracted is None:
                 return False
             cache, tokens = extracted
-            for layer in cache:
-                layer.state = tree_map(compact, layer.state)
-            mx.eval([layer.state for layer in cache])
+            _keep(cache)
             self.gen.remove([a.uid])
         except Exception:
             log.exception("pausing request %s failed; it goes on", a.request.id)
@@ -117,9 +115,7 @@ class RowInsertion:
         self.active.pop(a.uid, None)
         self.by_id.pop(a.request.id, None)
         try:
-            for layer in state.cache:
-                layer.state = tree_map(compact, layer.state)
-            mx.eval([layer.state for layer in state.cache], state.pending)
+            _keep(state.cache, state.pending)
         except Exception as e:  # out of the batch already: it fails alone
             log.exception("pausing the decoding request %s failed", a.request.id)
             self._count_failure(a)
@@ -136,13 +132,15 @@ class RowInsertion:
 
     def resume(self, a: Row) -> bool:
         """Put the paused row ``a`` back into the generator: its prefill goes on from where
-        it stopped, over its kept cache. False (``a`` failed with a 500) if that raised."""
-        if a.decoding:
-            return self._resume_decoding(a)
-        cache, tokens = a.paused
-        r, done = a.request, len(tokens)
+        it stopped, over its kept cache, or its decoding from its kept state. False (``a``
+        failed with a 500) if that raised."""
+        r = a.request
         try:
-            uid = self._insert(r, done, a.marks, cache, tokens, a.fault)
+            if a.decoding:
+                uid, base = self.gen.put_decoding(a.paused), a.progress_base
+            else:
+                cache, tokens = a.paused
+                uid, base = self._insert(r, len(tokens), a.marks, cache, tokens, a.fault), len(tokens) - a.cached
         except Exception as e:
             log.exception("resuming request %s failed", r.id)
             a.paused = None
@@ -151,21 +149,15 @@ class RowInsertion:
             a.lease = None
             self._send(r, [ErrorEvent(500, f"could not resume the request: {e}")])
             return False
-        a.uid, a.paused, a.progress_base = uid, None, done - a.cached
+        a.uid, a.paused, a.progress_base = uid, None, base
         self.active[uid] = a
         self.by_id[r.id] = a
         return True
 
-    def _resume_decoding(self, a: Row) -> bool:
-        try:
-            uid = self.gen.put_decoding(a.paused)
-        except Exception as e:
-            log.exception("resuming request %s failed", a.request.id)
-            a.paused = None
-            self._count_failure(a)
-            self._send(a.request, [ErrorEvent(500, f"could not resume the request: {e}")])
-            return False
-        a.uid, a.paused = uid, None
-        self.active[uid] = a
-        self.by_id[a.request.id] = a
-        return True
+
+def _keep(cache: list, *arrays) -> None:
+    """Make each layer's state of an extracted ``cache`` a compact copy (not a view pinning
+    the whole batch buffer) and evaluate it, with ``arrays``."""
+    for layer in cache:
+        layer.state = tree_map(compact, layer.state)
+    mx.eval([layer.state for layer in cache], *arrays)
