@@ -74,6 +74,39 @@ def req(rid: str, prompt: list[int], sink, priority: int, n: int = 4) -> EngineR
     return EngineRequest(rid, prompt, SamplingParams(max_tokens=n), sink, priority=priority, tenant=rid)
 
 
+class Steady:
+    """Requests of one class that keep coming (a thread): two outstanding at all times,
+    ``count`` in all, ``length``-token prompts, ``n`` tokens each, until :meth:`stop`."""
+
+    def __init__(self, e: Engine, prefix: str, priority: int, count: int, seed: int, length: int, n: int):
+        self.sinks: list[EventSink] = []
+        self._count = count
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._feed, args=(e, prefix, priority, count, seed, length, n))
+
+    def _feed(self, e, prefix, priority, count, seed, length, n) -> None:
+        for i in range(count):
+            s = EventSink()
+            self.sinks.append(s)
+            e.submit(req(f"{prefix}{i}", tokens(seed + i, length), s, priority, n=n))
+            while i >= 1 and not self._stop.is_set() and not self.sinks[i - 1].done.wait(0.01):
+                pass
+            if self._stop.is_set():
+                return
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def all_done(self) -> bool:
+        """Every one of the ``count`` requests was sent and has ended."""
+        return len(self.sinks) == self._count and all(s.done.is_set() for s in self.sinks)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.ident is not None:
+            self._thread.join(60)
+
+
 # ---------------------------------------------------------------------- the policy
 
 
@@ -129,32 +162,19 @@ def test_batch_work_keeps_its_share_of_steps(model, share, slots):
     turns run beside the interactive prompts when a prompt slot is free (none of those is
     ever paused), instead of them when none is."""
     e = engine(model, loop=EngineLoop(batch_share=share), prompt_concurrency=slots)
-    stop, interactive = threading.Event(), []
-
-    def feed():  # two interactive requests outstanding at all times, 60 in all
-        for i in range(60):
-            s = EventSink()
-            interactive.append(s)
-            e.submit(req(f"i{i}", tokens(1000 + i, 128), s, INTERACTIVE, n=1))
-            while i >= 1 and not stop.is_set() and not interactive[i - 1].done.wait(0.01):
-                pass
-            if stop.is_set():
-                return
-
+    interactive = Steady(e, "i", INTERACTIVE, 60, seed=1000, length=128, n=1)
     try:
         batch = EventSink()
         e.submit(req("batch", tokens(7, 320), batch, BATCH))
-        t = threading.Thread(target=feed)
-        t.start()
-        finished = batch.done.wait(60) and sum(s.done.is_set() for s in interactive) < 60
-        stop.set()
-        t.join(60)
-        assert finished == (share > 0), (share, len(interactive))
+        interactive.start()
+        finished = batch.done.wait(60) and not interactive.all_done()
+        interactive.stop()
+        assert finished == (share > 0), (share, len(interactive.sinks))
         assert batch.done.wait(60)  # and with the interactive stream gone, it finishes anyway
         interactive_pauses = e.metrics.pauses.labels(str(INTERACTIVE))._value.get()
         assert (interactive_pauses == 0) == (slots > 1 or share == 0), interactive_pauses
     finally:
-        stop.set()
+        interactive.stop()
         e.stop()
 
 
@@ -318,34 +338,21 @@ def test_paused_streams_finish_beside_a_steady_better_class(model):
     """One decode slot, a batch-class stream in it, and standard requests always waiting:
     the stream is paused for them and still finishes on its share of turns, with its
     solo tokens."""
-    e = engine(model, loop=EngineLoop(batch_share=0.25), prompt_concurrency=1, decode_concurrency=1)
-    stop, standard = threading.Event(), []
     want = solo(model, tokens(90, 32), 40)
-
-    def feed():  # two standard requests outstanding at all times, 200 in all
-        for i in range(200):
-            s = EventSink()
-            standard.append(s)
-            e.submit(req(f"s{i}", tokens(2000 + i, 24), s, STANDARD, n=2))
-            while i >= 1 and not stop.is_set() and not standard[i - 1].done.wait(0.01):
-                pass
-            if stop.is_set():
-                return
-
+    e = engine(model, loop=EngineLoop(batch_share=0.25), prompt_concurrency=1, decode_concurrency=1)
+    standard = Steady(e, "s", STANDARD, 200, seed=2000, length=24, n=2)
     try:
         stream = EventSink()
         e.submit(req("stream", tokens(90, 32), stream, BATCH, n=40))
         wait_until(lambda: len(stream.tokens) >= 2, 60, "the batch stream to decode")
-        t = threading.Thread(target=feed)
-        t.start()
-        finished = stream.done.wait(60) and sum(s.done.is_set() for s in standard) < 200
-        stop.set()
-        t.join(60)
-        assert finished, len(standard)
+        standard.start()
+        finished = stream.done.wait(60) and not standard.all_done()
+        standard.stop()
+        assert finished, len(standard.sinks)
         assert stream.tokens == want
         assert e.metrics.decode_pauses.labels(str(BATCH))._value.get() >= 1
     finally:
-        stop.set()
+        standard.stop()
         e.stop()
 
 
