@@ -1,5 +1,6 @@
-"""Speculative decoding (``--speculative ngram``) against ``--speculative off``, in one run;
-prints figures, asserts nothing.
+"""Speculative decoding (``--speculative ngram``, and ``draft`` with ``--draft-model`` or
+``--draft-layers``) against ``--speculative off``, in one run; prints figures, asserts
+nothing.
 
 Model: ``--model PATH`` (for instance the default model, SmolLM2-135M-Instruct, whose real
 weights copy their context), else a random-weight model of SmolLM2-135M's shape (llama,
@@ -25,6 +26,10 @@ whether every output was the same text as with ``off`` (for sampled output, only
 draft was verified: speculative sampling keeps the distribution, not the draws). It also
 prints what a verification forward costs here: ``[B, W]`` against ``[B, 1]`` over a
 1,500-token context, in process.
+``--draft-model PATH`` adds the ``draft`` setting with that draft model;
+``--draft-layers N`` with a draft cut from the model itself: its embedding, first ``N``
+layers, final norm and output layer (a layer-skipping self-draft, as in Zhang et al., 2023,
+"Draft & Verify"), written next to the model.
 ``--repeat N`` runs each setting N times, taking turns, each figure the median.
 ``--out DIR`` writes ``speculative.json`` and ``speculative.md``. On Linux, preload the
 system OpenBLAS (``gateway/cpu/blas.py``).
@@ -32,7 +37,8 @@ system OpenBLAS (``gateway/cpu/blas.py``).
 Usage::
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        python benchmarks/bench_speculative.py [--model PATH] [--answer 128] [--streams 4] [--repeat 1] [--out DIR]
+        python benchmarks/bench_speculative.py [--model PATH] [--answer 128] [--streams 4] [--repeat 1] \\
+            [--methods ngram] [--draft-model PATH | --draft-layers N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -66,6 +72,31 @@ def smol_shaped_model() -> str:
     tokenizer = ROOT / "tests" / "fixtures" / "tokenizers" / "llama3"
     return str(build_model_dir(Path(tempfile.gettempdir()) / "mlx-gateway-bench-smol135-shape", "llama",
                                tokenizer_dir=tokenizer, overrides=SMOL_SHAPE))
+
+
+def first_layers_draft(model_dir: str, n: int) -> str:
+    """A copy of ``model_dir`` keeping its first ``n`` layers (weights shared, not retrained)."""
+    import shutil
+
+    import mlx.core as mx
+
+    src = Path(model_dir)
+    dst = src.parent / f"{src.name}-first{n}"
+    dst.mkdir(exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = n
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    weights = {}
+    for f in sorted(src.glob("*.safetensors")):
+        for k, v in mx.load(str(f)).items():
+            m = re.match(r"model\.layers\.(\d+)\.", k)
+            if m is None or int(m.group(1)) < n:
+                weights[k] = v
+    mx.save_safetensors(str(dst / "model.safetensors"), weights)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(f, dst / f.name)
+    return str(dst)
 
 
 def code_prompt(n_chars: int = 6000) -> list[dict]:
@@ -106,11 +137,14 @@ async def workload(url: str, model: str, kind: str, streams: int, answer: int) -
     }
 
 
-def run_setting(model_dir: str, speculative: str, streams: int, answer: int, k: int) -> dict:
+def run_setting(model_dir: str, speculative: str, streams: int, answer: int, k: int,
+                draft: str | None = None) -> dict:
     port = free_port()
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--model", model_dir, "--port", str(port),
            "--served-model-name", "m", "--speculative", speculative, "--num-draft-tokens", str(k),
            "--no-precompute-next-turn", "--decode-concurrency", str(max(8, streams))]
+    if speculative == "draft":
+        cmd += ["--draft-model", draft]
     proc, _ = start(cmd, port, env=dict(os.environ))
     try:
         url = f"http://127.0.0.1:{port}"
@@ -186,17 +220,18 @@ def same(kind: str, on: dict, off: dict) -> str:
 
 
 def table(results: dict, streams: int) -> str:
-    lines = ["| workload | streams | off tok/s | ngram tok/s | ratio | acceptance of drafts | tokens/row-step | "
-             "same output |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| workload | streams | method | off tok/s | on tok/s | ratio | acceptance of drafts | "
+             "tokens/row-step | same output |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for kind in ("code-edit", "no-repetition"):
         for n in (1, streams):
-            off, on = results["off"][f"{kind}/{n}"], results["ngram"][f"{kind}/{n}"]
-            acc = f"{on['accepted'] / on['drafted']:.2f} of {on['drafted']:.0f}" if on["drafted"] else "no drafts"
-            tps = f"{on['tokens_per_row_step']:.2f}" if on["tokens_per_row_step"] else "-"
-            lines.append(f"| {kind} | {n} | {off['decode_tok_s']:.1f} | {on['decode_tok_s']:.1f} | "
-                         f"{on['decode_tok_s'] / off['decode_tok_s']:.2f} | {acc} | {tps} | "
-                         f"{same(kind, on, off)} |")
+            for method in (m for m in results if m != "off"):
+                off, on = results["off"][f"{kind}/{n}"], results[method][f"{kind}/{n}"]
+                acc = f"{on['accepted'] / on['drafted']:.2f} of {on['drafted']:.0f}" if on["drafted"] else "no drafts"
+                tps = f"{on['tokens_per_row_step']:.2f}" if on["tokens_per_row_step"] else "-"
+                lines.append(f"| {kind} | {n} | {method} | {off['decode_tok_s']:.1f} | {on['decode_tok_s']:.1f} | "
+                             f"{on['decode_tok_s'] / off['decode_tok_s']:.2f} | {acc} | {tps} | "
+                             f"{same(kind, on, off)} |")
     return "\n".join(lines)
 
 
@@ -206,6 +241,10 @@ def main() -> None:
     ap.add_argument("--answer", type=int, default=128, help="answer tokens per request (default 128)")
     ap.add_argument("--streams", type=int, default=4, help="concurrent streams of the batched rows (default 4)")
     ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--draft-model", help="also run --speculative draft with this draft model")
+    ap.add_argument("--draft-layers", type=int,
+                    help="also run --speculative draft with the model's first N layers as its draft")
+    ap.add_argument("--methods", default="ngram", help="comma-separated methods besides off (default ngram)")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each setting, taking turns; figures are medians")
     ap.add_argument("--out", help="directory for speculative.json and speculative.md")
     args = ap.parse_args()
@@ -214,10 +253,13 @@ def main() -> None:
     print("verification forward cost (relative to [B, 1], 1,500 cached tokens):")
     for B, W, r in cost:
         print(f"  [B={B}, W={W}]: {r:.2f}x")
-    runs = {"off": [], "ngram": []}
+    draft = args.draft_model or (first_layers_draft(model_dir, args.draft_layers) if args.draft_layers else None)
+    runs = {"off": [], **{m: [] for m in args.methods.split(",") if m}}
+    if draft:
+        runs["draft"] = []
     for _ in range(args.repeat):  # the settings take turns, so machine drift hits both
         for s in runs:
-            runs[s].append(run_setting(model_dir, s, args.streams, args.answer, args.num_draft_tokens))
+            runs[s].append(run_setting(model_dir, s, args.streams, args.answer, args.num_draft_tokens, draft))
     results = {s: median_runs(r) for s, r in runs.items()}
     md = table(results, args.streams)
     print(md)

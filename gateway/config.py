@@ -66,6 +66,7 @@ class ServeConfig:
     precompute_next_turn: bool = True
     speculative: str = "off"
     num_draft_tokens: int = 4
+    draft_model: Optional[str] = None
     kv_bits: Optional[int] = None
     kv_group_size: int = 64
 
@@ -163,10 +164,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="when a chat reply ends and nothing waits, prefill the prefix its next request will "
                    "share (the reply as the template will show it) at the lowest priority; any request "
                    "preempts it (default: on)")
-    p.add_argument("--speculative", choices=("off", "ngram"), default=d.speculative,
+    p.add_argument("--speculative", choices=("off", "ngram", "draft"), default=d.speculative,
                    help="speculative decoding: 'ngram' drafts each decoding row's next tokens from its own "
-                   "prompt and output (prompt lookup) and verifies them in the batch's forward; greedy "
-                   "output is unchanged, sampled output keeps its distribution (default %(default)s)")
+                   "prompt and output (prompt lookup), 'draft' from --draft-model; the batch's forward verifies "
+                   "them; greedy output is unchanged, sampled output keeps its distribution (default %(default)s)")
+    p.add_argument("--draft-model", metavar="PATH", default=d.draft_model,
+                   help="a small model with the served model's tokenizer (directory or hub id) that drafts "
+                   "with --speculative draft (implied when --speculative is not given)")
     p.add_argument("--num-draft-tokens", type=_draft_count, default=d.num_draft_tokens,
                    help="most tokens drafted per row and step with --speculative (default %(default)s)")
     p.add_argument("--kv-bits", type=int, choices=(4, 8), default=d.kv_bits,

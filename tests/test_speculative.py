@@ -389,10 +389,12 @@ def _chat(url: str, body: dict) -> dict:
     return r.json()
 
 
-def test_api_answers_equal_with_grammar_stop_strings_and_max_tokens():
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_api_answers_equal_with_grammar_stop_strings_and_max_tokens(method):
     """Over HTTP, concurrently: plain chat, a json_schema answer (its drafts checked against
     its grammar), stop strings that fall inside an accepted draft,
-    and short ``max_tokens``; every answer the same with ``--speculative ngram`` as without."""
+    and short ``max_tokens``; every answer the same with ``--speculative ngram`` (or
+    ``draft``, the served model drafting for itself) as without."""
     text = "alpha beta gamma delta " * 12
     schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"],
               "additionalProperties": False}
@@ -404,7 +406,9 @@ def test_api_answers_equal_with_grammar_stop_strings_and_max_tokens():
     ]
 
     def answers(speculative: str, stops=None) -> list[str]:
-        with live_server(model_path("qwen3"), speculative=speculative, decode_concurrency=8) as server:
+        draft = str(model_path("qwen3")) if speculative == "draft" else None
+        with live_server(model_path("qwen3"), speculative=speculative, draft_model=draft,
+                         decode_concurrency=8) as server:
             async def burst():
                 async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
                     rs = await asyncio.gather(*(c.post("/v1/chat/completions", json={
@@ -416,14 +420,14 @@ def test_api_answers_equal_with_grammar_stop_strings_and_max_tokens():
             return out, server.engine.stats.speculation
 
     plain, _ = answers("off")
-    spec, stats = answers("ngram")
+    spec, stats = answers(method)
     assert spec == plain
     assert stats.accepted > 0
     # stop strings cut from the middle of each plain answer
     stops = [[a[len(a) // 2: len(a) // 2 + 4]] if len(a) > 8 else None for a in plain]
     stops = [s if s and s[0].strip() else None for s in stops]
     plain_stopped, _ = answers("off", stops)
-    spec_stopped, _ = answers("ngram", stops)
+    spec_stopped, _ = answers(method, stops)
     assert spec_stopped == plain_stopped
 
 

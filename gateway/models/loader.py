@@ -32,11 +32,12 @@ from cache import CacheBudget, PromptCacheManager
 from cache.checkpoints import encode_with_ends, render_text
 from cache.quantized import quantize_kv
 from gateway.config import ServeConfig
+from gateway.models.draft import check_draft, read_draft
 from gateway.models.handle import ModelHandle
 from gateway.models.spec import ModelSpec
 from scheduler import Engine
 from scheduler.loop import EngineLoop
-from scheduler.speculative import SpeculationConfig, speculation_refusal
+from scheduler.speculative import DraftModel, SpeculationConfig, speculation_refusal
 
 log = logging.getLogger("mlx_gateway")
 
@@ -78,15 +79,19 @@ def resolve_path(spec: ModelSpec) -> str:
     return spec.path
 
 
-def _speculation(spec: ModelSpec, model, cluster) -> SpeculationConfig:
+def _speculation(spec: ModelSpec, model, cluster, draft=None, vocab: int = 0) -> SpeculationConfig:
     """The model's speculative decoding, or off (with a warning) where it cannot roll back
-    a draft or runs split across ranks (the other ranks replay plain steps only)."""
+    a draft or runs split across ranks (the other ranks replay plain steps only);
+    ``draft``: the draft model of ``"draft"`` (read and checked), drafting into ``vocab``
+    logits."""
     if spec.speculative == "off":
         return SpeculationConfig()
     why = "it runs split across ranks" if cluster is not None else speculation_refusal(model)
     if why is not None:
         log.warning("%s: speculative decoding is off: %s", spec.name, why)
         return SpeculationConfig()
+    if spec.speculative == "draft":
+        return SpeculationConfig("draft", spec.num_draft_tokens, draft=DraftModel(draft, vocab))
     return SpeculationConfig(spec.speculative, spec.num_draft_tokens)
 
 
@@ -221,19 +226,27 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
     cluster = distributed.current()
     if cluster is not None:  # one model across the ranks of mlx.launch (gateway/ranks.py)
         cluster.shard(model)
-    reserve(served_bytes(model))
+    draft = draft_path = None
+    if spec.speculative == "draft" and cluster is None and speculation_refusal(model) is None:
+        draft, draft_path = read_draft(spec.name, spec.draft_model)
+    reserve(served_bytes(model) + (served_bytes(draft) if draft is not None else 0))
     # Linux CPU: only float32 matmuls use BLAS (docs/deployment.md, "Weights in float32")
     loaded_as = "float32" if float32_weights_for_cpu_backend(model) is None else None
     mx.eval(model.parameters())
+    if draft is not None:
+        float32_weights_for_cpu_backend(draft)
+        mx.eval(draft.parameters())
     if spec.kv_bits:
         try:
             quantize_kv(model, spec.kv_bits, spec.kv_group_size)
         except ValueError as e:
             raise ValueError(f"{spec.name}: --kv-bits {spec.kv_bits}: {e}") from None
-    weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+    weights = sum(p.nbytes for m in (model, draft) if m is not None for _, p in tree_flatten(m.parameters()))
     exact = batch_is_exact(model)
     vocab = logits_size(model)
     tokenizer, grammars = tokenizer_and_grammars(model_path, config, vocab)
+    if draft is not None:
+        check_draft(spec.name, draft, draft_path, tokenizer)
     if not exact:
         log.warning("%s: padded batches of this model do not match single requests; prompts will only be "
                     "batched when they need no padding", spec.name)
@@ -248,7 +261,7 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
         except OSError as e:
             manager.close()
             raise DiskTierUnusable(f"the prompt cache's disk tier cannot be used: {e}") from e
-    engine = Engine(model, tokenizer.eos_token_ids, manager, speculation=_speculation(spec, model, cluster),
+    engine = Engine(model, tokenizer.eos_token_ids, manager, speculation=_speculation(spec, model, cluster, draft, vocab),
                     prompt_concurrency=cfg.prompt_concurrency,
                     decode_concurrency=cfg.decode_concurrency, prefill_step_size=cfg.prefill_step_size,
                     prefill_budget=cfg.prefill_budget, max_waiting=cfg.max_waiting, registry=registry,

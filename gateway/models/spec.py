@@ -16,7 +16,8 @@ model, ``NAME`` the name clients send as ``model``::
     prompt_cache_bytes = "2G"      # this model's share of the prefix cache
     max_prompt_tokens = 8192       # longest prompt (default: the model's context)
     checkpoint_every = 4096        # snapshot every N tokens of long prompts
-    speculative = "ngram"          # speculative decoding: "ngram" or "off"
+    speculative = "ngram"          # speculative decoding: "ngram", "draft" or "off"
+    draft_model = "path"           # the draft model of speculative = "draft"
     num_draft_tokens = 4           # most tokens drafted per row and step
     kv_bits = 8                    # quantized KV cache: 8 or 4 bits (default: float)
     kv_group_size = 64             # elements per quantization group
@@ -46,7 +47,7 @@ DEFAULT_NAME = "SmolLM2-135M-Instruct"
 
 _FIELDS = {"path", "aliases", "pin", "keep_alive", "max_tokens", "max_tokens_limit", "temp", "top_p", "top_k",
            "min_p", "chat_template_args", "prompt_cache_bytes", "max_prompt_tokens", "checkpoint_every",
-           "speculative", "num_draft_tokens", "kv_bits", "kv_group_size"}
+           "speculative", "num_draft_tokens", "draft_model", "kv_bits", "kv_group_size"}
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
@@ -75,8 +76,9 @@ class ModelSpec:
         prompt_cache_bytes: this model's bound on its prefix cache (bytes).
         max_prompt_tokens: the longest prompt (tokens); None: the model's context.
         checkpoint_every: a prefix-cache snapshot every N prompt tokens of long prompts.
-        speculative: ``"ngram"`` or ``"off"`` (``scheduler.speculative``).
+        speculative: ``"ngram"``, ``"draft"`` or ``"off"`` (``scheduler.speculative``).
         num_draft_tokens: most tokens drafted per row and step.
+        draft_model: the draft model's directory or hub id (``"draft"`` only).
         kv_bits, kv_group_size: a quantized KV cache (``cache.quantized``); None: float.
     """
 
@@ -98,6 +100,7 @@ class ModelSpec:
     checkpoint_every: int = 4096
     speculative: str = "off"
     num_draft_tokens: int = 4
+    draft_model: Optional[str] = None
     kv_bits: Optional[int] = None
     kv_group_size: int = 64
 
@@ -137,8 +140,10 @@ def defaults(cfg: ServeConfig) -> dict:
                 max_tokens_limit=cfg.max_tokens_limit, temp=cfg.temp, top_p=cfg.top_p, top_k=cfg.top_k,
                 min_p=cfg.min_p, chat_template_args=dict(cfg.chat_template_args),
                 prompt_cache_bytes=cfg.prompt_cache_bytes, max_prompt_tokens=cfg.max_prompt_tokens,
-                checkpoint_every=cfg.checkpoint_every, speculative=cfg.speculative,
-                num_draft_tokens=cfg.num_draft_tokens, kv_bits=cfg.kv_bits, kv_group_size=cfg.kv_group_size)
+                checkpoint_every=cfg.checkpoint_every,
+                speculative="draft" if cfg.draft_model and cfg.speculative == "off" else cfg.speculative,
+                num_draft_tokens=cfg.num_draft_tokens, draft_model=cfg.draft_model, kv_bits=cfg.kv_bits,
+                kv_group_size=cfg.kv_group_size)
 
 
 def served_name(path: str) -> str:
@@ -158,8 +163,11 @@ def model_specs(cfg: ServeConfig) -> list[ModelSpec]:
 
     Raises:
         ModelsFileError: an unreadable or invalid file, ``--models`` with ``--model``,
-            ``--served-model-name`` with several models, or two models answering to one name.
+            ``--served-model-name`` with several models, two models answering to one name,
+            or a ``draft`` speculation without a draft model.
     """
+    if cfg.draft_model and cfg.speculative == "ngram":
+        raise ModelsFileError("--draft-model drafts with --speculative draft, not ngram")
     base = defaults(cfg)
     if cfg.models_file:
         if cfg.model:
@@ -178,6 +186,10 @@ def model_specs(cfg: ServeConfig) -> list[ModelSpec]:
                            aliases=tuple(cfg.served_model_names) if alone else (), **{**base,
                            "keep_alive": None if alone else base["keep_alive"]}) for p in paths]
     check_names(specs)
+    for s in specs:
+        if s.speculative == "draft" and not s.draft_model:
+            raise ModelsFileError(f"models.{s.name}: speculative = 'draft' needs a draft model "
+                                  "(--draft-model PATH, or draft_model in the models file)")
     return specs
 
 
@@ -253,9 +265,15 @@ def _spec(name: str, t, base: dict) -> ModelSpec:
             except ValueError as e:
                 raise ModelsFileError(f"{where}: {key} {e}") from e
     if "speculative" in t:
-        if t["speculative"] not in ("off", "ngram"):
-            raise ModelsFileError(f"{where}: speculative must be 'off' or 'ngram', got {t['speculative']!r}")
+        if t["speculative"] not in ("off", "ngram", "draft"):
+            raise ModelsFileError(f"{where}: speculative must be 'off', 'ngram' or 'draft', got {t['speculative']!r}")
         settings["speculative"] = t["speculative"]
+    if "draft_model" in t:
+        if not isinstance(t["draft_model"], str) or not t["draft_model"]:
+            raise ModelsFileError(f"{where}: draft_model must be a directory or hub id")
+        settings["draft_model"] = t["draft_model"]
+        if "speculative" not in t:
+            settings["speculative"] = "draft"
     for key, allowed in (("kv_bits", (4, 8)), ("kv_group_size", (32, 64, 128))):
         if key in t:
             if isinstance(t[key], bool) or t[key] not in allowed:

@@ -5,6 +5,8 @@ forward ``[B, 1 + K]``; accepted tokens stream out, rejected ones are rolled bac
 
 - :mod:`scheduler.speculative.lookup`: prompt lookup (n-gram) drafts from a row's own
   prompt and output.
+- :mod:`scheduler.speculative.draft_model`: drafts from a small model of the same
+  tokenizer, its own KV cache kept in step with the batch's rows.
 - :mod:`scheduler.speculative.holes`: the decode batch's KV cache with *holes*, so one
   row can roll back a rejected draft without moving the others (or its own KV).
 - :mod:`scheduler.speculative.acceptance`: each row's acceptance rate and whether a
@@ -16,9 +18,10 @@ forward ``[B, 1 + K]``; accepted tokens stream out, rejected ones are rolled bac
 from typing import Optional
 
 from scheduler.speculative.config import SpeculationConfig, speculation_refusal
+from scheduler.speculative.draft_model import DraftModel
 from scheduler.speculative.step import SpeculationStats, Speculator
 
-__all__ = ["SpeculationConfig", "SpeculationStats", "Speculator", "speculation_refusal", "speculator"]
+__all__ = ["DraftModel", "SpeculationConfig", "SpeculationStats", "Speculator", "speculation_refusal", "speculator"]
 
 
 def speculator(config: SpeculationConfig, stats: SpeculationStats, metrics) -> Optional[Speculator]:

@@ -3,10 +3,12 @@ models can speculate."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
-METHODS = ("off", "ngram")
+from scheduler.speculative.draft_model import DraftModel
+
+METHODS = ("off", "ngram", "draft")
 
 
 @dataclass(frozen=True)
@@ -14,22 +16,31 @@ class SpeculationConfig:
     """How the decode batch drafts.
 
     Attributes:
-        method: ``"off"`` or ``"ngram"`` (prompt lookup, :mod:`scheduler.speculative.lookup`).
+        method: ``"off"``, ``"ngram"`` (prompt lookup, :mod:`scheduler.speculative.lookup`)
+            or ``"draft"`` (a draft model, :mod:`scheduler.speculative.draft_model`).
         num_draft_tokens: most tokens drafted per row and step (``K``; a verification
             forward is ``[B, 1 + K]`` at most).
         min_n, max_n: the n-gram lengths prompt lookup matches, longest first (tokens).
+        draft: the draft model, for ``"draft"`` (and only then).
+
+    Raises:
+        ValueError: an unknown method, ``K`` outside 1..16, or ``draft`` given with
+            another method or missing with ``"draft"``.
     """
 
     method: str = "off"
     num_draft_tokens: int = 4
     min_n: int = 2
     max_n: int = 4
+    draft: Optional[DraftModel] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(METHODS)}, not {self.method!r}")
         if not 1 <= self.num_draft_tokens <= 16:
             raise ValueError(f"num_draft_tokens must be 1..16, not {self.num_draft_tokens}")
+        if (self.method == "draft") != (self.draft is not None):
+            raise ValueError("the 'draft' method, and only it, needs a draft model")
 
     @property
     def enabled(self) -> bool:

@@ -81,3 +81,40 @@ class PromptLookup:
                     draft.append(last if j == seq_len - 1 else draft[j - seq_len])
                 return draft
         return []
+
+
+class LookupDrafter:
+    """The ``ngram`` method over a decode batch: one :class:`PromptLookup` per row.
+
+    The drafter interface :class:`scheduler.speculative.step.Speculator` uses:
+    :meth:`hint`, :meth:`propose`, :meth:`settle` and :meth:`forget`.
+    """
+
+    def __init__(self, min_n: int = 2, max_n: int = 4):
+        self.min_n, self.max_n = min_n, max_n
+        self._lookups: dict[int, PromptLookup] = {}
+
+    def forget(self, uids: list[int]) -> None:
+        """Drop the rows not in ``uids`` (they left the batch)."""
+        if len(self._lookups) > len(uids):
+            live = set(uids)
+            for uid in [u for u in self._lookups if u not in live]:
+                del self._lookups[uid]
+
+    def hint(self, batch, i: int) -> bool:
+        """Row ``i``'s tokens end in an n-gram seen before: it will likely find a draft
+        (a check that does not wait for the row's pending token)."""
+        lookup = self._lookups.get(batch.uids[i])
+        if lookup is None:
+            lookup = self._lookups[batch.uids[i]] = PromptLookup(self.min_n, self.max_n)
+        lookup.sync(batch.tokens[i])
+        return lookup.matches()
+
+    def propose(self, batch, candidates: list[bool], inputs: list[int], rooms: list[int]) -> list[list[int]]:
+        """Per row, up to ``rooms[i]`` tokens to follow ``inputs[i]`` (empty for rows not
+        ``candidates``)."""
+        return [self._lookups[batch.uids[i]].propose(t, room) if c else []
+                for i, (t, c, room) in enumerate(zip(inputs, candidates, rooms))]
+
+    def settle(self, uids: list[int], accepted: list[int]) -> None:
+        """Nothing to take back: the lookup indexes only tokens a row emitted."""

@@ -4,9 +4,10 @@ Each step (:meth:`Speculator.next`):
 
 1. waits for the rows' pending input tokens (the ones sampled last step), since drafts
    follow them (plain decoding overlaps this wait with building the next step's graph);
-2. asks each row that may draft for up to ``K`` prompt-lookup tokens: not a row's first
-   step, not rows whose acceptance rate is cooling down; a row's grammar cuts its draft
-   at the first token it forbids (:mod:`scheduler.speculative.processors`);
+2. asks its drafter for up to ``K`` tokens for each row that may draft (prompt lookup,
+   :mod:`.lookup`, or a draft model, :mod:`.draft_model`): not a row's first step, not
+   rows whose acceptance rate is cooling down; a row's grammar cuts its draft at the first
+   token it forbids (:mod:`scheduler.speculative.processors`);
 3. picks the step's width ``W`` (:func:`~scheduler.speculative.acceptance.best_width`);
    ``W = 1`` is a plain step (mlx-lm's);
 4. else runs one forward ``[B, W]`` (each row's input token, its drafts, then filler),
@@ -36,7 +37,8 @@ from scheduler.sampling import TemperatureSampler, greedy
 from scheduler.speculative.acceptance import RowAcceptance, StepCost, best_width
 from scheduler.speculative.config import SpeculationConfig
 from scheduler.speculative.holes import HoledKVCache
-from scheduler.speculative.lookup import PromptLookup
+from scheduler.speculative.draft_model import ModelDrafter
+from scheduler.speculative.lookup import LookupDrafter
 from scheduler.speculative.processors import apply_along, draftable, grammar_prefix, rewind
 from scheduler.speculative.verify import accept_greedy, accept_sampled
 
@@ -76,25 +78,28 @@ class Speculator:
         self.stats = stats or SpeculationStats()
         self.cost = StepCost()
         self._on_verify = on_verify
-        self._lookups: dict[int, PromptLookup] = {}
+        if config.method == "draft":
+            self.drafter = ModelDrafter(config.draft, config.num_draft_tokens)
+        else:
+            self.drafter = LookupDrafter(config.min_n, config.max_n)
         self._acceptance: dict[int, RowAcceptance] = {}
 
     # ----------------------------------------------------------------- per row
-    def _row(self, uid: int) -> tuple[PromptLookup, RowAcceptance]:
-        lookup = self._lookups.get(uid)
-        if lookup is None:
-            lookup = self._lookups[uid] = PromptLookup(self.config.min_n, self.config.max_n)
-            self._acceptance[uid] = RowAcceptance()
-        return lookup, self._acceptance[uid]
+    def _rate(self, uid: int) -> RowAcceptance:
+        rate = self._acceptance.get(uid)
+        if rate is None:
+            rate = self._acceptance[uid] = RowAcceptance()
+        return rate
 
     def _forget_gone(self, uids: list[int]) -> None:
-        if len(self._lookups) > len(uids):
+        if len(self._acceptance) > len(uids):
             live = set(uids)
-            for uid in [u for u in self._lookups if u not in live]:
-                del self._lookups[uid], self._acceptance[uid]
+            for uid in [u for u in self._acceptance if u not in live]:
+                del self._acceptance[uid]
+        self.drafter.forget(uids)
 
     def _may_draft(self, batch, i: int) -> bool:
-        """Row ``i`` may draft this step, and its tokens so far suggest it will find one."""
+        """Row ``i`` may draft this step, and its drafter expects to find a draft."""
         if batch._fresh[i] or not draftable(batch.logits_processors[i] or []):
             return False
         sampler = batch.samplers[i]
@@ -104,17 +109,18 @@ class Speculator:
             # token, which verifying a draft (a uniform draw, then a token) would not
             if not isinstance(inner, TemperatureSampler) or inner.seeded:
                 return False
-        lookup, acceptance = self._row(batch.uids[i])
-        if batch.max_tokens[i] - batch._num_tokens[i] <= 2 or not acceptance.may_draft():
+        if batch.max_tokens[i] - batch._num_tokens[i] <= 2 or not self._rate(batch.uids[i]).may_draft():
             return False
-        lookup.sync(batch.tokens[i])
-        return lookup.matches()
+        return self.drafter.hint(batch, i)
 
-    def _draft(self, batch, i: int, token: int) -> list[int]:
-        room = batch.max_tokens[i] - batch._num_tokens[i] - 2
-        draft = self._lookups[batch.uids[i]].propose(token, min(room, self.config.num_draft_tokens))
-        processors = batch.logits_processors[i]
-        return draft[:grammar_prefix(processors, token, draft)] if processors and draft else draft
+    def _drafts(self, batch, candidates: list[bool], inputs: list[int]) -> list[list[int]]:
+        rooms = [min(m - n - 2, self.config.num_draft_tokens) for m, n in zip(batch.max_tokens, batch._num_tokens)]
+        drafts = self.drafter.propose(batch, candidates, inputs, rooms)
+        for i, (token, draft) in enumerate(zip(inputs, drafts)):
+            processors = batch.logits_processors[i]
+            if processors and draft:
+                drafts[i] = draft[:grammar_prefix(processors, token, draft)]
+        return drafts
 
     # ----------------------------------------------------------------- the step
     def next(self, batch) -> list:
@@ -131,14 +137,15 @@ class Speculator:
         candidates = [self._may_draft(batch, i) for i in range(len(batch.uids))]
         if not any(candidates):
             return self._plain(batch, timed=self.stats.plain_steps % PLAIN_SAMPLE == 0)
+        tic = time.perf_counter()  # a verify step's cost includes its drafting
         mx.eval(batch._next_tokens)
         inputs = batch._next_tokens.tolist()
-        drafts = [self._draft(batch, i, t) if c else [] for i, (t, c) in enumerate(zip(inputs, candidates))]
-        rows = [self._row(uid)[1] for uid in batch.uids]
+        drafts = self._drafts(batch, candidates, inputs)
+        rows = [self._rate(uid) for uid in batch.uids]
         width = best_width([len(d) for d in drafts], rows, self.cost.beta)
         if width == 1:
+            self.drafter.settle(batch.uids, [0] * len(inputs))
             return self._plain(batch, timed=True)
-        tic = time.perf_counter()
         batch.prompt_cache = [HoledKVCache.adopt(c) for c in batch.prompt_cache]
         responses = self._verify(batch, inputs, [d[: width - 1] for d in drafts], width)
         self.cost.wide(len(inputs), width, time.perf_counter() - tic)
@@ -197,13 +204,14 @@ class Speculator:
                 following.append(int(sampler(logprobs[i, 0:1]).item()))
         for c in batch.prompt_cache:
             c.reject([width - 1 - a for a in accepted])
+        self.drafter.settle(batch.uids, accepted)
         previous = batch._next_logprobs
         batch._next_tokens = mx.array(following, dtype=mx.uint32)
         batch._next_logprobs = [logprobs[i, a] for i, a in enumerate(accepted)]
         for i, (t, d, a) in enumerate(zip(inputs, drafts, accepted)):
             batch.tokens[i].extend([t, *d[:a]])
             if d:
-                self._acceptance[batch.uids[i]].record(len(d), a)
+                self._rate(batch.uids[i]).record(len(d), a)
                 if batch.logits_processors[i]:
                     rewind(batch.logits_processors[i], batch._token_context[i], len(d) - a)
         drafted = sum(len(d) for d in drafts)

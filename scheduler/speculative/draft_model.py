@@ -1,0 +1,169 @@
+"""Drafts from a small model of the same tokenizer (``--speculative draft``), its KV cache
+kept in step with the decode batch's rows.
+
+The draft model keeps its own batch of rows (:class:`ModelDrafter`): a
+:class:`~scheduler.speculative.holes.HoledKVCache` per layer, ``[B_d, H, T, D]``, one row
+per decoding row that has drafted, matched to the decode batch by uid.
+
+- **Joining.** A row's first draft prefills its tokens so far into a cache of its own
+  (chunks of :data:`PREFILL_CHUNK` tokens), merged into the draft batch.
+- **Catching up.** A row's draft cache may lag its tokens: by the plain steps it took
+  without drafting (cool-down, width 1, a step with no candidates), and by one token after
+  it accepted every draft (the last draft is never fed to the draft model). Each drafting
+  step starts with one forward ``[B_d, M]`` of every row's missing tokens, its pending
+  input last, rows shorter than ``M`` filled at the end with positions that are then
+  taken back as holes (they come after the row's real tokens, which never see them).
+- **Drafting.** The first draft is the argmax at each row's pending input; ``K - 1``
+  forwards ``[B_d, 1]`` give the rest, greedily. A draft is deterministic, so speculative
+  sampling's rule (accept ``d`` with probability ``p(d)``, :mod:`.verify`) keeps sampled
+  rows' distribution.
+- **Settling.** After verification, each row keeps the drafts it accepted (at most the
+  ``K - 1`` fed) and takes the rest back as holes: the draft cache never holds a token the
+  row did not emit.
+
+Rows that leave the decode batch leave the draft batch at the next drafting step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+from scheduler.speculative.holes import HoledKVCache
+
+PREFILL_CHUNK = 512  # tokens per forward of a row's first prefill in the draft model
+
+
+@dataclass(frozen=True)
+class DraftModel:
+    """A loaded draft model and the target's logits size.
+
+    Attributes:
+        model: an mlx-lm model whose layers all keep ``KVCache`` s, with the target's
+            tokenizer (the gateway checks both at load).
+        vocab: entries in the target's logits; draft logits beyond them are never
+            proposed (padded embedding tables differ between sizes of one family).
+    """
+
+    model: Any
+    vocab: int
+
+
+class ModelDrafter:
+    """The ``draft`` method over a decode batch (engine thread only); the drafter
+    interface of :class:`scheduler.speculative.step.Speculator`.
+
+    Args:
+        draft: the draft model.
+        k: tokens drafted per row and step (``--num-draft-tokens``).
+    """
+
+    def __init__(self, draft: DraftModel, k: int):
+        self.model, self.vocab, self.k = draft.model, draft.vocab, k
+        self.uids: list[int] = []  # the draft batch's rows, by the decode batch's uids
+        self.fed: list[int] = []  # tokens of each row in its draft cache
+        self.cache: Optional[list[HoledKVCache]] = None
+        self._base: list[int] = []  # tokens each row had before this step's drafts were fed
+        self._embeddings: Optional[int] = None
+
+    # ----------------------------------------------------------------- rows
+    def forget(self, uids: list[int]) -> None:
+        """Drop the rows not in ``uids`` (they left the decode batch)."""
+        live = set(uids)
+        keep = [j for j, u in enumerate(self.uids) if u in live]
+        if len(keep) == len(self.uids):
+            return
+        if not keep:
+            self.uids, self.fed, self.cache = [], [], None
+            return
+        for c in self.cache:
+            c.filter(keep)
+        self.uids = [self.uids[j] for j in keep]
+        self.fed = [self.fed[j] for j in keep]
+
+    def _join(self, rows: list[list[int]], uids: list[int]) -> None:
+        """Prefill each of ``rows`` (token lists) alone, then merge them into the batch."""
+        caches = []
+        for tokens in rows:
+            cache = make_prompt_cache(self.model)
+            for s in range(0, len(tokens), PREFILL_CHUNK):
+                self.model(self._ids([tokens[s:s + PREFILL_CHUNK]]), cache=cache)
+                mx.eval([c.state for c in cache])
+            caches.append(cache)
+        merged = [HoledKVCache.adopt(BatchKVCache.merge([c[layer] for c in caches])) for layer in range(len(caches[0]))]
+        if self.cache is None:
+            self.cache = merged
+        else:
+            for mine, new in zip(self.cache, merged):
+                mine.extend(new)
+        self.uids += uids
+        self.fed += [len(t) for t in rows]
+
+    def _ids(self, grid: list[list[int]]) -> mx.array:
+        """Token ids ``[B, T]`` for the draft model, ids beyond its embedding table clipped
+        (only the target's padding ids are: their drafts are then merely wrong)."""
+        if self._embeddings is None:
+            self._embeddings = int(self.model(mx.array([[0]])).shape[-1])
+        return mx.minimum(mx.array(grid, dtype=mx.uint32), self._embeddings - 1)
+
+    # ----------------------------------------------------------------- the drafter interface
+    def hint(self, batch, i: int) -> bool:
+        """Every row with tokens in its cache may draft."""
+        return len(batch.tokens[i]) > 0
+
+    def propose(self, batch, candidates: list[bool], inputs: list[int], rooms: list[int]) -> list[list[int]]:
+        """Per row of ``batch`` (a decode batch), up to ``min(K, rooms[i])`` greedy draft
+        tokens to follow ``inputs[i]`` (its pending input); empty for rows not
+        ``candidates``. Every row of the draft batch catches up and drafts (see the module
+        docstring); :meth:`settle` must follow, with what each row accepted."""
+        self.forget(batch.uids)
+        index = {u: i for i, u in enumerate(batch.uids)}
+        known = set(self.uids)
+        new = [i for i, c in enumerate(candidates) if c and batch.uids[i] not in known]
+        if new:
+            self._join([list(batch.tokens[i]) for i in new], [batch.uids[i] for i in new])
+        if self.cache is None:
+            return [[] for _ in inputs]
+        missing = [list(batch.tokens[index[u]][f:]) + [inputs[index[u]]] for u, f in zip(self.uids, self.fed)]
+        width = max(len(m) for m in missing)
+        grid = [m + [m[-1]] * (width - len(m)) for m in missing]
+        logits = self.model(self._ids(grid), cache=self.cache)  # [B_d, M, V]
+        at = mx.array([len(m) - 1 for m in missing])[:, None, None]
+        step = mx.take_along_axis(logits, at, axis=1)[:, 0, : self.vocab]
+        for c in self.cache:
+            c.reject([width - len(m) for m in missing])
+        drafted = [mx.argmax(step, axis=-1)]
+        for _ in range(self.k - 1):
+            logits = self.model(mx.minimum(drafted[-1], self._embeddings - 1)[:, None], cache=self.cache)
+            drafted.append(mx.argmax(logits[:, -1, : self.vocab], axis=-1))
+        out = mx.stack(drafted, axis=1)
+        mx.eval(out)
+        out = out.tolist()
+        self._base = [f + len(m) for f, m in zip(self.fed, missing)]
+        self.fed = [b + self.k - 1 for b in self._base]
+        drafts = [[] for _ in inputs]
+        for j, u in enumerate(self.uids):
+            i = index[u]
+            if candidates[i]:
+                drafts[i] = out[j][: rooms[i]]
+        return drafts
+
+    def settle(self, uids: list[int], accepted: list[int]) -> None:
+        """The decode batch's rows ``uids`` accepted ``accepted[i]`` drafts each (0 for a
+        step that did not verify): the draft cache keeps those and takes the other fed
+        drafts back."""
+        if self.cache is None or not self._base:
+            return
+        took = dict(zip(uids, accepted))
+        rejected = []
+        for j, u in enumerate(self.uids):
+            keep = min(took.get(u, 0), self.k - 1)
+            rejected.append(self.k - 1 - keep)
+            self.fed[j] = self._base[j] + keep
+        self._base = []
+        if any(rejected):
+            for c in self.cache:
+                c.reject(rejected)

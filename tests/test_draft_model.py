@@ -1,0 +1,217 @@
+"""Speculative decoding with a draft model (``--speculative draft``): the draft model's own
+KV cache kept in step with the decode batch, and the same greedy tokens as plain decoding
+with batching, prefix-cache hits, grammars, stop strings and sampled rows beside."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+
+from cache import PromptCacheManager
+from conftest import engine_tokens, model_path
+from scheduler import Engine, SamplingParams
+from scheduler.speculative import DraftModel, SpeculationConfig, SpeculationStats
+from scheduler.speculative.acceptance import StepCost
+
+from gateway.models.demo_model import build_model_dir
+
+
+@pytest.fixture(autouse=True)
+def steady_step_cost(monkeypatch):
+    """A fixed, low cost per drafted position, as in test_speculative: whether a step
+    verifies depends on the drafts and acceptance alone, not on the machine's load."""
+    def fixed(self, beta: float = 0.05):
+        self.beta, self._plain = 0.05, {}
+
+    monkeypatch.setattr(StepCost, "__init__", fixed)
+    monkeypatch.setattr(StepCost, "plain", lambda self, batch, seconds: None)
+    monkeypatch.setattr(StepCost, "wide", lambda self, batch, width, seconds: None)
+
+
+def _other_weights(tmp_path_factory):
+    """A qwen3 of the same tokenizer as ``model_path('qwen3')`` with other random weights
+    (and fewer layers): a draft that is mostly wrong."""
+    return build_model_dir(tmp_path_factory.mktemp("draft") / "qwen3", "qwen3", seed=7,
+                           overrides={"num_hidden_layers": 1})
+
+
+def _workload(seed: int):
+    rng = random.Random(seed)
+    loop = [rng.randrange(10, 500) for _ in range(12)]
+    shared = [rng.randrange(10, 500) for _ in range(40)]
+    prompts = [loop * 5, shared + loop * 2, shared + [rng.randrange(10, 500) for _ in range(30)],
+               [rng.randrange(10, 500) for _ in range(25)] * 3, [7, 8, 9] * 9, [rng.randrange(10, 500)]]
+    return prompts, [48, 40, 33, 45, 20, 12]
+
+
+def _engine(model, tok, spec):
+    engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
+                    decode_concurrency=8, gather_wait=30.0, speculation=spec)
+    engine.start()
+    return engine
+
+
+def _draft(model, draft, k=4):
+    return SpeculationConfig("draft", k, draft=DraftModel(draft, int(model(mx.array([[0]])).shape[-1])))
+
+
+@pytest.mark.parametrize("which", ["same", "other"])
+def test_greedy_tokens_equal_plain_decoding(which, tmp_path_factory):
+    """The target as its own draft (drafts nearly all accepted: rows catch up a token
+    after each full acceptance) and a one-layer draft of other weights (nearly all
+    rejected: rows cool down and catch up many tokens): solo, batched and warm runs give
+    plain decoding's tokens."""
+    model, tok = mlx_lm.load(str(model_path("qwen3")))
+    draft = model if which == "same" else mlx_lm.load(str(_other_weights(tmp_path_factory)))[0]
+    prompts, max_tokens = _workload(1)
+    plain = _engine(model, tok, SpeculationConfig())
+    try:
+        want = [engine_tokens(plain, [p], [m])[0] for p, m in zip(prompts, max_tokens)]
+    finally:
+        plain.stop()
+    engine = _engine(model, tok, _draft(model, draft))
+    try:
+        burst = engine_tokens(engine, prompts, max_tokens)
+        warm = engine_tokens(engine, prompts, max_tokens)
+        solo = [engine_tokens(engine, [p], [m])[0] for p, m in zip(prompts[:2], max_tokens[:2])]
+        assert engine.wait_idle(60)
+        assert engine.prompt_cache.num_leases == 0
+        stats = engine.stats.speculation
+    finally:
+        engine.stop()
+    assert burst == want and warm == want and solo == want[:2]
+    assert stats.verify_steps > 0 and stats.drafted > 0, stats
+    if which == "same":
+        assert stats.accepted > 0.8 * stats.drafted, stats
+    else:
+        assert stats.accepted < 0.5 * stats.drafted, stats
+
+
+@pytest.mark.parametrize("which", ["same", "other"])
+def test_the_draft_cache_holds_exactly_each_rows_tokens(which, tmp_path_factory):
+    """After every step, each draft row's cache is the draft model's cold prefill of the
+    row's emitted tokens (up to the last draft fed): compared position by position, with
+    drafts mostly accepted (rows lag a token) and mostly rejected (rows cool down and lag
+    by different numbers of tokens)."""
+    from scheduler.generator import JoiningBatchGenerator
+    from scheduler.sampling import greedy
+    from scheduler.speculative import Speculator
+
+    model, _ = mlx_lm.load(str(model_path("qwen3")))
+    other = model if which == "same" else mlx_lm.load(str(_other_weights(tmp_path_factory)))[0]
+    prompts, max_tokens = _workload(2)
+    spec = Speculator(_draft(model, other, k=3), SpeculationStats())
+    gen = JoiningBatchGenerator(model, speculator=spec, max_tokens=1 << 20, prefill_batch_size=4,
+                                completion_batch_size=8, prefill_step_size=64, sampler=greedy)
+    uids = gen.insert(prompts[:2], max_tokens=max_tokens[:2])
+    checked, ended, steps = 0, set(), 0
+    while len(ended) < len(uids):
+        ended |= {g.uid for g in gen.next()[1] if g.finish_reason}
+        steps += 1
+        if steps in (5, 9):  # rows that join later lag, cool down and catch up out of step
+            uids += gen.insert(prompts[steps // 4: steps // 4 + 1], max_tokens=[40])
+        drafter, batch = spec.drafter, gen._generation_batch
+        for j, uid in enumerate(drafter.uids):
+            if uid not in batch.uids:
+                continue
+            tokens = batch.tokens[batch.uids.index(uid)][: drafter.fed[j]]
+            assert drafter.fed[j] <= len(batch.tokens[batch.uids.index(uid)]) + 1
+            row = [c.extract(j) for c in drafter.cache]
+            assert row[0].offset == drafter.fed[j]
+            cold = mlx_lm.models.cache.make_prompt_cache(other)
+            other(mx.array(tokens)[None], cache=cold)
+            for got, want in zip(row, cold):
+                assert mx.allclose(got.keys[..., : got.offset, :], want.keys[..., : want.offset, :], atol=1e-4)
+            checked += 1
+    gen.close()
+    stats = spec.stats
+    assert checked > 10 and stats.verify_steps > 0, stats
+    assert (stats.accepted > 0.8 * stats.drafted) if which == "same" else (stats.accepted < 0.5 * stats.drafted)
+
+
+def test_processors_and_sampled_rows_beside():
+    """Rows with penalties and a logit_bias give their plain tokens beside a sampled row
+    (which drafts too); a seeded row (which does not) gives its tokens alone."""
+    model, tok = mlx_lm.load(str(model_path("qwen3")))
+    prompts, max_tokens = _workload(3)
+    kinds = [dict(repetition_penalty=1.05), dict(logit_bias=((11, 2.0),)), dict(presence_penalty=0.3), {}, {}, {}]
+    params = [SamplingParams(max_tokens=m, **k) for m, k in zip(max_tokens, kinds)]
+    plain = _engine(model, tok, SpeculationConfig())
+    try:
+        want = [engine_tokens(plain, [p], [q])[0] for p, q in zip(prompts, params)]
+    finally:
+        plain.stop()
+    engine = _engine(model, tok, _draft(model, model))
+    try:
+        sampled = SamplingParams(max_tokens=30, temperature=0.8)
+        got = engine_tokens(engine, prompts + [prompts[0]], params + [sampled])
+        seeded = SamplingParams(max_tokens=20, temperature=0.7, seed=3)
+        alone = engine_tokens(engine, [prompts[1]], [seeded])[0]
+        beside = engine_tokens(engine, [prompts[1], prompts[0], prompts[2]], [seeded, params[0], params[2]])[0]
+        assert engine.stats.speculation.accepted > 0
+    finally:
+        engine.stop()
+    assert got[:-1] == want
+    assert len(got[-1]) > 0
+    assert alone == beside
+
+
+# ----------------------------------------------------------------------------- settings
+def test_draft_settings_are_checked(tmp_path):
+    """``--draft-model`` implies ``--speculative draft``; ``draft`` without a draft model and
+    a draft with ``ngram`` are refused, as are bad models-file values."""
+    from gateway.config import ServeConfig
+    from gateway.models.spec import ModelsFileError, defaults, load_models_file, model_specs
+
+    (spec,) = model_specs(ServeConfig(model="demo", draft_model="small"))
+    assert (spec.speculative, spec.draft_model) == ("draft", "small")
+    for bad in (dict(speculative="draft"), dict(speculative="ngram", draft_model="small")):
+        with pytest.raises(ModelsFileError):
+            model_specs(ServeConfig(model="demo", **bad))
+    good = tmp_path / "good.toml"
+    good.write_text('[models.a]\npath = "demo"\ndraft_model = "small"\n[models.b]\npath = "demo"\n')
+    a, b = load_models_file(good, defaults(ServeConfig()))
+    assert (a.speculative, a.draft_model, b.speculative) == ("draft", "small", "off")
+    for bad in ('draft_model = 3', 'speculative = "draft"'):
+        f = tmp_path / "bad.toml"
+        f.write_text(f'[models.a]\npath = "demo"\n{bad}\n')
+        with pytest.raises(ModelsFileError):
+            model_specs(ServeConfig(models_file=str(f)))
+
+
+def test_a_draft_of_another_tokenizer_is_refused_and_a_good_one_serves(tmp_path_factory):
+    """A draft model with another vocabulary fails the load with a message saying so; a
+    draft of the same tokenizer serves, drafting (its weights counted in the model's)."""
+    import httpx
+
+    from conftest import free_port, live_server, start_gateway
+    from gateway.config import ServeConfig
+
+    cfg = ServeConfig(model=str(model_path("qwen3")), port=free_port(),
+                      draft_model=str(model_path("llama")))  # the Llama 3 tokenizer
+    gw = start_gateway(cfg, wait=False)
+    try:
+        from conftest import wait_until
+
+        status, why = wait_until(lambda: gw.models.startup()[0] != "loading" and gw.models.startup(), 120,
+                                 "the load to end")
+        assert status == "error" and "tokenizer is not the served model's" in why, why
+    finally:
+        gw.stop()
+    draft = _other_weights(tmp_path_factory)
+    with live_server(model_path("qwen3"), draft_model=str(draft)) as server:
+        r = httpx.post(f"{server.url}/v1/completions", json={
+            "model": "test-model", "prompt": "one two three " * 20, "max_tokens": 30, "temperature": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert server.engine.stats.speculation.drafted > 0
+        from mlx.utils import tree_flatten
+
+        def nbytes(m):
+            return sum(p.nbytes for _, p in tree_flatten(m.parameters()))
+
+        engine = server.engine
+        assert server.handle("test-model").weights_bytes == (
+            nbytes(engine._batch.model) + nbytes(engine._batch.speculation.draft.model))
