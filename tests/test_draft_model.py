@@ -23,12 +23,12 @@ from gateway.models.demo_model import build_model_dir
 def steady_step_cost(monkeypatch):
     """A fixed, low cost per drafted position, as in test_speculative: whether a step
     verifies depends on the drafts and acceptance alone, not on the machine's load."""
-    def fixed(self, beta: float = 0.05):
-        self.beta, self._plain = 0.05, {}
+    def fixed(self, beta: float = 0.05, draft: float = 0.0):
+        self.beta, self.draft, self._plain = 0.05, 0.0, {}
 
     monkeypatch.setattr(StepCost, "__init__", fixed)
     monkeypatch.setattr(StepCost, "plain", lambda self, batch, seconds: None)
-    monkeypatch.setattr(StepCost, "wide", lambda self, batch, width, seconds: None)
+    monkeypatch.setattr(StepCost, "wide", lambda self, batch, width, seconds, **measured: None)
 
 
 def _other_weights(tmp_path_factory):
@@ -157,6 +157,39 @@ def test_processors_and_sampled_rows_beside():
     assert got[:-1] == want
     assert len(got[-1]) > 0
     assert alone == beside
+
+
+# ----------------------------------------------------------------------------- cost
+def test_the_draft_models_cost_is_learnt_and_decides_before_drafting(monkeypatch):
+    """The draft model's cost per drafted position is measured from the steps; a draft as
+    costly as the served model (itself) does not pay at the prior acceptance rate, so the
+    step stays plain without running the draft model at all."""
+    from scheduler.generator import JoiningBatchGenerator
+    from scheduler.sampling import greedy
+    from scheduler.speculative import Speculator
+
+    monkeypatch.undo()  # the real StepCost
+    cost = StepCost(beta=0.1, draft=0.5)
+    cost.wide(2, 5, 0.3, drafted=(4, 0.2))  # no plain step measured: estimated from this one
+    assert abs(cost.draft - (0.8 * 0.5 + 0.2 * 0.2 / (4 * 0.3 / 1.4))) < 1e-9
+    for _ in range(40):
+        cost.plain(2, 0.1)
+        cost.wide(2, 5, 0.14, drafted=(4, 0.04))  # 0.01 s per draft: a tenth of a plain step
+    assert abs(cost.beta - 0.1) < 0.01 and abs(cost.draft - 0.1) < 0.01
+
+    model, _ = mlx_lm.load(str(model_path("qwen3")))
+    prompts, max_tokens = _workload(1)
+    config = SpeculationConfig("draft", 4, draft=DraftModel(model, int(model(mx.array([[0]])).shape[-1]), 1.0))
+    spec = Speculator(config, SpeculationStats())
+    gen = JoiningBatchGenerator(model, speculator=spec, max_tokens=1 << 20, prefill_batch_size=4,
+                                completion_batch_size=8, prefill_step_size=64, sampler=greedy)
+    uids = gen.insert(prompts[:3], max_tokens=max_tokens[:3])
+    ended = set()
+    while len(ended) < len(uids):
+        ended |= {g.uid for g in gen.next()[1] if g.finish_reason}
+    gen.close()
+    assert spec.stats.verify_steps == 0 and spec.stats.plain_steps > 20
+    assert spec.drafter.cache is None  # the draft model never ran
 
 
 # ----------------------------------------------------------------------------- settings

@@ -35,12 +35,12 @@ def steady_step_cost(monkeypatch):
     """A fixed, low cost per drafted position (no measuring): whether a step verifies
     drafts then depends on the rows' drafts and acceptance alone, not on how loaded the
     machine running the tests is. ``test_width_follows_the_expected_gain`` covers the rule."""
-    def fixed(self, beta: float = 0.05):
-        self.beta, self._plain = 0.05, {}
+    def fixed(self, beta: float = 0.05, draft: float = 0.0):
+        self.beta, self.draft, self._plain = 0.05, 0.0, {}
 
     monkeypatch.setattr(StepCost, "__init__", fixed)
     monkeypatch.setattr(StepCost, "plain", lambda self, batch, seconds: None)
-    monkeypatch.setattr(StepCost, "wide", lambda self, batch, width, seconds: None)
+    monkeypatch.setattr(StepCost, "wide", lambda self, batch, width, seconds, **measured: None)
 
 
 # ----------------------------------------------------------------------------- drafting

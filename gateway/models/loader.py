@@ -91,7 +91,13 @@ def _speculation(spec: ModelSpec, model, cluster, draft=None, vocab: int = 0) ->
         log.warning("%s: speculative decoding is off: %s", spec.name, why)
         return SpeculationConfig()
     if spec.speculative == "draft":
-        return SpeculationConfig("draft", spec.num_draft_tokens, draft=DraftModel(draft, vocab))
+        from mlx.utils import tree_flatten
+
+        def size(m) -> int:
+            return sum(p.size for _, p in tree_flatten(m.parameters()))
+
+        return SpeculationConfig("draft", spec.num_draft_tokens,
+                                 draft=DraftModel(draft, vocab, relative_cost=size(draft) / max(1, size(model))))
     return SpeculationConfig(spec.speculative, spec.num_draft_tokens)
 
 

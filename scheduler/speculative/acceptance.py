@@ -65,11 +65,13 @@ class RowAcceptance:
 
 class StepCost:
     """The extra cost of each drafted position in a decode step, relative to a plain
-    step of the same batch size (``beta``; a ``[B, W]`` step costs ``1 + beta (W - 1)``
-    plain steps), measured from the steps themselves."""
+    step of the same batch size, measured from the steps themselves: ``beta`` in the
+    verification forward (a ``[B, W]`` forward costs ``1 + beta (W - 1)`` plain steps) and
+    ``draft`` in drafting it (a draft model's forwards; 0 for prompt lookup)."""
 
-    def __init__(self, beta: float = 0.15):
+    def __init__(self, beta: float = 0.15, draft: float = 0.0):
         self.beta = beta
+        self.draft = draft
         self._plain: dict[int, float] = {}  # batch size -> seconds of a plain step (EMA)
 
     def plain(self, batch: int, seconds: float) -> None:
@@ -77,13 +79,21 @@ class StepCost:
         old = self._plain.get(batch)
         self._plain[batch] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
-    def wide(self, batch: int, width: int, seconds: float) -> None:
-        """A verification step ``[batch, width]`` took ``seconds``."""
-        base = self._plain.get(batch)
-        if base is None or width <= 1 or base <= 0:
+    def wide(self, batch: int, width: int, seconds: float, drafted: tuple[int, float] | None = None) -> None:
+        """A verification forward ``[batch, width]`` took ``seconds``; ``drafted``:
+        ``(k, seconds)`` its draft model took for ``k`` drafts per row (a plain step's
+        time, when none was measured for this batch size, is then estimated from this
+        step's)."""
+        if width <= 1:
             return
-        observed = max(0.0, (seconds / base - 1.0) / (width - 1))
-        self.beta = 0.8 * self.beta + 0.2 * min(observed, 2.0)
+        base = self._plain.get(batch)
+        if base is not None and base > 0:
+            observed = max(0.0, (seconds / base - 1.0) / (width - 1))
+            self.beta = 0.8 * self.beta + 0.2 * min(observed, 2.0)
+        if drafted is not None and drafted[0] > 0:
+            base = base or seconds / (1.0 + self.beta * (width - 1))
+            observed = max(0.0, drafted[1]) / (base * drafted[0])
+            self.draft = 0.8 * self.draft + 0.2 * min(observed, 4.0)
 
 
 def best_width(drafts: list[int], rows: list[RowAcceptance], beta: float) -> int:

@@ -26,6 +26,7 @@ Rows that leave the decode batch leave the draft batch at the next drafting step
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -46,10 +47,14 @@ class DraftModel:
             tokenizer (the gateway checks both at load).
         vocab: entries in the target's logits; draft logits beyond them are never
             proposed (padded embedding tables differ between sizes of one family).
+        relative_cost: a draft forward's cost in target decode steps before any is
+            measured (the gateway gives the ratio of their parameter counts: a decode
+            step reads every weight once).
     """
 
     model: Any
     vocab: int
+    relative_cost: float = 0.1
 
 
 class ModelDrafter:
@@ -58,11 +63,18 @@ class ModelDrafter:
 
     Args:
         draft: the draft model.
-        k: tokens drafted per row and step (``--num-draft-tokens``).
+
+    Attributes:
+        join_seconds: time the last :meth:`propose` spent prefilling rows that joined
+            (not a cost of the step's width).
     """
 
-    def __init__(self, draft: DraftModel, k: int):
-        self.model, self.vocab, self.k = draft.model, draft.vocab, k
+    costly = True  # proposing runs the draft model: the step decides its width first
+
+    def __init__(self, draft: DraftModel):
+        self.model, self.vocab = draft.model, draft.vocab
+        self.k = 0  # tokens drafted per row in the current step
+        self.join_seconds = 0.0
         self.uids: list[int] = []  # the draft batch's rows, by the decode batch's uids
         self.fed: list[int] = []  # tokens of each row in its draft cache
         self.cache: Optional[list[HoledKVCache]] = None
@@ -115,16 +127,22 @@ class ModelDrafter:
         return len(batch.tokens[i]) > 0
 
     def propose(self, batch, candidates: list[bool], inputs: list[int], rooms: list[int]) -> list[list[int]]:
-        """Per row of ``batch`` (a decode batch), up to ``min(K, rooms[i])`` greedy draft
-        tokens to follow ``inputs[i]`` (its pending input); empty for rows not
-        ``candidates``. Every row of the draft batch catches up and drafts (see the module
-        docstring); :meth:`settle` must follow, with what each row accepted."""
+        """Per row of ``batch`` (a decode batch), up to ``rooms[i]`` greedy draft tokens
+        to follow ``inputs[i]`` (its pending input); empty for rows not ``candidates``.
+        Every row of the draft batch catches up and drafts ``k``, the most any candidate
+        has room for (see the module docstring); :meth:`settle` must follow, with what
+        each row accepted."""
         self.forget(batch.uids)
+        self.join_seconds, self.k = 0.0, max((r for r, c in zip(rooms, candidates) if c), default=0)
+        if self.k <= 0:
+            return [[] for _ in inputs]
         index = {u: i for i, u in enumerate(batch.uids)}
         known = set(self.uids)
         new = [i for i, c in enumerate(candidates) if c and batch.uids[i] not in known]
         if new:
+            tic = time.perf_counter()
             self._join([list(batch.tokens[i]) for i in new], [batch.uids[i] for i in new])
+            self.join_seconds = time.perf_counter() - tic
         if self.cache is None:
             return [[] for _ in inputs]
         missing = [list(batch.tokens[index[u]][f:]) + [inputs[index[u]]] for u, f in zip(self.uids, self.fed)]
@@ -155,7 +173,7 @@ class ModelDrafter:
         """The decode batch's rows ``uids`` accepted ``accepted[i]`` drafts each (0 for a
         step that did not verify): the draft cache keeps those and takes the other fed
         drafts back."""
-        if self.cache is None or not self._base:
+        if self.cache is None or not self._base or self.k <= 0:
             return
         took = dict(zip(uids, accepted))
         rejected = []

@@ -90,6 +90,8 @@ class LookupDrafter:
     :meth:`hint`, :meth:`propose`, :meth:`settle` and :meth:`forget`.
     """
 
+    costly = False  # a draft is a few dictionary lookups: proposing costs nothing to speak of
+
     def __init__(self, min_n: int = 2, max_n: int = 4):
         self.min_n, self.max_n = min_n, max_n
         self._lookups: dict[int, PromptLookup] = {}

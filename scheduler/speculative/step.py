@@ -76,10 +76,10 @@ class Speculator:
     def __init__(self, config: SpeculationConfig, stats: Optional[SpeculationStats] = None, on_verify=None):
         self.config = config
         self.stats = stats or SpeculationStats()
-        self.cost = StepCost()
+        self.cost = StepCost(draft=config.draft.relative_cost if config.draft is not None else 0.0)
         self._on_verify = on_verify
         if config.method == "draft":
-            self.drafter = ModelDrafter(config.draft, config.num_draft_tokens)
+            self.drafter = ModelDrafter(config.draft)
         else:
             self.drafter = LookupDrafter(config.min_n, config.max_n)
         self._acceptance: dict[int, RowAcceptance] = {}
@@ -113,8 +113,9 @@ class Speculator:
             return False
         return self.drafter.hint(batch, i)
 
-    def _drafts(self, batch, candidates: list[bool], inputs: list[int]) -> list[list[int]]:
-        rooms = [min(m - n - 2, self.config.num_draft_tokens) for m, n in zip(batch.max_tokens, batch._num_tokens)]
+    def _drafts(self, batch, candidates: list[bool], inputs: list[int], k: int) -> list[list[int]]:
+        """Per row, up to ``k`` drafts (room left for them), cut by the row's grammar."""
+        rooms = [min(m - n - 2, k) for m, n in zip(batch.max_tokens, batch._num_tokens)]
         drafts = self.drafter.propose(batch, candidates, inputs, rooms)
         for i, (token, draft) in enumerate(zip(inputs, drafts)):
             processors = batch.logits_processors[i]
@@ -137,18 +138,28 @@ class Speculator:
         candidates = [self._may_draft(batch, i) for i in range(len(batch.uids))]
         if not any(candidates):
             return self._plain(batch, timed=self.stats.plain_steps % PLAIN_SAMPLE == 0)
-        tic = time.perf_counter()  # a verify step's cost includes its drafting
+        rows = [self._rate(uid) for uid in batch.uids]
+        k = self.config.num_draft_tokens
+        if self.drafter.costly:
+            # drafting costs forwards of the draft model: decide the width before paying for it
+            planned = best_width([k if c else 0 for c in candidates], rows, self.cost.beta + self.cost.draft)
+            if planned == 1:
+                return self._plain(batch, timed=True)
+            k = planned - 1
         mx.eval(batch._next_tokens)
         inputs = batch._next_tokens.tolist()
-        drafts = self._drafts(batch, candidates, inputs)
-        rows = [self._rate(uid) for uid in batch.uids]
+        tic = time.perf_counter()
+        drafts = self._drafts(batch, candidates, inputs, k)
+        drafting = time.perf_counter() - tic - getattr(self.drafter, "join_seconds", 0.0)
         width = best_width([len(d) for d in drafts], rows, self.cost.beta)
         if width == 1:
             self.drafter.settle(batch.uids, [0] * len(inputs))
             return self._plain(batch, timed=True)
+        tic = time.perf_counter()
         batch.prompt_cache = [HoledKVCache.adopt(c) for c in batch.prompt_cache]
         responses = self._verify(batch, inputs, [d[: width - 1] for d in drafts], width)
-        self.cost.wide(len(inputs), width, time.perf_counter() - tic)
+        self.cost.wide(len(inputs), width, time.perf_counter() - tic,
+                       drafted=(k, drafting) if self.drafter.costly else None)
         return responses
 
     def _plain(self, batch, timed: bool) -> list:
