@@ -30,6 +30,9 @@ prints what a verification forward costs here: ``[B, W]`` against ``[B, 1]`` ove
 ``--draft-layers N`` with a draft cut from the model itself: its embedding, first ``N``
 layers, final norm and output layer (a layer-skipping self-draft, as in Zhang et al., 2023,
 "Draft & Verify"), written next to the model.
+``--synthetic-pair N`` serves a random-weight target and draft that agree (see
+:func:`synthetic_pair`), to measure the draft method's mechanism where no trained pair is
+at hand.
 ``--repeat N`` runs each setting N times, taking turns, each figure the median.
 ``--out DIR`` writes ``speculative.json`` and ``speculative.md``. On Linux, preload the
 system OpenBLAS (``gateway/cpu/blas.py``).
@@ -72,6 +75,32 @@ def smol_shaped_model() -> str:
     tokenizer = ROOT / "tests" / "fixtures" / "tokenizers" / "llama3"
     return str(build_model_dir(Path(tempfile.gettempdir()) / "mlx-gateway-bench-smol135-shape", "llama",
                                tokenizer_dir=tokenizer, overrides=SMOL_SHAPE))
+
+
+def synthetic_pair(n: int, damp: float = 0.05) -> tuple[str, str]:
+    """A target that a draft of its first ``n`` layers predicts well, standing in for a
+    trained pair (random weights have none): SmolLM2-135M's shape with the project's own
+    small tokenizer (about 1,000 tokens, so the output layer is cheap, as it is next to a
+    large target), the output projections of layers ``n`` on scaled by ``damp``. With
+    ``n = 4`` the draft's greedy token is the target's about 80 % of the time."""
+    import mlx.core as mx
+
+    from gateway.models.demo_model import build_model_dir
+
+    base = build_model_dir(Path(tempfile.gettempdir()) / "mlx-gateway-bench-smol135-shape-own", "llama",
+                           overrides=SMOL_SHAPE)
+    target = base.parent / f"{base.name}-damped{n}"
+    target.mkdir(exist_ok=True)
+    weights = {}
+    for f in sorted(base.glob("*.safetensors")):
+        for k, v in mx.load(str(f)).items():
+            m = re.match(r"model\.layers\.(\d+)\.(self_attn\.o_proj|mlp\.down_proj)\.weight", k)
+            weights[k] = v * damp if m and int(m.group(1)) >= n else v
+    mx.save_safetensors(str(target / "model.safetensors"), weights)
+    for f in base.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            (target / f.name).write_bytes(f.read_bytes())
+    return str(target), first_layers_draft(str(target), n)
 
 
 def first_layers_draft(model_dir: str, n: int) -> str:
@@ -244,11 +273,16 @@ def main() -> None:
     ap.add_argument("--draft-model", help="also run --speculative draft with this draft model")
     ap.add_argument("--draft-layers", type=int,
                     help="also run --speculative draft with the model's first N layers as its draft")
+    ap.add_argument("--synthetic-pair", type=int, metavar="N",
+                    help="serve a random-weight target whose layers from N on are damped, with its first N "
+                    "layers as the draft (a pair that agrees, standing in for a trained one; see synthetic_pair)")
     ap.add_argument("--methods", default="ngram", help="comma-separated methods besides off (default ngram)")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each setting, taking turns; figures are medians")
     ap.add_argument("--out", help="directory for speculative.json and speculative.md")
     args = ap.parse_args()
     model_dir = args.model or smol_shaped_model()
+    if args.synthetic_pair:
+        model_dir, args.draft_model = synthetic_pair(args.synthetic_pair)
     cost = verify_cost(model_dir)
     print("verification forward cost (relative to [B, 1], 1,500 cached tokens):")
     for B, W, r in cost:

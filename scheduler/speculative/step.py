@@ -143,8 +143,8 @@ class Speculator:
         if self.drafter.costly:
             # drafting costs forwards of the draft model: decide the width before paying for it
             planned = best_width([k if c else 0 for c in candidates], rows, self.cost.beta + self.cost.draft)
-            if planned == 1:
-                return self._plain(batch, timed=True)
+            if planned == 1:  # still a plain, pipelined step, as when no row may draft
+                return self._plain(batch, timed=self.stats.plain_steps % PLAIN_SAMPLE == 0)
             k = planned - 1
         mx.eval(batch._next_tokens)
         inputs = batch._next_tokens.tolist()
