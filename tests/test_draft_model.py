@@ -192,6 +192,23 @@ def test_the_draft_models_cost_is_learnt_and_decides_before_drafting(monkeypatch
     assert spec.drafter.cache is None  # the draft model never ran
 
 
+def test_new_rows_start_from_what_recent_rows_accepted():
+    """Once a draft model's drafts fail for every row, a new row does not widen the step
+    (its prior is the overall rate), except one row in eight, which tries afresh."""
+    from scheduler.speculative.acceptance import EXPLORE_EVERY, PRIOR_RATE, BatchAcceptance, best_width
+
+    overall = BatchAcceptance()
+    assert overall.new_row().rate == PRIOR_RATE
+    for _ in range(30):
+        overall.record(4, 0)
+    rows = [overall.new_row() for _ in range(2 * EXPLORE_EVERY)]
+    tries = [best_width([4], [r], 0.15) > 1 for r in rows]
+    assert sum(tries) == 2 and tries[EXPLORE_EVERY - 2] and tries[2 * EXPLORE_EVERY - 2], tries
+    for _ in range(30):
+        overall.record(4, 4)
+    assert best_width([4], [overall.new_row()], 0.15) == 5
+
+
 # ----------------------------------------------------------------------------- settings
 def test_draft_settings_are_checked(tmp_path):
     """``--draft-model`` implies ``--speculative draft``; ``draft`` without a draft model and

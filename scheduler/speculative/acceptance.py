@@ -21,14 +21,25 @@ MIN_RATE = 0.15  # below this a row stops drafting for a while
 COOLDOWN_STEPS = 16  # steps a row waits before drafting again (doubles each time, up to 256)
 
 
+MIN_PRIOR = 0.05  # the least a new row is assumed to accept
+EXPLORE_EVERY = 8  # one new row in this many starts from PRIOR_RATE whatever the others did
+
+
 class RowAcceptance:
-    """One row's acceptance rate of drafted tokens (decayed counts) and its cool-down."""
+    """One row's acceptance rate of drafted tokens (decayed counts) and its cool-down.
 
-    __slots__ = ("drafted", "accepted", "wait", "cooldown")
+    Args:
+        prior: the rate assumed before the row's first verification (and again after a
+            cool-down): :data:`PRIOR_RATE`, or what recent rows accepted
+            (:class:`BatchAcceptance`).
+    """
 
-    def __init__(self) -> None:
-        self.drafted = 2.0  # pseudo-counts holding PRIOR_RATE
-        self.accepted = 2.0 * PRIOR_RATE
+    __slots__ = ("drafted", "accepted", "wait", "cooldown", "prior")
+
+    def __init__(self, prior: float = PRIOR_RATE) -> None:
+        self.prior = prior
+        self.drafted = 2.0  # pseudo-counts holding the prior
+        self.accepted = 2.0 * prior
         self.wait = 0  # steps left before drafting again
         self.cooldown = COOLDOWN_STEPS
 
@@ -58,9 +69,35 @@ class RowAcceptance:
         if self.rate < MIN_RATE:
             self.wait = self.cooldown
             self.cooldown = min(256, self.cooldown * 2)
-            self.drafted, self.accepted = 2.0, 2.0 * PRIOR_RATE  # a fresh start after the wait
+            self.drafted, self.accepted = 2.0, 2.0 * self.prior  # a fresh start after the wait
         elif accepted:
             self.cooldown = COOLDOWN_STEPS
+
+
+class BatchAcceptance:
+    """The acceptance rate over every row's recent verifications: the prior of new rows of
+    a draft model (which drafts for every row), so that when its drafts fail for everyone
+    (text it does not predict, sampled at a high temperature) new rows do not each pay to
+    find out. One new row in
+    :data:`EXPLORE_EVERY` starts from :data:`PRIOR_RATE` instead, so a workload that
+    changes is noticed."""
+
+    def __init__(self) -> None:
+        self.drafted, self.accepted = 2.0, 2.0 * PRIOR_RATE
+        self._rows = 0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """One row's verification (as :meth:`RowAcceptance.record`)."""
+        if drafted > 0:
+            self.drafted = DECAY * self.drafted + drafted
+            self.accepted = DECAY * self.accepted + accepted
+
+    def new_row(self) -> RowAcceptance:
+        """The acceptance of a row that starts drafting."""
+        self._rows += 1
+        if self._rows % EXPLORE_EVERY == 0:
+            return RowAcceptance()
+        return RowAcceptance(max(MIN_PRIOR, self.accepted / self.drafted))
 
 
 class StepCost:

@@ -34,7 +34,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
 
 from scheduler.sampling import TemperatureSampler, greedy
-from scheduler.speculative.acceptance import RowAcceptance, StepCost, best_width
+from scheduler.speculative.acceptance import BatchAcceptance, RowAcceptance, StepCost, best_width
 from scheduler.speculative.config import SpeculationConfig
 from scheduler.speculative.holes import HoledKVCache
 from scheduler.speculative.draft_model import ModelDrafter
@@ -83,12 +83,15 @@ class Speculator:
         else:
             self.drafter = LookupDrafter(config.min_n, config.max_n)
         self._acceptance: dict[int, RowAcceptance] = {}
+        self._overall = BatchAcceptance()
 
     # ----------------------------------------------------------------- per row
     def _rate(self, uid: int) -> RowAcceptance:
         rate = self._acceptance.get(uid)
         if rate is None:
-            rate = self._acceptance[uid] = RowAcceptance()
+            # prompt lookup drafts only where a row's text repeats, so each row starts afresh;
+            # a draft model drafts for every row, so new rows start from what recent rows accepted
+            rate = self._acceptance[uid] = self._overall.new_row() if self.drafter.costly else RowAcceptance()
         return rate
 
     def _forget_gone(self, uids: list[int]) -> None:
@@ -223,6 +226,7 @@ class Speculator:
             batch.tokens[i].extend([t, *d[:a]])
             if d:
                 self._rate(batch.uids[i]).record(len(d), a)
+                self._overall.record(len(d), a)
                 if batch.logits_processors[i]:
                     rewind(batch.logits_processors[i], batch._token_context[i], len(d) - a)
         drafted = sum(len(d) for d in drafts)
