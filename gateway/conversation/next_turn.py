@@ -15,7 +15,8 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
-from cache.checkpoints import encode_with_ends, render_text, tokens_before
+from cache.checkpoints import render_text, tokens_before
+from gateway.conversation.segments import encode_chat
 from scheduler.precompute import Precompute
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ def next_turn_prefix(tokenizer: Any, messages: Sequence[Mapping[str, Any]], temp
     if cut <= 0:
         return None
     full = text.replace(_PLACEHOLDER, _STAND_IN)
-    ids, ends = encode_with_ends(tokenizer, full)
+    ids, ends = encode_chat(tokenizer, full)  # the conversation's pieces were tokenized for its request
     return ids[:tokens_before(tokenizer, full, ids, ends, cut)]
 
 

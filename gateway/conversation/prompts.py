@@ -10,11 +10,12 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from cache.checkpoints import (
-    MARK_CLOSE, MARK_OPEN, encode_with_ends, marker_offsets, plan_chat_checkpoints, plan_completion_checkpoints,
+    MARK_CLOSE, MARK_OPEN, marker_offsets, plan_chat_checkpoints, plan_completion_checkpoints,
     render_text, tokens_before,
 )
 from gateway.http.errors import APIError
 from gateway.conversation.form import Conversation
+from gateway.conversation.segments import encode_chat
 from gateway.conversation.tools import ToolPlan, template_messages
 
 
@@ -47,7 +48,8 @@ def render_chat(
     shorter prefix.
 
     The template renders text, which is tokenized without special tokens added, the
-    way ``apply_chat_template(tokenize=True)`` does; the token offsets of the text let
+    way ``apply_chat_template(tokenize=True)`` does (its pieces between special tokens
+    that were tokenized recently are not tokenized again, :mod:`gateway.conversation.segments`); the token offsets of the text let
     the checkpoint planner place its offsets without tokenizing again.
 
     A conversation whose last turn is an assistant's to continue (``continue_final``, a
@@ -77,7 +79,7 @@ def render_chat(
         raise
     except Exception as e:  # jinja's raise_exception, bad kwargs, ...
         raise APIError(400, f"the chat template rejected the conversation: {e}", param="messages")
-    tokens, ends = encode_with_ends(tokenizer, text)
+    tokens, ends = encode_chat(tokenizer, text)
     if not tokens:
         raise APIError(400, "the rendered prompt is empty", param="messages")
     if prefill:

@@ -1,0 +1,77 @@
+"""Chats tokenized in pieces between special tokens, the pieces kept: the same tokens and
+offsets as tokenizing the whole chat, for each fixture tokenizer family; a tokenizer whose
+pieces do not add up is caught and tokenized whole."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from mlx_lm.utils import load_tokenizer
+
+from cache.checkpoints import encode_with_ends, render_text
+from conftest import TOKENIZERS, model_path, require_tokenizers
+from gateway.conversation.segments import VERIFY_FIRST, SegmentEncoder
+
+WORDS = ("the model cache token prompt  server\nbatch request tenant prefix memory apple code agent "
+         "browser extension stream answer question system user assistant reason think water é ü 漢字 "
+         "def f(x):\n    return x  # done\n\n").split(" ")
+
+
+def _chats(seed: int, n: int) -> list[list[dict]]:
+    """Conversations that grow turn by turn (an agent's), sharing a system prompt."""
+    rng = random.Random(seed)
+    system = {"role": "system", "content": " ".join(rng.choice(WORDS) for _ in range(300))}
+    chats, turns = [], []
+    for i in range(n):
+        role = "user" if i % 2 == 0 else "assistant"
+        turns.append({"role": role, "content": " ".join(rng.choice(WORDS) for _ in range(rng.randrange(3, 80)))})
+        if role == "user":
+            chats.append([system, *turns])
+    return chats
+
+
+def _tokenizer(family):
+    if family is None:
+        return load_tokenizer(model_path("qwen3"))
+    require_tokenizers(family)
+    return load_tokenizer(TOKENIZERS / family)
+
+
+@pytest.mark.parametrize("family", [None, "qwen3", "llama3", "gemma3"])
+def test_pieces_give_the_whole_chats_tokens(family):
+    tok = _tokenizer(family)
+    enc = SegmentEncoder(tok)
+    assert enc.exact, "no special tokens to cut after"
+    chats = _chats(1, 40)
+    for messages in chats + chats[:5]:  # the repeats come wholly from kept pieces
+        text = render_text(tok, messages, True, {})
+        assert enc.encode(text) == encode_with_ends(tok, text)
+    assert enc.exact and enc.checked > VERIFY_FIRST
+    assert enc.hit_chars > 3 * enc.miss_chars  # the system prompt and earlier turns were not tokenized again
+
+
+def test_a_tokenizer_whose_pieces_differ_is_tokenized_whole():
+    """Cutting inside words (not after special tokens) changes the tokens: the check of the
+    first chats notices, the request gets the whole chat's tokens, and segments stay off."""
+    import re
+
+    tok = _tokenizer(None)
+    enc = SegmentEncoder(tok)
+    enc._cut = re.compile("e")
+    for messages in _chats(2, 12):
+        text = render_text(tok, messages, True, {})
+        assert enc.encode(text) == encode_with_ends(tok, text)
+    assert not enc.exact
+    tokenized = enc.hit_chars + enc.miss_chars
+    text = render_text(tok, _chats(3, 2)[0], True, {})
+    assert enc.encode(text) == encode_with_ends(tok, text) and enc.hit_chars + enc.miss_chars == tokenized
+
+
+def test_kept_pieces_are_bounded():
+    tok = _tokenizer(None)
+    enc = SegmentEncoder(tok, max_chars=20_000)
+    for messages in _chats(4, 60):
+        enc.encode(render_text(tok, messages, True, {}))
+    assert 0 < enc._chars <= 20_000
+    assert sum(len(p) for p in enc._kept) == enc._chars
