@@ -225,7 +225,7 @@ def test_draft_settings_are_checked(tmp_path):
     good.write_text('[models.a]\npath = "demo"\ndraft_model = "small"\n[models.b]\npath = "demo"\n')
     a, b = load_models_file(good, defaults(ServeConfig()))
     assert (a.speculative, a.draft_model, b.speculative) == ("draft", "small", "off")
-    for bad in ('draft_model = 3', 'speculative = "draft"'):
+    for bad in ('draft_model = 3', 'speculative = "draft"', 'speculative = "ngram"\ndraft_model = "small"'):
         f = tmp_path / "bad.toml"
         f.write_text(f'[models.a]\npath = "demo"\n{bad}\n')
         with pytest.raises(ModelsFileError):
@@ -265,3 +265,19 @@ def test_a_draft_of_another_tokenizer_is_refused_and_a_good_one_serves(tmp_path_
         engine = server.engine
         assert server.handle("test-model").weights_bytes == (
             nbytes(engine._batch.model) + nbytes(engine._batch.speculation.draft.model))
+
+
+def test_a_quantized_cache_loads_no_draft():
+    """With --kv-bits the served model cannot speculate, so its draft model is not read at
+    all (not even checked: this one has another tokenizer), and counts in no budget."""
+    from mlx.utils import tree_flatten
+
+    from conftest import live_server
+
+    from test_kv_quant import wide_head_model
+
+    with live_server(wide_head_model("qwen3"), kv_bits=8, draft_model=str(model_path("llama"))) as server:
+        engine = server.engine
+        assert engine._batch.speculation.method == "off"
+        assert server.handle("test-model").weights_bytes == sum(
+            p.nbytes for _, p in tree_flatten(engine._batch.model.parameters()))

@@ -75,3 +75,39 @@ def test_kept_pieces_are_bounded():
         enc.encode(render_text(tok, messages, True, {}))
     assert 0 < enc._chars <= 20_000
     assert sum(len(p) for p in enc._kept) == enc._chars
+
+
+def test_a_tokenizer_that_treats_an_inputs_start_specially_is_caught_before_any_chat():
+    """SentencePiece's Metaspace with ``prepend_scheme="first"`` adds its space only to an
+    input's first piece, so "x" after a special token is one token inside a chat and
+    another alone: the probe when the encoder is made finds it."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from gateway.conversation.segments import encode_chat
+
+    vocab = {"[UNK]": 0, "▁a": 1, "▁b": 2, "x": 3, "▁x": 4, "▁y": 5, "y": 6}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend)
+    hf.add_special_tokens({"additional_special_tokens": ["<s>"]})
+    tok = TokenizerWrapper(hf)
+    assert not SegmentEncoder(tok).exact
+    text = "a b<s>x y<s>x"
+    assert encode_chat(tok, text) == encode_with_ends(tok, text)
+
+
+def test_the_encoders_do_not_keep_a_tokenizer_alive():
+    """A model unloaded and loaded again brings a new tokenizer: the old one's encoder (and
+    its kept pieces) go with it."""
+    import gc
+
+    from gateway.conversation import segments
+
+    tok = load_tokenizer(model_path("qwen3"))
+    segments.encode_chat(tok, render_text(tok, _chats(5, 2)[0], True, {}))
+    before = len(segments._encoders)
+    del tok
+    gc.collect()
+    assert len(segments._encoders) == before - 1

@@ -11,10 +11,12 @@ takes the pieces it tokenized recently from a bounded LRU and tokenizes the rest
 
 Some tokenizers treat the first piece of an input differently (a SentencePiece
 ``Metaspace`` pre-tokenizer with ``prepend_scheme="first"`` adds its space to the
-first piece only), so the split is checked, not assumed: the first
-:data:`VERIFY_FIRST` chats of each tokenizer, then one in :data:`AUDIT_EVERY`, are also
-tokenized whole and compared; one difference turns segments off for that tokenizer for the
-process's life (the whole tokenization is what the request then gets).
+first piece only), so the split is checked, not assumed: short probes after each special
+token when the encoder is made, then the first :data:`VERIFY_FIRST` chats of each
+tokenizer (pieces are trusted once that many checks agreed) and one in
+:data:`AUDIT_EVERY` later are also tokenized whole and compared; one difference turns
+segments off for that tokenizer for the process's life (the whole tokenization is what
+the request then gets).
 """
 
 from __future__ import annotations
@@ -60,28 +62,46 @@ class SegmentEncoder:
     """
 
     def __init__(self, tokenizer: Any, max_chars: int = MAX_CHARS):
-        self.tokenizer = tokenizer
+        self._tokenizer = weakref.ref(tokenizer)  # the encoders' map is keyed by it: no strong reference
         self.max_chars = max_chars
         hf = getattr(tokenizer, "_tokenizer", tokenizer)
         self._backend = getattr(hf, "backend_tokenizer", None) if getattr(hf, "is_fast", False) else None
+        self._specials: list[str] = []
         self._cut = self._cut_pattern(hf) if self._backend is not None else None
-        self.exact = self._cut is not None  # False once a check found a difference
-        self.checked = 0
+        self.checked = 0  # chats tokenized in pieces so far
+        self.verified = 0  # of those, checks against the whole chat that agreed
         self.hit_chars = self.miss_chars = 0  # characters whose tokens were kept / tokenized
         self._kept: "OrderedDict[str, tuple[list[int], list[int]]]" = OrderedDict()
         self._chars = 0
         self._lock = threading.Lock()
+        self.exact = self._cut is not None and self._probe(tokenizer)  # False once a check found a difference
+        self.hit_chars = self.miss_chars = 0
 
-    @staticmethod
-    def _cut_pattern(hf) -> Optional[re.Pattern]:
+    def _cut_pattern(self, hf) -> Optional[re.Pattern]:
         """A regex matching the special added tokens a chat may be cut after: those that
-        strip no whitespace around them and match their text as is."""
+        strip no whitespace around them and match their text as is (kept in
+        ``_specials``)."""
         decoder = getattr(hf, "added_tokens_decoder", None) or {}
-        texts = [t.content for t in decoder.values()
-                 if getattr(t, "special", False) and not (t.lstrip or t.rstrip or t.single_word or t.normalized)]
-        if not texts:
+        self._specials = sorted({t.content for t in decoder.values() if t.content and getattr(t, "special", False)
+                                 and not (t.lstrip or t.rstrip or t.single_word or t.normalized)},
+                                key=len, reverse=True)
+        if not self._specials:
             return None
-        return re.compile("|".join(re.escape(t) for t in sorted(texts, key=len, reverse=True)))
+        return re.compile("|".join(re.escape(t) for t in self._specials))
+
+    def _probe(self, tokenizer) -> bool:
+        """Pieces add up on short texts that start every way a piece can (a letter, a
+        space, a new line, punctuation) after each special token: a tokenizer that treats
+        an input's start specially (SentencePiece's ``prepend_scheme="first"``) fails
+        here, before any request."""
+        for special in self._specials:
+            for after in ("x y", " x", "\nx", ".x", "\n\n x"):
+                text = "a b" + special + after
+                ids, ends = encode_with_ends(tokenizer, text)
+                mine = self._by_segments(text, keep=False)
+                if mine[0] != ids or (ends is not None and mine[1] != ends):
+                    return False
+        return True
 
     def _segments(self, text: str) -> list[tuple[int, str]]:
         """``(start, piece)`` of ``text`` cut right after each special token."""
@@ -96,24 +116,31 @@ class SegmentEncoder:
     def encode(self, text: str) -> tuple[list[int], Optional[list[int]]]:
         """The tokens of ``text`` (no special tokens added) and each one's end character
         (None when the offsets are unusable), as :func:`encode_with_ends`."""
+        tokenizer = self._tokenizer()
         if not self.exact:
-            return encode_with_ends(self.tokenizer, text)
+            return encode_with_ends(tokenizer, text)
         ids, ends = self._by_segments(text)
         with self._lock:
             self.checked += 1
-            check = self.checked <= VERIFY_FIRST or self.checked % AUDIT_EVERY == 0
+            # pieces are trusted once VERIFY_FIRST checks have agreed (not merely begun)
+            check = self.verified < VERIFY_FIRST or self.checked % AUDIT_EVERY == 0
         if check:
-            whole = encode_with_ends(self.tokenizer, text)
+            whole = encode_with_ends(tokenizer, text)
             if whole[0] != ids or (whole[1] is not None and whole[1] != ends):
                 self.exact = False
+                with self._lock:
+                    self._kept.clear()
+                    self._chars = 0
                 log.warning("this tokenizer does not tokenize a chat as its pieces between special tokens; "
                             "chats are tokenized whole from now on")
                 return whole
+            with self._lock:
+                self.verified += 1
         if any(a > b for a, b in zip(ends, ends[1:])):
             return ids, None
         return ids, ends
 
-    def _by_segments(self, text: str) -> tuple[list[int], list[int]]:
+    def _by_segments(self, text: str, keep: bool = True) -> tuple[list[int], list[int]]:
         pieces = self._segments(text)
         found: dict[int, tuple[list[int], list[int]]] = {}
         with self._lock:
@@ -127,10 +154,12 @@ class SegmentEncoder:
             encodings = self._backend.encode_batch([pieces[k][1] for k in missing], add_special_tokens=False)
             new = {k: (list(e.ids), [end for _, end in e.offsets]) for k, e in zip(missing, encodings)}
             found.update(new)
-            self._keep({pieces[k][1]: v for k, v in new.items() if len(pieces[k][1]) >= MIN_CHARS})
+            if keep:
+                self._keep({pieces[k][1]: v for k, v in new.items() if len(pieces[k][1]) >= MIN_CHARS})
         missed = sum(len(pieces[k][1]) for k in missing)
-        self.miss_chars += missed
-        self.hit_chars += len(text) - missed
+        with self._lock:
+            self.miss_chars += missed
+            self.hit_chars += len(text) - missed
         ids: list[int] = []
         ends: list[int] = []
         for k, (start, _) in enumerate(pieces):

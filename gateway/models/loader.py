@@ -93,8 +93,8 @@ def _speculation(spec: ModelSpec, model, cluster, draft=None, vocab: int = 0) ->
     if spec.speculative == "draft":
         from mlx.utils import tree_flatten
 
-        def size(m) -> int:
-            return sum(p.size for _, p in tree_flatten(m.parameters()))
+        def size(m) -> int:  # bytes: a decode step reads every weight once (quantized ones packed)
+            return sum(p.nbytes for _, p in tree_flatten(m.parameters()))
 
         return SpeculationConfig("draft", spec.num_draft_tokens,
                                  draft=DraftModel(draft, vocab, relative_cost=size(draft) / max(1, size(model))))
@@ -233,7 +233,7 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
     if cluster is not None:  # one model across the ranks of mlx.launch (gateway/ranks.py)
         cluster.shard(model)
     draft = draft_path = None
-    if spec.speculative == "draft" and cluster is None and speculation_refusal(model) is None:
+    if spec.speculative == "draft" and cluster is None and not spec.kv_bits and speculation_refusal(model) is None:
         draft, draft_path = read_draft(spec.name, spec.draft_model)
     reserve(served_bytes(model) + (served_bytes(draft) if draft is not None else 0))
     # Linux CPU: only float32 matmuls use BLAS (docs/deployment.md, "Weights in float32")

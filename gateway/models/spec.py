@@ -274,6 +274,8 @@ def _spec(name: str, t, base: dict) -> ModelSpec:
         settings["draft_model"] = t["draft_model"]
         if "speculative" not in t:
             settings["speculative"] = "draft"
+        elif t["speculative"] == "ngram":
+            raise ModelsFileError(f"{where}: draft_model drafts with speculative = 'draft', not 'ngram'")
     for key, allowed in (("kv_bits", (4, 8)), ("kv_group_size", (32, 64, 128))):
         if key in t:
             if isinstance(t[key], bool) or t[key] not in allowed:

@@ -118,9 +118,9 @@ class StepCost:
 
     def wide(self, batch: int, width: int, seconds: float, drafted: tuple[int, float] | None = None) -> None:
         """A verification forward ``[batch, width]`` took ``seconds``; ``drafted``:
-        ``(k, seconds)`` its draft model took for ``k`` drafts per row (a plain step's
-        time, when none was measured for this batch size, is then estimated from this
-        step's)."""
+        ``(n, seconds)`` its draft model took for ``n`` drafted positions (its forwards
+        ``[B_d, 1]``, without catching up or joining rows; a plain step's time, when none
+        was measured for this batch size, is then estimated from this step's)."""
         if width <= 1:
             return
         base = self._plain.get(batch)
@@ -130,7 +130,7 @@ class StepCost:
         if drafted is not None and drafted[0] > 0:
             base = base or seconds / (1.0 + self.beta * (width - 1))
             observed = max(0.0, drafted[1]) / (base * drafted[0])
-            self.draft = 0.8 * self.draft + 0.2 * min(observed, 4.0)
+            self.draft = 0.8 * self.draft + 0.2 * min(observed, 2.0)
 
 
 def best_width(drafts: list[int], rows: list[RowAcceptance], beta: float) -> int:

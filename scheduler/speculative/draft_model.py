@@ -9,19 +9,21 @@ per decoding row that has drafted, matched to the decode batch by uid.
   (chunks of :data:`PREFILL_CHUNK` tokens), merged into the draft batch.
 - **Catching up.** A row's draft cache may lag its tokens: by the plain steps it took
   without drafting (cool-down, width 1, a step with no candidates), and by one token after
-  it accepted every draft (the last draft is never fed to the draft model). Each drafting
-  step starts with one forward ``[B_d, M]`` of every row's missing tokens, its pending
-  input last, rows shorter than ``M`` filled at the end with positions that are then
-  taken back as holes (they come after the row's real tokens, which never see them).
-- **Drafting.** The first draft is the argmax at each row's pending input; ``K - 1``
-  forwards ``[B_d, 1]`` give the rest, greedily. A draft is deterministic, so speculative
+  it accepted every draft (the last draft is never fed to the draft model). A drafting
+  step that finds rows behind starts with one forward ``[B_d, M]`` of every row's missing
+  tokens, rows shorter than ``M`` filled at the end with positions that are then taken
+  back as holes (they come after the row's real tokens, which never see them); only the
+  cache is evaluated, so no ``[B_d, M, V]`` logits are computed.
+- **Drafting.** A forward ``[B_d, 1]`` of each row's pending input gives the first draft
+  (its argmax); ``K - 1`` more give the rest, greedily. A draft is deterministic, so speculative
   sampling's rule (accept ``d`` with probability ``p(d)``, :mod:`.verify`) keeps sampled
   rows' distribution.
 - **Settling.** After verification, each row keeps the drafts it accepted (at most the
   ``K - 1`` fed) and takes the rest back as holes: the draft cache never holds a token the
   row did not emit.
 
-Rows that leave the decode batch leave the draft batch at the next drafting step.
+Rows that leave the decode batch (finished, paused) leave the draft batch at the next
+step that drafts; a paused row that comes back joins again (a new prefill).
 """
 
 from __future__ import annotations
@@ -67,6 +69,9 @@ class ModelDrafter:
     Attributes:
         join_seconds: time the last :meth:`propose` spent prefilling rows that joined
             (not a cost of the step's width).
+        forward_seconds: time of one ``[B_d, 1]`` draft forward in the last
+            :meth:`propose` (None when it drafted one token): the cost of a drafted
+            position, without the catch-up and joins, which do not grow with the width.
     """
 
     costly = True  # proposing runs the draft model: the step decides its width first
@@ -75,6 +80,7 @@ class ModelDrafter:
         self.model, self.vocab = draft.model, draft.vocab
         self.k = 0  # tokens drafted per row in the current step
         self.join_seconds = 0.0
+        self.forward_seconds: Optional[float] = None  # of one [B_d, 1] draft forward, last step
         self.uids: list[int] = []  # the draft batch's rows, by the decode batch's uids
         self.fed: list[int] = []  # tokens of each row in its draft cache
         self.cache: Optional[list[HoledKVCache]] = None
@@ -145,21 +151,21 @@ class ModelDrafter:
             self.join_seconds = time.perf_counter() - tic
         if self.cache is None:
             return [[] for _ in inputs]
-        missing = [list(batch.tokens[index[u]][f:]) + [inputs[index[u]]] for u, f in zip(self.uids, self.fed)]
-        width = max(len(m) for m in missing)
-        grid = [m + [m[-1]] * (width - len(m)) for m in missing]
-        logits = self.model(self._ids(grid), cache=self.cache)  # [B_d, M, V]
-        at = mx.array([len(m) - 1 for m in missing])[:, None, None]
-        step = mx.take_along_axis(logits, at, axis=1)[:, 0, : self.vocab]
-        for c in self.cache:
-            c.reject([width - len(m) for m in missing])
-        drafted = [mx.argmax(step, axis=-1)]
+        behind = [list(batch.tokens[index[u]][f:]) for u, f in zip(self.uids, self.fed)]
+        self._catch_up(behind)
+        tokens = mx.array([inputs[index[u]] for u in self.uids], dtype=mx.uint32)
+        logits = self.model(mx.minimum(tokens, self._embeddings - 1)[:, None], cache=self.cache)
+        drafted = [mx.argmax(logits[:, -1, : self.vocab], axis=-1)]
+        mx.eval(drafted[0])
+        tic = time.perf_counter()
         for _ in range(self.k - 1):
             logits = self.model(mx.minimum(drafted[-1], self._embeddings - 1)[:, None], cache=self.cache)
             drafted.append(mx.argmax(logits[:, -1, : self.vocab], axis=-1))
         out = mx.stack(drafted, axis=1)
         mx.eval(out)
+        self.forward_seconds = (time.perf_counter() - tic) / (self.k - 1) if self.k > 1 else None
         out = out.tolist()
+        missing = [b + [0] for b in behind]  # the tokens fed this step: those behind, then the input
         self._base = [f + len(m) for f, m in zip(self.fed, missing)]
         self.fed = [b + self.k - 1 for b in self._base]
         drafts = [[] for _ in inputs]
@@ -168,6 +174,20 @@ class ModelDrafter:
             if candidates[i]:
                 drafts[i] = out[j][: rooms[i]]
         return drafts
+
+    def _catch_up(self, behind: list[list[int]]) -> None:
+        """Feed each row the tokens it emitted since its draft cache last saw it (``behind``,
+        per draft row, possibly empty): one forward ``[B_d, M]``, shorter rows filled at
+        the end with positions taken back as holes. Only the cache is evaluated, so the
+        output layer's ``[B_d, M, V]`` logits are never computed."""
+        width = max(len(b) for b in behind)
+        if width == 0:
+            return
+        grid = [b + [b[-1] if b else 0] * (width - len(b)) for b in behind]
+        self.model(self._ids(grid), cache=self.cache)
+        for c in self.cache:
+            c.reject([width - len(b) for b in behind])
+        mx.eval([a for c in self.cache for a in (c.keys, c.values)])  # not .state: it would compact
 
     def settle(self, uids: list[int], accepted: list[int]) -> None:
         """The decode batch's rows ``uids`` accepted ``accepted[i]`` drafts each (0 for a

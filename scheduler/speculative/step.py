@@ -124,6 +124,8 @@ class Speculator:
             processors = batch.logits_processors[i]
             if processors and draft:
                 drafts[i] = draft[:grammar_prefix(processors, token, draft)]
+                if not drafts[i]:  # none the grammar allows: as a rejected draft, or it would never stop
+                    self._rate(batch.uids[i]).record(len(draft), 0)
         return drafts
 
     # ----------------------------------------------------------------- the step
@@ -151,9 +153,7 @@ class Speculator:
             k = planned - 1
         mx.eval(batch._next_tokens)
         inputs = batch._next_tokens.tolist()
-        tic = time.perf_counter()
         drafts = self._drafts(batch, candidates, inputs, k)
-        drafting = time.perf_counter() - tic - getattr(self.drafter, "join_seconds", 0.0)
         width = best_width([len(d) for d in drafts], rows, self.cost.beta)
         if width == 1:
             self.drafter.settle(batch.uids, [0] * len(inputs))
@@ -161,8 +161,9 @@ class Speculator:
         tic = time.perf_counter()
         batch.prompt_cache = [HoledKVCache.adopt(c) for c in batch.prompt_cache]
         responses = self._verify(batch, inputs, [d[: width - 1] for d in drafts], width)
+        per_draft = getattr(self.drafter, "forward_seconds", None)
         self.cost.wide(len(inputs), width, time.perf_counter() - tic,
-                       drafted=(k, drafting) if self.drafter.costly else None)
+                       drafted=(1, per_draft) if per_draft is not None else None)
         return responses
 
     def _plain(self, batch, timed: bool) -> list:
