@@ -36,6 +36,7 @@ VERIFY_FIRST = 4  # chats of a tokenizer tokenized both ways before segments are
 AUDIT_EVERY = 32  # later, one chat in this many is tokenized both ways again
 MAX_CHARS = 1 << 20  # characters of segments kept per tokenizer (about 250k tokens)
 MIN_CHARS = 64  # shorter segments are tokenized every time, not kept
+PROBED = 8  # special tokens probed when an encoder is made
 
 _encoders: "weakref.WeakKeyDictionary[Any, SegmentEncoder]" = weakref.WeakKeyDictionary()
 _encoders_lock = threading.Lock()
@@ -91,10 +92,15 @@ class SegmentEncoder:
 
     def _probe(self, tokenizer) -> bool:
         """Pieces add up on short texts that start every way a piece can (a letter, a
-        space, a new line, punctuation) after each special token: a tokenizer that treats
+        space, a new line, punctuation) after special tokens (up to :data:`PROBED`, those
+        in the chat template first): a tokenizer that treats
         an input's start specially (SentencePiece's ``prepend_scheme="first"``) fails
         here, before any request."""
-        for special in self._specials:
+        template = getattr(tokenizer, "chat_template", None)
+        template = template if isinstance(template, str) else ""
+        # those the chat template writes first; a few suffice (Llama 3 has 256 reserved ones)
+        ranked = sorted(self._specials, key=lambda t: t not in template)[:PROBED]
+        for special in ranked:
             for after in ("x y", " x", "\nx", ".x", "\n\n x"):
                 text = "a b" + special + after
                 ids, ends = encode_with_ends(tokenizer, text)
