@@ -28,7 +28,7 @@ def steady_step_cost(monkeypatch):
 
     monkeypatch.setattr(StepCost, "__init__", fixed)
     monkeypatch.setattr(StepCost, "plain", lambda self, batch, seconds: None)
-    monkeypatch.setattr(StepCost, "wide", lambda self, batch, width, seconds, **measured: None)
+    monkeypatch.setattr(StepCost, "wide", lambda self, batch, width, seconds, draft_seconds=None: None)
 
 
 def _other_weights(tmp_path_factory):
@@ -170,11 +170,11 @@ def test_the_draft_models_cost_is_learnt_and_decides_before_drafting(monkeypatch
 
     monkeypatch.undo()  # the real StepCost
     cost = StepCost(beta=0.1, draft=0.5)
-    cost.wide(2, 5, 0.3, drafted=(4, 0.2))  # no plain step measured: estimated from this one
-    assert abs(cost.draft - (0.8 * 0.5 + 0.2 * 0.2 / (4 * 0.3 / 1.4))) < 1e-9
+    cost.wide(2, 5, 0.3, draft_seconds=0.05)  # no plain step measured: estimated from this one
+    assert abs(cost.draft - (0.8 * 0.5 + 0.2 * 0.05 / (0.3 / 1.4))) < 1e-9
     for _ in range(40):
         cost.plain(2, 0.1)
-        cost.wide(2, 5, 0.14, drafted=(4, 0.04))  # 0.01 s per draft: a tenth of a plain step
+        cost.wide(2, 5, 0.14, draft_seconds=0.01)  # 0.01 s per draft: a tenth of a plain step
     assert abs(cost.beta - 0.1) < 0.01 and abs(cost.draft - 0.1) < 0.01
 
     model, _ = mlx_lm.load(str(model_path("qwen3")))

@@ -40,7 +40,7 @@ def steady_step_cost(monkeypatch):
 
     monkeypatch.setattr(StepCost, "__init__", fixed)
     monkeypatch.setattr(StepCost, "plain", lambda self, batch, seconds: None)
-    monkeypatch.setattr(StepCost, "wide", lambda self, batch, width, seconds, **measured: None)
+    monkeypatch.setattr(StepCost, "wide", lambda self, batch, width, seconds, draft_seconds=None: None)
 
 
 # ----------------------------------------------------------------------------- drafting

@@ -116,20 +116,20 @@ class StepCost:
         old = self._plain.get(batch)
         self._plain[batch] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
-    def wide(self, batch: int, width: int, seconds: float, drafted: tuple[int, float] | None = None) -> None:
-        """A verification forward ``[batch, width]`` took ``seconds``; ``drafted``:
-        ``(n, seconds)`` its draft model took for ``n`` drafted positions (its forwards
-        ``[B_d, 1]``, without catching up or joining rows; a plain step's time, when none
-        was measured for this batch size, is then estimated from this step's)."""
+    def wide(self, batch: int, width: int, seconds: float, draft_seconds: float | None = None) -> None:
+        """A verification forward ``[batch, width]`` took ``seconds``; ``draft_seconds``:
+        what its draft model took per drafted position (one forward ``[B_d, 1]``, without
+        catching up or joining rows; a plain step's time, when none was measured for this
+        batch size, is then estimated from this step's)."""
         if width <= 1:
             return
         base = self._plain.get(batch)
         if base is not None and base > 0:
             observed = max(0.0, (seconds / base - 1.0) / (width - 1))
             self.beta = 0.8 * self.beta + 0.2 * min(observed, 2.0)
-        if drafted is not None and drafted[0] > 0:
+        if draft_seconds is not None:
             base = base or seconds / (1.0 + self.beta * (width - 1))
-            observed = max(0.0, drafted[1]) / (base * drafted[0])
+            observed = max(0.0, draft_seconds) / base
             self.draft = 0.8 * self.draft + 0.2 * min(observed, 2.0)
 
 

@@ -67,8 +67,6 @@ class ModelDrafter:
         draft: the draft model.
 
     Attributes:
-        join_seconds: time the last :meth:`propose` spent prefilling rows that joined
-            (not a cost of the step's width).
         forward_seconds: time of one ``[B_d, 1]`` draft forward in the last
             :meth:`propose` (None when it drafted one token): the cost of a drafted
             position, without the catch-up and joins, which do not grow with the width.
@@ -79,7 +77,6 @@ class ModelDrafter:
     def __init__(self, draft: DraftModel):
         self.model, self.vocab = draft.model, draft.vocab
         self.k = 0  # tokens drafted per row in the current step
-        self.join_seconds = 0.0
         self.forward_seconds: Optional[float] = None  # of one [B_d, 1] draft forward, last step
         self.uids: list[int] = []  # the draft batch's rows, by the decode batch's uids
         self.fed: list[int] = []  # tokens of each row in its draft cache
@@ -108,7 +105,7 @@ class ModelDrafter:
         for tokens in rows:
             cache = make_prompt_cache(self.model)
             for s in range(0, len(tokens), PREFILL_CHUNK):
-                self.model(self._ids([tokens[s:s + PREFILL_CHUNK]]), cache=cache)
+                self.model(self._ids(mx.array([tokens[s:s + PREFILL_CHUNK]], dtype=mx.uint32)), cache=cache)
                 mx.eval([c.state for c in cache])
             caches.append(cache)
         merged = [HoledKVCache.adopt(BatchKVCache.merge([c[layer] for c in caches])) for layer in range(len(caches[0]))]
@@ -120,12 +117,13 @@ class ModelDrafter:
         self.uids += uids
         self.fed += [len(t) for t in rows]
 
-    def _ids(self, grid: list[list[int]]) -> mx.array:
-        """Token ids ``[B, T]`` for the draft model, ids beyond its embedding table clipped
-        (only the target's padding ids are: their drafts are then merely wrong)."""
+    def _ids(self, ids: mx.array) -> mx.array:
+        """Token ids (``[B, T]``, uint32) for the draft model, ids beyond its embedding
+        table clipped (only the target's padding ids are: their drafts are then merely
+        wrong)."""
         if self._embeddings is None:
             self._embeddings = int(self.model(mx.array([[0]])).shape[-1])
-        return mx.minimum(mx.array(grid, dtype=mx.uint32), self._embeddings - 1)
+        return mx.minimum(ids, self._embeddings - 1)
 
     # ----------------------------------------------------------------- the drafter interface
     def hint(self, batch, i: int) -> bool:
@@ -139,34 +137,31 @@ class ModelDrafter:
         has room for (see the module docstring); :meth:`settle` must follow, with what
         each row accepted."""
         self.forget(batch.uids)
-        self.join_seconds, self.k = 0.0, max((r for r, c in zip(rooms, candidates) if c), default=0)
+        self.k = max((r for r, c in zip(rooms, candidates) if c), default=0)
         if self.k <= 0:
             return [[] for _ in inputs]
         index = {u: i for i, u in enumerate(batch.uids)}
         known = set(self.uids)
         new = [i for i, c in enumerate(candidates) if c and batch.uids[i] not in known]
         if new:
-            tic = time.perf_counter()
             self._join([list(batch.tokens[i]) for i in new], [batch.uids[i] for i in new])
-            self.join_seconds = time.perf_counter() - tic
         if self.cache is None:
             return [[] for _ in inputs]
         behind = [list(batch.tokens[index[u]][f:]) for u, f in zip(self.uids, self.fed)]
         self._catch_up(behind)
-        tokens = mx.array([inputs[index[u]] for u in self.uids], dtype=mx.uint32)
-        logits = self.model(mx.minimum(tokens, self._embeddings - 1)[:, None], cache=self.cache)
+        tokens = mx.array([[inputs[index[u]]] for u in self.uids], dtype=mx.uint32)
+        logits = self.model(self._ids(tokens), cache=self.cache)
         drafted = [mx.argmax(logits[:, -1, : self.vocab], axis=-1)]
         mx.eval(drafted[0])
         tic = time.perf_counter()
         for _ in range(self.k - 1):
-            logits = self.model(mx.minimum(drafted[-1], self._embeddings - 1)[:, None], cache=self.cache)
+            logits = self.model(self._ids(drafted[-1][:, None]), cache=self.cache)
             drafted.append(mx.argmax(logits[:, -1, : self.vocab], axis=-1))
         out = mx.stack(drafted, axis=1)
         mx.eval(out)
         self.forward_seconds = (time.perf_counter() - tic) / (self.k - 1) if self.k > 1 else None
         out = out.tolist()
-        missing = [b + [0] for b in behind]  # the tokens fed this step: those behind, then the input
-        self._base = [f + len(m) for f, m in zip(self.fed, missing)]
+        self._base = [f + len(b) + 1 for f, b in zip(self.fed, behind)]  # those behind, then the input
         self.fed = [b + self.k - 1 for b in self._base]
         drafts = [[] for _ in inputs]
         for j, u in enumerate(self.uids):
@@ -184,7 +179,7 @@ class ModelDrafter:
         if width == 0:
             return
         grid = [b + [b[-1] if b else 0] * (width - len(b)) for b in behind]
-        self.model(self._ids(grid), cache=self.cache)
+        self.model(self._ids(mx.array(grid, dtype=mx.uint32)), cache=self.cache)
         for c in self.cache:
             c.reject([width - len(b) for b in behind])
         mx.eval([a for c in self.cache for a in (c.keys, c.values)])  # not .state: it would compact

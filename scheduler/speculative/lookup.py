@@ -91,6 +91,7 @@ class LookupDrafter:
     """
 
     costly = False  # a draft is a few dictionary lookups: proposing costs nothing to speak of
+    forward_seconds = None  # no forward to time (see ModelDrafter)
 
     def __init__(self, min_n: int = 2, max_n: int = 4):
         self.min_n, self.max_n = min_n, max_n

@@ -161,9 +161,7 @@ class Speculator:
         tic = time.perf_counter()
         batch.prompt_cache = [HoledKVCache.adopt(c) for c in batch.prompt_cache]
         responses = self._verify(batch, inputs, [d[: width - 1] for d in drafts], width)
-        per_draft = getattr(self.drafter, "forward_seconds", None)
-        self.cost.wide(len(inputs), width, time.perf_counter() - tic,
-                       drafted=(1, per_draft) if per_draft is not None else None)
+        self.cost.wide(len(inputs), width, time.perf_counter() - tic, self.drafter.forward_seconds)
         return responses
 
     def _plain(self, batch, timed: bool) -> list:
