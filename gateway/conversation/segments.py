@@ -53,6 +53,11 @@ def encode_chat(tokenizer: Any, text: str) -> tuple[list[int], Optional[list[int
     return enc.encode(text)
 
 
+def _agree(whole: tuple[list[int], Optional[list[int]]], pieces: tuple[list[int], list[int]]) -> bool:
+    """The pieces' tokens (and ends, where the whole chat's are usable) are the whole's."""
+    return whole[0] == pieces[0] and (whole[1] is None or whole[1] == pieces[1])
+
+
 class SegmentEncoder:
     """A tokenizer's segment cache (thread-safe; see the module docstring).
 
@@ -103,9 +108,7 @@ class SegmentEncoder:
         for special in ranked:
             for after in ("x y", " x", "\nx", ".x", "\n\n x"):
                 text = "a b" + special + after
-                ids, ends = encode_with_ends(tokenizer, text)
-                mine = self._by_segments(text, keep=False)
-                if mine[0] != ids or (ends is not None and mine[1] != ends):
+                if not _agree(encode_with_ends(tokenizer, text), self._by_segments(text, keep=False)):
                     return False
         return True
 
@@ -132,7 +135,7 @@ class SegmentEncoder:
             check = self.verified < VERIFY_FIRST or self.checked % AUDIT_EVERY == 0
         if check:
             whole = encode_with_ends(tokenizer, text)
-            if whole[0] != ids or (whole[1] is not None and whole[1] != ends):
+            if not _agree(whole, (ids, ends)):
                 self.exact = False
                 with self._lock:
                     self._kept.clear()

@@ -79,11 +79,10 @@ def resolve_path(spec: ModelSpec) -> str:
     return spec.path
 
 
-def _speculation(spec: ModelSpec, model, cluster, draft=None, vocab: int = 0) -> SpeculationConfig:
+def _speculation(spec: ModelSpec, model, cluster, draft: Optional[DraftModel] = None) -> SpeculationConfig:
     """The model's speculative decoding, or off (with a warning) where it cannot roll back
     a draft or runs split across ranks (the other ranks replay plain steps only);
-    ``draft``: the draft model of ``"draft"`` (read and checked), drafting into ``vocab``
-    logits."""
+    ``draft``: the draft model of ``"draft"`` (read and checked)."""
     if spec.speculative == "off":
         return SpeculationConfig()
     why = "it runs split across ranks" if cluster is not None else speculation_refusal(model)
@@ -91,13 +90,7 @@ def _speculation(spec: ModelSpec, model, cluster, draft=None, vocab: int = 0) ->
         log.warning("%s: speculative decoding is off: %s", spec.name, why)
         return SpeculationConfig()
     if spec.speculative == "draft":
-        from mlx.utils import tree_flatten
-
-        def size(m) -> int:  # bytes: a decode step reads every weight once (quantized ones packed)
-            return sum(p.nbytes for _, p in tree_flatten(m.parameters()))
-
-        return SpeculationConfig("draft", spec.num_draft_tokens,
-                                 draft=DraftModel(draft, vocab, relative_cost=size(draft) / max(1, size(model))))
+        return SpeculationConfig("draft", spec.num_draft_tokens, draft=draft)
     return SpeculationConfig(spec.speculative, spec.num_draft_tokens)
 
 
@@ -247,12 +240,15 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
             quantize_kv(model, spec.kv_bits, spec.kv_group_size)
         except ValueError as e:
             raise ValueError(f"{spec.name}: --kv-bits {spec.kv_bits}: {e}") from None
-    weights = sum(p.nbytes for m in (model, draft) if m is not None for _, p in tree_flatten(m.parameters()))
+    weights, draft_weights = (sum(p.nbytes for _, p in tree_flatten(m.parameters())) if m is not None else 0
+                              for m in (model, draft))
     exact = batch_is_exact(model)
     vocab = logits_size(model)
     tokenizer, grammars = tokenizer_and_grammars(model_path, config, vocab)
     if draft is not None:
         check_draft(spec.name, draft, draft_path, tokenizer)
+        # a decode step reads every weight once (quantized ones packed): its cost goes by bytes
+        draft = DraftModel(draft, vocab, relative_cost=draft_weights / max(1, weights))
     if not exact:
         log.warning("%s: padded batches of this model do not match single requests; prompts will only be "
                     "batched when they need no padding", spec.name)
@@ -267,7 +263,7 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
         except OSError as e:
             manager.close()
             raise DiskTierUnusable(f"the prompt cache's disk tier cannot be used: {e}") from e
-    engine = Engine(model, tokenizer.eos_token_ids, manager, speculation=_speculation(spec, model, cluster, draft, vocab),
+    engine = Engine(model, tokenizer.eos_token_ids, manager, speculation=_speculation(spec, model, cluster, draft),
                     prompt_concurrency=cfg.prompt_concurrency,
                     decode_concurrency=cfg.decode_concurrency, prefill_step_size=cfg.prefill_step_size,
                     prefill_budget=cfg.prefill_budget, max_waiting=cfg.max_waiting, registry=registry,
@@ -277,8 +273,8 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
     if configure is not None:
         configure(engine)
     warm_up(tokenizer, spec.chat_template_args)
-    handle = ModelHandle(spec, tokenizer, engine, context_length(model, tokenizer), vocab, grammars, weights,
-                         str(path))
+    handle = ModelHandle(spec, tokenizer, engine, context_length(model, tokenizer), vocab, grammars,
+                         weights + draft_weights, str(path))
     try:
         engine.start()  # the hand-over: the loop opens its batch between two steps
     except BaseException:
