@@ -15,20 +15,10 @@ from conftest import engine_tokens, model_path
 from scheduler import Engine, SamplingParams
 from scheduler.speculative import DraftModel, SpeculationConfig, SpeculationStats
 from scheduler.speculative.acceptance import StepCost
+from test_speculative import _workload as lookup_workload
+from test_speculative import steady_step_cost  # noqa: F401 (autouse: a fixed cost per drafted position)
 
 from gateway.models.demo_model import build_model_dir
-
-
-@pytest.fixture(autouse=True)
-def steady_step_cost(monkeypatch):
-    """A fixed, low cost per drafted position, as in test_speculative: whether a step
-    verifies depends on the drafts and acceptance alone, not on the machine's load."""
-    def fixed(self, beta: float = 0.05, draft: float = 0.0):
-        self.beta, self.draft, self._plain = 0.05, 0.0, {}
-
-    monkeypatch.setattr(StepCost, "__init__", fixed)
-    monkeypatch.setattr(StepCost, "plain", lambda self, batch, seconds: None)
-    monkeypatch.setattr(StepCost, "wide", lambda self, batch, width, seconds, draft_seconds=None: None)
 
 
 def _other_weights(tmp_path_factory):
@@ -39,12 +29,19 @@ def _other_weights(tmp_path_factory):
 
 
 def _workload(seed: int):
-    rng = random.Random(seed)
-    loop = [rng.randrange(10, 500) for _ in range(12)]
-    shared = [rng.randrange(10, 500) for _ in range(40)]
-    prompts = [loop * 5, shared + loop * 2, shared + [rng.randrange(10, 500) for _ in range(30)],
-               [rng.randrange(10, 500) for _ in range(25)] * 3, [7, 8, 9] * 9, [rng.randrange(10, 500)]]
-    return prompts, [48, 40, 33, 45, 20, 12]
+    """test_speculative's prompts, and one of a single token (no tokens in its cache: it
+    never drafts)."""
+    prompts, max_tokens = lookup_workload(seed)
+    return prompts + [[random.Random(seed).randrange(10, 500)]], max_tokens + [12]
+
+
+def _plain_tokens(model, tok, prompts, params) -> list[list[int]]:
+    """Each prompt's tokens alone on an engine that does not speculate (the reference)."""
+    plain = _engine(model, tok, SpeculationConfig())
+    try:
+        return [engine_tokens(plain, [p], [q])[0] for p, q in zip(prompts, params)]
+    finally:
+        plain.stop()
 
 
 def _engine(model, tok, spec):
@@ -67,11 +64,7 @@ def test_greedy_tokens_equal_plain_decoding(which, tmp_path_factory):
     model, tok = mlx_lm.load(str(model_path("qwen3")))
     draft = model if which == "same" else mlx_lm.load(str(_other_weights(tmp_path_factory)))[0]
     prompts, max_tokens = _workload(1)
-    plain = _engine(model, tok, SpeculationConfig())
-    try:
-        want = [engine_tokens(plain, [p], [m])[0] for p, m in zip(prompts, max_tokens)]
-    finally:
-        plain.stop()
+    want = _plain_tokens(model, tok, prompts, max_tokens)
     engine = _engine(model, tok, _draft(model, draft))
     try:
         burst = engine_tokens(engine, prompts, max_tokens)
@@ -139,11 +132,7 @@ def test_processors_and_sampled_rows_beside():
     prompts, max_tokens = _workload(3)
     kinds = [dict(repetition_penalty=1.05), dict(logit_bias=((11, 2.0),)), dict(presence_penalty=0.3), {}, {}, {}]
     params = [SamplingParams(max_tokens=m, **k) for m, k in zip(max_tokens, kinds)]
-    plain = _engine(model, tok, SpeculationConfig())
-    try:
-        want = [engine_tokens(plain, [p], [q])[0] for p, q in zip(prompts, params)]
-    finally:
-        plain.stop()
+    want = _plain_tokens(model, tok, prompts, params)
     engine = _engine(model, tok, _draft(model, model))
     try:
         sampled = SamplingParams(max_tokens=30, temperature=0.8)
