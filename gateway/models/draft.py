@@ -37,11 +37,10 @@ def check_draft(name: str, draft, where: Path, tokenizer) -> None:
     """Refuse a draft that cannot draft for a target of ``tokenizer``.
 
     Raises:
-        DraftModelError: another vocabulary, or caches that cannot take a draft back.
+        DraftModelError: another vocabulary, or layers other than full attention.
     """
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
     from mlx_lm.utils import load_tokenizer
-
-    from scheduler.speculative import speculation_refusal
 
     try:
         theirs = load_tokenizer(where).get_vocab()
@@ -50,6 +49,7 @@ def check_draft(name: str, draft, where: Path, tokenizer) -> None:
     if theirs != tokenizer.get_vocab():
         raise DraftModelError(f"{name}: the draft model's tokenizer is not the served model's "
                               f"({len(theirs)} tokens against {len(tokenizer.get_vocab())}, or other ids)")
-    why = speculation_refusal(draft)
-    if why is not None:
-        raise DraftModelError(f"{name}: the draft model cannot draft: {why}")
+    kinds = sorted({type(c).__name__ for c in make_prompt_cache(draft)} - {KVCache.__name__})
+    if kinds:  # the draft batch takes drafts back by masking (HoledKVCache) alone
+        raise DraftModelError(f"{name}: the draft model cannot draft: its layers keep {', '.join(kinds)} "
+                              "caches; a draft model's layers must all be full attention")

@@ -48,21 +48,26 @@ class SpeculationConfig:
 
 
 def speculation_refusal(model) -> Optional[str]:
-    """Why ``model`` cannot speculate, or None if it can.
+    """Why ``model`` cannot speculate, or None if it can (as far as its cache types tell).
 
-    A rejected draft must be taken back out of every layer's cache. Full-attention layers
-    (mlx-lm's ``KVCache``) can: the decode batch masks the rejected positions
-    (:mod:`scheduler.speculative.holes`). Recurrent state (``ArraysCache``: Mamba, gated
-    delta nets) has no per-token history to roll back to, and sliding windows
-    (``RotatingKVCache``) overwrite the positions a rollback would need.
+    A rejected draft must be taken back out of every layer's cache:
+
+    - full-attention layers (mlx-lm's ``KVCache``) mask the rejected positions
+      (:mod:`scheduler.speculative.holes`);
+    - recurrent layers (``ArraysCache``: gated delta nets, Mamba) and sliding windows
+      (``RotatingKVCache``) go back to their state before the step and take the kept
+      tokens again (:mod:`scheduler.speculative.rewind`). Whether the model's layers
+      honour the padding that needs is checked on the model itself, on the engine thread,
+      before its first draft (:func:`~scheduler.speculative.rewind.right_padding_refusal`).
+
+    Quantized KV caches and other cache types are refused.
     """
-    from mlx_lm.models.cache import KVCache, make_prompt_cache
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-    layers = make_prompt_cache(model)
-    if all(type(c) is KVCache for c in layers):
-        return None
-    kinds = {type(c).__name__ for c in layers}
+    kinds = {type(c).__name__ for c in make_prompt_cache(model)}
     if "QuantizedKVRow" in kinds:
         return "its KV cache is quantized (--kv-bits), and quantized batches do not take drafts back yet"
-    others = sorted(k for k in kinds if k != "KVCache")
-    return f"its layers keep {', '.join(others)} caches, which cannot roll back a rejected draft"
+    others = sorted(kinds - {t.__name__ for t in (ArraysCache, KVCache, RotatingKVCache)})
+    if others:
+        return f"its layers keep {', '.join(others)} caches, which cannot roll back a rejected draft"
+    return None

@@ -25,6 +25,7 @@ tokens up to that token, exactly what plain decoding would have left.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -40,8 +41,11 @@ from scheduler.speculative.holes import HoledKVCache
 from scheduler.speculative.draft_model import ModelDrafter
 from scheduler.speculative.lookup import LookupDrafter
 from scheduler.speculative.processors import apply_along, draftable, grammar_prefix, rewind
+from scheduler.speculative.rewind import Rewind, holed, needs_replay, replay, right_padding_refusal
 from scheduler.speculative.verify import accept_greedy, accept_sampled
 
+
+log = logging.getLogger(__name__)
 
 PLAIN_SAMPLE = 8  # one plain step in this many is timed (waiting for it costs its overlap)
 GREEDY = (None, greedy, greedy_sampler)  # argmax samplers (ours, mlx-lm's; None: the batch's default)
@@ -61,6 +65,7 @@ class SpeculationStats:
     plain_steps: int = 0
     verify_steps: int = 0
     ended_inside_draft: int = 0  # rows that stopped before the last of their accepted drafts
+    replays: int = 0  # verify steps whose recurrent or window layers were fed the kept tokens again
 
 
 class Speculator:
@@ -84,6 +89,7 @@ class Speculator:
             self.drafter = LookupDrafter(config.min_n, config.max_n)
         self._acceptance: dict[int, RowAcceptance] = {}
         self._overall = BatchAcceptance()
+        self.refusal: Optional[str] = None  # why the model's layers cannot roll back ("" if they can; None: not checked yet)
 
     # ----------------------------------------------------------------- per row
     def _rate(self, uid: int) -> RowAcceptance:
@@ -141,7 +147,7 @@ class Speculator:
             return []
         self._forget_gone(batch.uids)
         candidates = [self._may_draft(batch, i) for i in range(len(batch.uids))]
-        if not any(candidates):
+        if not any(candidates) or not self._rolls_back(batch):
             return self._plain(batch, timed=self.stats.plain_steps % PLAIN_SAMPLE == 0)
         rows = [self._rate(uid) for uid in batch.uids]
         k = self.config.num_draft_tokens
@@ -159,10 +165,21 @@ class Speculator:
             self.drafter.settle(batch.uids, [0] * len(inputs))
             return self._plain(batch, timed=True)
         tic = time.perf_counter()
-        batch.prompt_cache = [HoledKVCache.adopt(c) for c in batch.prompt_cache]
+        batch.prompt_cache = holed(batch.prompt_cache)
         responses = self._verify(batch, inputs, [d[: width - 1] for d in drafts], width)
         self.cost.wide(len(inputs), width, time.perf_counter() - tic, self.drafter.forward_seconds)
         return responses
+
+    def _rolls_back(self, batch) -> bool:
+        """Whether a rejected draft can be taken back out of every layer of the batch's
+        model: checked once, on the model itself, when it has recurrent or sliding-window
+        layers (:func:`~scheduler.speculative.rewind.right_padding_refusal`); if not, every
+        step stays plain."""
+        if self.refusal is None:
+            self.refusal = right_padding_refusal(batch.model) if Rewind(batch.prompt_cache) else ""
+            if self.refusal:
+                log.warning("speculative decoding is off: %s", self.refusal)
+        return not self.refusal
 
     def _plain(self, batch, timed: bool) -> list:
         """mlx-lm's step; ``timed``: wait for its forward and time it (the cost model)."""
@@ -194,7 +211,11 @@ class Speculator:
 
     def _verify(self, batch, inputs: list[int], drafts: list[list[int]], width: int) -> list:
         grid = [[t, *d, *[t] * (width - 1 - len(d))] for t, d in zip(inputs, drafts)]
+        fed = [1 + len(d) for d in drafts]  # each row's real positions in the forward
+        saved = Rewind(batch.prompt_cache)  # recurrent and window layers: saved, then padded
+        saved.pad(fed, width)
         logprobs = self._logprobs(batch, mx.array(grid, dtype=mx.uint32), drafts)  # [B, W, V]
+        saved.unpad()
         targets = mx.argmax(logprobs, axis=-1)
         mx.eval(targets, logprobs)
         targets = targets.tolist()
@@ -215,8 +236,6 @@ class Speculator:
             else:
                 accepted.append(0)
                 following.append(int(sampler(logprobs[i, 0:1]).item()))
-        for c in batch.prompt_cache:
-            c.reject([width - 1 - a for a in accepted])
         self.drafter.settle(batch.uids, accepted)
         previous = batch._next_logprobs
         batch._next_tokens = mx.array(following, dtype=mx.uint32)
@@ -234,44 +253,70 @@ class Speculator:
         self.stats.verify_steps += 1
         if self._on_verify is not None:
             self._on_verify(drafted, sum(accepted), width)
-        return self._report(batch, inputs, drafts, accepted, previous, logprobs)
+        outcomes = self._outcomes(batch, inputs, drafts, accepted, previous, logprobs)
+        kept = [1 + a - extra for a, (_, _, extra) in zip(accepted, outcomes)]
+        self._roll_back(batch, saved, [[t, *d[: k - 1]] for t, d, k in zip(inputs, drafts, kept)], fed, width)
+        return self._respond(batch, outcomes)
 
-    def _report(self, batch, inputs, drafts, accepted, previous, logprobs) -> list:
-        """Responses for each row's input token (unless reported already) and accepted
-        drafts; rows that finish leave the batch with the cache up to their last token."""
+    def _roll_back(self, batch, saved: Rewind, kept: list[list[int]], fed: list[int], width: int) -> None:
+        """Leave each row's cache holding exactly the tokens ``kept[b]`` of this step
+        (its input and the drafts it keeps; fewer when it ends inside its draft), out of
+        the ``width`` positions written (``fed[b]`` of them real)."""
+        counts = [len(k) for k in kept]
+        if needs_replay(saved, fed, counts):
+            replay(batch.model, batch.prompt_cache, saved, kept, width)
+            self.stats.replays += 1
+            return
+        for c in batch.prompt_cache:
+            if isinstance(c, HoledKVCache):
+                c.reject([width - n for n in counts])
+
+    def _outcomes(self, batch, inputs, drafts, accepted, previous, logprobs) -> list:
+        """Per row, what this step reports: its (token, logprob) pairs (the input token
+        unless reported already, then the accepted drafts, then a fresh row's first
+        token), cut after the one that finishes it; the finish reason (None: it goes
+        on); and how many of the step's cached positions come after that token."""
         fresh, batch._fresh = batch._fresh, [False] * len(batch.uids)
         ahead, batch._ahead = batch._ahead, [False] * len(batch.uids)
-        keep, responses = [], []
-        for i, uid in enumerate(batch.uids):
+        outcomes = []
+        for i in range(len(batch.uids)):
             out = [] if (ahead[i] or fresh[i]) else [(inputs[i], previous[i])]
             out += [(drafts[i][j], logprobs[i, j]) for j in range(accepted[i])]
             if fresh[i] and batch._num_tokens[i] + 1 < batch.max_tokens[i]:
                 # a row's first token is reported as soon as it is known (as in plain steps)
                 out.append((int(batch._next_tokens[i].item()), batch._next_logprobs[i]))
                 batch._ahead[i] = True
-            finish = None
-            for n, (token, lp) in enumerate(out, start=1):
+            finish, extra = None, 0
+            for n, (token, _) in enumerate(out, start=1):
                 batch._num_tokens[i] += 1
                 if batch._num_tokens[i] >= batch.max_tokens[i]:
                     finish = "length"
                 if batch._matchers[i].advance(token):
                     finish = "stop"
-                if finish is None:
-                    responses.append(batch.Response(uid, token, lp, None, None, None))
-                    continue
-                # cache tokens after this one (out's last token may be the pending one)
-                extra = max(0, len(out) - n - (1 if batch._ahead[i] else 0))
-                cache = batch.extract_cache(i)
-                tokens = batch.tokens[i]
-                if extra:
-                    self.stats.ended_inside_draft += 1
-                    for layer in cache:
-                        layer.trim(extra)
-                    tokens = tokens[: len(tokens) - extra]
-                responses.append(batch.Response(uid, token, lp, finish, cache, tokens))
-                break
+                if finish is not None:
+                    # cached tokens after this one (out's last token may be the pending one)
+                    extra = max(0, len(out) - n - (1 if batch._ahead[i] else 0))
+                    out = out[:n]
+                    break
+            outcomes.append((out, finish, extra))
+        return outcomes
+
+    def _respond(self, batch, outcomes: list) -> list:
+        """The step's responses; rows that finish leave the batch with their cache (rolled
+        back to their last token already) and tokens."""
+        keep, responses = [], []
+        for i, (uid, (out, finish, extra)) in enumerate(zip(batch.uids, outcomes)):
+            for token, lp in out if finish is None else out[:-1]:
+                responses.append(batch.Response(uid, token, lp, None, None, None))
             if finish is None:
                 keep.append(i)
+                continue
+            tokens = batch.tokens[i]
+            if extra:
+                self.stats.ended_inside_draft += 1
+                tokens = tokens[: len(tokens) - extra]
+            token, lp = out[-1]
+            responses.append(batch.Response(uid, token, lp, finish, batch.extract_cache(i), tokens))
         if len(keep) < len(batch.uids):
             batch.filter(keep)
         return responses
