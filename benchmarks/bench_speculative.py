@@ -30,6 +30,9 @@ prints what a verification forward costs here: ``[B, W]`` against ``[B, 1]`` ove
 ``--draft-layers N`` with a draft cut from the model itself: its embedding, first ``N``
 layers, final norm and output layer (a layer-skipping self-draft, as in Zhang et al., 2023,
 "Draft & Verify"), written next to the model.
+``--shape qwen3_5`` or ``--shape gemma3_text`` gives the random model Qwen 3.5's
+recurrent layers or Gemma 3's sliding windows at the same size (their rejected drafts
+go back by a replay, ``scheduler.speculative.rewind``).
 ``--synthetic-pair N`` serves a random-weight target and draft that agree (see
 :func:`synthetic_pair`), to measure the draft method's mechanism where no trained pair is
 at hand.
@@ -68,13 +71,26 @@ SMOL_SHAPE = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads"
               "head_dim": 64, "intermediate_size": 1536, "rope_theta": 100000.0, "max_position_embeddings": 8192}
 
 
-def smol_shaped_model() -> str:
-    """A random-weight llama of SmolLM2-135M's shape with the Llama 3 fixture tokenizer."""
+# Other layer mixes at SmolLM2-135M's size (--shape): Qwen 3.5's (three gated delta
+# layers to one full-attention layer) and Gemma 3's (five 512-token sliding windows to
+# one full-attention layer).
+LAYER_MIXES = {
+    "llama": {},
+    "qwen3_5": {"linear_num_value_heads": 8, "linear_num_key_heads": 4, "linear_key_head_dim": 64,
+                "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, "full_attention_interval": 4},
+    "gemma3_text": {"sliding_window": 512, "sliding_window_pattern": 6, "query_pre_attn_scalar": 64},
+}
+
+
+def smol_shaped_model(arch: str = "llama") -> str:
+    """A random-weight model of SmolLM2-135M's size with the Llama 3 fixture tokenizer:
+    a llama of its shape, or the layer mix of ``arch`` (:data:`LAYER_MIXES`)."""
     from gateway.models.demo_model import build_model_dir
 
     tokenizer = ROOT / "tests" / "fixtures" / "tokenizers" / "llama3"
-    return str(build_model_dir(Path(tempfile.gettempdir()) / "mlx-gateway-bench-smol135-shape", "llama",
-                               tokenizer_dir=tokenizer, overrides=SMOL_SHAPE))
+    name = "mlx-gateway-bench-smol135-shape" + ("" if arch == "llama" else f"-{arch}")
+    return str(build_model_dir(Path(tempfile.gettempdir()) / name, arch,
+                               tokenizer_dir=tokenizer, overrides={**SMOL_SHAPE, **LAYER_MIXES[arch]}))
 
 
 def synthetic_pair(n: int, damp: float = 0.05) -> tuple[str, str]:
@@ -188,13 +204,36 @@ def run_setting(model_dir: str, speculative: str, streams: int, answer: int, k: 
         proc.wait(60)
 
 
-def verify_cost(model_dir: str, context: int = 1500) -> list[tuple[int, int, float]]:
-    """(B, W, seconds of a [B, W] forward over ``context`` cached tokens / seconds of [B, 1])."""
+def batch_cache(model, B: int) -> list:
+    """An empty batch cache of ``B`` rows for ``model``: per layer, full attention, a
+    sliding window or recurrent state, as the model keeps them."""
+    from mlx_lm.models.cache import (ArraysCache, BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache,
+                                     make_prompt_cache)
+
+    out = []
+    for c in make_prompt_cache(model):
+        if isinstance(c, RotatingKVCache):
+            out.append(BatchRotatingKVCache(c.max_size, [0] * B))
+        elif isinstance(c, KVCache):
+            out.append(BatchKVCache([0] * B))
+        elif isinstance(c, ArraysCache):
+            out.append(ArraysCache(len(c.cache)))
+        else:
+            raise TypeError(f"no batch form for a {type(c).__name__}")
+    return out
+
+
+def verify_cost(model_dir: str, context: int = 1500) -> list[tuple]:
+    """Per ``(B, W)``: seconds of a ``[B, W]`` forward over ``context`` cached tokens over
+    seconds of ``[B, 1]``; and for a model with recurrent or sliding-window layers, the
+    same for a step whose rows reject half their drafts (the forward, then the replay of
+    the kept tokens, ``scheduler.speculative.rewind``), else None."""
     import mlx.core as mx
     from mlx_lm import load
-    from mlx_lm.models.cache import BatchKVCache
 
     from gateway.cpu import cpu_backend
+    from scheduler.speculative.holes import HoledKVCache
+    from scheduler.speculative.rewind import Rewind, holed, replay
 
     if cpu_backend():
         from gateway.cpu.allocator import keep_freed_memory
@@ -205,21 +244,38 @@ def verify_cost(model_dir: str, context: int = 1500) -> list[tuple[int, int, flo
     model, _ = load(model_dir)
     rows = []
     for B in (1, 4):
-        caches = [BatchKVCache([0] * B) for _ in model.layers]
+        caches = holed(batch_cache(model, B))
         mx.eval(model(mx.random.randint(0, 1000, (B, context)), cache=caches))
+        full = [c for c in caches if isinstance(c, HoledKVCache)]
+        at_context = [(c.offset, c.left_padding, c._idx) for c in full]  # replaced, not written, by a step
+        recurrent = bool(Rewind(caches))
         base = None
         for W in (1, 3, 5):
-            times = []
-            for _ in range(5):
-                tic = time.perf_counter()
-                mx.eval(model(mx.random.randint(0, 1000, (B, W)), cache=caches))
-                times.append(time.perf_counter() - tic)
-                for c in caches:
-                    c.trim(W)
+            times, rejecting = [], []
+            for rejects in ([False, True] if recurrent and W > 1 else [False]):
+                for _ in range(5):
+                    saved = Rewind(caches)  # recurrent and window layers go back to this
+                    tic = time.perf_counter()
+                    out = model(mx.random.randint(0, 1000, (B, W)), cache=caches)
+                    if rejects:
+                        replay(model, caches, saved, [[1] * ((W + 1) // 2)] * B, W)
+                    mx.eval(out, [a for c in caches for a in _arrays(c)])
+                    (rejecting if rejects else times).append(time.perf_counter() - tic)
+                    saved.restore()
+                    for c, (offset, padding, idx) in zip(full, at_context):
+                        c.offset, c.left_padding, c._idx, c.holes = offset, padding, idx, None
             t = statistics.median(times)
             base = base or t
-            rows.append((B, W, t / base))
+            rows.append((B, W, t / base, statistics.median(rejecting) / base if rejecting else None))
     return rows
+
+
+def _arrays(cache) -> list:
+    """The arrays a layer cache holds (to evaluate them)."""
+    from mlx_lm.models.cache import ArraysCache
+
+    held = cache.cache if isinstance(cache, ArraysCache) else (cache.keys, cache.values)
+    return [a for a in held if a is not None]
 
 
 def median_runs(runs: list[dict]) -> dict:
@@ -267,6 +323,9 @@ def table(results: dict, streams: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="model directory (default: random weights of SmolLM2-135M's shape)")
+    ap.add_argument("--shape", choices=sorted(LAYER_MIXES), default="llama",
+                    help="without --model: the random model's layer mix at SmolLM2-135M's size (default llama; "
+                    "qwen3_5: gated delta nets, gemma3_text: sliding windows)")
     ap.add_argument("--answer", type=int, default=128, help="answer tokens per request (default 128)")
     ap.add_argument("--streams", type=int, default=4, help="concurrent streams of the batched rows (default 4)")
     ap.add_argument("--num-draft-tokens", type=int, default=4)
@@ -280,13 +339,13 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="runs of each setting, taking turns; figures are medians")
     ap.add_argument("--out", help="directory for speculative.json and speculative.md")
     args = ap.parse_args()
-    model_dir = args.model or smol_shaped_model()
+    model_dir = args.model or smol_shaped_model(args.shape)
     if args.synthetic_pair:
         model_dir, args.draft_model = synthetic_pair(args.synthetic_pair)
     cost = verify_cost(model_dir)
     print("verification forward cost (relative to [B, 1], 1,500 cached tokens):")
-    for B, W, r in cost:
-        print(f"  [B={B}, W={W}]: {r:.2f}x")
+    for B, W, r, rejecting in cost:
+        print(f"  [B={B}, W={W}]: {r:.2f}x" + (f"; with a replay of half the drafts: {rejecting:.2f}x" if rejecting else ""))
     draft = args.draft_model or (first_layers_draft(model_dir, args.draft_layers) if args.draft_layers else None)
     runs = {"off": [], **{m: [] for m in args.methods.split(",") if m}}
     if draft:

@@ -200,13 +200,15 @@ def test_new_rows_start_from_what_recent_rows_accepted():
 
 # ----------------------------------------------------------------------------- settings
 def test_draft_settings_are_checked(tmp_path):
-    """``--draft-model`` implies ``--speculative draft``; ``draft`` without a draft model and
+    """``--draft-model`` implies ``--speculative draft`` unless ``off`` is given; ``draft`` without a draft model and
     a draft with ``ngram`` are refused, as are bad models-file values."""
     from gateway.config import ServeConfig
     from gateway.models.spec import ModelsFileError, defaults, load_models_file, model_specs
 
     (spec,) = model_specs(ServeConfig(model="demo", draft_model="small"))
     assert (spec.speculative, spec.draft_model) == ("draft", "small")
+    (spec,) = model_specs(ServeConfig(model="demo", draft_model="small", speculative="off"))
+    assert spec.speculative == "off"  # said outright, off wins over the draft model
     for bad in (dict(speculative="draft"), dict(speculative="ngram", draft_model="small")):
         with pytest.raises(ModelsFileError):
             model_specs(ServeConfig(model="demo", **bad))
@@ -256,17 +258,18 @@ def test_a_draft_of_another_tokenizer_is_refused_and_a_good_one_serves(tmp_path_
             nbytes(engine._batch.model) + nbytes(engine._batch.speculation.draft.model))
 
 
-def test_a_quantized_cache_loads_no_draft():
-    """With --kv-bits the served model cannot speculate, so its draft model is not read at
-    all (not even checked: this one has another tokenizer), and counts in no budget."""
+def test_a_quantized_cache_takes_a_draft_model():
+    """With --kv-bits the served model's quantized cache takes drafts back like a float
+    one; its draft model (float KV) is read and counted."""
     from mlx.utils import tree_flatten
 
     from conftest import live_server
 
     from test_kv_quant import wide_head_model
 
-    with live_server(wide_head_model("qwen3"), kv_bits=8, draft_model=str(model_path("llama"))) as server:
+    path = wide_head_model("qwen3")
+    with live_server(path, kv_bits=8, draft_model=str(path)) as server:
         engine = server.engine
-        assert engine._batch.speculation.method == "off"
-        assert server.handle("test-model").weights_bytes == sum(
+        assert engine._batch.speculation.method == "draft"
+        assert server.handle("test-model").weights_bytes == 2 * sum(
             p.nbytes for _, p in tree_flatten(engine._batch.model.parameters()))

@@ -258,17 +258,40 @@ def test_snapshots_after_speculation_are_exact():
         plain.stop()
 
 
-def test_quantized_kv_does_not_speculate():
-    """A quantized KV cache cannot take a draft back yet: with ``--kv-bits`` the model
-    serves without a speculator (why is logged)."""
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_cache_speculates_with_the_same_tokens(bits):
+    """With ``--kv-bits`` the decode batch's quantized cache takes rejected drafts back as
+    holes too: greedy tokens equal plain decoding's with the same bits, solo, batched,
+    from quantized snapshots, and continuing each answer from the snapshot its row left."""
+    from cache.quantized import quantize_kv
     from test_kv_quant import wide_head_model
 
-    with live_server(wide_head_model("qwen3"), speculative="ngram", kv_bits=8) as server:
-        assert "quantized" in speculation_refusal(server.engine.model)
-        r = httpx.post(f"{server.url}/v1/completions", json={
-            "model": "test-model", "prompt": "one two three " * 20, "max_tokens": 30, "temperature": 0}, timeout=60)
-        assert r.status_code == 200
-        assert server.engine.stats.speculation.plain_steps == 0  # no speculator at all
+    model, tok = mlx_lm.load(str(wide_head_model("qwen3")))
+    quantize_kv(model, bits, 64)
+    assert speculation_refusal(model) is None
+    prompts, max_tokens = _workload(1)
+    outputs, stats = {}, None
+    for name, spec in (("plain", SpeculationConfig()), ("ngram", NGRAM)):
+        engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
+                        decode_concurrency=8, gather_wait=30.0, speculation=spec)
+        engine.start()
+        try:
+            solo = [engine_tokens(engine, [p], [m])[0] for p, m in zip(prompts, max_tokens)]
+            engine.call(engine.prompt_cache.flush)
+            burst = engine_tokens(engine, prompts, max_tokens)
+            # continuing each answer: from the snapshot its finished row left (holes squeezed out)
+            cached = engine.stats.cached_tokens
+            follow = engine_tokens(engine, [p + a + [5, 6, 7] for p, a in zip(prompts, burst)], [12] * len(prompts))
+            assert engine.stats.cached_tokens - cached >= sum(len(p) + len(a) - 1 for p, a in zip(prompts, burst))
+            outputs[name] = (solo, burst, engine_tokens(engine, prompts, max_tokens), follow)
+            assert engine.wait_idle(60) and engine.prompt_cache.num_leases == 0
+            stats = engine.stats.speculation
+        finally:
+            engine.stop()
+    for what, got in zip(("solo", "burst", "warm"), outputs["ngram"]):
+        assert got == outputs["plain"][0], f"{bits} bits, {what}"
+    assert outputs["ngram"][3] == outputs["plain"][3]
+    assert stats.verify_steps > 0 and 0 < stats.accepted < stats.drafted, stats
 
 
 # ----------------------------------------------------------------------------- logits processors

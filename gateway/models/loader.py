@@ -226,7 +226,7 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
     if cluster is not None:  # one model across the ranks of mlx.launch (gateway/ranks.py)
         cluster.shard(model)
     draft = draft_path = None
-    if spec.speculative == "draft" and cluster is None and not spec.kv_bits and speculation_refusal(model) is None:
+    if spec.speculative == "draft" and cluster is None and speculation_refusal(model) is None:
         draft, draft_path = read_draft(spec.name, spec.draft_model)
     reserve(served_bytes(model) + (served_bytes(draft) if draft is not None else 0))
     # Linux CPU: only float32 matmuls use BLAS (docs/deployment.md, "Weights in float32")

@@ -52,22 +52,22 @@ def speculation_refusal(model) -> Optional[str]:
 
     A rejected draft must be taken back out of every layer's cache:
 
-    - full-attention layers (mlx-lm's ``KVCache``) mask the rejected positions
-      (:mod:`scheduler.speculative.holes`);
+    - full-attention layers (mlx-lm's ``KVCache``, or quantized, ``--kv-bits``) mask the
+      rejected positions (:mod:`scheduler.speculative.holes`);
     - recurrent layers (``ArraysCache``: gated delta nets, Mamba) and sliding windows
       (``RotatingKVCache``) go back to their state before the step and take the kept
       tokens again (:mod:`scheduler.speculative.rewind`). Whether the model's layers
       honour the padding that needs is checked on the model itself, on the engine thread,
       before its first draft (:func:`~scheduler.speculative.rewind.right_padding_refusal`).
 
-    Quantized KV caches and other cache types are refused.
+    Other cache types are refused.
     """
     from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
+    from cache.quantized import QuantizedKVRow
+
     kinds = {type(c).__name__ for c in make_prompt_cache(model)}
-    if "QuantizedKVRow" in kinds:
-        return "its KV cache is quantized (--kv-bits), and quantized batches do not take drafts back yet"
-    others = sorted(kinds - {t.__name__ for t in (ArraysCache, KVCache, RotatingKVCache)})
+    others = sorted(kinds - {t.__name__ for t in (ArraysCache, KVCache, QuantizedKVRow, RotatingKVCache)})
     if others:
         return f"its layers keep {', '.join(others)} caches, which cannot roll back a rejected draft"
     return None

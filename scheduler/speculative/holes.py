@@ -21,8 +21,11 @@ from __future__ import annotations
 from typing import Optional
 
 import mlx.core as mx
+from mlx.utils import tree_map
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from cache.quantized import BatchQuantizedKVCache, QuantizedKVRow
 
 # Compact when the row with most holes has this share of the batch's positions as holes
 # (and at least COMPACT_MIN of them): attention then reads at most ~1/3 more keys than
@@ -45,13 +48,18 @@ class HoledKVCache(BatchKVCache):
 
     @classmethod
     def adopt(cls, cache: BatchKVCache) -> "HoledKVCache":
-        """``cache`` as a :class:`HoledKVCache` sharing its arrays (no copy); ``cache``
-        itself must not be used afterwards."""
-        if isinstance(cache, cls):
+        """``cache`` (float or quantized) as a :class:`HoledKVCache` sharing its arrays (no
+        copy); ``cache`` itself must not be used afterwards.
+
+        Raises:
+            TypeError: ``cache`` is another kind of cache.
+        """
+        if isinstance(cache, HoledKVCache):
             return cache
-        if type(cache) is not BatchKVCache:
+        kind = {BatchKVCache: HoledKVCache, BatchQuantizedKVCache: HoledQuantizedKVCache}.get(type(cache))
+        if kind is None:
             raise TypeError(f"cannot speculate over a {type(cache).__name__}")
-        holed = cls.__new__(cls)
+        holed = kind.__new__(kind)
         holed.__dict__.update(cache.__dict__)
         holed.holes = None
         holed._hole_count = 0
@@ -111,9 +119,7 @@ class HoledKVCache(BatchKVCache):
         order = mx.argsort(mx.where(real, pos, pos + self._idx), axis=1)  # real positions first, in order
         slot = mx.arange(n)[None] - (n - counts)[:, None]
         index = mx.take_along_axis(order, mx.maximum(slot, 0), axis=1)  # [B, n]
-        gather = index[:, None, :, None]
-        self.keys = mx.take_along_axis(self.keys[..., : self._idx, :], gather, axis=2)
-        self.values = mx.take_along_axis(self.values[..., : self._idx, :], gather, axis=2)
+        self.keys, self.values = self._gathered(index)
         self.left_padding = n - counts
         self._idx = n
         self.holes = None
@@ -146,9 +152,19 @@ class HoledKVCache(BatchKVCache):
         pad = int(self.left_padding[idx].item())
         holes = self._holes_to(self._idx)[idx].tolist()
         keep = mx.array([p for p in range(pad, self._idx) if not holes[p]], dtype=mx.int32)
+        return self._row(idx, keep)
+
+    def _gathered(self, index: mx.array) -> tuple:
+        """Keys and values with position ``index[b, j]`` of row ``b`` at ``j``: index
+        ``[B, n]`` -> ``[B, H, n, D]`` each."""
+        gather = index[:, None, :, None]
+        return tuple(mx.take_along_axis(x[..., : self._idx, :], gather, axis=2) for x in (self.keys, self.values))
+
+    def _row(self, idx: int, keep: mx.array) -> KVCache:
+        """Row ``idx``'s positions ``keep`` (``[n]``) as one sequence's cache."""
         cache = KVCache()
-        cache.keys = mx.contiguous(mx.take(self.keys[idx: idx + 1, :, : self._idx], keep, axis=2))
-        cache.values = mx.contiguous(mx.take(self.values[idx: idx + 1, :, : self._idx], keep, axis=2))
+        cache.keys, cache.values = (mx.contiguous(mx.take(x[idx: idx + 1, :, : self._idx], keep, axis=2))
+                                    for x in (self.keys, self.values))
         cache.offset = cache.keys.shape[2]
         return cache
 
@@ -162,3 +178,22 @@ class HoledKVCache(BatchKVCache):
     def state(self, v):
         self.keys, self.values, self.offset, self.left_padding, self._idx = v
         self.holes = None
+
+
+class HoledQuantizedKVCache(HoledKVCache, BatchQuantizedKVCache):
+    """A :class:`HoledKVCache` whose storage is quantized (``--kv-bits``,
+    :class:`cache.quantized.BatchQuantizedKVCache`): keys and values are ``(packed,
+    scales, biases)`` triples ``[B, H, T, *]``, gathered together. A token's quantized
+    vectors do not depend on its neighbours, so rolling back or squeezing out holes leaves
+    what a cold run stores."""
+
+    def _gathered(self, index: mx.array) -> tuple:
+        gather = index[:, None, :, None]
+        return tree_map(lambda x: mx.take_along_axis(x[..., : self._idx, :], gather, axis=2), (self.keys, self.values))
+
+    def _row(self, idx: int, keep: mx.array) -> QuantizedKVRow:
+        row = QuantizedKVRow(self.group_size, self.bits)
+        row.keys, row.values = tree_map(lambda x: mx.contiguous(mx.take(x[idx: idx + 1, :, : self._idx], keep, axis=2)),
+                                        (self.keys, self.values))
+        row.offset = int(keep.size)
+        return row

@@ -45,9 +45,9 @@ PROBE_TOLERANCE = 1e-2
 
 
 def holed(caches: list) -> list:
-    """``caches`` with every full-attention layer (``BatchKVCache``) as a
-    :class:`HoledKVCache` (sharing its arrays); other layers as they are."""
-    return [HoledKVCache.adopt(c) if type(c) is BatchKVCache else c for c in caches]
+    """``caches`` with every full-attention layer (``BatchKVCache``, float or quantized)
+    as a :class:`HoledKVCache` (sharing its arrays); other layers as they are."""
+    return [HoledKVCache.adopt(c) if isinstance(c, BatchKVCache) else c for c in caches]
 
 
 class Rewind:
