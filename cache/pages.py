@@ -17,9 +17,11 @@ anyway, and aligning pages to tree edges makes that a handful of copies instead 
 node; a node's pages are freed with the node when no stored snapshot is at or below
 it (:class:`cache.tree.RadixTree` prunes it), which happens exactly once.
 
-What is paged: layers of class ``KVCache`` (full attention). Everything else is kept
-whole per snapshot, as before: recurrent state (``ArraysCache``), sliding windows
-(``RotatingKVCache``, bounded by the window), quantized or list caches.
+What is paged: full-attention layers, float (``KVCache``) or quantized
+(:class:`cache.quantized.QuantizedKVRow`, ``--kv-bits``: its keys and values are each a
+``(packed, scales, biases)`` triple, paged together). Everything else is kept whole per
+snapshot: recurrent state (``ArraysCache``), sliding windows (``RotatingKVCache``,
+bounded by the window), list caches.
 
 Edge operations (called by the tree, see ``RadixTree`` hooks):
 
@@ -36,28 +38,50 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-# Layer cache classes stored as pages (their state is (keys, values, offset) with
-# keys/values [1, H, >= offset, D]; mlx-lm grows them in 256-token steps).
-PAGED_CLASSES = frozenset({"KVCache", "PagedKVCache"})
-PAGED_TYPE = "KVCache"  # the cache_type label of paged bytes in the metrics
+from .quantized import QuantizedKVRow
+
+# Layer cache classes stored as pages (their keys and values are [1, H, >= offset, *]
+# arrays, or triples of them when quantized; they grow in 256-token steps).
+PAGED_CLASSES = frozenset({"KVCache", "PagedKVCache", "QuantizedKVRow"})
+PAGED_TYPE = "KVCache"  # the cache_type label of paged bytes (float or quantized) in the metrics
 
 
 class Page:
     """KV of ``length`` consecutive tokens for every paged layer of one snapshot layout.
 
     Attributes:
-        arrays: ``(k_0, v_0, k_1, v_1, ...)``, one pair per paged layer, each
-            ``[1, H, length, D]``, compact (own buffers, evaluated).
+        arrays: every paged layer's arrays in layer order, keys then values: ``(k, v)``
+            for a float layer, ``(k_packed, k_scales, k_biases, v_packed, v_scales,
+            v_biases)`` for a quantized one; each ``[1, H, length, *]``, compact (own
+            buffers, evaluated).
         length: tokens covered.
+        kinds: per paged layer, ``None`` (float) or its ``(group_size, bits)``.
         nbytes: bytes of ``arrays`` (exact: no growth padding).
     """
 
-    __slots__ = ("arrays", "length", "nbytes")
+    __slots__ = ("arrays", "length", "kinds", "nbytes")
 
-    def __init__(self, arrays: tuple[mx.array, ...], length: int):
+    def __init__(self, arrays: tuple[mx.array, ...], length: int, kinds: tuple = ()):
         self.arrays = arrays
         self.length = length
+        self.kinds = kinds
         self.nbytes = sum(int(a.nbytes) for a in arrays)
+
+
+def _quantized(layer: Any) -> bool:
+    return isinstance(layer.keys, (tuple, list))
+
+
+def _leaves(layer: Any) -> list[mx.array]:
+    """A paged layer's arrays, keys then values (two, or six when quantized)."""
+    if _quantized(layer):
+        return [*layer.keys, *layer.values]
+    return [layer.keys, layer.values]
+
+
+def _kind(layer: Any):
+    """``None`` for a float layer, ``(group_size, bits)`` for a quantized one."""
+    return (layer.group_size, layer.bits) if _quantized(layer) else None
 
 
 def is_paged(layer: Any) -> bool:
@@ -66,11 +90,10 @@ def is_paged(layer: Any) -> bool:
 
 
 def layout(cache: Sequence[Any]) -> tuple:
-    """The paged-layer signature of a snapshot: ``((layer index, k shape sans T, v shape
-    sans T, dtype), ...)``. Snapshots stored in one tree must share it."""
+    """The paged-layer signature of a snapshot: ``((layer index, kind, ((shape sans T,
+    dtype), ...) of its arrays), ...)``. Snapshots stored in one tree must share it."""
     return tuple(
-        (i, tuple(c.keys.shape[:2]) + tuple(c.keys.shape[3:]),
-         tuple(c.values.shape[:2]) + tuple(c.values.shape[3:]), str(c.keys.dtype))
+        (i, _kind(c), tuple((tuple(a.shape[:2]) + tuple(a.shape[3:]), str(a.dtype)) for a in _leaves(c)))
         for i, c in enumerate(cache) if is_paged(c)
     )
 
@@ -82,18 +105,15 @@ def cut(cache: Sequence[Any], start: int, end: int) -> Page:
         cache: a snapshot (list of layer caches) covering at least ``end`` tokens.
         start, end: token offsets, ``0 <= start < end``.
     """
-    arrays = []
-    for c in cache:
-        if is_paged(c):
-            arrays.append(mx.contiguous(c.keys[..., start:end, :]))
-            arrays.append(mx.contiguous(c.values[..., start:end, :]))
+    paged = [c for c in cache if is_paged(c)]
+    arrays = [mx.contiguous(a[..., start:end, :]) for c in paged for a in _leaves(c)]
     mx.eval(arrays)
-    return Page(tuple(arrays), end - start)
+    return Page(tuple(arrays), end - start, tuple(_kind(c) for c in paged))
 
 
 def token_bytes(cache: Sequence[Any]) -> int:
     """Bytes one token's KV takes in pages, over the paged layers of ``cache``."""
-    return sum(a.nbytes // a.shape[2] for c in cache if is_paged(c) for a in (c.keys, c.values))
+    return sum(a.nbytes // a.shape[2] for c in cache if is_paged(c) for a in _leaves(c))
 
 
 def split_pages(pages: list[Page], k: int) -> tuple[list[Page], list[Page]]:
@@ -115,7 +135,7 @@ def split_pages(pages: list[Page], k: int) -> tuple[list[Page], list[Page]]:
         head = tuple(mx.contiguous(x[..., :a, :]) for x in p.arrays)
         tail = tuple(mx.contiguous(x[..., a:, :]) for x in p.arrays)
         mx.eval(head + tail)
-        return upper + [Page(head, a)], [Page(tail, p.length - a), *pages[i + 1 :]]
+        return upper + [Page(head, a, p.kinds)], [Page(tail, p.length - a, p.kinds), *pages[i + 1 :]]
     raise ValueError(f"cannot split {pos} tokens of pages at {k}")
 
 
@@ -136,7 +156,8 @@ def assemble(private: Sequence[Any], path: Sequence[Page], tokens: int) -> list[
 
     Returns:
         The layer list with every ``None`` replaced by a :class:`PagedKVCache` over the
-        first ``tokens`` tokens of the pages (no copy yet; see that class).
+        first ``tokens`` tokens of the pages (no copy yet; see that class), or for a
+        quantized layer a :class:`cache.quantized.QuantizedKVRow` of them joined.
 
     Raises:
         ValueError: if the pages cover fewer than ``tokens`` tokens.
@@ -151,14 +172,23 @@ def assemble(private: Sequence[Any], path: Sequence[Page], tokens: int) -> list[
     if need > 0:
         raise ValueError(f"pages cover {tokens - need} tokens, {tokens} wanted")
     out = list(private)
-    slot = 0
+    kinds = iter(used[0][0].kinds if used else ())
+    first = 0  # index in a page's arrays of the next paged layer's first array
     for i, layer in enumerate(out):
         if layer is not None:
             continue
-        ks = [p.arrays[2 * slot] if n == p.length else p.arrays[2 * slot][..., :n, :] for p, n in used]
-        vs = [p.arrays[2 * slot + 1] if n == p.length else p.arrays[2 * slot + 1][..., :n, :] for p, n in used]
-        out[i] = PagedKVCache(ks, vs)
-        slot += 1
+        kind = next(kinds)
+        n = 6 if kind is not None else 2
+        pieces = [[p.arrays[first + j] if m == p.length else p.arrays[first + j][..., :m, :] for p, m in used]
+                  for j in range(n)]
+        first += n
+        if kind is None:
+            out[i] = PagedKVCache(pieces[0], pieces[1])
+        else:  # quantized: the pages joined here (a batch merge copies them once more)
+            joined = tuple(x[0] if len(x) == 1 else mx.concatenate(x, axis=2) for x in pieces)
+            row = QuantizedKVRow(*kind)
+            row.keys, row.values, row.offset = joined[:3], joined[3:], tokens
+            out[i] = row
     return out
 
 

@@ -86,6 +86,52 @@ def test_snapshots_are_stored_quantized():
     assert per_token[4] / per_token[None] <= 0.17, per_token
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_snapshots_are_paged_on_the_radix_tree(bits):
+    """Snapshots after every turn of one conversation, and a branch, hold each token's
+    quantized KV once (pages on the tree's edges, split where the branch leaves); each
+    restores to exactly the packed keys and values a cold prefill of its tokens stores,
+    and merges into a batch."""
+    from cache.pages import token_bytes
+
+    model, _ = mlx_lm.load(str(wide_head_model("qwen3")))
+    quantize_kv(model, bits, 64)
+    rng = random.Random(bits)
+    convo = [rng.randrange(10, 900) for _ in range(240)]
+    branch = convo[:100] + [rng.randrange(10, 900) for _ in range(30)]
+
+    def prefilled(tokens):
+        cache = mlx_lm.models.cache.make_prompt_cache(model)
+        model(mx.array([tokens]), cache=cache)
+        mx.eval([c.state for c in cache])
+        return cache
+
+    manager = PromptCacheManager(1 << 30, 64)
+    keys = [convo[:n] for n in (60, 120, 180, 240)] + [branch]
+    for key in keys:
+        assert manager.insert("ns", key, prefilled(key))
+    per_token = token_bytes(prefilled(convo[:8]))
+    assert manager.namespace_tokens("ns") == 240 + 30
+    assert manager.nbytes == (240 + 30) * per_token  # not sum(60..240) + 130 tokens' worth
+    manager.sanity_check()
+    for key in keys + [convo[:100]]:
+        hit = manager.fetch("ns", key + [5])
+        assert hit.cached_tokens == len(key)
+        cold = prefilled(key)
+        assert all(isinstance(c, QuantizedKVRow) and c.bits == bits for c in hit.cache)
+        for got, want in zip(hit.cache, cold):
+            assert got.offset == want.offset == len(key)
+            for x, y in zip((*got.keys, *got.values), (*want.keys, *want.values)):
+                assert mx.array_equal(x[..., : len(key), :], y[..., : len(key), :])
+        batch = BatchQuantizedKVCache.merge([hit.cache[0], cold[0]], room=1)
+        restored, fresh = batch.extract(0), batch.extract(1)
+        for x, y in zip((*restored.keys, *restored.values), (*fresh.keys, *fresh.values)):
+            assert mx.array_equal(x, y)
+        manager.release(hit.lease)
+    assert manager.flush() == len(keys) and manager.nbytes == 0
+    manager.close()
+
+
 def test_batch_cache_filter_extend_extract():
     mx.random.seed(0)
     rows = []
