@@ -9,6 +9,7 @@ import random
 import mlx.core as mx
 import mlx_lm
 import pytest
+from mlx_lm.models.cache import BatchKVCache
 
 from cache import PromptCacheManager
 from conftest import engine_tokens, model_path
@@ -83,26 +84,49 @@ def test_greedy_tokens_equal_plain_decoding(which, tmp_path_factory):
         assert stats.accepted < 0.5 * stats.drafted, stats
 
 
+class JoinRecorder:
+    """A real draft model that records the tokens of each forward a joining row's prefill
+    runs (those on a row's own cache, not the draft batch's)."""
+
+    def __init__(self, model):
+        self.model, self.joins = model, []
+
+    def __call__(self, inputs, cache=None):
+        if cache is not None and not isinstance(cache[0], BatchKVCache):
+            self.joins.append(inputs.shape[1])
+        return self.model(inputs, cache=cache)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+@pytest.mark.parametrize("chunk", [512, 16])
 @pytest.mark.parametrize("which", ["same", "other"])
-def test_the_draft_cache_holds_exactly_each_rows_tokens(which, tmp_path_factory):
+def test_the_draft_cache_holds_exactly_each_rows_tokens(which, chunk, tmp_path_factory, monkeypatch):
     """After every step, each draft row's cache is the draft model's cold prefill of the
     row's emitted tokens (up to the last draft fed): compared position by position, with
     drafts mostly accepted (rows lag a token) and mostly rejected (rows cool down and lag
-    by different numbers of tokens)."""
+    by different numbers of tokens). With 16-token chunks, rows join over several steps
+    (emitting tokens meanwhile), each step prefilling one chunk at most."""
     from scheduler.generator import JoiningBatchGenerator
     from scheduler.sampling import greedy
-    from scheduler.speculative import Speculator
+    from scheduler.speculative import Speculator, draft_model
 
+    monkeypatch.setattr(draft_model, "PREFILL_CHUNK", chunk)
     model, _ = mlx_lm.load(str(model_path("qwen3")))
-    other = model if which == "same" else mlx_lm.load(str(_other_weights(tmp_path_factory)))[0]
+    other = JoinRecorder(model if which == "same" else mlx_lm.load(str(_other_weights(tmp_path_factory)))[0])
     prompts, max_tokens = _workload(2)
     spec = Speculator(_draft(model, other, k=3), SpeculationStats())
     gen = JoiningBatchGenerator(model, speculator=spec, max_tokens=1 << 20, prefill_batch_size=4,
                                 completion_batch_size=8, prefill_step_size=64, sampler=greedy)
     uids = gen.insert(prompts[:2], max_tokens=max_tokens[:2])
     checked, ended, steps = 0, set(), 0
+    joining = 0  # steps that ended with a row still joining
     while len(ended) < len(uids):
+        before = len(other.joins)
         ended |= {g.uid for g in gen.next()[1] if g.finish_reason}
+        assert len(other.joins) - before <= 1 and all(n <= chunk for n in other.joins[before:])
+        joining += bool(spec.drafter._joining)
         steps += 1
         if steps in (5, 9):  # rows that join later lag, cool down and catch up out of step
             uids += gen.insert(prompts[steps // 4: steps // 4 + 1], max_tokens=[40])
@@ -122,6 +146,7 @@ def test_the_draft_cache_holds_exactly_each_rows_tokens(which, tmp_path_factory)
     gen.close()
     stats = spec.stats
     assert checked > 10 and stats.verify_steps > 0, stats
+    assert joining >= (6 if chunk == 16 else 0), joining  # 60-75 token contexts: 4-5 chunks each
     assert (stats.accepted > 0.8 * stats.drafted) if which == "same" else (stats.accepted < 0.5 * stats.drafted)
 
 

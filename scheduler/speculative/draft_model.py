@@ -5,8 +5,12 @@ The draft model keeps its own batch of rows (:class:`ModelDrafter`): a
 :class:`~scheduler.speculative.holes.HoledKVCache` per layer, ``[B_d, H, T, D]``, one row
 per decoding row that has drafted, matched to the decode batch by uid.
 
-- **Joining.** A row's first draft prefills its tokens so far into a cache of its own
-  (chunks of :data:`PREFILL_CHUNK` tokens), merged into the draft batch.
+- **Joining.** A row that may draft and is not in the draft batch prefills its tokens
+  into a cache of its own, one chunk of :data:`PREFILL_CHUNK` tokens per drafting step
+  (for one joining row at a time, oldest first), so a long context does not hold the
+  other rows' decode step for its whole prefill. It drafts nothing until that is done;
+  then its cache is merged into the draft batch, and the tokens it emitted meanwhile are
+  caught up (below).
 - **Catching up.** A row's draft cache may lag its tokens: by the plain steps it took
   without drafting (cool-down, width 1, a step with no candidates), and by one token after
   it accepted every draft (the last draft is never fed to the draft model). A drafting
@@ -37,7 +41,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from scheduler.speculative.holes import HoledKVCache
 
-PREFILL_CHUNK = 512  # tokens per forward of a row's first prefill in the draft model
+PREFILL_CHUNK = 512  # tokens of joining rows' prefill in the draft model, per drafting step
 
 
 @dataclass(frozen=True)
@@ -82,12 +86,15 @@ class ModelDrafter:
         self.fed: list[int] = []  # tokens of each row in its draft cache
         self.cache: Optional[list[HoledKVCache]] = None
         self._base: list[int] = []  # tokens each row had before this step's drafts were fed
+        self._joining: dict[int, tuple[list, int]] = {}  # uid -> (its own draft cache, tokens in it)
         self._embeddings: Optional[int] = None
 
     # ----------------------------------------------------------------- rows
     def forget(self, uids: list[int]) -> None:
         """Drop the rows not in ``uids`` (they left the decode batch)."""
         live = set(uids)
+        for u in [u for u in self._joining if u not in live]:
+            del self._joining[u]
         keep = [j for j, u in enumerate(self.uids) if u in live]
         if len(keep) == len(self.uids):
             return
@@ -99,23 +106,34 @@ class ModelDrafter:
         self.uids = [self.uids[j] for j in keep]
         self.fed = [self.fed[j] for j in keep]
 
-    def _join(self, rows: list[list[int]], uids: list[int]) -> None:
-        """Prefill each of ``rows`` (token lists) alone, then merge them into the batch."""
-        caches = []
-        for tokens in rows:
-            cache = make_prompt_cache(self.model)
-            for s in range(0, len(tokens), PREFILL_CHUNK):
-                self.model(self._ids(mx.array([tokens[s:s + PREFILL_CHUNK]], dtype=mx.uint32)), cache=cache)
-                mx.eval([c.state for c in cache])
-            caches.append(cache)
-        merged = [HoledKVCache.adopt(BatchKVCache.merge([c[layer] for c in caches])) for layer in range(len(caches[0]))]
+    def _join(self, batch, index: dict[int, int], new: list[int]) -> None:
+        """Start joining the decode batch's rows ``new`` (their uids); prefill one chunk
+        of the oldest joining row, and merge it into the draft batch once its cache holds
+        all its tokens (a row emits a few per step, a chunk takes up to
+        :data:`PREFILL_CHUNK`)."""
+        for u in new:
+            self._joining[u] = (make_prompt_cache(self.model), 0)
+        if not self._joining:
+            return
+        uid, (cache, done) = next(iter(self._joining.items()))
+        tokens = batch.tokens[index[uid]]
+        chunk = list(tokens[done: done + PREFILL_CHUNK])
+        if chunk:
+            self.model(self._ids(mx.array([chunk], dtype=mx.uint32)), cache=cache)
+            mx.eval([c.state for c in cache])
+        done += len(chunk)
+        if done < len(tokens):
+            self._joining[uid] = (cache, done)
+            return
+        del self._joining[uid]
+        merged = [HoledKVCache.adopt(BatchKVCache.merge([layer])) for layer in cache]
         if self.cache is None:
             self.cache = merged
         else:
-            for mine, new in zip(self.cache, merged):
-                mine.extend(new)
-        self.uids += uids
-        self.fed += [len(t) for t in rows]
+            for mine, more in zip(self.cache, merged):
+                mine.extend(more)
+        self.uids.append(uid)
+        self.fed.append(done)
 
     def _ids(self, ids: mx.array) -> mx.array:
         """Token ids (``[B, T]``, uint32) for the draft model, ids beyond its embedding
@@ -141,10 +159,8 @@ class ModelDrafter:
         if self.k <= 0:
             return [[] for _ in inputs]
         index = {u: i for i, u in enumerate(batch.uids)}
-        known = set(self.uids)
-        new = [i for i, c in enumerate(candidates) if c and batch.uids[i] not in known]
-        if new:
-            self._join([list(batch.tokens[i]) for i in new], [batch.uids[i] for i in new])
+        known = set(self.uids) | set(self._joining)
+        self._join(batch, index, [batch.uids[i] for i, c in enumerate(candidates) if c and batch.uids[i] not in known])
         if self.cache is None:
             return [[] for _ in inputs]
         behind = [list(batch.tokens[index[u]][f:]) for u, f in zip(self.uids, self.fed)]
