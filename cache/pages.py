@@ -185,7 +185,8 @@ def assemble(private: Sequence[Any], path: Sequence[Page], tokens: int) -> list[
         if kind is None:
             out[i] = PagedKVCache(pieces[0], pieces[1])
         else:  # quantized: the pages joined here (a batch merge copies them once more)
-            joined = tuple(x[0] if len(x) == 1 else mx.concatenate(x, axis=2) for x in pieces)
+            # one page: a new handle on its buffer (a row written in place copies it first)
+            joined = tuple(mx.stop_gradient(x[0]) if len(x) == 1 else mx.concatenate(x, axis=2) for x in pieces)
             row = QuantizedKVRow(*kind)
             row.keys, row.values, row.offset = joined[:3], joined[3:], tokens
             out[i] = row
@@ -227,8 +228,9 @@ class PagedKVCache(KVCache):
         if self._pages is not None:
             ks, vs = self._pages
             self._pages = None
-            self._keys = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
-            self._values = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
+            # one page: a new handle on its buffer (a write in place copies it first)
+            self._keys = mx.stop_gradient(ks[0]) if len(ks) == 1 else mx.concatenate(ks, axis=2)
+            self._values = mx.stop_gradient(vs[0]) if len(vs) == 1 else mx.concatenate(vs, axis=2)
 
     @property
     def keys(self):

@@ -22,8 +22,9 @@ anything else              ``T == L`` only (``QuantizedKVCache``, ``ChunkedKVCac
                            trimmable, but we do not rely on it)
 =========================  ==========================================================
 
-Paged ``KVCache`` layers are handed out as new ``PagedKVCache`` objects over the pages
-(``pages.py``); every other layer is a :func:`safe_copy`: ``copy.deepcopy`` of the layer
+Paged layers (float ``KVCache``, quantized ``QuantizedKVRow``) are handed out as new
+objects over the pages (``pages.py``: a ``PagedKVCache``, or a ``QuantizedKVRow`` of the
+pages joined; a single page as a new handle on its buffer); every other layer is a :func:`safe_copy`: ``copy.deepcopy`` of the layer
 caches. MLX arrays are immutable values with shared buffers, so a deep copy gives
 every array a *new handle* on the same buffer (no memory is duplicated up front);
 the first write through ``update_and_fetch`` then copies the buffer and leaves the

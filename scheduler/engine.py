@@ -65,8 +65,10 @@ class Engine(EngineCore):
         loop: the engine loop to run on (shared by every model of a gateway); None: the
             loop :meth:`start` makes for this engine alone.
         name: the served model's name, for logs.
-        speculation: speculative decoding (:mod:`scheduler.speculative`); the model must
-            allow it (:func:`scheduler.speculative.speculation_refusal`).
+        speculation: speculative decoding (:mod:`scheduler.speculative`); the model's
+            cache types must allow it (:func:`scheduler.speculative.speculation_refusal`),
+            and before the first draft the speculator checks its recurrent and window
+            layers on the model itself (else every step stays plain).
     """
 
     def __init__(

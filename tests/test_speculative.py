@@ -15,6 +15,7 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from cache import PromptCacheManager
+from cache.quantized import BatchQuantizedKVCache, QuantizedKVRow
 from conftest import engine_tokens, live_server, model_path
 from scheduler import Engine, SamplingParams
 from mlx_lm.generate import StopSequences
@@ -97,61 +98,75 @@ def test_step_cost_is_measured(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- rollback
-def _batch(lengths: list[int], seed: int = 0):
-    """Per-row KVCache [1, 2, L, 4] of random KV, and their merge as a HoledKVCache."""
+D = 64  # head size of the rollback tests (a quantization group of 64 must divide it)
+
+
+def _row(bits):
+    return KVCache() if bits is None else QuantizedKVRow(64, bits)
+
+
+def _batch(lengths: list[int], seed: int = 0, bits=None):
+    """Per-row caches [1, 2, L, D] of random KV (float, or quantized to ``bits``), and
+    their merge as a HoledKVCache."""
     mx.random.seed(seed)
     rows = []
     for n in lengths:
-        c = KVCache()
-        c.update_and_fetch(mx.random.normal((1, 2, n, 4)), mx.random.normal((1, 2, n, 4)))
+        c = _row(bits)
+        c.update_and_fetch(mx.random.normal((1, 2, n, D)), mx.random.normal((1, 2, n, D)))
         rows.append(c)
-    return rows, HoledKVCache.adopt(BatchKVCache.merge(rows))
+    merged = BatchKVCache.merge(rows) if bits is None else BatchQuantizedKVCache.merge(rows)
+    return rows, HoledKVCache.adopt(merged)
 
 
 def _append(batch: HoledKVCache, width: int, seed: int):
     mx.random.seed(seed)
     B = batch.offset.shape[0]
-    k, v = mx.random.normal((B, 2, width, 4)), mx.random.normal((B, 2, width, 4))
+    k, v = mx.random.normal((B, 2, width, D)), mx.random.normal((B, 2, width, D))
     batch.update_and_fetch(k, v)
     return k, v
 
 
+def _same(got, want) -> bool:
+    """Two row caches hold the same KV (every array, float or packed, up to offset)."""
+    leaves = lambda c: [*c.keys, *c.values] if isinstance(c.keys, tuple) else [c.keys, c.values]  # noqa: E731
+    return got.offset == want.offset and all(
+        mx.array_equal(a[..., : got.offset, :], b[..., : want.offset, :]) for a, b in zip(leaves(got), leaves(want)))
+
+
+@pytest.mark.parametrize("bits", [None, 8], ids=["float", "8-bit"])
 @pytest.mark.parametrize("compact", [False, True])
-def test_rejected_positions_leave_each_row_exactly_its_tokens(compact):
-    rows, batch = _batch([5, 9, 3])
-    want = [(r.keys[..., : r.offset, :], r.values[..., : r.offset, :]) for r in rows]
+def test_rejected_positions_leave_each_row_exactly_its_tokens(compact, bits):
+    rows, batch = _batch([5, 9, 3], bits=bits)
+    want = rows  # each row fed the kept positions alone
     for step, accepted in enumerate([[2, 0, 1], [0, 0, 0], [3, 1, 3]]):
         k, v = _append(batch, 4, seed=step + 1)
         batch.reject([3 - a for a in accepted])
         for i, a in enumerate(accepted):
-            keep = 1 + a
-            want[i] = (mx.concatenate([want[i][0], k[i: i + 1, :, :keep]], axis=2),
-                       mx.concatenate([want[i][1], v[i: i + 1, :, :keep]], axis=2))
+            want[i].update_and_fetch(k[i: i + 1, :, : 1 + a], v[i: i + 1, :, : 1 + a])
         if compact:
             batch.compact()
             assert batch.holes is None
-    assert batch.offset.tolist() == [w[0].shape[2] for w in want]
-    for i, (wk, wv) in enumerate(want):
-        got = batch.extract(i)
-        assert got.offset == wk.shape[2]
-        assert mx.array_equal(got.keys[..., : got.offset, :], wk) and mx.array_equal(got.values[..., : got.offset, :], wv)
+    assert batch.offset.tolist() == [w.offset for w in want]
+    for i, w in enumerate(want):
+        assert _same(batch.extract(i), w)
     # the mask hides exactly the holes and the left padding: real positions = offset
     mask = batch.make_mask(1)
     assert mask[:, 0, 0, :-1].sum(axis=1).tolist() == batch.offset.tolist()
 
 
-def test_holes_survive_filter_and_extend():
-    rows, batch = _batch([4, 6])
+@pytest.mark.parametrize("bits", [None, 8], ids=["float", "8-bit"])
+def test_holes_survive_filter_and_extend(bits):
+    rows, batch = _batch([4, 6], bits=bits)
     _append(batch, 3, seed=1)
     batch.reject([2, 0])  # row 0 keeps 1 of 3, row 1 all 3: two holes in row 0
     want0 = batch.extract(0)
-    others, more = _batch([2], seed=7)
+    others, more = _batch([2], seed=7, bits=bits)
     batch.extend(more)
     assert [batch.extract(i).offset for i in range(3)] == [5, 9, 2]
-    assert mx.array_equal(batch.extract(0).keys, want0.keys)
-    assert mx.array_equal(batch.extract(2).keys[..., :2, :], others[0].keys[..., :2, :])
+    assert _same(batch.extract(0), want0)
+    assert _same(batch.extract(2), others[0])
     batch.filter([0, 2])
-    assert mx.array_equal(batch.extract(0).keys, want0.keys)
+    assert _same(batch.extract(0), want0)
     assert batch.make_mask(1)[:, 0, 0, :-1].sum(axis=1).tolist() == [5, 2]
 
 
@@ -256,6 +271,24 @@ def test_snapshots_after_speculation_are_exact():
     finally:
         engine.stop()
         plain.stop()
+
+
+def test_other_cache_kinds_do_not_speculate(caplog):
+    """A layer cache that is neither full attention, a window nor recurrent state (here
+    mlx-lm's ``ChunkedKVCache``, as Llama 4's chunked attention keeps) cannot take a
+    draft back: the load turns speculation off and says why."""
+    from mlx_lm.models.cache import ChunkedKVCache
+
+    from gateway.models.loader import _speculation
+    from gateway.models.spec import ModelSpec
+
+    model, _ = mlx_lm.load(str(model_path("qwen3")))
+    assert speculation_refusal(model) is None
+    model.make_cache = lambda: [ChunkedKVCache(64) for _ in model.layers]
+    assert "ChunkedKVCache" in speculation_refusal(model)
+    with caplog.at_level("WARNING"):
+        config = _speculation(ModelSpec(name="m", path="p", speculative="ngram"), model, None)
+    assert not config.enabled and "ChunkedKVCache" in caplog.text
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -109,14 +109,15 @@ def _plain(model, tok, prompts, params, eos=None) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("arch", sorted(LAYERS))
-@pytest.mark.parametrize("uniform", [True, False], ids=["all-kept", "some-rejected"])
-def test_verify_and_rollback_match_token_by_token_decoding(arch, uniform):
+@pytest.mark.parametrize("mode", ["one-width", "padded", "rejected"])
+def test_verify_and_rollback_match_token_by_token_decoding(arch, mode):
     """A batch of three rows (70, 50 and 30 prompt tokens: past, near and under Gemma's
     64-token window, so left padding outlives the window's first rotations) goes through
-    30 verify steps, each row feeding 1 to 4 positions (the rest padding) and keeping
-    some of them (``uniform``: all, with one width for every row). At every step, each
-    row's logits at its last kept position equal those of the same tokens fed one at a
-    time to the row alone."""
+    30 verify steps, each row feeding 1 to 4 positions and keeping some of them:
+    ``one-width``: every row the same number, all kept; ``padded``: each row its own
+    number (the rest padding), all kept; ``rejected``: some not kept (replays). At every
+    step, and for one more token after the last, each row's logits at its last kept
+    position equal those of the same tokens fed one at a time to the row alone."""
     import mlx.core as mx
     from mlx_lm.generate import _merge_caches
 
@@ -129,10 +130,11 @@ def test_verify_and_rollback_match_token_by_token_decoding(arch, uniform):
     plan = []  # per step: tokens fed and how many each row keeps
     for _ in range(30):
         fed = [rng.choice([1, 1, 2, 3, 4]) for _ in prompts]
-        if uniform:
+        if mode == "one-width":
             fed = [fed[0]] * len(prompts)
-        kept = list(fed) if uniform else [rng.randint(1, f) for f in fed]
+        kept = [rng.randint(1, f) for f in fed] if mode == "rejected" else list(fed)
         plan.append(([[rng.randrange(10, 500) for _ in range(f)] for f in fed], kept))
+    plan.append(([[11]] * len(prompts), [1] * len(prompts)))  # one more token: the state the last step left
 
     def prefilled(prompt):
         cache = make_prompt_cache(model)
@@ -148,10 +150,11 @@ def test_verify_and_rollback_match_token_by_token_decoding(arch, uniform):
             logits.append(last)
         want.append(logits)
     batch = holed(_merge_caches([prefilled(p) for p in prompts]))
-    replays = 0
+    replays = padded = 0
     for step, (rows, kept) in enumerate(plan):
         fed = [len(r) for r in rows]
         width = max(fed)
+        padded += min(fed) < width
         saved = Rewind(batch)
         saved.pad(fed, width)
         out = model(mx.array([r + [r[0]] * (width - len(r)) for r in rows]), cache=batch)
@@ -166,7 +169,7 @@ def test_verify_and_rollback_match_token_by_token_decoding(arch, uniform):
         for b, k in enumerate(kept):
             gap = mx.abs(out[b, k - 1] - want[b][step]).max().item()
             assert gap < 1e-3, f"{arch}: step {step}, row {b} (fed {fed}, kept {kept}): logits off by {gap}"
-    assert (replays == 0) == uniform
+    assert (replays > 0) == (mode == "rejected") and (padded > 0) == (mode != "one-width"), (replays, padded)
 
 
 @pytest.mark.parametrize("arch", sorted(LAYERS))

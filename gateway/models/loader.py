@@ -80,9 +80,10 @@ def resolve_path(spec: ModelSpec) -> str:
 
 
 def _speculation(spec: ModelSpec, model, cluster, draft: Optional[DraftModel] = None) -> SpeculationConfig:
-    """The model's speculative decoding, or off (with a warning) where it cannot roll back
-    a draft or runs split across ranks (the other ranks replay plain steps only);
-    ``draft``: the draft model of ``"draft"`` (read and checked)."""
+    """The model's speculative decoding, or off (with a warning) where its cache types
+    cannot roll back a draft or it runs split across ranks (the other ranks replay plain
+    steps only); ``draft``: the draft model of ``"draft"`` (read and checked). Recurrent
+    and window layers are checked again on the engine thread, before the first draft."""
     if spec.speculative == "off":
         return SpeculationConfig()
     why = "it runs split across ranks" if cluster is not None else speculation_refusal(model)

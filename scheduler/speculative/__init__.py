@@ -9,6 +9,8 @@ forward ``[B, 1 + K]``; accepted tokens stream out, rejected ones are rolled bac
   tokenizer, its own KV cache kept in step with the batch's rows.
 - :mod:`scheduler.speculative.holes`: the decode batch's KV cache with *holes*, so one
   row can roll back a rejected draft without moving the others (or its own KV).
+- :mod:`scheduler.speculative.rewind`: rollback for recurrent and sliding-window layers
+  (their state before the step, and a replay of the kept tokens).
 - :mod:`scheduler.speculative.acceptance`: each row's acceptance rate and whether a
   draft is worth widening the step for.
 - :mod:`scheduler.speculative.verify`: greedy verification and rejection sampling.

@@ -7,10 +7,11 @@ per decoding row that has drafted, matched to the decode batch by uid.
 
 - **Joining.** A row that may draft and is not in the draft batch prefills its tokens
   into a cache of its own, one chunk of :data:`PREFILL_CHUNK` tokens per drafting step
-  (for one joining row at a time, oldest first), so a long context does not hold the
-  other rows' decode step for its whole prefill. It drafts nothing until that is done;
-  then its cache is merged into the draft batch, and the tokens it emitted meanwhile are
-  caught up (below).
+  (for one joining row at a time, the one with the fewest tokens left first), so a long
+  context does not hold the other rows' decode step for its whole prefill. It drafts
+  nothing until its cache holds all its tokens (it emits a few per step, a chunk takes
+  up to 512); then its cache is merged into the draft batch. A step where only joining
+  rows want drafts runs no other draft forward.
 - **Catching up.** A row's draft cache may lag its tokens: by the plain steps it took
   without drafting (cool-down, width 1, a step with no candidates), and by one token after
   it accepted every draft (the last draft is never fed to the draft model). A drafting
@@ -115,7 +116,9 @@ class ModelDrafter:
             self._joining[u] = (make_prompt_cache(self.model), 0)
         if not self._joining:
             return
-        uid, (cache, done) = next(iter(self._joining.items()))
+        # the row closest to drafting first: a long context does not hold the short ones back
+        uid = min(self._joining, key=lambda u: len(batch.tokens[index[u]]) - self._joining[u][1])
+        cache, done = self._joining[uid]
         tokens = batch.tokens[index[uid]]
         chunk = list(tokens[done: done + PREFILL_CHUNK])
         if chunk:
@@ -161,7 +164,7 @@ class ModelDrafter:
         index = {u: i for i, u in enumerate(batch.uids)}
         known = set(self.uids) | set(self._joining)
         self._join(batch, index, [batch.uids[i] for i, c in enumerate(candidates) if c and batch.uids[i] not in known])
-        if self.cache is None:
+        if not any(candidates[index[u]] for u in self.uids):  # only joining rows want drafts
             return [[] for _ in inputs]
         behind = [list(batch.tokens[index[u]][f:]) for u, f in zip(self.uids, self.fed)]
         self._catch_up(behind)

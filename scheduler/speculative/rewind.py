@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Optional
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, make_prompt_cache
 
 from scheduler.speculative.holes import HoledKVCache
@@ -64,7 +65,7 @@ class Rewind:
         self.layers = [c for c in caches if isinstance(c, (ArraysCache, BatchRotatingKVCache))]
         # New handles: mlx-lm updates some of these arrays in place (``left_padding -= n``,
         # ``keys[..., i] = k``), which rewrites every holder of the same handle.
-        self._saved = [[_handle(a) for a in (c.cache if isinstance(c, ArraysCache) else c.state)]
+        self._saved = [[_handle(a) for a in ((*c.cache, c.left_padding) if isinstance(c, ArraysCache) else c.state)]
                        for c in self.layers]
 
     def __bool__(self) -> bool:
@@ -99,19 +100,21 @@ class Rewind:
                 c.finalize()
 
     def restore(self) -> None:
-        """Put these layers back as they were before the step."""
+        """Put these layers back as they were before the step (new handles each time, so
+        the saved state survives what the next forward writes in place)."""
         for c, saved in zip(self.layers, self._saved):
+            fresh = [_handle(a) for a in saved]
             if isinstance(c, ArraysCache):
-                c.cache = list(saved)
+                c.cache, c.left_padding, c.lengths = fresh[:-1], fresh[-1], None
             else:
-                c.state = tuple(saved)
+                c.state = tuple(fresh)
                 c._lengths = None
 
 
 def _handle(a):
-    """A new handle on array ``a`` (the same data until either is written), or ``a`` itself
-    when it is not an array."""
-    return mx.array(a) if isinstance(a, mx.array) else a
+    """A new handle on array ``a`` sharing its buffer (no copy): writing ``a`` in place
+    then copies it first, and this handle keeps the old values. Non-arrays as they are."""
+    return mx.stop_gradient(a) if isinstance(a, mx.array) else a
 
 
 def needs_replay(rewind: Rewind, fed: list[int], kept: list[int]) -> bool:
@@ -124,7 +127,8 @@ def replay(model, caches: list, rewind: Rewind, rows: list[list[int]], width: in
     """Undo a verify step of ``width`` positions and feed each row's kept tokens
     ``rows[b]`` (its input token and the drafts it keeps) again: full-attention layers
     drop the step's positions and mask the replay's padding as holes, the others restart
-    from their saved state. Lazy: evaluated with the next step."""
+    from their saved state. Evaluated before it returns, so that the verify step's
+    measured cost includes it."""
     rewind.restore()
     full = [c for c in caches if isinstance(c, HoledKVCache)]
     for c in full:
@@ -136,38 +140,55 @@ def replay(model, caches: list, rewind: Rewind, rows: list[list[int]], width: in
     rewind.unpad()
     for c in full:
         c.reject([s - k for k in kept])
+    mx.eval([a for c in caches for a in cache_arrays(c)])
+
+
+def cache_arrays(cache) -> list:
+    """The arrays one batch layer cache holds (to evaluate them without ``state``, which
+    compacts a holed cache)."""
+    if isinstance(cache, ArraysCache):
+        return [a for a in cache.cache if a is not None]
+    return [a for _, a in tree_flatten((cache.keys, cache.values)) if isinstance(a, mx.array)]
 
 
 def right_padding_refusal(model) -> Optional[str]:
     """Why ``model``'s recurrent or sliding-window layers cannot roll back a draft, or
-    None if they can: a forward of one token padded to three must leave the cache that
-    forward of the token alone leaves (compared on the logits of the token after it).
-    Runs small forwards: call it on the thread that owns the model."""
+    None if they can. Two rows of different lengths (so one is left-padded) take one
+    batched step of three positions, the first row padded after its one token; then one
+    more token each. Each row's logits must be those of the same tokens fed to it alone,
+    unpadded. Runs small forwards: call it on the thread that owns the model."""
+    prompts, steps = [[1, 2, 3, 4, 5, 6], [3, 4, 5, 6]], [[7], [7, 11, 12]]
 
-    def next_logits(padding: list[int]) -> mx.array:
+    def prefilled(prompt):
         cache = make_prompt_cache(model)
-        model(mx.array([[1, 2, 3, 4, 5, 6]]), cache=cache)
-        batch = holed(_as_batch(cache))
-        rewind = Rewind(batch)
-        rewind.pad([1], 1 + len(padding))
-        model(mx.array([[7, *padding]]), cache=batch)
-        rewind.unpad()
-        for c in batch:
-            if isinstance(c, HoledKVCache):
-                c.reject([len(padding)])
-        return model(mx.array([[10]]), cache=batch)[0, -1].astype(mx.float32)
+        model(mx.array([prompt]), cache=cache)
+        return cache
 
-    want, got = next_logits([]), next_logits([8, 9])
-    gap = mx.abs(got - want).max().item()
-    scale = max(mx.abs(want).max().item(), 1e-6)
-    if gap > PROBE_TOLERANCE * scale:
-        return (f"its recurrent or sliding-window layers do not honour right padding (two padding "
-                f"tokens moved the next logits by {gap:.3g}, {gap / scale:.1%} of their largest)")
+    want = []
+    for prompt, step in zip(prompts, steps):
+        cache = prefilled(prompt)
+        model(mx.array([step]), cache=cache)
+        want.append(model(mx.array([[10]]), cache=cache)[0, -1].astype(mx.float32))
+    batch = holed(_as_batch([prefilled(p) for p in prompts]))
+    rewind = Rewind(batch)
+    rewind.pad([len(s) for s in steps], 3)
+    model(mx.array([s + [8] * (3 - len(s)) for s in steps]), cache=batch)
+    rewind.unpad()
+    for c in batch:
+        if isinstance(c, HoledKVCache):
+            c.reject([3 - len(s) for s in steps])
+    got = model(mx.array([[10], [10]]), cache=batch)[:, -1].astype(mx.float32)
+    for row, expected in enumerate(want):
+        gap = mx.abs(got[row] - expected).max().item()
+        scale = max(mx.abs(expected).max().item(), 1e-6)
+        if gap > PROBE_TOLERANCE * scale:
+            return (f"its recurrent or sliding-window layers do not honour right padding (a padded batch "
+                    f"moved a row's next logits by {gap:.3g}, {gap / scale:.1%} of their largest)")
     return None
 
 
-def _as_batch(cache: list) -> list:
-    """One sequence's cache (``make_prompt_cache``) as a batch of one."""
+def _as_batch(caches: list[list]) -> list:
+    """Sequences' caches (``make_prompt_cache`` each) as one left-padded batch."""
     from mlx_lm.generate import _merge_caches
 
-    return _merge_caches([cache])
+    return _merge_caches(caches)

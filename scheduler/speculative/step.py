@@ -14,7 +14,9 @@ Each step (:meth:`Speculator.next`):
    applies each row's logits processors (penalties, ``logit_bias``, grammar, thinking
    budget) at every position it verifies, verifies every row
    (:mod:`scheduler.speculative.verify`), takes each row's rejected positions back out of
-   the cache (:class:`~scheduler.speculative.holes.HoledKVCache`) and out of its
+   the cache (holes in full-attention layers,
+   :class:`~scheduler.speculative.holes.HoledKVCache`; a replay of the kept tokens for
+   recurrent and window layers, :mod:`scheduler.speculative.rewind`) and out of its
    processors' state, and reports the input token and the accepted drafts, in order,
    with their log-probs.
    The token after them is the row's next input, as in plain decoding.
@@ -176,7 +178,10 @@ class Speculator:
         layers (:func:`~scheduler.speculative.rewind.right_padding_refusal`); if not, every
         step stays plain."""
         if self.refusal is None:
-            self.refusal = right_padding_refusal(batch.model) if Rewind(batch.prompt_cache) else ""
+            try:
+                self.refusal = right_padding_refusal(batch.model) if Rewind(batch.prompt_cache) else ""
+            except Exception as e:  # a probe that cannot run refuses: the rows decode plainly
+                self.refusal = f"its layers could not be checked for rollback ({type(e).__name__}: {e})"
             if self.refusal:
                 log.warning("speculative decoding is off: %s", self.refusal)
         return not self.refusal
