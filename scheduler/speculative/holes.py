@@ -119,7 +119,9 @@ class HoledKVCache(BatchKVCache):
         order = mx.argsort(mx.where(real, pos, pos + self._idx), axis=1)  # real positions first, in order
         slot = mx.arange(n)[None] - (n - counts)[:, None]
         index = mx.take_along_axis(order, mx.maximum(slot, 0), axis=1)  # [B, n]
-        self.keys, self.values = self._gathered(index)
+        gather = index[:, None, :, None]
+        self.keys, self.values = tree_map(lambda x: mx.take_along_axis(x[..., : self._idx, :], gather, axis=2),
+                                          (self.keys, self.values))
         self.left_padding = n - counts
         self._idx = n
         self.holes = None
@@ -152,21 +154,15 @@ class HoledKVCache(BatchKVCache):
         pad = int(self.left_padding[idx].item())
         holes = self._holes_to(self._idx)[idx].tolist()
         keep = mx.array([p for p in range(pad, self._idx) if not holes[p]], dtype=mx.int32)
-        return self._row(idx, keep)
+        row = self._new_row()
+        row.keys, row.values = tree_map(lambda x: mx.contiguous(mx.take(x[idx: idx + 1, :, : self._idx], keep, axis=2)),
+                                        (self.keys, self.values))
+        row.offset = int(keep.size)
+        return row
 
-    def _gathered(self, index: mx.array) -> tuple:
-        """Keys and values with position ``index[b, j]`` of row ``b`` at ``j``: index
-        ``[B, n]`` -> ``[B, H, n, D]`` each."""
-        gather = index[:, None, :, None]
-        return tuple(mx.take_along_axis(x[..., : self._idx, :], gather, axis=2) for x in (self.keys, self.values))
-
-    def _row(self, idx: int, keep: mx.array) -> KVCache:
-        """Row ``idx``'s positions ``keep`` (``[n]``) as one sequence's cache."""
-        cache = KVCache()
-        cache.keys, cache.values = (mx.contiguous(mx.take(x[idx: idx + 1, :, : self._idx], keep, axis=2))
-                                    for x in (self.keys, self.values))
-        cache.offset = cache.keys.shape[2]
-        return cache
+    def _new_row(self) -> KVCache:
+        """An empty cache of one sequence, of the kind this batch's rows are."""
+        return KVCache()
 
     @property
     def state(self):
@@ -187,13 +183,5 @@ class HoledQuantizedKVCache(HoledKVCache, BatchQuantizedKVCache):
     vectors do not depend on its neighbours, so rolling back or squeezing out holes leaves
     what a cold run stores."""
 
-    def _gathered(self, index: mx.array) -> tuple:
-        gather = index[:, None, :, None]
-        return tree_map(lambda x: mx.take_along_axis(x[..., : self._idx, :], gather, axis=2), (self.keys, self.values))
-
-    def _row(self, idx: int, keep: mx.array) -> QuantizedKVRow:
-        row = QuantizedKVRow(self.group_size, self.bits)
-        row.keys, row.values = tree_map(lambda x: mx.contiguous(mx.take(x[idx: idx + 1, :, : self._idx], keep, axis=2)),
-                                        (self.keys, self.values))
-        row.offset = int(keep.size)
-        return row
+    def _new_row(self) -> QuantizedKVRow:
+        return QuantizedKVRow(self.group_size, self.bits)
