@@ -233,7 +233,7 @@ def verify_cost(model_dir: str, context: int = 1500) -> list[tuple]:
 
     from gateway.cpu import cpu_backend
     from scheduler.speculative.holes import HoledKVCache
-    from scheduler.speculative.rewind import Rewind, holed, replay
+    from scheduler.speculative.rewind import Rewind, held_arrays, holed, replay
 
     if cpu_backend():
         from gateway.cpu.allocator import keep_freed_memory
@@ -259,7 +259,7 @@ def verify_cost(model_dir: str, context: int = 1500) -> list[tuple]:
                     out = model(mx.random.randint(0, 1000, (B, W)), cache=caches)
                     if rejects:
                         replay(model, caches, saved, [[1] * ((W + 1) // 2)] * B, W)
-                    mx.eval(out, [a for c in caches for a in _arrays(c)])
+                    mx.eval(out, [a for c in caches for a in held_arrays(c)])
                     (rejecting if rejects else times).append(time.perf_counter() - tic)
                     saved.restore()
                     for c, (offset, padding, idx) in zip(full, at_context):
@@ -268,14 +268,6 @@ def verify_cost(model_dir: str, context: int = 1500) -> list[tuple]:
             base = base or t
             rows.append((B, W, t / base, statistics.median(rejecting) / base if rejecting else None))
     return rows
-
-
-def _arrays(cache) -> list:
-    """The arrays a layer cache holds (to evaluate them)."""
-    from mlx_lm.models.cache import ArraysCache
-
-    held = cache.cache if isinstance(cache, ArraysCache) else (cache.keys, cache.values)
-    return [a for a in held if a is not None]
 
 
 def median_runs(runs: list[dict]) -> dict:

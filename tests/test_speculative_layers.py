@@ -121,8 +121,7 @@ def test_verify_and_rollback_match_token_by_token_decoding(arch, mode):
     import mlx.core as mx
     from mlx_lm.generate import _merge_caches
 
-    from scheduler.speculative.holes import HoledKVCache
-    from scheduler.speculative.rewind import Rewind, holed, needs_replay, replay
+    from scheduler.speculative.rewind import Rewind, holed, needs_replay, replay, take_back
 
     model, _ = mlx_lm.load(str(model_path(arch)))
     rng = random.Random(5)
@@ -163,9 +162,7 @@ def test_verify_and_rollback_match_token_by_token_decoding(arch, mode):
             replay(model, batch, saved, [r[:k] for r, k in zip(rows, kept)], width)
             replays += 1
         else:
-            for c in batch:
-                if isinstance(c, HoledKVCache):
-                    c.reject([width - k for k in kept])
+            take_back(batch, [width - k for k in kept])
         for b, k in enumerate(kept):
             gap = mx.abs(out[b, k - 1] - want[b][step]).max().item()
             assert gap < 1e-3, f"{arch}: step {step}, row {b} (fed {fed}, kept {kept}): logits off by {gap}"

@@ -41,6 +41,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from scheduler.speculative.holes import HoledKVCache
+from scheduler.speculative.rewind import held_arrays
 
 PREFILL_CHUNK = 512  # tokens of joining rows' prefill in the draft model, per drafting step
 
@@ -201,7 +202,7 @@ class ModelDrafter:
         self.model(self._ids(mx.array(grid, dtype=mx.uint32)), cache=self.cache)
         for c in self.cache:
             c.reject([width - len(b) for b in behind])
-        mx.eval([a for c in self.cache for a in (c.keys, c.values)])  # not .state: it would compact
+        mx.eval([a for c in self.cache for a in held_arrays(c)])  # not .state: it would compact
 
     def settle(self, uids: list[int], accepted: list[int]) -> None:
         """The decode batch's rows ``uids`` accepted ``accepted[i]`` drafts each (0 for a

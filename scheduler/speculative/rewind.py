@@ -117,6 +117,14 @@ def _handle(a):
     return mx.stop_gradient(a) if isinstance(a, mx.array) else a
 
 
+def take_back(caches: list, rejected: list[int]) -> None:
+    """Every full-attention layer of ``caches`` drops the last ``rejected[b]`` positions
+    of row ``b`` (:meth:`HoledKVCache.reject`); other layers are left alone."""
+    for c in caches:
+        if isinstance(c, HoledKVCache):
+            c.reject(rejected)
+
+
 def needs_replay(rewind: Rewind, fed: list[int], kept: list[int]) -> bool:
     """Whether any row's recurrent or window state took in a token it does not keep
     (``fed[b]`` real tokens went in, ``kept[b]`` stay)."""
@@ -130,20 +138,19 @@ def replay(model, caches: list, rewind: Rewind, rows: list[list[int]], width: in
     from their saved state. Evaluated before it returns, so that the verify step's
     measured cost includes it."""
     rewind.restore()
-    full = [c for c in caches if isinstance(c, HoledKVCache)]
-    for c in full:
-        c.trim(width)
+    for c in caches:
+        if isinstance(c, HoledKVCache):
+            c.trim(width)
     kept = [len(r) for r in rows]
     s = max(kept)
     rewind.pad(kept, s)
     model(mx.array([r + [r[0]] * (s - len(r)) for r in rows], dtype=mx.uint32), cache=caches)
     rewind.unpad()
-    for c in full:
-        c.reject([s - k for k in kept])
-    mx.eval([a for c in caches for a in cache_arrays(c)])
+    take_back(caches, [s - k for k in kept])
+    mx.eval([a for c in caches for a in held_arrays(c)])
 
 
-def cache_arrays(cache) -> list:
+def held_arrays(cache) -> list:
     """The arrays one batch layer cache holds (to evaluate them without ``state``, which
     compacts a holed cache)."""
     if isinstance(cache, ArraysCache):
@@ -174,9 +181,7 @@ def right_padding_refusal(model) -> Optional[str]:
     rewind.pad([len(s) for s in steps], 3)
     model(mx.array([s + [8] * (3 - len(s)) for s in steps]), cache=batch)
     rewind.unpad()
-    for c in batch:
-        if isinstance(c, HoledKVCache):
-            c.reject([3 - len(s) for s in steps])
+    take_back(batch, [3 - len(s) for s in steps])
     got = model(mx.array([[10], [10]]), cache=batch)[:, -1].astype(mx.float32)
     for row, expected in enumerate(want):
         gap = mx.abs(got[row] - expected).max().item()

@@ -39,11 +39,10 @@ from mlx_lm.sample_utils import greedy_sampler
 from scheduler.sampling import TemperatureSampler, greedy
 from scheduler.speculative.acceptance import BatchAcceptance, RowAcceptance, StepCost, best_width
 from scheduler.speculative.config import SpeculationConfig
-from scheduler.speculative.holes import HoledKVCache
 from scheduler.speculative.draft_model import ModelDrafter
 from scheduler.speculative.lookup import LookupDrafter
 from scheduler.speculative.processors import apply_along, draftable, grammar_prefix, rewind
-from scheduler.speculative.rewind import Rewind, holed, needs_replay, replay, right_padding_refusal
+from scheduler.speculative.rewind import Rewind, holed, needs_replay, replay, right_padding_refusal, take_back
 from scheduler.speculative.verify import accept_greedy, accept_sampled
 
 
@@ -272,9 +271,7 @@ class Speculator:
             replay(batch.model, batch.prompt_cache, saved, kept, width)
             self.stats.replays += 1
             return
-        for c in batch.prompt_cache:
-            if isinstance(c, HoledKVCache):
-                c.reject([width - n for n in counts])
+        take_back(batch.prompt_cache, [width - n for n in counts])
 
     def _outcomes(self, batch, inputs, drafts, accepted, previous, logprobs) -> list:
         """Per row, what this step reports: its (token, logprob) pairs (the input token
