@@ -29,7 +29,7 @@ class LRUEviction:
 
     Uses the manager's state: ``_lock`` (an ``RLock``; methods marked "Lock held" expect
     the caller to hold it), ``_lru`` (unleased entries, oldest first), ``_groups``,
-    ``_quotas``, ``_entries``, ``version``, ``max_bytes``, ``max_entries``, ``metrics``
+    ``_quotas``, ``_memory_only``, ``_entries``, ``version``, ``max_bytes``, ``max_entries``, ``metrics``
     and ``disk``; and its ``nbytes``, ``namespace_bytes``, ``_spill_of`` and ``_account``.
     Not usable on its own.
     """
@@ -96,7 +96,7 @@ class LRUEviction:
             self.metrics.kept_evicted.inc()  # memory forced out a breakpoint's prefix before its ttl
         self._lru.pop(entry, None)
         group = self._groups[entry.namespace]
-        if spill and self.disk is not None:
+        if spill and self._spills(entry.namespace):
             self.disk.evicted(self._spill_of(group, entry))
         group.tree.remove_value(entry.node)  # prunes the pages no snapshot needs any more
         self.version += 1
@@ -105,6 +105,18 @@ class LRUEviction:
         entry.private = None
         self._entries -= 1
         self._account(group, entry, -1)
+
+    # -- the disk tier's share --------------------------------------------------
+    def keep_in_memory(self, namespace: str) -> None:
+        """Keep ``namespace``'s snapshots off the disk tier: neither written when evicted
+        or persisted nor looked up there (e.g. a draft model's, which only this process's
+        engine can use: ``scheduler/speculative/draft_snapshots.py``)."""
+        with self._lock:
+            self._memory_only.add(namespace)
+
+    def _spills(self, namespace: str) -> bool:
+        """Whether ``namespace``'s snapshots go to (and come from) the disk tier."""
+        return self.disk is not None and namespace not in self._memory_only
 
     # -- quotas ---------------------------------------------------------------
     def set_quotas(self, quotas: dict[str, int]) -> None:

@@ -106,6 +106,7 @@ class PromptCacheManager(LRUEviction):
         self._num_leases = 0
         self._lease_ids = itertools.count(1)
         self._quotas: dict[str, int] = {}  # namespace -> byte quota
+        self._memory_only: set[str] = set()  # namespaces kept off the disk tier
         self.disk: DiskLink | None = None
         self.budget = budget
         if budget is not None:
@@ -173,7 +174,7 @@ class PromptCacheManager(LRUEviction):
             ``hit.cache`` and must :meth:`release` ``hit.lease`` when done.
         """
         t0 = time.perf_counter()
-        from_disk = self.disk is not None and self._load_from_disk(namespace, tokens)
+        from_disk = self._spills(namespace) and self._load_from_disk(namespace, tokens)
         with self._lock:
             sel = self._select(namespace, tokens)
             lease = None
@@ -377,7 +378,7 @@ class PromptCacheManager(LRUEviction):
         with self._lock:
             live = [e for e in (*self._lru, *self._leased()) if e.alive]
             spills = [self._spill_of(self._groups[e.namespace], e) for e in reversed(live)
-                      if not (e.trimmable and e.node.children)]
+                      if not (e.trimmable and e.node.children) and self._spills(e.namespace)]
         sent = self.disk.spill(spills)
         if not self.disk.close(timeout):
             log.warning("the disk tier did not finish its writes in %s s", timeout)

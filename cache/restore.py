@@ -156,6 +156,18 @@ def nbytes_by_type(cache: Sequence[Any]) -> dict[str, int]:
     return out
 
 
+def layer_bytes(caches: Sequence[Any]) -> int:
+    """Bytes of the layer caches' buffers (``.nbytes``; nothing is evaluated; a layer
+    with no arrays yet counts 0)."""
+    total = 0
+    for c in caches:
+        try:
+            total += int(c.nbytes)
+        except Exception:  # an empty layer cache has no arrays yet
+            pass
+    return total
+
+
 def token_count(cache: Sequence[Any]) -> int | None:
     """Tokens covered according to the layers that track an integer ``offset``, or None."""
     for c in cache:

@@ -32,7 +32,7 @@ from scheduler.precompute import PrecomputeBook
 from scheduler.request import DoneEvent, EngineRequest, ErrorEvent, Event, ProgressEvent, TokenEvent
 from scheduler.rows import RECENT, EngineStats, Row, holds_decode
 from scheduler.sampling import greedy
-from scheduler.speculative import SpeculationConfig, speculator
+from scheduler.speculative import DraftSnapshots, SpeculationConfig, speculator
 
 log = logging.getLogger("mlx_gateway.engine")
 
@@ -109,8 +109,14 @@ class Batch(RowInsertion):
         return JoiningBatchGenerator(
             self.model, max_tokens=1 << 30, sampler=greedy, completion_batch_size=self.decode_concurrency,
             prefill_batch_size=self.prompt_concurrency, prefill_step_size=self.prefill_step_size,
-            speculator=speculator(self.speculation, self.stats.speculation, self.metrics),
+            speculator=speculator(self.speculation, self.stats.speculation, self.metrics,
+                                  DraftSnapshots(self.prompt_cache, self._namespace_of)),
         )
+
+    def _namespace_of(self, uid: int) -> Optional[str]:
+        """The prefix-cache namespace of the decoding row ``uid`` (None: not a request's)."""
+        row = self.active.get(uid)
+        return None if row is None else row.request.namespace
 
     def close(self) -> None:
         """Close the batch generator and drop it here, so that its clean-up (it restores

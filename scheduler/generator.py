@@ -31,6 +31,7 @@ from mlx_lm.models.cache import KVCache, TokenBuffer
 
 from cache.pages import PagedKVCache
 from cache.quantized import BatchQuantizedKVCache, QuantizedKVRow
+from cache.restore import layer_bytes
 
 
 def merge_with_room(caches: list[list]) -> list:
@@ -160,6 +161,8 @@ class JoiningGenerationBatch(GenerationBatch):
         super().filter(keep)
         self._fresh = [self._fresh[i] for i in keep]
         self._ahead = [self._ahead[i] for i in keep]
+        if self.speculator is not None:  # a draft model's rows leave with theirs
+            self.speculator.forget(self.uids)
 
     def next(self):
         """One decode step: the speculator's when one is set, else :meth:`plain_next`."""
@@ -252,16 +255,11 @@ class JoiningBatchGenerator(BatchGenerator):
         self.hold_decode = False  # the next steps skip the decode forward (set per step by the batch)
 
     def kv_bytes(self) -> int:
-        """Bytes of the prompt and decode batch caches (``.nbytes`` of each layer cache;
-        nothing is evaluated)."""
-        total = 0
-        for batch in (self._prompt_batch, self._generation_batch):
-            for c in getattr(batch, "prompt_cache", None) or []:
-                try:
-                    total += int(c.nbytes)
-                except Exception:  # an empty layer cache has no arrays yet
-                    pass
-        return total
+        """Bytes of the prompt and decode batch caches, a draft model's included
+        (``.nbytes`` of each layer cache; nothing is evaluated)."""
+        caches = [c for b in (self._prompt_batch, self._generation_batch) for c in getattr(b, "prompt_cache", None) or []]
+        speculator = self._generation_batch.speculator
+        return layer_bytes(caches) + (speculator.drafter.kv_bytes() if speculator is not None else 0)
 
     def take_decoding(self, uid: int) -> Optional[DecodingState]:
         """Take the decoding row ``uid`` out of the decode batch (between two steps), its

@@ -107,7 +107,7 @@ def test_the_draft_cache_holds_exactly_each_rows_tokens(which, chunk, tmp_path_f
     row's emitted tokens (up to the last draft fed): compared position by position, with
     drafts mostly accepted (rows lag a token) and mostly rejected (rows cool down and lag
     by different numbers of tokens). With 16-token chunks, rows join over several steps
-    (emitting tokens meanwhile), each step prefilling one chunk at most."""
+    (emitting tokens meanwhile), each step prefilling one chunk's tokens at most."""
     from scheduler.generator import JoiningBatchGenerator
     from scheduler.sampling import greedy
     from scheduler.speculative import Speculator, draft_model
@@ -125,7 +125,7 @@ def test_the_draft_cache_holds_exactly_each_rows_tokens(which, chunk, tmp_path_f
     while len(ended) < len(uids):
         before = len(other.joins)
         ended |= {g.uid for g in gen.next()[1] if g.finish_reason}
-        assert len(other.joins) - before <= 1 and all(n <= chunk for n in other.joins[before:])
+        assert sum(other.joins[before:]) <= chunk  # joins prefill one chunk's tokens per step at most
         joining += bool(spec.drafter._joining)
         steps += 1
         if steps in (5, 9):  # rows that join later lag, cool down and catch up out of step

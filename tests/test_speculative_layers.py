@@ -82,6 +82,9 @@ class ScriptedDrafter:
     def forget(self, uids) -> None:
         pass
 
+    def kv_bytes(self) -> int:
+        return 0
+
 
 @pytest.fixture
 def scripted(monkeypatch):

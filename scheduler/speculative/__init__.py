@@ -7,6 +7,8 @@ forward ``[B, 1 + K]``; accepted tokens stream out, rejected ones are rolled bac
   prompt and output.
 - :mod:`scheduler.speculative.draft_model`: drafts from a small model of the same
   tokenizer, its own KV cache kept in step with the batch's rows.
+- :mod:`scheduler.speculative.draft_snapshots`: the draft model's rows in the prefix
+  cache, so that a next turn or a resumed row does not prefill its whole context again.
 - :mod:`scheduler.speculative.holes`: the decode batch's KV cache with *holes*, so one
   row can roll back a rejected draft without moving the others (or its own KV).
 - :mod:`scheduler.speculative.rewind`: rollback for recurrent and sliding-window layers
@@ -21,14 +23,16 @@ from typing import Optional
 
 from scheduler.speculative.config import SpeculationConfig, speculation_refusal
 from scheduler.speculative.draft_model import DraftModel
+from scheduler.speculative.draft_snapshots import DraftSnapshots
 from scheduler.speculative.step import SpeculationStats, Speculator
 
-__all__ = ["DraftModel", "SpeculationConfig", "SpeculationStats", "Speculator", "speculation_refusal", "speculator"]
+__all__ = ["DraftModel", "DraftSnapshots", "SpeculationConfig", "SpeculationStats", "Speculator", "speculation_refusal", "speculator"]
 
 
-def speculator(config: SpeculationConfig, stats: SpeculationStats, metrics) -> Optional[Speculator]:
+def speculator(config: SpeculationConfig, stats: SpeculationStats, metrics, snapshots=None) -> Optional[Speculator]:
     """The decode batch's :class:`Speculator` for ``config`` (None when off), counting into
-    ``stats`` and ``metrics`` (a :class:`scheduler.metrics.SchedulerMetrics`)."""
+    ``stats`` and ``metrics`` (a :class:`scheduler.metrics.SchedulerMetrics`); a draft
+    model's rows are kept in ``snapshots`` (a :class:`DraftSnapshots`), if given."""
     if not config.enabled:
         return None
 
@@ -37,4 +41,4 @@ def speculator(config: SpeculationConfig, stats: SpeculationStats, metrics) -> O
         metrics.accepted_tokens.inc(accepted)
         metrics.verify_steps.inc()
 
-    return Speculator(config, stats, on_verify)
+    return Speculator(config, stats, on_verify, snapshots)

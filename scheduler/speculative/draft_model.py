@@ -40,6 +40,8 @@ from typing import Any, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
+from cache.restore import layer_bytes
+from scheduler.speculative.draft_snapshots import DraftSnapshots
 from scheduler.speculative.holes import HoledKVCache
 from scheduler.speculative.rewind import held_arrays
 
@@ -71,6 +73,10 @@ class ModelDrafter:
 
     Args:
         draft: the draft model.
+        snapshots: where rows leaving the draft batch are stored and joining rows are
+            restored from (the prefix cache); None: every join prefills its whole context.
+        stats: counts of the tokens joins restore and prefill (``draft_restored``,
+            ``draft_prefilled``), if given.
 
     Attributes:
         forward_seconds: time of one ``[B_d, 1]`` draft forward in the last
@@ -80,8 +86,10 @@ class ModelDrafter:
 
     costly = True  # proposing runs the draft model: the step decides its width first
 
-    def __init__(self, draft: DraftModel):
+    def __init__(self, draft: DraftModel, snapshots: Optional[DraftSnapshots] = None, stats=None):
         self.model, self.vocab = draft.model, draft.vocab
+        self.snapshots, self.stats = snapshots, stats
+        self._layers = len(make_prompt_cache(draft.model))
         self.k = 0  # tokens drafted per row in the current step
         self.forward_seconds: Optional[float] = None  # of one [B_d, 1] draft forward, last step
         self.uids: list[int] = []  # the draft batch's rows, by the decode batch's uids
@@ -89,17 +97,23 @@ class ModelDrafter:
         self.cache: Optional[list[HoledKVCache]] = None
         self._base: list[int] = []  # tokens each row had before this step's drafts were fed
         self._joining: dict[int, tuple[list, int]] = {}  # uid -> (its own draft cache, tokens in it)
+        self._rows: dict[int, tuple[Optional[str], list[int]]] = {}  # uid -> (draft namespace, its tokens)
         self._embeddings: Optional[int] = None
 
     # ----------------------------------------------------------------- rows
     def forget(self, uids: list[int]) -> None:
-        """Drop the rows not in ``uids`` (they left the decode batch)."""
+        """Drop the rows not in ``uids`` (they left the decode batch), storing their draft
+        caches in :attr:`snapshots` first."""
         live = set(uids)
         for u in [u for u in self._joining if u not in live]:
-            del self._joining[u]
+            cache, done = self._joining.pop(u)
+            self._save(u, done, cache)
         keep = [j for j, u in enumerate(self.uids) if u in live]
         if len(keep) == len(self.uids):
             return
+        for j, u in enumerate(self.uids):
+            if u not in live:
+                self._save(u, self.fed[j], [c.extract(j) for c in self.cache])
         if not keep:
             self.uids, self.fed, self.cache = [], [], None
             return
@@ -108,28 +122,53 @@ class ModelDrafter:
         self.uids = [self.uids[j] for j in keep]
         self.fed = [self.fed[j] for j in keep]
 
+    def _save(self, uid: int, fed: int, cache: list) -> None:
+        """Store row ``uid``'s draft cache (after its first ``fed`` tokens), leaving."""
+        namespace, tokens = self._rows.pop(uid, (None, []))
+        if self.snapshots is not None and 0 < fed <= len(tokens) and cache[0].offset == fed:
+            self.snapshots.save(namespace, tokens[:fed], cache)
+
+    def _start(self, uid: int, tokens: list[int]) -> None:
+        """Row ``uid`` (``tokens``: the decode batch's list of its tokens, which grows in
+        place) starts joining, from the longest prefix of its tokens stored in
+        :attr:`snapshots`, if any."""
+        cache, done = None, 0
+        if self.snapshots is not None:
+            namespace = self.snapshots.namespace(uid)
+            self._rows[uid] = (namespace, tokens)
+            cache, done = self.snapshots.restore(namespace, tokens, self._layers)
+        if self.stats is not None:
+            self.stats.draft_restored += done
+        self._joining[uid] = (cache if cache is not None else make_prompt_cache(self.model), done)
+
     def _join(self, batch, index: dict[int, int], new: list[int]) -> None:
-        """Start joining the decode batch's rows ``new`` (their uids); prefill one chunk
-        of the oldest joining row, and merge it into the draft batch once its cache holds
-        all its tokens (a row emits a few per step, a chunk takes up to
-        :data:`PREFILL_CHUNK`)."""
+        """Start joining the decode batch's rows ``new`` (their uids); prefill up to
+        :data:`PREFILL_CHUNK` tokens of joining rows, the row closest to drafting first
+        (a long context does not hold the short ones back), and merge each into the
+        draft batch once its cache holds all its tokens (a row emits a few per step)."""
         for u in new:
-            self._joining[u] = (make_prompt_cache(self.model), 0)
-        if not self._joining:
-            return
-        # the row closest to drafting first: a long context does not hold the short ones back
-        uid = min(self._joining, key=lambda u: len(batch.tokens[index[u]]) - self._joining[u][1])
-        cache, done = self._joining[uid]
-        tokens = batch.tokens[index[uid]]
-        chunk = list(tokens[done: done + PREFILL_CHUNK])
-        if chunk:
-            self.model(self._ids(mx.array([chunk], dtype=mx.uint32)), cache=cache)
-            mx.eval([c.state for c in cache])
-        done += len(chunk)
-        if done < len(tokens):
-            self._joining[uid] = (cache, done)
-            return
-        del self._joining[uid]
+            self._start(u, batch.tokens[index[u]])
+        budget = PREFILL_CHUNK
+        while self._joining and budget > 0:
+            uid = min(self._joining, key=lambda u: len(batch.tokens[index[u]]) - self._joining[u][1])
+            cache, done = self._joining[uid]
+            tokens = batch.tokens[index[uid]]
+            chunk = list(tokens[done: done + budget])
+            if chunk:
+                self.model(self._ids(mx.array([chunk], dtype=mx.uint32)), cache=cache)
+                mx.eval([c.state for c in cache])
+            done += len(chunk)
+            budget -= len(chunk)
+            if self.stats is not None:
+                self.stats.draft_prefilled += len(chunk)
+            if done < len(tokens):
+                self._joining[uid] = (cache, done)
+                return
+            del self._joining[uid]
+            self._merge(uid, cache, done)
+
+    def _merge(self, uid: int, cache: list, done: int) -> None:
+        """Row ``uid``'s own draft cache (``done`` tokens) joins the draft batch."""
         merged = [HoledKVCache.adopt(BatchKVCache.merge([layer])) for layer in cache]
         if self.cache is None:
             self.cache = merged
@@ -148,6 +187,10 @@ class ModelDrafter:
         return mx.minimum(ids, self._embeddings - 1)
 
     # ----------------------------------------------------------------- the drafter interface
+    def kv_bytes(self) -> int:
+        """Bytes of the draft model's caches: the draft batch and the joining rows'."""
+        return layer_bytes((self.cache or []) + [c for cache, _ in self._joining.values() for c in cache])
+
     def hint(self, batch, i: int) -> bool:
         """Every row with tokens in its cache may draft."""
         return len(batch.tokens[i]) > 0

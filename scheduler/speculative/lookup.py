@@ -87,7 +87,7 @@ class LookupDrafter:
     """The ``ngram`` method over a decode batch: one :class:`PromptLookup` per row.
 
     The drafter interface :class:`scheduler.speculative.step.Speculator` uses:
-    :meth:`hint`, :meth:`propose`, :meth:`settle` and :meth:`forget`.
+    :meth:`hint`, :meth:`propose`, :meth:`settle`, :meth:`forget` and :meth:`kv_bytes`.
     """
 
     costly = False  # a draft is a few dictionary lookups: proposing costs nothing to speak of
@@ -103,6 +103,10 @@ class LookupDrafter:
             live = set(uids)
             for uid in [u for u in self._lookups if u not in live]:
                 del self._lookups[uid]
+
+    def kv_bytes(self) -> int:
+        """Prompt lookup holds no KV cache."""
+        return 0
 
     def hint(self, batch, i: int) -> bool:
         """Row ``i``'s tokens end in an n-gram seen before: it will likely find a draft

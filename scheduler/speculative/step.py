@@ -67,6 +67,8 @@ class SpeculationStats:
     verify_steps: int = 0
     ended_inside_draft: int = 0  # rows that stopped before the last of their accepted drafts
     replays: int = 0  # verify steps whose recurrent or window layers were fed the kept tokens again
+    draft_restored: int = 0  # draft-model tokens rows joining the draft batch took from the prefix cache
+    draft_prefilled: int = 0  # draft-model tokens rows joining the draft batch prefilled
 
 
 class Speculator:
@@ -77,15 +79,18 @@ class Speculator:
         stats: where counts go (shared with the engine's other statistics).
         on_verify: called after each verify step with ``(drafted, accepted, width)``
             (metrics).
+        snapshots: for ``"draft"``, where the draft model's rows are stored and restored
+            (:class:`~scheduler.speculative.draft_snapshots.DraftSnapshots`), if anywhere.
     """
 
-    def __init__(self, config: SpeculationConfig, stats: Optional[SpeculationStats] = None, on_verify=None):
+    def __init__(self, config: SpeculationConfig, stats: Optional[SpeculationStats] = None, on_verify=None,
+                 snapshots=None):
         self.config = config
         self.stats = stats or SpeculationStats()
         self.cost = StepCost(draft=config.draft.relative_cost if config.draft is not None else 0.0)
         self._on_verify = on_verify
         if config.method == "draft":
-            self.drafter = ModelDrafter(config.draft)
+            self.drafter = ModelDrafter(config.draft, snapshots, self.stats)
         else:
             self.drafter = LookupDrafter(config.min_n, config.max_n)
         self._acceptance: dict[int, RowAcceptance] = {}
@@ -101,7 +106,9 @@ class Speculator:
             rate = self._acceptance[uid] = self._overall.new_row() if self.drafter.costly else RowAcceptance()
         return rate
 
-    def _forget_gone(self, uids: list[int]) -> None:
+    def forget(self, uids: list[int]) -> None:
+        """The batch's rows are now ``uids``: the others left (their draft rows, if any, are
+        stored as they leave)."""
         if len(self._acceptance) > len(uids):
             live = set(uids)
             for uid in [u for u in self._acceptance if u not in live]:
@@ -146,7 +153,7 @@ class Speculator:
         """
         if not batch.uids:
             return []
-        self._forget_gone(batch.uids)
+        self.forget(batch.uids)
         candidates = [self._may_draft(batch, i) for i in range(len(batch.uids))]
         if not any(candidates) or not self._rolls_back(batch):
             return self._plain(batch, timed=self.stats.plain_steps % PLAIN_SAMPLE == 0)
