@@ -31,6 +31,7 @@ from scheduler.precompute import Precompute
 from scheduler.prefetch import DiskPrefetch
 from scheduler.request import EngineRequest
 from scheduler.speculative import SpeculationConfig
+from scheduler.speculative.draft_snapshots import SUFFIX as DRAFT_GROUP
 from scheduler.rows import AdmissionRecord, EngineDead, EngineOverloaded, EngineStats, TenantQueueFull
 
 # The errors and records are importable from here too.
@@ -198,13 +199,15 @@ class Engine(EngineCore):
     # The prefix cache, asked for through the engine (its snapshots are MLX arrays:
     # whatever may free them runs on the engine thread).
     def flush_cache(self, cache_group: Optional[str] = None, timeout: float = 60.0) -> int:
-        """Drop the unleased prefix-cache snapshots of ``cache_group`` (every group when
-        None), on the engine thread; returns how many were dropped. Blocks the caller.
+        """Drop the unleased prefix-cache snapshots of ``cache_group`` and of its draft
+        model's rows (every group when None), on the engine thread; returns how many were
+        dropped. Blocks the caller.
 
         Raises:
             EngineDead, TimeoutError: see :meth:`call`.
         """
-        return self.call(lambda: self.prompt_cache.flush(cache_group), timeout)
+        groups = [None] if cache_group is None else [cache_group, cache_group + DRAFT_GROUP]
+        return self.call(lambda: sum(self.prompt_cache.flush(g) for g in groups), timeout)
 
     def set_cache_quotas(self, quotas: Callable[[], dict[str, int]], timeout: float = 60.0) -> Future:
         """Apply per-cache-group byte quotas on the engine thread (a smaller one evicts

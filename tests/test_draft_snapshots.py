@@ -192,7 +192,8 @@ def test_draft_snapshots_stay_off_the_disk_tier(tmp_path):
 def test_the_engine_keeps_draft_rows_per_namespace():
     """Through the engine: a conversation's second turn restores its draft row from its
     request's namespace (``<namespace>/draft``) and gives plain decoding's tokens; a
-    request of another namespace restores nothing of it."""
+    request of another namespace restores nothing of it; flushing a group flushes its
+    draft rows."""
     import uuid
 
     from conftest import EventSink
@@ -221,5 +222,8 @@ def test_the_engine_keeps_draft_rows_per_namespace():
         assert stats.draft_restored >= len(prompt) + len(plain) - 3, stats
         assert engine.wait_idle(60) and engine.prompt_cache.num_leases == 0
         assert engine.prompt_cache.namespace_tokens("alice/draft") >= len(follow)
+        assert engine.flush_cache("alice") >= 2  # a group's flush takes its draft rows too
+        assert engine.prompt_cache.namespace_tokens("alice/draft") == engine.prompt_cache.namespace_tokens("alice") == 0
+        assert engine.prompt_cache.namespace_tokens("bob/draft") >= len(follow)
     finally:
         engine.stop()

@@ -5,13 +5,14 @@ The draft model keeps its own batch of rows (:class:`ModelDrafter`): a
 :class:`~scheduler.speculative.holes.HoledKVCache` per layer, ``[B_d, H, T, D]``, one row
 per decoding row that has drafted, matched to the decode batch by uid.
 
-- **Joining.** A row that may draft and is not in the draft batch prefills its tokens
-  into a cache of its own, one chunk of :data:`PREFILL_CHUNK` tokens per drafting step
-  (for one joining row at a time, the one with the fewest tokens left first), so a long
-  context does not hold the other rows' decode step for its whole prefill. It drafts
-  nothing until its cache holds all its tokens (it emits a few per step, a chunk takes
-  up to 512); then its cache is merged into the draft batch. A step where only joining
-  rows want drafts runs no other draft forward.
+- **Joining.** A row that may draft and is not in the draft batch starts from the
+  longest prefix of its tokens stored in the prefix cache
+  (:mod:`scheduler.speculative.draft_snapshots`), if any, and prefills the rest into a
+  cache of its own, :data:`PREFILL_CHUNK` tokens per drafting step over all joining rows
+  (the row with the fewest tokens left first), so a long context does not hold the other
+  rows' decode step for its whole prefill. It drafts nothing until its cache holds all
+  its tokens (it emits a few per step); then its cache is merged into the draft batch. A
+  step where only joining rows want drafts runs no other draft forward.
 - **Catching up.** A row's draft cache may lag its tokens: by the plain steps it took
   without drafting (cool-down, width 1, a step with no candidates), and by one token after
   it accepted every draft (the last draft is never fed to the draft model). A drafting
@@ -27,8 +28,9 @@ per decoding row that has drafted, matched to the decode batch by uid.
   ``K - 1`` fed) and takes the rest back as holes: the draft cache never holds a token the
   row did not emit.
 
-Rows that leave the decode batch (finished, paused) leave the draft batch at the next
-step that drafts; a paused row that comes back joins again (a new prefill).
+Rows that leave the decode batch (finished, paused) leave the draft batch with it
+(:meth:`forget`), their draft caches stored in the prefix cache; a paused row that comes
+back joins again, restoring what it left.
 """
 
 from __future__ import annotations
