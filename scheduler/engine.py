@@ -68,8 +68,9 @@ class Engine(EngineCore):
         name: the served model's name, for logs.
         speculation: speculative decoding (:mod:`scheduler.speculative`); the model's
             cache types must allow it (:func:`scheduler.speculative.speculation_refusal`),
-            and before the first draft the speculator checks its recurrent and window
-            layers on the model itself (else every step stays plain).
+            and its recurrent and window layers are checked on the model itself (at load,
+            else before the first draft: :func:`scheduler.speculative.rollback_refusal`;
+            a model that fails decodes plainly).
     """
 
     def __init__(

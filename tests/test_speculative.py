@@ -287,7 +287,7 @@ def test_other_cache_kinds_do_not_speculate(caplog):
     model.make_cache = lambda: [ChunkedKVCache(64) for _ in model.layers]
     assert "ChunkedKVCache" in speculation_refusal(model)
     with caplog.at_level("WARNING"):
-        config = _speculation(ModelSpec(name="m", path="p", speculative="ngram"), model, None)
+        config = _speculation(ModelSpec(name="m", path="p", speculative="ngram"), speculation_refusal(model))
     assert not config.enabled and "ChunkedKVCache" in caplog.text
 
 

@@ -14,6 +14,7 @@ scripted; the model, its caches, the verification and the rollback are the real 
 
 from __future__ import annotations
 
+import logging
 import random
 
 import httpx
@@ -241,6 +242,24 @@ def test_a_model_ignoring_right_padding_does_not_speculate(scripted):
         assert engine.stats.speculation.verify_steps == 0 and engine.stats.speculation.plain_steps > 0
     finally:
         engine.stop()
+
+
+def test_a_model_refused_at_load_never_reads_its_draft(caplog):
+    """Served with a draft model, Nemotron-H fails the rollback check at load: the log
+    says why, its speculation is off, the draft model's weights are not read (the model's
+    bytes are its own), and it serves."""
+    from mlx.utils import tree_flatten
+
+    draft = model_path("qwen3", tokenizer="qwen3")  # Nemotron-H's tokenizer, full attention
+    with caplog.at_level(logging.WARNING), live_server(model_path("nemotron_h"), draft_model=str(draft)) as server:
+        engine = server.engine
+        assert not engine._batch.speculation.enabled
+        assert server.handle("test-model").weights_bytes == sum(
+            p.nbytes for _, p in tree_flatten(engine._batch.model.parameters()))
+        body = {"model": "test-model", "prompt": "one two three " * 10, "max_tokens": 10, "temperature": 0}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+    assert "speculative decoding is off" in caplog.text and "right padding" in caplog.text
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "gemma3_text"])

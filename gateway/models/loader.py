@@ -2,8 +2,8 @@
 
 :func:`load_model` runs on a loader thread, never on the engine loop's thread, so that
 loading one model stalls no other model's decoding: the weights are read and evaluated
-(and, on a Linux CPU, converted to float32) there, the batch-equivalence and logits
-probes run there, and only the hand-over (attaching the new engine to the loop, which
+(and, on a Linux CPU, converted to float32) there, the batch-equivalence, logits and
+speculation-rollback probes run there, and only the hand-over (attaching the new engine to the loop, which
 opens its batch) happens on the loop's thread, between two steps. MLX 0.31.2 and later
 give each thread its own default stream, so evaluating on the loader thread does not
 touch the engine loop's stream.
@@ -37,7 +37,7 @@ from gateway.models.handle import ModelHandle
 from gateway.models.spec import ModelSpec
 from scheduler import Engine
 from scheduler.loop import EngineLoop
-from scheduler.speculative import DraftModel, SpeculationConfig, speculation_refusal
+from scheduler.speculative import DraftModel, SpeculationConfig, rollback_refusal, speculation_refusal
 
 log = logging.getLogger("mlx_gateway")
 
@@ -79,20 +79,16 @@ def resolve_path(spec: ModelSpec) -> str:
     return spec.path
 
 
-def _speculation(spec: ModelSpec, model, cluster, draft: Optional[DraftModel] = None) -> SpeculationConfig:
-    """The model's speculative decoding, or off (with a warning) where its cache types
-    cannot roll back a draft or it runs split across ranks (the other ranks replay plain
-    steps only); ``draft``: the draft model of ``"draft"`` (read and checked). Recurrent
-    and window layers are checked again on the engine thread, before the first draft."""
+def _speculation(spec: ModelSpec, refusal: Optional[str], draft: Optional[DraftModel] = None) -> SpeculationConfig:
+    """The model's speculative decoding: off where ``refusal`` says why it cannot
+    speculate (logged), else ``spec``'s method with ``draft`` (read and checked) for
+    ``"draft"``; its rollback was checked at load."""
     if spec.speculative == "off":
         return SpeculationConfig()
-    why = "it runs split across ranks" if cluster is not None else speculation_refusal(model)
-    if why is not None:
-        log.warning("%s: speculative decoding is off: %s", spec.name, why)
+    if refusal is not None:
+        log.warning("%s: speculative decoding is off: %s", spec.name, refusal)
         return SpeculationConfig()
-    if spec.speculative == "draft":
-        return SpeculationConfig("draft", spec.num_draft_tokens, draft=draft)
-    return SpeculationConfig(spec.speculative, spec.num_draft_tokens)
+    return SpeculationConfig(spec.speculative, spec.num_draft_tokens, draft=draft, rollback_checked=True)
 
 
 def context_length(model, tokenizer, default: int = 32768) -> int:
@@ -226,21 +222,28 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
     cluster = distributed.current()
     if cluster is not None:  # one model across the ranks of mlx.launch (gateway/ranks.py)
         cluster.shard(model)
+    # why it cannot speculate: split across ranks (the other ranks replay plain steps only),
+    # cache kinds that cannot roll back a draft, then (once read) layers that ignore padding
+    refusal = "it runs split across ranks" if cluster is not None else speculation_refusal(model)
     draft = draft_path = None
-    if spec.speculative == "draft" and cluster is None and speculation_refusal(model) is None:
-        draft, draft_path = read_draft(spec.name, spec.draft_model)
+    if spec.speculative == "draft" and refusal is None:
+        draft, draft_path = read_draft(spec.name, spec.draft_model)  # shapes only, for reserve
     reserve(served_bytes(model) + (served_bytes(draft) if draft is not None else 0))
     # Linux CPU: only float32 matmuls use BLAS (docs/deployment.md, "Weights in float32")
     loaded_as = "float32" if float32_weights_for_cpu_backend(model) is None else None
     mx.eval(model.parameters())
-    if draft is not None:
-        float32_weights_for_cpu_backend(draft)
-        mx.eval(draft.parameters())
     if spec.kv_bits:
         try:
             quantize_kv(model, spec.kv_bits, spec.kv_group_size)
         except ValueError as e:
             raise ValueError(f"{spec.name}: --kv-bits {spec.kv_bits}: {e}") from None
+    if spec.speculative != "off" and refusal is None:
+        refusal = rollback_refusal(model)
+    if refusal is not None:
+        draft = None  # its weights are never read
+    if draft is not None:
+        float32_weights_for_cpu_backend(draft)
+        mx.eval(draft.parameters())
     weights, draft_weights = (sum(p.nbytes for _, p in tree_flatten(m.parameters())) if m is not None else 0
                               for m in (model, draft))
     exact = batch_is_exact(model)
@@ -264,7 +267,7 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
         except OSError as e:
             manager.close()
             raise DiskTierUnusable(f"the prompt cache's disk tier cannot be used: {e}") from e
-    engine = Engine(model, tokenizer.eos_token_ids, manager, speculation=_speculation(spec, model, cluster, draft),
+    engine = Engine(model, tokenizer.eos_token_ids, manager, speculation=_speculation(spec, refusal, draft),
                     prompt_concurrency=cfg.prompt_concurrency,
                     decode_concurrency=cfg.decode_concurrency, prefill_step_size=cfg.prefill_step_size,
                     prefill_budget=cfg.prefill_budget, max_waiting=cfg.max_waiting, registry=registry,

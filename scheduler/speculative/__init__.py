@@ -21,12 +21,13 @@ forward ``[B, 1 + K]``; accepted tokens stream out, rejected ones are rolled bac
 
 from typing import Optional
 
-from scheduler.speculative.config import SpeculationConfig, speculation_refusal
+from scheduler.speculative.config import SpeculationConfig, rollback_refusal, speculation_refusal
 from scheduler.speculative.draft_model import DraftModel
 from scheduler.speculative.draft_snapshots import DraftSnapshots
 from scheduler.speculative.step import SpeculationStats, Speculator
 
-__all__ = ["DraftModel", "DraftSnapshots", "SpeculationConfig", "SpeculationStats", "Speculator", "speculation_refusal", "speculator"]
+__all__ = ["DraftModel", "DraftSnapshots", "SpeculationConfig", "SpeculationStats", "Speculator", "rollback_refusal", "speculation_refusal",
+           "speculator"]
 
 
 def speculator(config: SpeculationConfig, stats: SpeculationStats, metrics, snapshots=None) -> Optional[Speculator]:

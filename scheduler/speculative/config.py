@@ -22,6 +22,9 @@ class SpeculationConfig:
             forward is ``[B, 1 + K]`` at most).
         min_n, max_n: the n-gram lengths prompt lookup matches, longest first (tokens).
         draft: the draft model, for ``"draft"`` (and only then).
+        rollback_checked: the model's recurrent and window layers, if any, were found to
+            roll back (:func:`rollback_refusal`, at load); False: the speculator checks
+            them before its first draft.
 
     Raises:
         ValueError: an unknown method, ``K`` outside 1..16, or ``draft`` given with
@@ -33,6 +36,7 @@ class SpeculationConfig:
     min_n: int = 2
     max_n: int = 4
     draft: Optional[DraftModel] = field(default=None, compare=False, repr=False)
+    rollback_checked: bool = field(default=False, compare=False)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -71,3 +75,21 @@ def speculation_refusal(model) -> Optional[str]:
     if others:
         return f"its layers keep {', '.join(others)} caches, which cannot roll back a rejected draft"
     return None
+
+
+def rollback_refusal(model) -> Optional[str]:
+    """Why the recurrent or sliding-window layers of ``model`` (one whose cache kinds
+    :func:`speculation_refusal` accepts) cannot roll back a draft, or None if they can
+    or it has none: the check that they honour right padding
+    (:func:`~scheduler.speculative.rewind.right_padding_refusal`: a few small forwards,
+    on a thread that may run the model). A check that raises refuses."""
+    from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
+
+    from scheduler.speculative.rewind import right_padding_refusal
+
+    if not any(isinstance(c, (ArraysCache, RotatingKVCache)) for c in make_prompt_cache(model)):
+        return None
+    try:
+        return right_padding_refusal(model)
+    except Exception as e:  # a probe that cannot run refuses: the rows decode plainly
+        return f"its layers could not be checked for rollback ({type(e).__name__}: {e})"

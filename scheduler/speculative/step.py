@@ -38,11 +38,11 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from scheduler.sampling import TemperatureSampler, greedy
 from scheduler.speculative.acceptance import BatchAcceptance, RowAcceptance, StepCost, best_width
-from scheduler.speculative.config import SpeculationConfig
+from scheduler.speculative.config import SpeculationConfig, rollback_refusal
 from scheduler.speculative.draft_model import ModelDrafter
 from scheduler.speculative.lookup import LookupDrafter
 from scheduler.speculative.processors import apply_along, draftable, grammar_prefix, rewind
-from scheduler.speculative.rewind import Rewind, holed, needs_replay, replay, right_padding_refusal, take_back
+from scheduler.speculative.rewind import Rewind, holed, needs_replay, replay, take_back
 from scheduler.speculative.verify import accept_greedy, accept_sampled
 
 
@@ -95,7 +95,8 @@ class Speculator:
             self.drafter = LookupDrafter(config.min_n, config.max_n)
         self._acceptance: dict[int, RowAcceptance] = {}
         self._overall = BatchAcceptance()
-        self.refusal: Optional[str] = None  # why the model's layers cannot roll back ("" if they can; None: not checked yet)
+        # why the model's layers cannot roll back ("" if they can; None: not checked yet)
+        self.refusal: Optional[str] = "" if config.rollback_checked else None
 
     # ----------------------------------------------------------------- per row
     def _rate(self, uid: int) -> RowAcceptance:
@@ -181,13 +182,10 @@ class Speculator:
     def _rolls_back(self, batch) -> bool:
         """Whether a rejected draft can be taken back out of every layer of the batch's
         model: checked once, on the model itself, when it has recurrent or sliding-window
-        layers (:func:`~scheduler.speculative.rewind.right_padding_refusal`); if not, every
-        step stays plain."""
+        layers (:func:`~scheduler.speculative.config.rollback_refusal`), unless the loader
+        did; if not, every step stays plain."""
         if self.refusal is None:
-            try:
-                self.refusal = right_padding_refusal(batch.model) if Rewind(batch.prompt_cache) else ""
-            except Exception as e:  # a probe that cannot run refuses: the rows decode plainly
-                self.refusal = f"its layers could not be checked for rollback ({type(e).__name__}: {e})"
+            self.refusal = rollback_refusal(batch.model) or ""
             if self.refusal:
                 log.warning("speculative decoding is off: %s", self.refusal)
         return not self.refusal
