@@ -59,6 +59,6 @@ def check_manager(mgr: Any) -> None:
     assert mgr.nbytes <= mgr.max_bytes, "byte bound broken"
     assert mgr._entries <= mgr.max_entries, "entry bound broken"
     for ns, q in mgr._quotas.items():
-        assert mgr.namespace_bytes(ns) <= q or all(
-            e.leases for e in seen if e.namespace == ns
+        assert mgr._quota_bytes(ns) <= q or all(
+            e.leases for e in seen if mgr._quota_key(e.namespace) == ns
         ), f"quota of {ns} broken"

@@ -13,7 +13,7 @@ its unleased snapshots in least-recently-used order and drops them:
 
 A snapshot kept by a cache breakpoint (until its ``keep_until``, monotonic seconds) goes
 after every other one. A dropped snapshot goes to the disk tier, when there is one,
-except on a flush.
+except on a flush and for a companion namespace (:meth:`~LRUEviction.add_companion`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class LRUEviction:
 
     Uses the manager's state: ``_lock`` (an ``RLock``; methods marked "Lock held" expect
     the caller to hold it), ``_lru`` (unleased entries, oldest first), ``_groups``,
-    ``_quotas``, ``_memory_only``, ``_entries``, ``version``, ``max_bytes``, ``max_entries``, ``metrics``
+    ``_quotas``, ``_owners``, ``_entries``, ``version``, ``max_bytes``, ``max_entries``, ``metrics``
     and ``disk``; and its ``nbytes``, ``namespace_bytes``, ``_spill_of`` and ``_account``.
     Not usable on its own.
     """
@@ -62,14 +62,15 @@ class LRUEviction:
         if self.max_entries < 1:
             return None
         total_b, total_e = self.nbytes, self._entries
-        quota = self._quotas.get(namespace)
+        key = self._quota_key(namespace)
+        quota = self._quotas.get(key)
         if quota is not None:
-            group_b = self.namespace_bytes(namespace)
+            group_b = self._quota_bytes(key)
             order = self._eviction_order()
             for e in order:
                 if group_b + run.new_bytes() <= quota:
                     break
-                if e.namespace == namespace:
+                if self._quota_key(e.namespace) == key:
                     freed = run.drop(e, "quota")
                     group_b -= freed
                     total_b -= freed
@@ -106,25 +107,42 @@ class LRUEviction:
         self._entries -= 1
         self._account(group, entry, -1)
 
-    # -- the disk tier's share --------------------------------------------------
-    def keep_in_memory(self, namespace: str) -> None:
-        """Keep ``namespace``'s snapshots off the disk tier: neither written when evicted
-        or persisted nor looked up there (e.g. a draft model's, which only this process's
-        engine can use: ``scheduler/speculative/draft_snapshots.py``)."""
+    # -- companion namespaces -------------------------------------------------
+    def add_companion(self, namespace: str, owner: str) -> None:
+        """Make ``namespace`` a companion of ``owner`` (e.g. a draft model's rows of a
+        cache group: ``scheduler/speculative/draft_snapshots.py``): its snapshots count in
+        ``owner``'s byte quota, and stay off the disk tier (neither written when evicted
+        or persisted nor looked up there: only this process's engine can use them).
+
+        Raises:
+            ValueError: ``namespace`` is ``owner``, or already a companion of another.
+        """
         with self._lock:
-            self._memory_only.add(namespace)
+            if namespace == owner or self._owners.get(namespace, owner) != owner:
+                raise ValueError(f"{namespace!r} cannot be a companion of {owner!r}")
+            self._owners[namespace] = owner
+            self._shed(namespace)
 
     def _spills(self, namespace: str) -> bool:
         """Whether ``namespace``'s snapshots go to (and come from) the disk tier."""
-        return self.disk is not None and namespace not in self._memory_only
+        return self.disk is not None and namespace not in self._owners
+
+    def _quota_key(self, namespace: str) -> str:
+        """The namespace whose quota covers ``namespace`` (its owner, or itself)."""
+        return self._owners.get(namespace, namespace)
+
+    def _quota_bytes(self, key: str) -> int:
+        """Bytes held under ``key``'s quota: its own and its companions'. Lock held."""
+        return self.namespace_bytes(key) + sum(self.namespace_bytes(c) for c, o in self._owners.items() if o == key)
 
     # -- quotas ---------------------------------------------------------------
     def set_quotas(self, quotas: dict[str, int]) -> None:
         """Set per-namespace byte quotas (within ``max_bytes``), replacing earlier ones.
 
-        A namespace over its new quota sheds unleased snapshots, oldest first, now
-        (eviction reason ``quota``); one leased now goes when its last lease is released.
-        Namespaces absent from ``quotas`` have none.
+        A namespace's quota covers its companions (:meth:`add_companion`). A namespace
+        over its new quota sheds unleased snapshots, oldest first, now (eviction reason
+        ``quota``); one leased now goes when its last lease is released. Namespaces absent
+        from ``quotas`` have none.
 
         Raises:
             ValueError: for a negative quota.
@@ -140,13 +158,15 @@ class LRUEviction:
                 self._shed(ns)
 
     def _shed(self, namespace: str) -> None:
-        """Drop unleased snapshots of ``namespace``, oldest first, while it is over its
-        quota (eviction reason ``quota``). Lock held."""
-        q = self._quotas.get(namespace)
-        if q is None or self.namespace_bytes(namespace) <= q:
+        """Drop unleased snapshots under ``namespace``'s quota (its own and its owner's or
+        companions'), oldest first, while they are over it (eviction reason ``quota``).
+        Lock held."""
+        key = self._quota_key(namespace)
+        q = self._quotas.get(key)
+        if q is None or self._quota_bytes(key) <= q:
             return
-        for e in [e for e in self._eviction_order() if e.namespace == namespace]:
-            if self.namespace_bytes(namespace) <= q:
+        for e in [e for e in self._eviction_order() if self._quota_key(e.namespace) == key]:
+            if self._quota_bytes(key) <= q:
                 break
             self._drop(e)
             self.metrics.evictions.labels(reason="quota").inc()

@@ -106,7 +106,7 @@ class PromptCacheManager(LRUEviction):
         self._num_leases = 0
         self._lease_ids = itertools.count(1)
         self._quotas: dict[str, int] = {}  # namespace -> byte quota
-        self._memory_only: set[str] = set()  # namespaces kept off the disk tier
+        self._owners: dict[str, str] = {}  # companion namespace -> its owner (add_companion)
         self.disk: DiskLink | None = None
         self.budget = budget
         if budget is not None:

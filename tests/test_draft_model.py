@@ -107,7 +107,8 @@ def test_the_draft_cache_holds_exactly_each_rows_tokens(which, chunk, tmp_path_f
     row's emitted tokens (up to the last draft fed): compared position by position, with
     drafts mostly accepted (rows lag a token) and mostly rejected (rows cool down and lag
     by different numbers of tokens). With 16-token chunks, rows join over several steps
-    (emitting tokens meanwhile), each step prefilling one chunk's tokens at most."""
+    (emitting tokens meanwhile), each step prefilling one chunk's tokens at most; with
+    512-token chunks, the two rows that start together join in one step."""
     from scheduler.generator import JoiningBatchGenerator
     from scheduler.sampling import greedy
     from scheduler.speculative import Speculator, draft_model
@@ -122,10 +123,12 @@ def test_the_draft_cache_holds_exactly_each_rows_tokens(which, chunk, tmp_path_f
     uids = gen.insert(prompts[:2], max_tokens=max_tokens[:2])
     checked, ended, steps = 0, set(), 0
     joining = 0  # steps that ended with a row still joining
+    most = 0  # rows that joined in one step
     while len(ended) < len(uids):
         before = len(other.joins)
         ended |= {g.uid for g in gen.next()[1] if g.finish_reason}
         assert sum(other.joins[before:]) <= chunk  # joins prefill one chunk's tokens per step at most
+        most = max(most, len(other.joins) - before)
         joining += bool(spec.drafter._joining)
         steps += 1
         if steps in (5, 9):  # rows that join later lag, cool down and catch up out of step
@@ -147,6 +150,7 @@ def test_the_draft_cache_holds_exactly_each_rows_tokens(which, chunk, tmp_path_f
     stats = spec.stats
     assert checked > 10 and stats.verify_steps > 0, stats
     assert joining >= (6 if chunk == 16 else 0), joining  # 60-75 token contexts: 4-5 chunks each
+    assert most >= (2 if chunk == 512 else 1), most  # rows that fit in one chunk join in one step
     assert (stats.accepted > 0.8 * stats.drafted) if which == "same" else (stats.accepted < 0.5 * stats.drafted)
 
 

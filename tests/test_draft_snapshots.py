@@ -14,6 +14,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from cache import PromptCacheManager
+from cache.restore import layer_bytes
 from conftest import model_path
 from scheduler.generator import JoiningBatchGenerator
 from scheduler.sampling import greedy
@@ -111,7 +112,6 @@ def test_a_next_turn_restores_its_draft_rows_from_the_prefix_cache(which, tmp_pa
     assert len(follow) <= restored + prefilled <= len(follow) + 10
     if which == "same":  # the stored row lags turn 1's answer by its last tokens (not fed to the draft)
         assert restored >= len(prompt) + len(got_1) - 3 and prefilled <= len(new_message) + 10
-    assert spec.drafter.kv_bytes() == 0 or gen.kv_bytes() > spec.drafter.kv_bytes()
     gen.close()
 
 
@@ -139,8 +139,7 @@ def test_a_resumed_row_restores_what_it_left():
         if mine and mine[-1].finish_reason:
             break
         if not resumed and uid in spec.drafter.uids and len(out) >= 15:
-            state = gen.take_decoding(uid)
-            gen.next()  # a step without the row: it leaves the draft batch, stored
+            state = gen.take_decoding(uid)  # it leaves the draft batch too, stored
             assert manager.namespace_tokens(NAMESPACE + "/draft") >= len(prompt)
             prefilled, joins = stats.draft_prefilled, len(draft.joins)
             uid = gen.put_decoding(state)
@@ -150,14 +149,18 @@ def test_a_resumed_row_restores_what_it_left():
             assert stats.draft_prefilled - prefilled == sum(draft.joins[joins:]) <= 5
             assert _check_draft_row(spec, gen, draft, uid)
             joins = None
+            # the batch's KV bytes count the draft model's caches
+            target = layer_bytes(gen._generation_batch.prompt_cache) + layer_bytes(gen._prompt_batch.prompt_cache or [])
+            assert spec.drafter.kv_bytes() > 0 and gen.kv_bytes() == target + spec.drafter.kv_bytes()
     gen.close()
     assert resumed and joins is None
     assert out == want
 
 
 def test_draft_snapshots_stay_off_the_disk_tier(tmp_path):
-    """A namespace kept in memory is neither written to the disk tier (evicted or
-    persisted) nor looked up there; the request's own namespace still is."""
+    """A companion namespace (a draft group) is neither written to the disk tier (evicted
+    or persisted) nor looked up there, even where a file of that name exists; the
+    request's own namespace still is."""
     from cache.disk import DiskTier
     from cache.tiering import DiskLink
 
@@ -166,27 +169,33 @@ def test_draft_snapshots_stay_off_the_disk_tier(tmp_path):
     manager = PromptCacheManager(1 << 30, 64)
     tier = DiskTier(tmp_path / "disk", 1 << 30, "ident")
     manager.attach_disk(DiskLink(tier))
-    snapshots = DraftSnapshots(manager, lambda uid: NAMESPACE)
-    draft_ns = snapshots.namespace(0)
-    assert draft_ns == NAMESPACE + "/draft"
-    for ns in (NAMESPACE, draft_ns):
+    draft_ns = NAMESPACE + "/draft"
+
+    def fill(ns, key):
         cache = make_prompt_cache(model)
-        model(mx.array(tokens)[None], cache=cache)
-        assert manager.insert(ns, tokens, cache)
-    while manager.evict_oldest("bytes"):  # spilled, if the namespace goes to disk
+        model(mx.array(key)[None], cache=cache)
+        assert manager.insert(ns, key, cache)
+
+    fill(draft_ns, tokens[:40])  # before it is a companion: a file on disk under that name
+    while manager.evict_oldest("bytes"):
         pass
     assert tier.flush(30) and tier.num_entries == 1
-    assert snapshots.restore(draft_ns, tokens + [5], len(model.layers)) == (None, 0)  # not read from disk
+    snapshots = DraftSnapshots(manager, lambda uid: NAMESPACE)
+    assert snapshots.namespace(0) == draft_ns
+    for ns in (NAMESPACE, draft_ns):
+        fill(ns, tokens)
+    while manager.evict_oldest("bytes"):  # spilled, if the namespace goes to disk
+        pass
+    assert tier.flush(30) and tier.num_entries == 2  # the request's namespace's snapshot alone
+    assert snapshots.restore(draft_ns, tokens + [5], len(model.layers)) == (None, 0)  # the file is not read
     hit = manager.fetch(NAMESPACE, tokens + [5], count=False)
     assert hit.cached_tokens == len(tokens) and hit.source == "disk"
     manager.release(hit.lease)
     longer = tokens + [5, 6]  # not on disk yet, in either namespace
     for ns in (NAMESPACE, draft_ns):
-        cache = make_prompt_cache(model)
-        model(mx.array(longer)[None], cache=cache)
-        assert manager.insert(ns, longer, cache)
+        fill(ns, longer)
     assert manager.persist(30) == 1  # a graceful stop writes the request's namespace alone
-    assert tier.num_entries == 2
+    assert tier.num_entries == 3
 
 
 def test_the_engine_keeps_draft_rows_per_namespace():
@@ -227,3 +236,53 @@ def test_the_engine_keeps_draft_rows_per_namespace():
         assert engine.prompt_cache.namespace_tokens("bob/draft") >= len(follow)
     finally:
         engine.stop()
+
+
+def test_a_groups_quota_covers_its_draft_rows():
+    """A cache group's byte quota counts its draft rows: storing one evicts the group's
+    oldest snapshots (of either kind) to stay within it, a quota of 0 stores none, and a
+    manager with no room stores no draft row (it is not even extracted)."""
+    model, _ = mlx_lm.load(str(model_path("qwen3")))
+
+    def snapshot(key):
+        cache = make_prompt_cache(model)
+        model(mx.array(key)[None], cache=cache)
+        return cache
+
+    manager = PromptCacheManager(1 << 30, 64)
+    snapshots = DraftSnapshots(manager, lambda uid: NAMESPACE)
+    draft_ns = snapshots.namespace(0)
+    one = manager.namespace_bytes
+    assert manager.insert(NAMESPACE, list(range(10, 70)), snapshot(list(range(10, 70))))
+    per_snapshot = one(NAMESPACE)
+    manager.set_quotas({NAMESPACE: int(1.5 * per_snapshot)})
+    assert snapshots.save(draft_ns, list(range(100, 160)), lambda: snapshot(list(range(100, 160))))
+    assert one(NAMESPACE) == 0 and one(draft_ns) == per_snapshot  # the group's older snapshot went
+    manager.sanity_check()
+    manager.set_quotas({NAMESPACE: 0})
+    assert one(draft_ns) == 0
+    assert not snapshots.save(draft_ns, list(range(100, 160)), lambda: snapshot(list(range(100, 160))))
+    manager.sanity_check()
+    with pytest.raises(ValueError):
+        manager.add_companion(draft_ns, "another-group")
+
+    def never():
+        raise AssertionError("a row stored nowhere must not be extracted")
+
+    for bounds in ((0, 64), (1 << 30, 0)):
+        assert not DraftSnapshots(PromptCacheManager(*bounds), lambda uid: NAMESPACE).save(draft_ns, [1, 2], never)
+
+
+def test_no_cache_group_may_be_named_as_a_draft_group(tmp_path):
+    """A tenants file naming a cache group ``.../draft`` (where another group's draft rows
+    are kept) is refused at load, with the reason."""
+    from gateway.tenancy import tenants
+    from scheduler.speculative import draft_snapshots
+
+    assert tenants.DRAFT_GROUP == draft_snapshots.SUFFIX
+    f = tmp_path / "tenants.toml"
+    f.write_text('[tenants.a]\nkey_sha256 = ["%s"]\ncache_group = "b/draft"\n' % tenants.hash_key("k" * 32))
+    with pytest.raises(tenants.TenantsFileError, match="must not end in '/draft'"):
+        tenants.load_tenants(f)
+    f.write_text('[tenants.a]\nkey_sha256 = ["%s"]\ncache_group = "b/drafts"\n' % tenants.hash_key("k" * 32))
+    tenants.load_tenants(f)

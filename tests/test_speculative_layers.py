@@ -244,18 +244,28 @@ def test_a_model_ignoring_right_padding_does_not_speculate(scripted):
         engine.stop()
 
 
-def test_a_model_refused_at_load_never_reads_its_draft(caplog):
+def test_a_model_refused_at_load_never_reads_its_draft(caplog, monkeypatch):
     """Served with a draft model, Nemotron-H fails the rollback check at load: the log
-    says why, its speculation is off, the draft model's weights are not read (the model's
-    bytes are its own), and it serves."""
+    says why, its speculation is off, the draft model's weights are neither read nor
+    reserved (the load makes room for the model's own bytes alone, and they are its
+    bytes), and it serves."""
     from mlx.utils import tree_flatten
 
+    from gateway.cpu import weights as cpu_weights
+    from gateway.models.registry import ModelRegistry
+
+    converted, reserved = [], []
+    real_convert, real_reserve = cpu_weights.float32_weights_for_cpu_backend, ModelRegistry._reserve
+    monkeypatch.setattr(cpu_weights, "float32_weights_for_cpu_backend", lambda m: converted.append(m) or real_convert(m))
+    monkeypatch.setattr(ModelRegistry, "_reserve",
+                        lambda self, slot, need, evict: reserved.append(need) or real_reserve(self, slot, need, evict))
     draft = model_path("qwen3", tokenizer="qwen3")  # Nemotron-H's tokenizer, full attention
     with caplog.at_level(logging.WARNING), live_server(model_path("nemotron_h"), draft_model=str(draft)) as server:
         engine = server.engine
         assert not engine._batch.speculation.enabled
-        assert server.handle("test-model").weights_bytes == sum(
-            p.nbytes for _, p in tree_flatten(engine._batch.model.parameters()))
+        own = sum(p.nbytes for _, p in tree_flatten(engine._batch.model.parameters()))
+        assert server.handle("test-model").weights_bytes == own
+        assert reserved == [own] and converted == [engine._batch.model]  # the draft: never
         body = {"model": "test-model", "prompt": "one two three " * 10, "max_tokens": 10, "temperature": 0}
         r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text

@@ -197,8 +197,9 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
         loop: the engine loop every model runs on.
         registry: where this model's engine, prefix-cache and disk-tier metrics go.
         reserve: called with the bytes the weights will take once served (known from
-            their shapes before they are read), before they are read; it may unload
-            other models to make room, or raise to refuse the load.
+            their shapes before they are read), before they are read: the model's, then,
+            with a draft model that will serve, the two together before the draft's are
+            read. It may unload other models to make room, or raise to refuse the load.
         cache_budget: the byte bound shared by every model's prefix cache.
         configure: called with the new engine before it starts (the tenants' cache
             quotas and metric series).
@@ -226,9 +227,9 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
     # cache kinds that cannot roll back a draft, then (once read) layers that ignore padding
     refusal = "it runs split across ranks" if cluster is not None else speculation_refusal(model)
     draft = draft_path = None
-    if spec.speculative == "draft" and refusal is None:
-        draft, draft_path = read_draft(spec.name, spec.draft_model)  # shapes only, for reserve
-    reserve(served_bytes(model) + (served_bytes(draft) if draft is not None else 0))
+    if spec.speculative == "draft" and refusal is None:  # a bad path fails before any weight is read
+        draft, draft_path = read_draft(spec.name, spec.draft_model)  # shapes only
+    reserve(served_bytes(model))
     # Linux CPU: only float32 matmuls use BLAS (docs/deployment.md, "Weights in float32")
     loaded_as = "float32" if float32_weights_for_cpu_backend(model) is None else None
     mx.eval(model.parameters())
@@ -240,8 +241,9 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
     if spec.speculative != "off" and refusal is None:
         refusal = rollback_refusal(model)
     if refusal is not None:
-        draft = None  # its weights are never read
+        draft = None  # a refused model never reads its draft's weights, nor makes room for them
     if draft is not None:
+        reserve(served_bytes(model) + served_bytes(draft))
         float32_weights_for_cpu_backend(draft)
         mx.eval(draft.parameters())
     weights, draft_weights = (sum(p.nbytes for _, p in tree_flatten(m.parameters())) if m is not None else 0

@@ -38,6 +38,10 @@ from typing import Optional
 
 from gateway.config import parse_size
 
+# A group's draft-model rows are kept under "<group>/draft" (scheduler.speculative.draft_snapshots.SUFFIX,
+# not imported here: that would load MLX), so no group may be named so.
+DRAFT_GROUP = "/draft"
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
@@ -239,6 +243,9 @@ def _tenant(name: str, spec, admin_hashes: tuple[bytes, ...]) -> Tenant:
     group = spec.get("cache_group", name)
     if not isinstance(group, str) or not group:
         raise TenantsFileError(f"{where}: cache_group must be a non-empty string")
+    if group.endswith(DRAFT_GROUP):
+        raise TenantsFileError(f"{where}: cache_group must not end in {DRAFT_GROUP!r} (a group's draft-model rows "
+                               "are kept under that name)")
     priority = spec.get("priority", "standard")
     if priority not in PRIORITIES:
         raise TenantsFileError(f"{where}: priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")

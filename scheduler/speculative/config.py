@@ -61,8 +61,8 @@ def speculation_refusal(model) -> Optional[str]:
     - recurrent layers (``ArraysCache``: gated delta nets, Mamba) and sliding windows
       (``RotatingKVCache``) go back to their state before the step and take the kept
       tokens again (:mod:`scheduler.speculative.rewind`). Whether the model's layers
-      honour the padding that needs is checked on the model itself, on the engine thread,
-      before its first draft (:func:`~scheduler.speculative.rewind.right_padding_refusal`).
+      honour the padding that needs is checked on the model itself (:func:`rollback_refusal`,
+      at load, or before an engine's first draft when it was not).
 
     Other cache types are refused.
     """

@@ -109,13 +109,13 @@ class ModelDrafter:
         live = set(uids)
         for u in [u for u in self._joining if u not in live]:
             cache, done = self._joining.pop(u)
-            self._save(u, done, cache)
+            self._save(u, done, lambda cache=cache: cache)
         keep = [j for j, u in enumerate(self.uids) if u in live]
         if len(keep) == len(self.uids):
             return
         for j, u in enumerate(self.uids):
             if u not in live:
-                self._save(u, self.fed[j], [c.extract(j) for c in self.cache])
+                self._save(u, self.fed[j], lambda j=j: [c.extract(j) for c in self.cache])
         if not keep:
             self.uids, self.fed, self.cache = [], [], None
             return
@@ -124,10 +124,11 @@ class ModelDrafter:
         self.uids = [self.uids[j] for j in keep]
         self.fed = [self.fed[j] for j in keep]
 
-    def _save(self, uid: int, fed: int, cache: list) -> None:
-        """Store row ``uid``'s draft cache (after its first ``fed`` tokens), leaving."""
+    def _save(self, uid: int, fed: int, cache) -> None:
+        """Store row ``uid``'s draft cache (``cache()``: its layers after its first ``fed``
+        tokens, built only if stored) as it leaves."""
         namespace, tokens = self._rows.pop(uid, (None, []))
-        if self.snapshots is not None and 0 < fed <= len(tokens) and cache[0].offset == fed:
+        if self.snapshots is not None and 0 < fed <= len(tokens):
             self.snapshots.save(namespace, tokens[:fed], cache)
 
     def _start(self, uid: int, tokens: list[int]) -> None:

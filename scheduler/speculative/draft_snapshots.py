@@ -7,19 +7,24 @@ prefill only the draft tokens the cache lacks (for a next turn: the new user mes
 the few tokens the row emitted before it drafts), as the target does.
 
 The snapshots live in the target's :class:`cache.PromptCacheManager`, in a namespace of
-their own beside each request's (``"<namespace>/draft"``): they share its byte and entry
-bounds (``--prompt-cache-bytes``, ``--prompt-cache-size``) and its least-recently-used
-order with the target's snapshots, and its ``cache_group`` metrics under that name. They
-never go to the disk tier (:meth:`cache.lru.LRUEviction.keep_in_memory`): only this
-process's draft model can use them, and the disk tier keys its files by the target alone.
-Their lookups are not counted in the hit-rate metrics (``count=False``); the speculation
-statistics count the tokens they restore.
+their own beside each request's (``"<namespace>/draft"``, a companion of the request's:
+:meth:`cache.lru.LRUEviction.add_companion`). They share the byte and entry bounds
+(``--prompt-cache-bytes``, ``--prompt-cache-size``) and the least-recently-used order with
+the target's snapshots, count in the request namespace's quota (a tenant's
+``cache_bytes``), and appear in the ``cache_group`` metrics under their own name. They
+never go to the disk tier: only this process's draft model can use them, and the disk
+tier keys its files by the target alone. Their lookups are not counted in the hit-rate
+metrics (``count=False``); the speculation statistics count the tokens they restore.
 """
 
 from __future__ import annotations
 
 import logging
 from typing import Any, Callable, Optional, Sequence
+
+import mlx.core as mx
+
+from cache.restore import cache_arrays
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +47,12 @@ class DraftSnapshots:
 
     def namespace(self, uid: int) -> Optional[str]:
         """The draft namespace of row ``uid`` (None: it has none)."""
-        ns = self._namespace_of(uid)
-        if ns is None:
+        owner = self._namespace_of(uid)
+        if owner is None:
             return None
-        ns += SUFFIX
+        ns = owner + SUFFIX
         if ns not in self._known:
-            self.manager.keep_in_memory(ns)
+            self.manager.add_companion(ns, owner)
             self._known.add(ns)
         return ns
 
@@ -63,19 +68,23 @@ class DraftSnapshots:
         except Exception:  # the row prefills its draft cache as if nothing were stored
             log.exception("restoring a draft row from the prefix cache failed")
             return None, 0
-        self.manager.release(hit.lease)  # the copy is the caller's
-        if hit.cache is None or len(hit.cache) != layers:
-            return None, 0
-        return hit.cache, hit.cached_tokens
+        try:
+            if hit.cache is None or len(hit.cache) != layers:
+                return None, 0
+            mx.eval(cache_arrays(hit.cache))  # the copy is the caller's, and holds no page
+            return hit.cache, hit.cached_tokens
+        finally:
+            self.manager.release(hit.lease)
 
-    def save(self, namespace: Optional[str], tokens: Sequence[int], cache: list[Any]) -> bool:
-        """Store ``cache`` (one row's per-layer caches after exactly ``tokens``); False
-        when nothing was stored (no namespace, no tokens, the bounds refused it, or the
-        insert failed: a draft row is only worth a later prefill)."""
-        if namespace is None or not tokens:
+    def save(self, namespace: Optional[str], tokens: Sequence[int], cache: Callable[[], list[Any]]) -> bool:
+        """Store ``cache()`` (one row's per-layer caches after exactly ``tokens``, built
+        only if it is to be stored); False when nothing was stored (no namespace, no
+        tokens, no room in the bounds, or building or inserting it failed: a draft row is
+        only worth a later prefill, so nothing is raised)."""
+        if namespace is None or not tokens or self.manager.max_bytes == 0 or self.manager.max_entries == 0:
             return False
         try:
-            return self.manager.insert(namespace, list(tokens), cache)
+            return self.manager.insert(namespace, list(tokens), cache())
         except Exception:
             log.exception("storing a draft row in the prefix cache failed")
             return False
