@@ -320,7 +320,7 @@ def main() -> None:
                     "qwen3_5: gated delta nets, gemma3_text: sliding windows)")
     ap.add_argument("--answer", type=int, default=128, help="answer tokens per request (default 128)")
     ap.add_argument("--streams", type=int, default=4, help="concurrent streams of the batched rows (default 4)")
-    ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--num-draft-tokens", type=int, default=8)
     ap.add_argument("--draft-model", help="also run --speculative draft with this draft model")
     ap.add_argument("--draft-layers", type=int,
                     help="also run --speculative draft with the model's first N layers as its draft")

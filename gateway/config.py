@@ -65,7 +65,7 @@ class ServeConfig:
     interactive_budget: float = 0.005
     precompute_next_turn: bool = True
     speculative: Optional[str] = None  # None: not given (off, or draft with a draft model)
-    num_draft_tokens: int = 4
+    num_draft_tokens: int = 8
     draft_model: Optional[str] = None
     kv_bits: Optional[int] = None
     kv_group_size: int = 64

@@ -547,7 +547,7 @@ def test_settings_are_checked(tmp_path):
     good = tmp_path / "good.toml"
     good.write_text('[models.a]\npath = "demo"\n[models.b]\npath = "demo"\nspeculative = "off"\nnum_draft_tokens = 2\n')
     a, b = load_models_file(good, base)
-    assert (a.speculative, a.num_draft_tokens, b.speculative, b.num_draft_tokens) == ("ngram", 4, "off", 2)
+    assert (a.speculative, a.num_draft_tokens, b.speculative, b.num_draft_tokens) == ("ngram", 8, "off", 2)
     for bad in ('speculative = "eagle"', "num_draft_tokens = 0", "num_draft_tokens = 40"):
         f = tmp_path / "bad.toml"
         f.write_text(f'[models.a]\npath = "demo"\n{bad}\n')

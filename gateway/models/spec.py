@@ -99,7 +99,7 @@ class ModelSpec:
     max_prompt_tokens: Optional[int] = None
     checkpoint_every: int = 4096
     speculative: str = "off"
-    num_draft_tokens: int = 4
+    num_draft_tokens: int = 8
     draft_model: Optional[str] = None
     kv_bits: Optional[int] = None
     kv_group_size: int = 64

@@ -32,7 +32,7 @@ class SpeculationConfig:
     """
 
     method: str = "off"
-    num_draft_tokens: int = 4
+    num_draft_tokens: int = 8
     min_n: int = 2
     max_n: int = 4
     draft: Optional[DraftModel] = field(default=None, compare=False, repr=False)
