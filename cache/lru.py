@@ -197,13 +197,15 @@ class LRUEviction:
         return True
 
     def flush(self, namespace: str | None = None) -> int:
-        """Drop every unleased snapshot of ``namespace`` (all namespaces if None).
+        """Drop every unleased snapshot of ``namespace`` and of its companions
+        (:meth:`add_companion`; all namespaces if None).
 
         Returns:
             The number of snapshots dropped (leased ones are kept).
         """
         with self._lock:
-            victims = [e for e in self._lru if namespace is None or e.namespace == namespace]
+            victims = [e for e in self._lru
+                       if namespace is None or namespace in (e.namespace, self._owners.get(e.namespace))]
             for e in victims:
                 self._drop(e, spill=False)
             if victims:

@@ -31,7 +31,6 @@ from scheduler.precompute import Precompute
 from scheduler.prefetch import DiskPrefetch
 from scheduler.request import EngineRequest
 from scheduler.speculative import SpeculationConfig
-from scheduler.speculative.draft_snapshots import SUFFIX as DRAFT_GROUP
 from scheduler.rows import AdmissionRecord, EngineDead, EngineOverloaded, EngineStats, TenantQueueFull
 
 # The errors and records are importable from here too.
@@ -207,8 +206,7 @@ class Engine(EngineCore):
         Raises:
             EngineDead, TimeoutError: see :meth:`call`.
         """
-        groups = [None] if cache_group is None else [cache_group, cache_group + DRAFT_GROUP]
-        return self.call(lambda: sum(self.prompt_cache.flush(g) for g in groups), timeout)
+        return self.call(lambda: self.prompt_cache.flush(cache_group), timeout)
 
     def set_cache_quotas(self, quotas: Callable[[], dict[str, int]], timeout: float = 60.0) -> Future:
         """Apply per-cache-group byte quotas on the engine thread (a smaller one evicts

@@ -204,7 +204,6 @@ class ModelDrafter:
         Every row of the draft batch catches up and drafts ``k``, the most any candidate
         has room for (see the module docstring); :meth:`settle` must follow, with what
         each row accepted."""
-        self.forget(batch.uids)
         self.k = max((r for r, c in zip(rooms, candidates) if c), default=0)
         if self.k <= 0:
             return [[] for _ in inputs]
