@@ -358,6 +358,30 @@ def assert_same_tokens(got: list, want: list, what: str) -> None:
     assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(got, want)), what
 
 
+NEAR_TIE = 1e-3  # logits: a greedy step whose two best logits are closer than this is a near-tie
+
+
+def assert_same_greedy(model, cache, reference, first: list[int], steps: int, tie: float = NEAR_TIE) -> int:
+    """Decode ``steps`` greedy tokens after ``first`` from ``cache`` and from
+    ``reference`` (two prompt caches of the same tokens, written to) and assert the same
+    tokens, up to the first step where the reference's two best logits are within
+    ``tie``: two prefills that sum in another order (chunk lengths, BLAS kernels) agree to
+    ~1e-6 in their logits, not bit for bit, so only a near-tie may pick another token
+    (docs/cache.md, "What exact means"). Returns the number of steps compared."""
+    import mlx.core as mx
+
+    x = y = mx.array([first])
+    for step in range(steps):
+        a, b = model(x, cache=cache)[0, -1], model(y, cache=reference)[0, -1]
+        best = mx.sort(b)[-2:]
+        if (best[1] - best[0]).item() < tie:
+            return step
+        ta, tb = mx.argmax(a).item(), mx.argmax(b).item()
+        assert ta == tb, f"greedy step {step}: {ta} != {tb} (reference margin {(best[1] - best[0]).item():.2e})"
+        x = y = mx.array([[tb]])
+    return steps
+
+
 class EventSink:
     """An engine request's ``sink`` that keeps its events; ``done`` is set at its
     DoneEvent or ErrorEvent; ``tokens`` are the generated token ids."""

@@ -14,7 +14,7 @@ import pytest
 from cache import PromptCacheManager
 from cache.disk_codec import decode_snapshot, encode_snapshot
 from cache.quantized import BatchQuantizedKVCache, QuantizedKVRow, quantize_kv, quantized_caches
-from conftest import _MODEL_CACHE, TOKENIZERS, engine_tokens, live_server, model_path
+from conftest import _MODEL_CACHE, TOKENIZERS, assert_same_greedy, engine_tokens, live_server, model_path
 from gateway.models.demo_model import build_model_dir
 from scheduler import Engine
 
@@ -90,8 +90,10 @@ def test_snapshots_are_stored_quantized():
 def test_quantized_snapshots_are_paged_on_the_radix_tree(bits):
     """Snapshots after every turn of one conversation, and a branch, hold each token's
     quantized KV once (pages on the tree's edges, split where the branch leaves); each
-    restores to exactly the packed keys and values a cold prefill of its tokens stores,
-    and merges into a batch."""
+    restores, bit for bit, the packed keys and values that were stored for its tokens (a
+    token's page comes from the first snapshot that held it), merges into a batch, and
+    decodes the greedy tokens of a cold prefill of its tokens (up to near-ties: a prefill
+    of 60 tokens and one of 240 may sum in another order, docs/cache.md)."""
     from cache.pages import token_bytes
 
     model, _ = mlx_lm.load(str(wide_head_model("qwen3")))
@@ -108,25 +110,44 @@ def test_quantized_snapshots_are_paged_on_the_radix_tree(bits):
 
     manager = PromptCacheManager(1 << 30, 64)
     keys = [convo[:n] for n in (60, 120, 180, 240)] + [branch]
+    inserted = []  # (key, the snapshot inserted for it), in order
     for key in keys:
-        assert manager.insert("ns", key, prefilled(key))
+        snapshot = prefilled(key)
+        assert manager.insert("ns", key, snapshot)
+        inserted.append((key, snapshot))
     per_token = token_bytes(prefilled(convo[:8]))
     assert manager.namespace_tokens("ns") == 240 + 30
     assert manager.nbytes == (240 + 30) * per_token  # not sum(60..240) + 130 tokens' worth
     manager.sanity_check()
+
+    def stored(key, layer):
+        """Layer ``layer``'s packed arrays of ``key`` as stored: each token from the first
+        inserted snapshot whose key holds the same prefix up to it."""
+        pieces, at = [], 0
+        for k, snapshot in inserted:
+            shared = next((i for i, (a, b) in enumerate(zip(k, key)) if a != b), min(len(k), len(key)))
+            if shared > at:
+                c = snapshot[layer]
+                pieces.append([x[..., at:shared, :] for x in (*c.keys, *c.values)])
+                at = shared
+        assert at == len(key)
+        return [mx.concatenate(parts, axis=2) for parts in zip(*pieces)]
+
     for key in keys + [convo[:100]]:
         hit = manager.fetch("ns", key + [5])
         assert hit.cached_tokens == len(key)
         cold = prefilled(key)
         assert all(isinstance(c, QuantizedKVRow) and c.bits == bits for c in hit.cache)
-        for got, want in zip(hit.cache, cold):
-            assert got.offset == want.offset == len(key)
-            for x, y in zip((*got.keys, *got.values), (*want.keys, *want.values)):
-                assert mx.array_equal(x[..., : len(key), :], y[..., : len(key), :])
+        for layer, got in enumerate(hit.cache):
+            assert got.offset == cold[layer].offset == len(key)
+            for x, y in zip((*got.keys, *got.values), stored(key, layer)):
+                assert mx.array_equal(x[..., : len(key), :], y)
         batch = BatchQuantizedKVCache.merge([hit.cache[0], cold[0]], room=1)
         restored, fresh = batch.extract(0), batch.extract(1)
-        for x, y in zip((*restored.keys, *restored.values), (*fresh.keys, *fresh.values)):
-            assert mx.array_equal(x, y)
+        for x, y in zip((*restored.keys, *restored.values), (*hit.cache[0].keys, *hit.cache[0].values)):
+            assert mx.array_equal(x, y[..., : len(key), :])
+        assert fresh.offset == len(key)
+        assert assert_same_greedy(model, hit.cache, cold, [5], steps=8) > 0
         manager.release(hit.lease)
     assert manager.flush() == len(keys) and manager.nbytes == 0
     manager.close()
