@@ -20,20 +20,53 @@ import os
 import shutil
 from pathlib import Path
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
+                  "</tool_call>"]
 
-# ChatML with Qwen3-style thinking: reasoning of earlier assistant turns is dropped,
-# `enable_thinking=False` pre-fills an empty think block.
+# ChatML with Qwen3-style thinking and tools: the tools are described in the system turn
+# (so a conversation's prefix does not change when it grows), calls are
+# ``<tool_call>{"name", "arguments"}</tool_call>`` blocks (mlx-lm's json_tools parser reads
+# them), results go back as ``<tool_response>`` blocks in a user turn. Reasoning of earlier
+# assistant turns is dropped; `enable_thinking=False` pre-fills an empty think block.
 CHAT_TEMPLATE = (
+    "{%- set first_system = messages and messages[0]['role'] == 'system' %}"
+    "{%- macro text(content) %}{%- if content is string %}{{- content }}{%- else %}"
+    "{{- content | map(attribute='text') | join('') }}{%- endif %}{%- endmacro %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if first_system %}{{- text(messages[0]['content']) + '\\n\\n' }}{%- endif %}"
+    "{{- 'Functions you may call, one JSON description per line:\\n<tools>\\n' }}"
+    "{%- for tool in tools %}{{- (tool | tojson) + '\\n' }}{%- endfor %}"
+    "{{- '</tools>\\nTo call one, write <tool_call>\\n{\"name\": <name>, \"arguments\": <arguments object>}\\n'"
+    " + '</tool_call>.<|im_end|>\\n' }}"
+    "{%- elif first_system %}"
+    "{{- '<|im_start|>system\\n' + text(messages[0]['content']) + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{%- set content = message['content'] if message['content'] is string else "
-    "message['content'] | map(attribute='text') | join('') %}"
+    "{%- set content = text(message['content']) if message['content'] is not none else '' %}"
+    "{%- if message['role'] == 'system' and loop.first %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
     "{%- if message['role'] == 'assistant' and '</think>' in content %}"
     "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
     "{%- endif %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content }}"
+    "{%- if message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{%- for tool_call in message['tool_calls'] %}"
+    "{%- set tool_call = tool_call['function'] if tool_call.get('function') else tool_call %}"
+    "{%- if content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}"
+    "{{- tool_call.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
     "{%- endfor %}"
-    "{%- if tools %}{{- '<|im_start|>tools\\n' + (tools | tojson) + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
     "{%- if enable_thinking is defined and enable_thinking is false %}"
     "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
@@ -222,7 +255,7 @@ def build_model_dir(
         raise ValueError(f"unknown architecture {arch!r}; choose from {sorted(ARCH_CONFIGS)}")
     path = Path(path)
     stamp = {"arch": arch, "tokenizer": str(tokenizer_dir), "vocab": vocab_size, "seed": seed,
-             "overrides": overrides or {}, "template": hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest()[:12]}
+             "overrides": overrides or {}, "template": hashlib.sha256((CHAT_TEMPLATE + "".join(SPECIAL_TOKENS)).encode()).hexdigest()[:12]}
     done = path / ".mlx-gateway-demo.json"
     if done.exists() and json.loads(done.read_text()) == stamp:
         return path
