@@ -2,12 +2,14 @@
 data directory): they survive a restart, a crash and a kill -9.
 
 One table, ``responses(tenant, id, used, size, digest, body)``: ``body`` is the entry's JSON,
-``digest`` its SHA-256, ``used`` its last use in ms since the epoch (strictly increasing per
-tenant: the LRU order and the TTL both read it). Every operation is one transaction
-(``BEGIN IMMEDIATE``), so a store, its evictions and a read's recency update land together
-or not at all. The database runs in WAL mode with ``synchronous=FULL``: a transaction is on
-disk when it commits, before the response's final event is sent, and a crash at any
-moment leaves the last committed state (SQLite drops a torn tail of the WAL itself).
+``digest`` its SHA-256, ``used`` its last use in ms since the epoch (the LRU order and the
+TTL both read it; a store stamps after every other use of the tenant's entries). Every
+store and delete is one transaction (``BEGIN IMMEDIATE``), so an entry and the evictions it
+causes land together or not at all; a read writes nothing (the use times of the entries
+read are written with the next transaction). The database runs in WAL mode with
+``synchronous=FULL``: a store is on disk when it commits, before the response's final event
+is sent, and a crash at any moment leaves the last committed state (SQLite drops a torn
+tail of the WAL itself).
 
 Opening checks the file (``PRAGMA quick_check``) and every entry (its digest and size); a
 damaged entry is dropped and counted (``torn_at_open``), and a reading whose digest does
@@ -97,6 +99,7 @@ class SQLiteBackend:
         self.max_responses, self.max_bytes, self.ttl, self.clock = max_responses, max_bytes, ttl, clock
         self.moved_aside: Optional[Path] = None
         self._lock = threading.Lock()
+        self._touched: dict[tuple[str, str], int] = {}  # (tenant, id) -> a use not written yet
         prepare_file(self.path)
         try:
             self._conn = self._connect()
@@ -161,11 +164,15 @@ class SQLiteBackend:
     # ------------------------------------------------------------------ helpers
     @contextmanager
     def _txn(self):
-        """One write transaction under the lock (rolled back on any error)."""
+        """One write transaction under the lock (rolled back on any error); the recency of
+        the entries read since the last one is written first."""
         with self._lock:
             c = self._conn
             c.execute("BEGIN IMMEDIATE")
             try:
+                if self._touched:
+                    c.executemany("UPDATE responses SET used = max(used, ?) WHERE tenant = ? AND id = ?",
+                                  [(used, t, rid) for (t, rid), used in self._touched.items()])
                 yield c
                 c.execute("COMMIT")
             except BaseException:
@@ -174,6 +181,7 @@ class SQLiteBackend:
                 except sqlite3.Error:
                     pass  # the failed COMMIT already ended it
                 raise
+            self._touched.clear()
 
     def _now(self) -> int:
         return int(self.clock() * 1000)
@@ -182,14 +190,15 @@ class SQLiteBackend:
         if self.ttl is not None:
             c.execute("DELETE FROM responses WHERE tenant = ? AND used < ?", (tenant, now - int(self.ttl * 1000)))
 
-    def _stamp(self, c: sqlite3.Connection, tenant: str, now: int) -> int:
+    @staticmethod
+    def _stamp(c: sqlite3.Connection, tenant: str, now: int) -> int:
         """A use time after every other use of the tenant's entries."""
-        (top,) = c.execute("SELECT max(used) FROM responses WHERE tenant = ?", (tenant,)).fetchone()
+        ((top,),) = c.execute("SELECT max(used) FROM responses WHERE tenant = ?", (tenant,)).fetchall()
         return now if top is None or top < now else top + 1
 
     @staticmethod
     def _totals(c: sqlite3.Connection, tenant: str) -> tuple[int, int]:
-        n, b = c.execute("SELECT count(*), total(size) FROM responses WHERE tenant = ?", (tenant,)).fetchone()
+        ((n, b),) = c.execute("SELECT count(*), total(size) FROM responses WHERE tenant = ?", (tenant,)).fetchall()
         return n, int(b)
 
     # ------------------------------------------------------------------ operations
@@ -216,20 +225,27 @@ class SQLiteBackend:
             return Outcome(True, n, b, evicted=len(gone))
 
     def get(self, tenant: str, rid: str) -> Outcome:
-        with self._txn() as c:
-            now = self._now()
-            self._expire(c, tenant, now)
-            row = c.execute("SELECT rowid, size, digest, body FROM responses WHERE tenant = ? AND id = ?",
-                            (tenant, rid)).fetchone()
-            if row is None:
+        """A read, without a write: the entry's new use time is kept here and written with
+        the next write (it only matters to eviction and expiry, which writes do; lost in a
+        crash, it leaves the entry a little older)."""
+        with self._lock:
+            c, now = self._conn, self._now()
+            rows = c.execute("SELECT used, size, digest, body FROM responses WHERE tenant = ? AND id = ?",
+                             (tenant, rid)).fetchall()
+            if not rows:
                 return Outcome(False, *self._totals(c, tenant))
-            rowid, size, digest, body = row
-            if len(body) != size or hashlib.sha256(body).digest() != digest:
-                c.execute("DELETE FROM responses WHERE rowid = ?", (rowid,))
-                log.warning("response store %s: entry %s of tenant %s is damaged: dropped", self.path, rid, tenant)
-                return Outcome(False, *self._totals(c, tenant), torn=1)
-            c.execute("UPDATE responses SET used = ? WHERE rowid = ?", (self._stamp(c, tenant, now), rowid))
-            return Outcome(True, *self._totals(c, tenant), body=bytes(body))
+            used, size, digest, body = rows[0]
+            used = max(used, self._touched.get((tenant, rid), 0))
+            expired = self.ttl is not None and used < now - int(self.ttl * 1000)
+            torn = not expired and (len(body) != size or hashlib.sha256(body).digest() != digest)
+            if not expired and not torn:
+                self._touched[(tenant, rid)] = now
+                return Outcome(True, *self._totals(c, tenant), body=bytes(body))
+        if torn:
+            log.warning("response store %s: entry %s of tenant %s is damaged: dropped", self.path, rid, tenant)
+        with self._txn() as c:
+            c.execute("DELETE FROM responses WHERE tenant = ? AND id = ? AND digest = ?", (tenant, rid, digest))
+            return Outcome(False, *self._totals(c, tenant), torn=int(torn))
 
     def delete(self, tenant: str, rid: str) -> Outcome:
         with self._txn() as c:
@@ -237,9 +253,13 @@ class SQLiteBackend:
             return Outcome(done, *self._totals(c, tenant))
 
     def close(self) -> None:
-        """Checkpoint the WAL into the file and close (a later open needs neither)."""
-        with self._lock:
-            try:
+        """Write the pending use times, checkpoint the WAL into the file and close (a later
+        open needs neither)."""
+        try:
+            if self._touched:
+                with self._txn():
+                    pass
+            with self._lock:
                 self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            finally:
-                self._conn.close()
+        finally:
+            self._conn.close()
