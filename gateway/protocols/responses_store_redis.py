@@ -16,8 +16,10 @@ expire after the TTL, so a tenant that stops using the store leaves nothing behi
 and the bounds are each replica's own settings, sent with each call.
 
 Calls run on worker threads with redis-py's blocking client (a connection pool); each waits
-at most ``timeout`` seconds (default :data:`TIMEOUT`) for Redis, retrying a dropped connection
-once. redis-py (``redis>=5``) is imported only when a store is created.
+at most ``timeout`` seconds (default :data:`TIMEOUT`) for a connection or a reply and is
+retried once (a pooled connection from before a Redis restart is dead), so a Redis that does
+not answer costs a call about 2 s. redis-py (``redis>=5``) is imported only when a store is
+created.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Optional
 from gateway.protocols.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES, Outcome, check_bounds
 from gateway.tenancy.limits_store import redacted
 
-TIMEOUT = 2.0  # seconds a store call waits for Redis
+TIMEOUT = 1.0  # seconds a store call waits for each Redis reply (one retry: about 2 s in all)
 
 _LIB = """
 if redis.replicate_commands then redis.replicate_commands() end
@@ -145,7 +147,6 @@ class RedisBackend:
         self.url, self.prefix = url, prefix
         self.max_responses, self.max_bytes = max_responses, max_bytes
         self._ttl_ms = int(ttl * 1000) if ttl else 0
-        # One immediate retry: a pooled connection from before a Redis restart is dead.
         self._client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
                                             retry=Retry(NoBackoff(), 1), retry_on_error=[ConnectionError],
                                             health_check_interval=0)

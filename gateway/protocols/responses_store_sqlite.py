@@ -260,6 +260,6 @@ class SQLiteBackend:
                 with self._txn():
                     pass
             with self._lock:
-                self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)")  # never waits for another process
         finally:
             self._conn.close()
