@@ -14,6 +14,7 @@ import sqlite3
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -136,6 +137,30 @@ def test_a_chain_of_stores_keeps_the_latest_with_its_whole_history(make):
     assert latest is not None and len(latest.items) == 30
     count, nbytes = store.metrics.totals["a"]
     assert nbytes <= 4000 and count >= 1 and store.metrics.evictions["a"] == 30 - count
+
+
+def test_blocking_backends_run_on_worker_threads(tmp_path):
+    """A store that does I/O is called off the event loop's thread; the memory one on it."""
+    seen: dict[str, set[int]] = {}
+
+    def recording(cls):
+        class Recording(cls):
+            def put(self, *a):
+                seen.setdefault(cls.__name__, set()).add(threading.get_ident())
+                return super().put(*a)
+
+        return Recording
+
+    async def store_one(store: ResponseStore) -> int:
+        assert await store.put("a", *entry(0))
+        return threading.get_ident()
+
+    sqlite = recording(SQLiteBackend)(tmp_path / "r.sqlite3")
+    loop_thread = anyio.run(store_one, ResponseStore(sqlite))
+    sqlite.close()
+    assert seen["SQLiteBackend"] and loop_thread not in seen["SQLiteBackend"]
+    loop_thread = anyio.run(store_one, ResponseStore(recording(MemoryBackend)()))
+    assert seen["MemoryBackend"] == {loop_thread}
 
 
 # ---------------------------------------------------------------------- SQLite file
