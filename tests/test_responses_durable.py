@@ -12,7 +12,6 @@ tiny model, driven by the official ``openai`` SDK.
 
 from __future__ import annotations
 
-import os
 import signal
 import sqlite3
 import subprocess
