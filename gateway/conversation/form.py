@@ -57,7 +57,9 @@ class FunctionTool:
     and is enforced as far as it can be (:mod:`gateway.conversation.call_grammar`).
     ``namespace``: the group of a Responses ``namespace`` tool's function. ``kind``
     ``custom``: the tool takes free-form text (Responses ``custom`` tools), held to
-    ``grammar`` (``(syntax, definition)``, syntax ``lark`` or ``regex``) when given.
+    ``grammar`` (``(syntax, definition)``, syntax ``lark`` or ``regex``) when given;
+    ``local_shell``: a function whose calls are answered as Responses ``local_shell_call``
+    items; ``function`` otherwise.
     ``deferred``: left out of the prompt until the conversation loads it (Anthropic's
     ``defer_loading`` with a ``tool_reference`` in a tool result); its calls are still
     understood."""

@@ -27,15 +27,14 @@ from gateway.conversation.calls import Front, admit
 from gateway.conversation.prepare import render_conversation
 from gateway.conversation.run import start_conversation
 from gateway.conversation.schemas import check_schema
-from gateway.conversation.tools import plan_tools
+from gateway.conversation.tools import OMITTED_TOOLS_HEADER, plan_tools
 from gateway.http.errors import APIError
 from gateway.http.sse import SSEResponse, comment, guarded, named_event
 from gateway.protocols.anthropic_schemas import (CountTokensRequest, DroppedBlock, MediaBlock, MessageParam,
                                                  MessagesRequest, RedactedThinkingBlock, SearchResultBlock,
                                                  ServerToolResultBlock, ServerToolUseBlock, TextBlock, ThinkingBlock,
                                                  Tool, ToolReferenceBlock, ToolResultBlock, ToolUseBlock, parse)
-from gateway.protocols.anthropic_tools import (EFFORT_BUDGETS, OMITTED_TOOLS_HEADER, context_edits, loaded_tool_text,
-                                               split_tools)
+from gateway.protocols.anthropic_tools import EFFORT_BUDGETS, context_edits, loaded_tool_text, split_tools
 from gateway.models.handle import ModelHandle
 
 STOP_REASONS = {"stop": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens",

@@ -26,6 +26,7 @@ from gateway.protocols.anthropic import count_tokens, messages
 from gateway.protocols.openai_chat import chat_completions
 from gateway.protocols.openai_completions import completions
 from gateway.protocols.responses import create_response, delete_response, list_input_items, retrieve_response
+from gateway.protocols.reasoning_seal import load_seal
 from gateway.protocols.responses_store_open import open_response_store
 from gateway.routes import admin, service
 from gateway.routes.openapi import openapi_json
@@ -65,7 +66,8 @@ def create_app(front: Front, registry: CollectorRegistry) -> Starlette:
     like any other), and the stored responses of ``config.responses_store``.
 
     Raises:
-        ValueError, OSError, sqlite3.Error: the response store cannot be opened.
+        ValueError, OSError, sqlite3.Error: the response store or the reasoning key
+            (:func:`gateway.protocols.reasoning_seal.load_seal`) cannot be opened.
     """
     cfg = front.config
     routes = [Route(path, endpoint, methods=[method]) for method, path, endpoint in ROUTES]
@@ -85,6 +87,7 @@ def create_app(front: Front, registry: CollectorRegistry) -> Starlette:
     app.state.front = front
     app.state.registry = registry
     app.state.responses = open_response_store(cfg, lambda: [t.name for t in front.tenants.all()])
+    app.state.reasoning_seal = load_seal()
     registry.register(app.state.responses.metrics)
     m = front.metrics
 
