@@ -52,9 +52,22 @@ async def begin(call: Call, model_name: Optional[str], stream: bool,
         APIError: 404 for the model; 503 when it cannot be loaded; what ``start`` raises.
     """
     future = call.hold_model(model_name)
+
+    async def checked(model: ModelHandle) -> Run:
+        require_generating(model)
+        return await start(model)
+
     if future.done() or not stream:
-        return await start(await call.ready(future))
-    return PendingRun(call, future, start)
+        return await checked(await call.ready(future))
+    return PendingRun(call, future, checked)
+
+
+def require_generating(model: ModelHandle) -> None:
+    """Raises:
+        APIError: 400 ``model_not_generating`` for an embedding model asked to generate."""
+    if model.kind == "embedding":
+        raise APIError(400, f"the model '{model.name}' is an embedding model: use POST /v1/embeddings",
+                       param="model", code="model_not_generating")
 
 
 async def start_conversation(call: Call, conv: Conversation) -> "Run | PendingRun":
