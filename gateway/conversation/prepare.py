@@ -76,8 +76,8 @@ def fit_context(model: ModelHandle, prompt: Prompt, params: SamplingParams) -> S
     return params
 
 
-def prepare_chat(model: ModelHandle, conv: Conversation, marks: Optional[dict] = None, max_tokens: int = 0
-                 ) -> tuple[Prompt, Optional[ToolPlan], Optional[TokenMask], list]:
+def prepare_chat(model: ModelHandle, conv: Conversation, marks: Optional[dict] = None, max_tokens: int = 0,
+                 images: Optional[tuple] = None) -> tuple[Prompt, Optional[ToolPlan], Optional[TokenMask], list]:
     """Tools, prompt, output grammar and thinking budget of a conversation. Runs in a
     worker thread: template, tokenizer and grammar compilation are CPU work that must not
     stall the event loop, and none of it touches MLX.
@@ -85,6 +85,10 @@ def prepare_chat(model: ModelHandle, conv: Conversation, marks: Optional[dict] =
     A thinking model's reasoning is capped by the request's budget, or, before a
     constrained answer, by :data:`CONSTRAINED_THINKING_BUDGET` and an eighth of
     ``max_tokens`` (so the answer still fits).
+
+    ``images``, for a conversation with images: ``(refs, fetched bytes, limits)``, decoded
+    here (:func:`gateway.conversation.images.decode_images`) and preprocessed with the
+    prompt (:func:`gateway.conversation.vision_prompt.render_vision_chat`).
 
     Returns:
         ``(prompt, tool plan, token mask, further logits processors)``.
@@ -96,8 +100,16 @@ def prepare_chat(model: ModelHandle, conv: Conversation, marks: Optional[dict] =
         marks["render_in"] = time.monotonic()
     plan = plan_tools(conv, model.tokenizer)
     spec = model.spec
-    prompt = render_chat(model.tokenizer, conv, spec.chat_template_args, spec.checkpoint_every, plan,
-                         trimmable=model.trimmable)
+    if images is not None:
+        from gateway.conversation.images import decode_images
+        from gateway.conversation.vision_prompt import render_vision_chat
+
+        pictures = decode_images(*images)
+        prompt = render_vision_chat(model.tokenizer, model.vision, conv, pictures, spec.chat_template_args,
+                                    spec.checkpoint_every, plan)
+    else:
+        prompt = render_chat(model.tokenizer, conv, spec.chat_template_args, spec.checkpoint_every, plan,
+                             trimmable=model.trimmable)
     thinking = thinks(model, prompt)
     mask = output_mask(model.grammars, conv, plan, thinking)
     processors = []

@@ -35,6 +35,7 @@ class Prompt:
     messages: Optional[list[dict]] = field(default=None, repr=False)  # the template messages (chat only)
     template_kwargs: dict = field(default_factory=dict, repr=False)
     breakpoints: dict[int, float] = field(default_factory=dict)  # cache breakpoint offset -> seconds to keep
+    images: list = field(default_factory=list)  # gateway.models.vision.ImageInput of its image positions
 
 
 def render_chat(

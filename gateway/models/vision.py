@@ -197,6 +197,7 @@ class VisionLanguageModel(_module_base()):
     def __init__(self, text, vlm, image_token_id: int, table: ImageTable):
         super().__init__()
         self.text = text
+        self.image_token_id = image_token_id
         for name in ("vision_tower", "multi_modal_projector"):
             if name in vlm:
                 setattr(self, name, vlm[name])

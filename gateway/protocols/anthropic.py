@@ -21,7 +21,8 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.conversation.form import (ChatResult, Comment, Conversation, Finished, FunctionTool, Piece, Sampling,
+from gateway.conversation.form import (IMAGE_MARK, ChatResult, Comment, Conversation, Finished, FunctionTool, ImageRef,
+                                       Piece, Sampling,
                                        ToolCall, Turn, Usage)
 from gateway.conversation.calls import Front, admit
 from gateway.conversation.prompts import render_chat
@@ -63,14 +64,18 @@ def _message_turns(m: MessageParam, i: int, model: Optional[str]) -> tuple[list[
     """
     if isinstance(m.content, str):
         return [Turn(m.role, m.content)], []
-    turns, text, reasoning, calls, breaks, carry = [], [], [], [], [], []
+    turns, text, reasoning, calls, breaks, carry, images = [], [], [], [], [], [], []
     allowed = (TextBlock, ToolResultBlock) if m.role == "user" else (TextBlock, ToolUseBlock, ThinkingBlock)
     for j, b in enumerate(m.content):
         if isinstance(b, MediaBlock):
-            raise APIError(400, f"the model '{model}' does not accept {b.type}s: send text only",
-                           param=f"messages.{i}.content.{j}")
+            if b.type != "image" or m.role != "user":
+                raise APIError(400, f"the model '{model}' does not accept {b.type}s: send text only",
+                               param=f"messages.{i}.content.{j}")
+            text.append(IMAGE_MARK)
+            images.append(image_source(b.source, f"messages.{i}.content.{j}.source"))
+            continue
         if isinstance(b, TextBlock):
-            text.append(b.text)
+            text.append(b.text.replace(IMAGE_MARK, ""))
             if b.cache_control is not None:
                 breaks.append((len("".join(text)), b.cache_control.seconds))
         elif not isinstance(b, allowed):
@@ -91,8 +96,22 @@ def _message_turns(m: MessageParam, i: int, model: Optional[str]) -> tuple[list[
     if m.role == "assistant":
         return [Turn("assistant", "".join(text), "".join(reasoning) if reasoning else None, calls, breaks=breaks)], carry
     if text or not turns:
-        turns.append(Turn("user", "".join(text), breaks=breaks))
+        turns.append(Turn("user", "".join(text), breaks=breaks, images=images))
     return turns, carry
+
+
+def image_source(source, param: str) -> ImageRef:
+    """An image block's ``source``: ``base64`` (``media_type``, ``data``) or ``url``.
+
+    Raises:
+        APIError: 400 for another source type (a ``file`` id) or a missing field.
+    """
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("data"), str):
+        return ImageRef(param, data=source["data"], media_type=source.get("media_type"))
+    if kind == "url" and isinstance(source.get("url"), str):
+        return ImageRef(param, url=source["url"])
+    raise APIError(400, "an image source must be {type: base64, media_type, data} or {type: url, url}", param=param)
 
 
 def to_conversation(req: CountTokensRequest) -> Conversation:

@@ -55,7 +55,7 @@ def to_turns(items: list) -> list[Turn]:
     """Input items as turns (see the module docstring for how assistant items merge)."""
     turns: list[Turn] = []
     cur: Optional[Turn] = None  # the assistant turn being built
-    for it in items:
+    for k, it in enumerate(items):
         if isinstance(it, ReasoningItem):
             if cur is None or cur.text or cur.tool_calls or cur.reasoning is not None:
                 cur = Turn("assistant")
@@ -76,7 +76,8 @@ def to_turns(items: list) -> list[Turn]:
             turns.append(Turn("tool", it.text(), tool_call_id=it.call_id))
         else:
             cur = None
-            turns.append(Turn("system" if it.role == "developer" else it.role, it.text()))
+            text, images = it.text_and_images(f"input.{k}")
+            turns.append(Turn("system" if it.role == "developer" else it.role, text, images=images))
     return turns
 
 

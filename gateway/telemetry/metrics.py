@@ -115,7 +115,7 @@ class GatewayMetrics:
 
 IMAGE_REFUSALS = ("too_large", "too_many_pixels", "too_many_images", "malformed", "fetch", "not_vision",
                   "rate_limited")
-RATE_LIMITS = ("requests", "prompt_tokens", "completion_tokens", "concurrency", "queue")
+RATE_LIMITS = ("requests", "prompt_tokens", "completion_tokens", "concurrency", "queue", "image_tokens")
 # The ``api`` label: which protocol a generation came in on.
 APIS = ("chat", "completions", "messages", "responses")
 # The ``finish_reason`` label of ``mlx_gateway_generations_total``.
