@@ -136,8 +136,8 @@ def _payload(ref: ImageRef, limits: ImageLimits) -> bytes:
     else:
         m = _DATA_URL.match(ref.url or "")
         if m is None or not m.group("b64"):
-            raise RefusedImage(400, "an image data: URL must be base64 (data:image/png;base64,...)", ref.param,
-                               "invalid_image", "malformed")
+            raise RefusedImage(400, "an image must be a base64 data: URL (data:image/png;base64,...) or base64 data "
+                               "with its media type", ref.param, "invalid_image", "malformed")
         text = (ref.url or "")[m.end():]
     if len(text) > limits.max_bytes * 4 // 3 + 8:  # refused before it is decoded
         raise _too_large(ref, len(text) * 3 // 4, limits)

@@ -72,7 +72,7 @@ def _message_turns(m: MessageParam, i: int, model: Optional[str]) -> tuple[list[
                 raise APIError(400, f"the model '{model}' does not accept {b.type}s: send text only",
                                param=f"messages.{i}.content.{j}")
             text.append(IMAGE_MARK)
-            images.append(image_source(b.source, f"messages.{i}.content.{j}.source"))
+            images.append(image_source(b.source, f"messages.{i}.content.{j}"))
             continue
         if isinstance(b, TextBlock):
             text.append(b.text.replace(IMAGE_MARK, ""))
@@ -101,17 +101,15 @@ def _message_turns(m: MessageParam, i: int, model: Optional[str]) -> tuple[list[
 
 
 def image_source(source, param: str) -> ImageRef:
-    """An image block's ``source``: ``base64`` (``media_type``, ``data``) or ``url``.
-
-    Raises:
-        APIError: 400 for another source type (a ``file`` id) or a missing field.
-    """
+    """An image block's ``source``: ``base64`` (``media_type``, ``data``) or ``url``. Any
+    other (a ``file`` id, a missing field) gives a reference with neither, refused with a
+    400 once the model is known (a text model's 400 says it takes no images)."""
     kind = source.get("type") if isinstance(source, dict) else None
     if kind == "base64" and isinstance(source.get("data"), str):
         return ImageRef(param, data=source["data"], media_type=source.get("media_type"))
     if kind == "url" and isinstance(source.get("url"), str):
         return ImageRef(param, url=source["url"])
-    raise APIError(400, "an image source must be {type: base64, media_type, data} or {type: url, url}", param=param)
+    return ImageRef(param)
 
 
 def to_conversation(req: CountTokensRequest) -> Conversation:

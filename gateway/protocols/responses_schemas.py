@@ -47,7 +47,7 @@ class MessageItem(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Union[StrictStr, list[Annotated[Union[TextContent, ImageContent], Field(discriminator="type")]]]
+    content: Union[StrictStr, list[Union[TextContent, ImageContent]]]
     id: Optional[str] = None
 
     def text(self) -> str:
