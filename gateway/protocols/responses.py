@@ -71,7 +71,7 @@ def to_turns(items: list, opened: Callable[[ReasoningItem], Optional[str]] = lam
             turns.append(cur)
         return cur
 
-    for it in items:
+    for k, it in enumerate(items):
         if isinstance(it, ReasoningItem):
             if cur is None or cur.text or cur.tool_calls or cur.reasoning is not None:
                 cur = None
@@ -95,7 +95,8 @@ def to_turns(items: list, opened: Callable[[ReasoningItem], Optional[str]] = lam
             turns.append(Turn("tool", it.text(), tool_call_id=it.of))
         else:
             cur = None
-            turns.append(Turn("system" if it.role == "developer" else it.role, it.text()))
+            text, images = it.text_and_images(f"input.{k}")
+            turns.append(Turn("system" if it.role == "developer" else it.role, text, images=images))
     return turns
 
 

@@ -19,6 +19,7 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, S
                       ValidationError, field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
+from gateway.conversation.form import ImageRef, join_parts
 from gateway.http.errors import APIError
 from gateway.protocols.openai_schemas import TOOL_NAME, deepest, describe
 from gateway.protocols.responses_tools import AllowedTools, HostedChoice, NamedFunction, ToolParam
@@ -35,18 +36,48 @@ class TextContent(BaseModel):
     text: StrictStr
 
 
+class ImageContent(BaseModel):
+    """An ``input_image`` part: ``image_url`` is a data: URL or an http(s) URL (a
+    ``file_id`` is refused: this server keeps no files)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["input_image"]
+    image_url: Optional[StrictStr] = None
+    file_id: Optional[StrictStr] = None
+    detail: Optional[StrictStr] = None
+
+
 class MessageItem(BaseModel):
     """A ``message`` input item (``type`` may be left out)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Union[StrictStr, list[TextContent]]
+    content: Union[StrictStr, list[Union[TextContent, ImageContent]]]
     id: Optional[str] = None
 
     def text(self) -> str:
-        """The content as one string (parts joined)."""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        """The content as one string (parts joined, each image an ``IMAGE_MARK``)."""
+        return self.text_and_images("input")[0]
+
+    def text_and_images(self, param: str) -> tuple[str, list[ImageRef]]:
+        """The content's text and images; ``param`` is the item's place in the request.
+
+        Raises:
+            APIError: 400 for an ``input_image`` without an ``image_url``.
+        """
+        if isinstance(self.content, str):
+            return self.content, []
+        parts: list = []
+        for j, p in enumerate(self.content):
+            if isinstance(p, ImageContent):
+                if p.image_url is None:
+                    raise APIError(400, "an input_image needs an image_url (a data: URL); file ids are not kept "
+                                   "by this server", param=f"{param}.content.{j}.image_url")
+                parts.append(ImageRef(f"{param}.content.{j}.image_url", url=p.image_url))
+            else:
+                parts.append(p.text)
+        return join_parts(parts)
 
 
 class FunctionCallItem(BaseModel):

@@ -23,6 +23,7 @@ from gateway.http.errors import APIError, error_style
 from gateway.http.hosts import HostPolicy
 from gateway.http.middleware import GatewayMiddleware, metrics_key
 from gateway.protocols.anthropic import count_tokens, messages
+from gateway.protocols.embeddings import embeddings
 from gateway.protocols.openai_chat import chat_completions
 from gateway.protocols.openai_completions import completions
 from gateway.protocols.responses import create_response, delete_response, list_input_items, retrieve_response
@@ -35,6 +36,7 @@ from gateway.routes.openapi import openapi_json
 ROUTES = [
     ("POST", "/v1/chat/completions", chat_completions),
     ("POST", "/v1/completions", completions),
+    ("POST", "/v1/embeddings", embeddings),
     ("POST", "/v1/responses", create_response),
     ("GET", "/v1/responses/{response_id}", retrieve_response),
     ("DELETE", "/v1/responses/{response_id}", delete_response),
