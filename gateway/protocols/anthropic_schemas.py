@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
     model_validator
 from pydantic_core import PydanticCustomError
 
-from gateway.protocols.openai_schemas import MAX_STOP_SEQUENCES, MAX_TOKEN_ID, SEED_RANGE, validate
+from gateway.protocols.openai_schemas import MAX_STOP_SEQUENCES, SamplingExtras, validate
 
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,128}$"  # Anthropic's rule for tool names
 
@@ -282,8 +282,9 @@ class CountTokensRequest(_Strict):
         return out
 
 
-class MessagesRequest(CountTokensRequest):
-    """``POST /v1/messages`` body."""
+class MessagesRequest(CountTokensRequest, SamplingExtras):
+    """``POST /v1/messages`` body (the gateway's sampling extensions as on
+    ``/v1/chat/completions``, :class:`SamplingExtras`)."""
 
     max_tokens: StrictInt = Field(ge=1)
     stop_sequences: Optional[list[StrictStr]] = Field(default=None, max_length=MAX_STOP_SEQUENCES)
@@ -292,28 +293,6 @@ class MessagesRequest(CountTokensRequest):
     top_p: Optional[float] = Field(default=None, gt=0, le=1)
     top_k: Optional[StrictInt] = Field(default=None, ge=0)
     metadata: Optional[dict[str, Any]] = None
-    # gateway extensions (extra_body), as on /v1/chat/completions
-    min_p: Optional[float] = Field(default=None, ge=0, le=1)
-    seed: Optional[StrictInt] = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
-    presence_penalty: Optional[float] = Field(default=None, ge=-2, le=2)
-    frequency_penalty: Optional[float] = Field(default=None, ge=-2, le=2)
-    repetition_penalty: Optional[float] = Field(default=None, ge=0.01, le=100)
-    logit_bias: Optional[dict[str, float]] = None
-
-    @field_validator("seed")
-    @classmethod
-    def _seed(cls, v):
-        return None if v is None else v % 2**64
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _bias(cls, v):
-        for k, b in (v or {}).items():
-            if not (k.isascii() and k.isdigit() and int(k) <= MAX_TOKEN_ID):
-                raise ValueError(f"logit_bias keys must be token ids (0 to {MAX_TOKEN_ID}), got {k!r}")
-            if not -100 <= b <= 100:
-                raise ValueError("logit_bias values must be within [-100, 100]")
-        return v
 
 
 def _param(data: Any, err: dict) -> list[str]:

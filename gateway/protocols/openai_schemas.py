@@ -154,20 +154,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
-    model: Optional[str] = None
-    max_tokens: Optional[int] = Field(default=None, ge=1)
-    temperature: Optional[float] = Field(default=None, ge=0, le=2)
-    top_p: Optional[float] = Field(default=None, gt=0, le=1)
+class SamplingExtras(BaseModel):
+    """Sampling settings beyond OpenAI's own, taken by every generating route as plain body
+    fields (SDKs send them through ``extra_body``): ``top_k``, ``min_p``, ``seed``, the
+    penalties and ``logit_bias``."""
+
     top_k: Optional[int] = Field(default=None, ge=-1)
     min_p: Optional[float] = Field(default=None, ge=0, le=1)
-    stop: Union[str, list[str], None] = Field(
-        default=None, json_schema_extra=_document("array", maxItems=MAX_STOP_SEQUENCES))
     seed: Optional[int] = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
-    stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    n: int = Field(default=1, ge=1, le=1)
     presence_penalty: Optional[float] = Field(default=None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(default=None, ge=-2, le=2)
     # logits are divided or multiplied by it in float32: near 0 they overflow to NaN logprobs
@@ -175,18 +169,6 @@ class _Common(BaseModel):
     logit_bias: Optional[dict[str, float]] = Field(default=None, json_schema_extra=_document(
         "object", propertyNames={"pattern": "^[0-9]{1,10}$"},
         additionalProperties={"type": "number", "minimum": -100, "maximum": 100}))
-    user: Optional[str] = None
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v):
-        if isinstance(v, str):
-            v = [v]
-        if v is not None:
-            if len(v) > MAX_STOP_SEQUENCES:
-                raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
-            v = [s for s in v if s]
-        return v or None
 
     @field_validator("seed")
     @classmethod
@@ -203,6 +185,31 @@ class _Common(BaseModel):
                 if not -100 <= b <= 100:
                     raise ValueError("logit_bias values must be within [-100, 100]")
         return v
+
+
+class _Common(SamplingExtras):
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: Optional[float] = Field(default=None, ge=0, le=2)
+    top_p: Optional[float] = Field(default=None, gt=0, le=1)
+    stop: Union[str, list[str], None] = Field(
+        default=None, json_schema_extra=_document("array", maxItems=MAX_STOP_SEQUENCES))
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    n: int = Field(default=1, ge=1, le=1)
+    user: Optional[str] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        if isinstance(v, str):
+            v = [v]
+        if v is not None:
+            if len(v) > MAX_STOP_SEQUENCES:
+                raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
+            v = [s for s in v if s]
+        return v or None
 
 
 class ChatRequest(_Common):

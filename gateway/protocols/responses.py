@@ -124,7 +124,10 @@ def to_conversation(req: ResponsesRequest, items: list,
     kwargs = {}
     if req.reasoning is not None and req.reasoning.effort is not None:
         kwargs["enable_thinking"] = req.reasoning.effort != "none"
-    sampling = Sampling(max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p)
+    sampling = Sampling(max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
+                        top_k=req.top_k, min_p=req.min_p, seed=req.seed, presence_penalty=req.presence_penalty,
+                        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                        logit_bias=req.logit_bias)
     strict = fmt is not None and fmt.type == "json_schema" and getattr(fmt, "strict", None) is True
     conv = Conversation(turns, sampling, tools, choice, forced, req.parallel_tool_calls is not False, schema,
                         param, strict, template_kwargs=kwargs, model=req.model, stream=req.stream)

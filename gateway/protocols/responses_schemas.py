@@ -21,7 +21,7 @@ from pydantic_core import PydanticCustomError
 
 from gateway.conversation.form import ImageRef, join_parts
 from gateway.http.errors import APIError
-from gateway.protocols.openai_schemas import TOOL_NAME, deepest, describe
+from gateway.protocols.openai_schemas import TOOL_NAME, SamplingExtras, deepest, describe
 from gateway.protocols.responses_tools import AllowedTools, HostedChoice, NamedFunction, ToolParam
 
 MAX_METADATA = 16  # OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512
@@ -231,8 +231,9 @@ class ReasoningConfig(BaseModel):
     summary: Optional[str] = None
 
 
-class ResponsesRequest(BaseModel):
-    """``POST /v1/responses`` body (``input`` items are checked by :func:`parse_request`)."""
+class ResponsesRequest(SamplingExtras):
+    """``POST /v1/responses`` body (``input`` items are checked by :func:`parse_request`;
+    the gateway's sampling extensions as on ``/v1/chat/completions``, :class:`SamplingExtras`)."""
 
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     model: Optional[str] = None
