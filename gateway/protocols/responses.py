@@ -107,7 +107,7 @@ def to_conversation(req: ResponsesRequest, items: list) -> Conversation:
     sampling = Sampling(max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p)
     strict = fmt is not None and fmt.type == "json_schema" and getattr(fmt, "strict", None) is True
     return Conversation(turns, sampling, tools, choice, forced, req.parallel_tool_calls is not False, schema,
-                        param, strict, template_kwargs=kwargs, model=req.model, stream=req.stream)
+                        param, strict, template_kwargs=kwargs, model=req.model, stream=bool(req.stream))
 
 
 def dump_items(items: list) -> list[dict]:
