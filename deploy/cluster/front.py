@@ -56,7 +56,6 @@ import hashlib
 import json
 import logging
 import re
-import socket
 from typing import Optional
 
 import httpx
@@ -68,6 +67,7 @@ from starlette.routing import Route
 # beside this script
 from front_replicas import Remembered, Replicas
 from front_rules import affinity_key, around_router, merge_usage, session_key
+from front_serve import serve
 from front_upstream import HOP_BY_HOP, CutOnLoss, Lost, NotSent, draining, open_upstream, relay, router_lost
 
 log = logging.getLogger("mlx_gateway.front")
@@ -89,6 +89,7 @@ class FrontApp:
         self.owners = Remembered()  # response id -> replica URL
         self.sessions = Remembered()  # digest of a conversation's affinity key -> replica URL
         self.failovers = 0  # requests sent again to another replica (logged)
+        self.draining = False  # SIGTERM with --drain-seconds: answers close their connections
 
     # ------------------------------------------------------------------ helpers
     def remember(self, rid: str, url: str) -> None:
@@ -335,8 +336,6 @@ class _IdWatcher:
 
 
 def main(argv=None) -> None:
-    import uvicorn
-
     p = argparse.ArgumentParser(description="The front door of a cluster of mlx-gateway replicas behind "
                                 "SGLang's router (docs/cluster.md).")
     p.add_argument("--router", required=True, help="the router's URL, e.g. http://127.0.0.1:30000")
@@ -350,38 +349,17 @@ def main(argv=None) -> None:
     p.add_argument("--reuse-port", action="store_true",
                    help="listen with SO_REUSEPORT, so that a new front can start on the port before the old one "
                    "stops (a restart that refuses no connection: docs/cluster.md)")
+    p.add_argument("--drain-seconds", type=float, default=None,
+                   help="at SIGTERM, keep serving this long, each answer closing its connection, before stopping "
+                   "(default 2 with --reuse-port, else 0)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     front = FrontApp(a.router, a.refresh, read_timeout=a.read_timeout)
-    config = uvicorn.Config(CutOnLoss(front.app()), host=a.host, port=a.port, log_level=a.log_level.lower(),
-                            access_log=False, lifespan="on")
-    server = uvicorn.Server(config)
-    if a.reuse_port:
-        server.run(sockets=[listening_socket(a.host, a.port)])
-    else:
-        server.run()
+    drain = a.drain_seconds if a.drain_seconds is not None else (2.0 if a.reuse_port else 0.0)
+    serve(CutOnLoss(front.app()), front, a.host, a.port, a.log_level.lower(), a.reuse_port, drain)
 
-
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host``:``port`` with ``SO_REUSEPORT``: a second front started on
-    the same port shares it (the kernel spreads new connections over both), so a restart
-    can start the new front first and then stop the old one (SIGTERM: it stops taking
-    connections and finishes the answers it relays) without refusing any connection.
-
-    Raises:
-        OSError: the port is taken by a process without ``SO_REUSEPORT``, or the system has
-            no ``SO_REUSEPORT`` (Windows).
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
 
 if __name__ == "__main__":
     main()
