@@ -121,8 +121,8 @@ def clients(stack: Stack, model: str) -> list[Client]:
         Client("messages-stream", front, steady, "steady",
                lambda n: messages(model, f"anthropic {n} " + "word " * 30, True, user=f"person-{n % 3}")),
         Client("responses", front, steady, "steady", story.make),
-        Client("tenant-a", front, KEYS["a"], "a", lambda n: chat(model, f"a {n}", max_tokens=2), pause=0.25),
-        Client("tenant-b", front, KEYS["b"], "b", lambda n: messages(model, f"b {n}"), pause=0.25),
+        Client("tenant-a", front, KEYS["a"], "a", lambda n: chat(model, f"a {n}", max_tokens=2), pause=0.15),
+        Client("tenant-b", front, KEYS["b"], "b", lambda n: messages(model, f"b {n}"), pause=0.15),
         Client("router-alone", router, steady, "steady", lambda n: chat(model, f"direct {n} " + "word " * 30),
                pause=0.05),
     ]
@@ -239,9 +239,11 @@ def test_the_cluster_under_faults(stack):
     print(f"| whole run | {len(total)} | | | | {totals['a']} / {totals['b']} of {whole:.1f} | | |")
     # through the front: only streams in flight at a fault may fail, with their error event
     assert not problems, problems[:10]
-    # each limited tenant got its limit, give or take a request or two, through every fault
+    # each limited tenant got its limit through every fault, give or take a request or two (a
+    # window's edges; a request the killed replica had admitted is charged again where the
+    # front sends it)
     for f in faults:
         for t in ("a", "b"):
-            assert abs(f["admitted"][t] - f["expected"]) <= 2, (f["name"], t, f["admitted"], f["expected"])
+            assert abs(f["admitted"][t] - f["expected"]) <= 3, (f["name"], t, f["admitted"], f["expected"])
     for t in ("a", "b"):
         assert abs(totals[t] - whole) <= 3, (t, totals, whole)

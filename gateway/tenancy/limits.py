@@ -85,6 +85,8 @@ class _TenantState:
     in_flight: int = 0
     tenant: Optional[Tenant] = None
     traffic: TrafficPart = field(default_factory=TrafficPart)  # this replica's part of its requests
+    seen: dict = field(default_factory=dict)  # bucket -> (level, time) the shared store last gave
+    alone: bool = False  # deciding without the store since its last answer
 
     def buckets(self):
         """(bucket, per-minute limit attribute of the tenant) of each bucket it has."""
@@ -221,21 +223,22 @@ class Limiter:
             store.levels = self.levels
 
     def levels(self) -> dict[str, tuple]:
-        """Each tenant's ``(tenant, requests, completion, prompt, share)`` here now: its
-        levels (None for a bucket it does not have) and the share of its limits applied
-        here while alone, for a shared store that lost its data."""
+        """Each tenant's ``(tenant, requests, completion, prompt)``: the levels the shared
+        store last gave, refilled to now at the whole rate (None where it gave none), for
+        a store that lost its data: the cluster's levels but for what the replicas took
+        since (they send it)."""
         now = self.clock()
-        peers = self.store.outage.peers if self.store is not None else 1
         out = {}
         for name, st in self._states.items():
             if st.tenant is None:
                 continue
             row = [st.tenant]
-            for b in (st.requests, st.completion, st.prompt):
-                if b is not None:
-                    b.refill(now)
-                row.append(b.level if b is not None else None)
-            out[name] = (*row, st.traffic.share(peers))
+            for attr, limit in (("requests", st.tenant.requests_per_minute),
+                                ("completion", st.tenant.completion_tokens_per_minute),
+                                ("prompt", st.tenant.prompt_tokens_per_minute)):
+                seen = st.seen.get(attr)
+                row.append(None if seen is None or not limit else min(limit, seen[0] + (now - seen[1]) * limit / 60))
+            out[name] = tuple(row)
         return out
 
     def _share(self, st: _TenantState, share: float, now: float) -> None:
@@ -318,6 +321,8 @@ class Limiter:
         # this replica's buckets follow the cluster's (what the store read), for when it
         # must decide alone; its own take below keeps them at most the store's
         self._share(st, 1.0, now)
+        st.alone = False
+        st.seen = {"requests": (v.requests, now), "completion": (v.completion, now), "prompt": (v.prompt, now)}
         if st.requests is not None and v.refused != "concurrency":
             st.traffic.saw(v.requests, v.refused is None, st.requests.capacity, st.requests.rate, now)
         for bucket, level in ((st.requests, v.requests), (st.prompt, v.prompt), (st.completion, v.completion)):
@@ -345,9 +350,14 @@ class Limiter:
         now = self.clock()
         store = self.store
         share = st.traffic.share(store.outage.peers) if store is not None else 1.0
-        if store is not None:
-            st.traffic.forget_anchor()
         self._share(st, share, now)
+        if store is not None and not st.alone:
+            # from now on this replica spends its share of what the cluster had left (the
+            # others spend theirs), and of the refill
+            st.alone = True
+            st.traffic.forget_anchor()
+            for bucket, _ in st.buckets():
+                bucket.level *= share
         max_concurrent = tenant.max_concurrent
         if max_concurrent is not None and share < 1.0:
             max_concurrent = max(1, math.ceil(max_concurrent * share))

@@ -49,7 +49,6 @@ class Outage:
     def __init__(self):
         self.peers = 1  # replicas present in the store at the last look (this one included)
         self.epoch: Optional[str] = None  # the store's data epoch at the last look
-        self.since = 0.0  # when the store stopped answering (the store's clock)
         self.unsynced: dict[str, Owed] = {}
 
     def share(self) -> float:
@@ -73,33 +72,28 @@ class Outage:
     async def sync(self, call: Callable[..., Awaitable], key: Callable[[str, str], str], levels: dict,
                    lost: bool, now: float) -> bool:
         """Send what was taken here while the store was down, one SYNC per tenant (and, when
-        the store lost its data, each tenant's levels here, with the refill the other
-        replicas' shares made meanwhile); False when a call failed (what was not sent waits
-        for the next return).
+        the store lost its data, the levels it last gave this replica, refilled to now);
+        False when a call failed (what was not sent waits for the next return).
 
         Args:
             call: the store's ``_call(script, keys, args)`` (None on failure).
             key: the store's key of (tenant, bucket).
             levels: :meth:`Limiter.levels`.
             lost: the store restarted empty.
-            now: the store's clock (as :attr:`since`).
+            now: the store's clock.
         """
         taken = self.take()
-        alone = max(0.0, now - self.since)
         names = sorted(set(taken) | (set(levels) if lost else set()))
         for k, name in enumerate(names):
             owed, here = taken.get(name), levels.get(name)
             tenant = here[0] if here is not None else owed.tenant
-            share = here[4] if here is not None else self.share()
             args = ["1" if lost else "0"]
             for i, (cap, attr) in enumerate(((tenant.requests_per_minute, "requests"),
                                              (tenant.completion_tokens_per_minute, "completion"),
                                              (tenant.prompt_tokens_per_minute, "prompt"))):
                 cap = cap or 0
-                mine = here[1 + i] if here is not None and here[1 + i] is not None else cap
-                # this replica's bucket refilled at its share of the rate; the cluster's at all of it
-                mine = min(cap, mine + cap / 60.0 * alone * (1.0 - share))
-                args += [cap, getattr(owed, attr) if owed is not None else 0, repr(float(mine))]
+                seen = here[1 + i] if here is not None and here[1 + i] is not None else cap
+                args += [cap, getattr(owed, attr) if owed is not None else 0, repr(float(seen))]
             keys = [key(name, "requests"), key(name, "completion"), key(name, "prompt")]
             if await call("sync", keys, args) is None:
                 self.put_back({n: taken[n] for n in names[k:] if n in taken})

@@ -81,9 +81,9 @@ return 1
 
 # After an outage, one tenant. KEYS: requests, completion, prompt buckets. ARGV: 1 when
 # Redis lost its data meanwhile (a restart), then per bucket: limit per minute (0: none),
-# what this replica took while on its own, its own level now. A bucket Redis lost is set to
-# this replica's level (when another replica has not set it first); any other is charged
-# what was taken. Debt allowed.
+# what this replica took while on its own, the level the store last gave it refilled to
+# now. A bucket Redis lost is set to that level less what this replica took (when another
+# replica has not set it first); any other is charged what was taken. Debt allowed.
 SYNC = _LIB + """
 local now = now_ms()
 local lost = ARGV[1] == '1'
@@ -91,7 +91,8 @@ for i = 1, 3 do
   local cap, used, mine = tonumber(ARGV[3 * i - 1]), tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1])
   if cap > 0 then
     if lost and redis.call('EXISTS', KEYS[i]) == 0 then
-      if mine < cap then save(KEYS[i], cap, mine, now) end
+      local l = math.min(cap, mine) - used
+      if l < cap then save(KEYS[i], cap, l, now) end
     elseif used > 0 then
       save(KEYS[i], cap, level(KEYS[i], cap, now) - used, now)
     end

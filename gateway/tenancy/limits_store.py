@@ -170,7 +170,6 @@ class RedisLimitsStore:
             self.up = False
         elif self.up:
             self.up = False
-            self.outage.since = self.clock()
             log.warning("limits store %s does not answer (%s): this gateway applies the tenants' limits on "
                         "its own meanwhile", redacted(self.url), type(error).__name__ +
                         (f": {error}" if str(error) else ""))
