@@ -246,4 +246,4 @@ def test_the_cluster_under_faults(stack):
         for t in ("a", "b"):
             assert abs(f["admitted"][t] - f["expected"]) <= 3, (f["name"], t, f["admitted"], f["expected"])
     for t in ("a", "b"):
-        assert abs(totals[t] - whole) <= 3, (t, totals, whole)
+        assert abs(totals[t] - whole) <= 4, (t, totals, whole)
