@@ -7,8 +7,10 @@ subprocesses (``tests/cluster_stack.py``; docs/cluster.md).
 - one tenant's 429s reach it at once, and leave the replicas in service for the others;
 - Anthropic Messages and OpenAI Responses work through the front, with their own
   parameters (the router 404s the first and re-writes the second);
-- a replica killed under load: every request ends (an answer or an error) within a
-  bound, the others carry on, and the replica restarted on its port serves again;
+- a replica killed under load: through the front no request started after the kill
+  fails (failover) and a stream in flight ends with its error event; through the router
+  alone, what it sends to the dead replica until its health checks fails (counted); every
+  request ends within a bound, and the replica restarted on its port serves again;
 - a replica registers itself with the router and takes itself out as it drains
   (``gateway/router_link.py``).
 """

@@ -312,7 +312,7 @@ def test_a_replicas_part_of_a_tenants_traffic():
         level -= 1
         part.saw(level, True, 60, 1.0, now)
     assert part.part == 1.0 and part.share(peers=2) == 1.0
-    for _ in range(40):  # now another replica takes one for each one here, as the bucket refills
+    for _ in range(80):  # now another replica takes one for each one here, as the bucket refills
         now += 1.0
         level -= 1  # 2 taken, 1 refilled
         part.saw(level, True, 60, 1.0, now)

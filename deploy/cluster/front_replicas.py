@@ -24,10 +24,10 @@ REMEMBERED = 100_000  # response ids and conversations -> replica, least recentl
 class Replicas:
     """The replicas the router holds as healthy, refreshed from its ``GET /workers``.
 
-    While the router does not answer, the last list stays. When it answers with none
-    healthy but still lists some of the last ones (a router that just started has not yet
-    checked them), the last list stays too: a replica that is really gone refuses the
-    connection, and the front tries the next.
+    While the router does not answer, the last list stays; so it does while the router
+    holds none as healthy (a router that just started has not yet added or checked its
+    replicas): a replica that is really gone refuses the connection, and the front tries
+    the next, or answers 502.
     """
 
     def __init__(self, client: httpx.AsyncClient, router: str, refresh: float):
@@ -42,9 +42,8 @@ class Replicas:
             r.raise_for_status()
             workers = [w for w in r.json().get("workers", []) if w.get("worker_type", "regular") == "regular"]
             urls = sorted({w["url"].rstrip("/") for w in workers if w.get("is_healthy")})
-            listed = {w["url"].rstrip("/") for w in workers}
-            if not urls and listed & set(self.urls):
-                urls = [u for u in self.urls if u in listed]  # not checked yet: keep them
+            if not urls and self.urls:
+                urls = self.urls  # none yet (a router that just started): keep the last ones
             if urls != self.urls:
                 log.info("replicas: %s", ", ".join(urls) or "none")
             if not self.router_up:

@@ -109,7 +109,7 @@ class TrafficPart:
     tenant's shared requests bucket (what the cluster took) against the requests admitted
     here, and smoothed; None until known."""
 
-    SMOOTHING = 0.2
+    SMOOTHING = 0.1
 
     def __init__(self):
         self.level: Optional[float] = None  # the store's level at the anchor (after its take)
