@@ -281,10 +281,12 @@ class FrontApp:
                             status_code=status, headers=cors)
 
     async def health(self, request: Request) -> Response:
-        ok = self.replicas.router_up and bool(self.replicas.urls)
+        """200 while the front knows a replica (it serves them without the router too), else
+        503; with the router's state and the requests sent again to another replica."""
+        ok = bool(self.replicas.urls)
         return JSONResponse({"status": "ok" if ok else "unavailable", "router": self.router,
-                             "router_up": self.replicas.router_up, "workers": self.replicas.urls},
-                            status_code=200 if ok else 503)
+                             "router_up": self.replicas.router_up, "workers": self.replicas.urls,
+                             "failovers": self.failovers}, status_code=200 if ok else 503)
 
     def app(self) -> Starlette:
         methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
