@@ -25,7 +25,7 @@ from gateway.routes.app import create_app
 from gateway.telemetry.metrics import GatewayMetrics, prime
 from gateway.telemetry.model_metrics import ModelMetrics
 from gateway.telemetry.request_log import configure_logging
-from gateway.tenancy.limits_store import check_limits_store, make_limiter
+from gateway.tenancy.limits_setup import check_limits_store, make_limiter
 from gateway.tenancy.tenants import TenantsFileError, TenantTable, load_tenants, open_table, single_key_table
 from scheduler.engine import PERSIST_SECONDS
 from scheduler.loop import EngineLoop

@@ -7,8 +7,10 @@ subprocesses (``tests/cluster_stack.py``; docs/cluster.md).
 - one tenant's 429s reach it at once, and leave the replicas in service for the others;
 - Anthropic Messages and OpenAI Responses work through the front, with their own
   parameters (the router 404s the first and re-writes the second);
-- a replica killed under load: every request ends (an answer or an error) within a
-  bound, the others carry on, and the replica restarted on its port serves again;
+- a replica killed under load: through the front no request started after the kill
+  fails (failover) and a stream in flight ends with its error event; through the router
+  alone, what it sends to the dead replica until its health checks fails (counted); every
+  request ends within a bound, and the replica restarted on its port serves again;
 - a replica registers itself with the router and takes itself out as it drains
   (``gateway/router_link.py``).
 """
@@ -200,14 +202,17 @@ def test_anthropic_and_responses_work_through_the_front_with_their_own_parameter
 
 
 class Load:
-    """Threads sending requests through the front until stopped; every outcome recorded
-    as (start, end, kind, ok, detail)."""
+    """Threads sending requests to ``url`` (the front, or a router) until stopped; every
+    outcome recorded as (start, end, kind, outcome, detail), outcome ``ok``, ``status`` (an
+    error status), ``event`` (a stream that ended with its protocol's error event) or
+    ``cut`` (a connection that broke, or a stream that ended without its end)."""
 
-    def __init__(self, cluster: Cluster, model: str):
-        self.url, self.model = cluster.front.url, model
+    KINDS = ("chat", "chat-stream", "chat-new", "chat-stream", "messages", "messages-stream")
+
+    def __init__(self, url: str, model: str, kinds=KINDS):
+        self.url, self.model = url, model
         self.results: list[tuple] = []
         self.stop = threading.Event()
-        kinds = ["chat", "chat-stream", "chat-new", "chat-stream", "messages", "messages-stream"]
         self.threads = [threading.Thread(target=self.run, args=(i, k), daemon=True) for i, k in enumerate(kinds)]
 
     def start(self) -> "Load":
@@ -221,24 +226,25 @@ class Load:
             t.join(BOUND + 10)
         assert not any(t.is_alive() for t in self.threads), "a request hung"
 
-    def one(self, c: httpx.Client, i: int, kind: str, n: int) -> tuple[bool, str]:
+    def one(self, c: httpx.Client, i: int, kind: str, n: int) -> tuple[str, str]:
         head = f"{random.random():.6f} " if kind == "chat-new" else ""
         text = f"{head}load {i} request {n} " + "word " * 40
+        body = {"model": self.model, "max_tokens": 24, "messages": [{"role": "user", "content": text}],
+                "stream": kind.endswith("stream")}
         if kind.startswith("messages"):
-            body = {"model": self.model, "max_tokens": 24, "messages": [{"role": "user", "content": text}],
-                    "stream": kind.endswith("stream")}
-            path, done = "/v1/messages", "message_stop"
+            path, done, error = "/v1/messages", "event: message_stop", "event: error"
         else:
-            body = {"model": self.model, "max_tokens": 24, "messages": [{"role": "user", "content": text}],
-                    "stream": kind == "chat-stream"}
-            path, done = "/v1/chat/completions", "[DONE]"
-        with c.stream("POST", path, json=body, headers={"x-api-key": KEY_B}) as r:
+            path, done, error = "/v1/chat/completions", "data: [DONE]", 'data: {"error"'
+        with c.stream("POST", path, json=body, headers={"x-api-key": KEY_B, "Authorization": f"Bearer {KEY_B}"}) as r:
             data = r.read().decode()
         if r.status_code != 200:
-            return False, f"{r.status_code} {data[:160]}"
-        if body["stream"] and (done not in data or "error" in data):
-            return False, f"stream ended without its end: {data[-160:]}"
-        return True, ""
+            return "status", f"{r.status_code} {data[:160]}"
+        if body["stream"]:
+            if error in data:
+                return "event", data[data.index(error):][:200]
+            if done not in data:
+                return "cut", f"stream ended without its end: {data[-160:]}"
+        return "ok", ""
 
     def run(self, i: int, kind: str) -> None:
         with httpx.Client(base_url=self.url, timeout=BOUND) as c:
@@ -247,10 +253,15 @@ class Load:
                 n += 1
                 t0 = time.monotonic()
                 try:
-                    ok, detail = self.one(c, i, kind, n)
+                    outcome, detail = self.one(c, i, kind, n)
                 except httpx.HTTPError as e:
-                    ok, detail = False, repr(e)[:160]
-                self.results.append((t0, time.monotonic(), kind, ok, detail))
+                    outcome, detail = "cut", repr(e)[:160]
+                self.results.append((t0, time.monotonic(), kind, outcome, detail))
+
+    def failed(self, since: float) -> list[tuple]:
+        """The failed requests as (start, end) relative to ``since``, kind, outcome, detail."""
+        return [(round(s - since, 2), round(e - since, 2), kind, o, d) for s, e, kind, o, d in self.results
+                if o != "ok"]
 
 
 # ------------------------------------------------------------------ registering
@@ -338,12 +349,23 @@ def test_the_link_runs_beside_a_gateway_too(cluster, model, tmp_path):
 
 
 def test_a_replica_killed_under_load(cluster, model):
-    """SIGKILL one replica under load: its requests end with an error at once (no hang);
-    within about 2 s (2 failed health checks a second apart) the router and the front
-    send everything to the other; restarted on its port, it serves again within 1-2 s."""
+    """SIGKILL one replica under load, through the front and through the router alone:
+
+    - through the front, every request started after the kill succeeds (one whose replica
+      failed before the first byte of its answer went to the other: the router's
+      ``call_upstream_request_error`` sends it straight to a replica, a refused
+      connection to the next); a stream cut after its first byte ends at once with its
+      protocol's error event (no hang, no broken connection);
+    - through the router alone (no retries, so that a 429 is not sent again), requests it
+      sends to the dead replica until its health checks take it out (about 2 s) fail:
+      counted and printed; every request ends within the bound;
+    - restarted on its port, the replica serves again within 1-2 s of serving."""
     r1, r2 = cluster.replicas
-    load = Load(cluster, model).start()
+    loads = {"front": Load(cluster.front.url, model),
+             "router alone": Load(cluster.router.url, model, ("chat", "chat-stream", "chat-new"))}
     try:
+        for load in loads.values():
+            load.start()
         time.sleep(2)
         assert served(r2) > 0
         t_kill = time.monotonic()
@@ -362,19 +384,23 @@ def test_a_replica_killed_under_load(cluster, model):
         t_messages = time.monotonic()
         time.sleep(1)
     finally:
-        load.finish()
-    results = load.results
-    longest = max(end - start for start, end, *_ in results)
-    assert longest < BOUND
-    failed = [(round(s - t_kill, 2), round(e - t_kill, 2), kind, d) for s, e, kind, ok, d in results if not ok]
-    # errors only for what was in flight or routed to the dead replica before it was taken out
-    late = [f for f in failed if f[0] > t_out - t_kill + 1.0]
-    assert not late, late[:5]
-    assert all(f[1] - f[0] < 5 for f in failed), failed[:5]  # the errors came at once
+        for load in loads.values():
+            load.finish()
+    lines = []
+    for name, load in loads.items():
+        assert max(end - start for start, end, *_ in load.results) < BOUND
+        failed = load.failed(t_kill)
+        assert all(f[1] - f[0] < 5 for f in failed), failed[:5]  # the errors came at once
+        after = [f for f in failed if f[0] > 0]
+        assert sum(1 for r in load.results if r[3] == "ok") > 30, name
+        lines.append(f"{name}: {len(failed)} of {len(load.results)} failed, {len(after)} of them started after the "
+                     f"kill (the last at +{max((f[0] for f in after), default=0):.2f} s)")
+        if name == "front":
+            assert not after, after[:5]
+            assert all(f[3] == "event" for f in failed), failed[:5]  # streams in flight: their error event
+        else:
+            assert all(f[0] < t_out - t_kill + 1.0 for f in after), after[-5:]  # only until the health checks
     assert t_out - t_kill < 5
-    ok = sum(1 for *_, good, _ in results if good)
-    assert ok > 50
-    print(f"\nkilled replica out of the router after {t_out - t_kill:.2f} s; {len(failed)} of {len(results)} "
-          f"requests failed, all started before +{max((f[0] for f in failed), default=0):.2f} s; restarted "
-          f"(ready {t_ready - t_restart:.1f} s after start), served chat again {t_chat - t_ready:.2f} s and "
-          f"messages {t_messages - t_ready:.2f} s after ready; longest request {longest:.2f} s")
+    print(f"\nkilled replica out of the router after {t_out - t_kill:.2f} s; " + "; ".join(lines) +
+          f"; restarted (ready {t_ready - t_restart:.1f} s after start), served chat again {t_chat - t_ready:.2f} s "
+          f"and messages {t_messages - t_ready:.2f} s after ready")

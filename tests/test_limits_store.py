@@ -21,11 +21,14 @@ from conftest import free_port
 from gateway.config import ServeConfig
 from gateway.http.errors import APIError
 from gateway.tenancy.limits import Limiter
+from gateway.tenancy.limits_outage import TrafficPart
 from gateway.tenancy.tenants import Tenant, hash_key
 from redis_server import RedisServer, redis_binary
 
 pytest.importorskip("redis", reason="redis-py is not installed (pip install 'redis>=5'): --limits-store needs it")
-from gateway.tenancy.limits_store import RedisLimitsStore, check_limits_store, make_limiter, redacted  # noqa: E402
+from gateway.tenancy.limits_setup import check_limits_store, make_limiter  # noqa: E402
+from gateway.tenancy.limits_store import RedisLimitsStore  # noqa: E402
+from gateway.tenancy.limits_url import redacted  # noqa: E402
 
 
 @pytest.fixture
@@ -237,15 +240,39 @@ async def test_redis_down_then_back(redis_server, replicas, store_log):
     await until(lambda: store_up(a) == 1.0, 5, "the gauge to read 1 again")
     back = [r for r in store_log if "answers again" in r.getMessage()]
     assert len(back) == 1
-    # Shared again: b's requests come out of the same (fresh) budget as a's; b's connection
-    # from before the restart is dead, and b reconnects without falling back.
+    # Shared again, from where the cluster was rather than from a fresh budget: a gave the
+    # restarted Redis its own level (it admitted 2 on its own meanwhile, up to 0 left); b's
+    # connection from before the restart is dead, and b reconnects without falling back.
     held.close()
-    admitted = [await a.begin(t), await b.begin(t), await b.begin(t)]
+    err = await refusal(b, t)
+    assert err.headers["x-ratelimit-remaining-requests"] == "0"
     assert store_up(b) == 1.0
-    assert all(tk.view is not None for tk in admitted)
     await refusal(a, t)
-    await refusal(b, t)
     assert len([r for r in store_log if "does not answer" in r.getMessage()]) == 1
+
+
+async def test_a_replica_on_its_own_applies_its_share_and_reports_back(redis_server, replicas):
+    """While the store does not answer, a replica decides from the levels the store last
+    gave it, with 1/N of each limit (N replicas present: the rate and the concurrency); on
+    the store's return it charges what it admitted meanwhile."""
+    a = replicas.new(probe_interval=0.2)
+    b = replicas.new(**SHARED)
+    t = Tenant("acme", requests_per_minute=6, max_concurrent=4)
+    await a.begin(t)
+    await b.begin(t)  # the store: 4 left
+    await until(lambda: a.store.outage.peers == 2 and b.store.outage.peers == 2, 5, "both replicas present")
+    redis_server.pause()
+    try:
+        alone = await a.begin(t)  # the store times out: decided here
+        assert alone.view is None and store_up(a) == 0.0
+        assert a._states["acme"].requests.rate == pytest.approx(6 / 60 / 2)  # half of the limit's rate
+        err = await refusal(a, t)  # 2 in flight here: ceil(4 / 2)
+        assert err.message == "tenant has 2 requests in flight (limit 4)"
+    finally:
+        redis_server.resume()
+    await until(lambda: store_up(a) == 1.0, 5, "the gauge to read 1 again")
+    # the request a admitted alone was charged: 3 left before b's next one
+    assert (await b.begin(t)).headers["x-ratelimit-remaining-requests"] == "2"
 
 
 async def test_a_paused_redis_costs_a_request_no_more_than_the_timeout(redis_server, replicas, store_log):
@@ -273,6 +300,25 @@ async def test_a_paused_redis_costs_a_request_no_more_than_the_timeout(redis_ser
     await asyncio.sleep(0.2)
     err = await refusal(replicas.new(**SHARED), t)
     assert err.message == "tenant has 5 requests in flight (limit 5)"
+
+
+def test_a_replicas_part_of_a_tenants_traffic():
+    """The share of a tenant's limits a replica applies alone follows where its requests
+    went: all here (affinity) keeps the whole limit, half here half of it, unknown 1/N."""
+    part = TrafficPart()
+    assert part.share(peers=2) == 0.5
+    level, now = 60.0, 0.0
+    for _ in range(10):  # each fall of the shared bucket is a request admitted here
+        level -= 1
+        part.saw(level, True, 60, 1.0, now)
+    assert part.part == 1.0 and part.share(peers=2) == 1.0
+    for _ in range(80):  # now another replica takes one for each one here, as the bucket refills
+        now += 1.0
+        level -= 1  # 2 taken, 1 refilled
+        part.saw(level, True, 60, 1.0, now)
+    assert part.part == pytest.approx(0.5, abs=0.01)
+    part.part = 0.01  # almost nothing here: at least half an even share, in case it moves here
+    assert part.share(peers=2) == 0.25
 
 
 async def test_slots_of_a_vanished_replica_expire_after_their_ttl(replicas):

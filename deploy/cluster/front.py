@@ -6,36 +6,45 @@ well: it routes by prefix (``cache_aware``) and health-checks the replicas. It d
 serve the rest of the gateway: it answers 404 to Anthropic's ``/v1/messages``, and it
 re-writes every ``/v1/responses`` body with its own defaults (``temperature: 1.0``,
 ``top_p: 1.0``, ``top_k: -1``, ``priority: 0``, ``stream: null``, ``store: true``...), which
-replace what the client left to the gateway's defaults, and which the gateway refuses
-(``priority`` must be a latency class). It also drops the ``x-api-key`` and ``x-priority``
-headers, and the fields of a chat body it does not know (``priority``, ``user``); answers
-``/v1/models`` itself, without keys; and answers CORS itself (any origin, by default).
+replace what the client left to the gateway's defaults, and drops its
+``prompt_cache_key`` and ``safety_identifier``. It also drops the ``x-api-key`` and
+``x-priority`` headers, and the fields of a chat body it does not know (``priority``,
+``user``, ``rid``); answers ``/v1/models`` itself, without keys; answers CORS itself (any
+origin, by default); and, run with ``--disable-retries`` so that a tenant's 429 is not sent
+again, it sends a request to a dead replica until its health checks notice.
 
 This front sends each request where it is served as sent:
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions`` (and anything not below): to the
   router, byte for byte (with an ``x-api-key`` copied into ``Authorization: Bearer``, which the
-  router forwards), its CORS headers left out; but a browser's request (``Origin``) and one
-  that asks for a latency class (``x-priority``, a chat body's ``priority``) go straight to a
-  replica, as below;
+  router forwards), its CORS headers left out; but a browser's request (``Origin``), one
+  that asks for a latency class (``x-priority``, a chat body's ``priority``) and one that
+  names its session (``prompt_cache_key``, ``safety_identifier``, ``user``) go straight to
+  a replica, as below;
 - ``/v1/messages``, ``/v1/messages/count_tokens``, ``/v1/responses`` (and
-  ``/v1/responses/{id}``), ``/v1/models``: straight to one replica, chosen by rendezvous
-  hashing of the conversation's start (key, model, system prompt or instructions, first
-  message), so that every turn of a conversation meets its prefix cache; a
-  ``previous_response_id`` (or a stored response's id) goes to the replica that made it;
+  ``/v1/responses/{id}``), ``/v1/models``: straight to one replica: the one that served the
+  conversation before, else one chosen by rendezvous hashing of the client's session key
+  (``prompt_cache_key``, ``safety_identifier``, ``user``, Anthropic's ``metadata.user_id``)
+  or of the conversation's start (key, model, system prompt or instructions, first
+  message), so that every turn meets its prefix cache, and a replica that joins takes new
+  conversations without moving running ones; a ``previous_response_id`` (or a stored
+  response's id) goes to the replica that made it;
 - ``/v1/usage``: every replica, the counts added up; ``/admin/...``: every replica, their
   answers listed.
 
 The replicas are those the router holds as healthy (``GET /workers``, every ``--refresh``
 seconds), so a replica the router takes out (failed health checks, ``DELETE /workers``) is
-left out here too. A replica that refuses the connection is skipped for the next one in
-the hashing order. A replica lost while it streams an answer cuts that stream (the client
-sees the connection end before the response does), as the router does.
+left out here too. Failover (``front_upstream.py``): a replica that refuses the connection
+is skipped for the next one; a request whose replica (or the router's) fails before the
+first byte of the answer, or that a draining replica refuses, goes once to another
+replica; the router unreachable, or answering that its replica failed, the request goes
+straight to a replica. A 429 or any 4xx is an answer: it is never sent again. A stream
+lost after its first byte ends with its protocol's error event (``front_stream.py``).
 
 Which requests go around the router, and the affinity key, are in ``front_rules.py``.
 Run it with the gateway's own dependencies (starlette, uvicorn, httpx)::
 
-    python deploy/cluster/front.py --router http://127.0.0.1:30000 --port 8080
+    python deploy/cluster/front.py --router http://127.0.0.1:30000 --port 8080 [--reuse-port]
 """
 
 from __future__ import annotations
@@ -47,68 +56,26 @@ import hashlib
 import json
 import logging
 import re
-from collections import OrderedDict
-from typing import AsyncIterator, Optional
+from typing import Optional
 
 import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from front_rules import affinity_key, around_router, merge_usage  # beside this script
+# beside this script
+from front_replicas import Remembered, Replicas
+from front_rules import affinity_key, around_router, merge_usage, session_key
+from front_serve import serve
+from front_upstream import HOP_BY_HOP, CutOnLoss, Lost, NotSent, draining, open_upstream, relay, router_lost
 
 log = logging.getLogger("mlx_gateway.front")
 
-# Headers that belong to one connection, or that the HTTP client sets itself.
-HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-              "trailers", "transfer-encoding", "upgrade", "host", "content-length"}
 CORS_HEADERS = frozenset({"access-control-allow-origin", "access-control-allow-credentials",
                           "access-control-expose-headers", "access-control-allow-methods",
                           "access-control-allow-headers", "access-control-max-age"})
 RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[0-9A-Za-z]+)"')
-REMEMBERED_IDS = 100_000  # response id -> replica, least recently used first out
-
-
-class UpstreamLost(Exception):
-    """A replica or the router went away while its answer was being streamed."""
-
-
-class Replicas:
-    """The replicas the router holds as healthy, refreshed from its ``GET /workers``."""
-
-    def __init__(self, client: httpx.AsyncClient, router: str, refresh: float):
-        self.client, self.router, self.refresh = client, router.rstrip("/"), refresh
-        self.urls: list[str] = []
-        self.router_up = False
-        self.fresh = asyncio.Event()
-
-    async def poll_once(self) -> None:
-        try:
-            r = await self.client.get(f"{self.router}/workers", timeout=5)
-            r.raise_for_status()
-            workers = r.json().get("workers", [])
-            urls = sorted({w["url"].rstrip("/") for w in workers
-                           if w.get("is_healthy") and w.get("worker_type", "regular") == "regular"})
-            if urls != self.urls:
-                log.info("replicas: %s", ", ".join(urls) or "none")
-            self.urls, self.router_up = urls, True
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
-            if self.router_up:
-                log.warning("the router at %s does not answer GET /workers (%s); keeping the last replicas", self.router, e)
-            self.router_up = False
-        self.fresh.set()
-
-    async def run(self) -> None:
-        while True:
-            await self.poll_once()
-            await asyncio.sleep(self.refresh)
-
-    def order(self, key: bytes) -> list[str]:
-        """The replicas, best first, for ``key`` (rendezvous hashing: a replica that goes or
-        comes moves only its own share of the keys)."""
-        return sorted(self.urls, key=lambda u: hashlib.blake2b(key + u.encode(), digest_size=8).digest(),
-                      reverse=True)
 
 
 class FrontApp:
@@ -119,20 +86,14 @@ class FrontApp:
             timeout=httpx.Timeout(connect=connect_timeout, read=read_timeout, write=60, pool=None),
             limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200), follow_redirects=False)
         self.replicas = Replicas(self.client, self.router, refresh)
-        self.owners: OrderedDict[str, str] = OrderedDict()  # response id -> replica URL
+        self.owners = Remembered()  # response id -> replica URL
+        self.sessions = Remembered()  # digest of a conversation's affinity key -> replica URL
+        self.failovers = 0  # requests sent again to another replica (logged)
+        self.draining = False  # SIGTERM with --drain-seconds: answers close their connections
 
     # ------------------------------------------------------------------ helpers
     def remember(self, rid: str, url: str) -> None:
-        self.owners[rid] = url
-        self.owners.move_to_end(rid)
-        while len(self.owners) > REMEMBERED_IDS:
-            self.owners.popitem(last=False)
-
-    def owner_first(self, rid: Optional[str], order: list[str]) -> list[str]:
-        owner = self.owners.get(rid) if rid else None
-        if owner in order:
-            return [owner] + [u for u in order if u != owner]
-        return order
+        self.owners.put(rid, url)
 
     @staticmethod
     def error(path: str, status: int, message: str, code: str) -> JSONResponse:
@@ -150,68 +111,97 @@ class FrontApp:
             headers["authorization"] = f"Bearer {headers['x-api-key']}"
         return headers
 
-    async def send(self, method: str, url: str, request: Request, body: bytes, to_router: bool) -> httpx.Response:
-        req = self.client.build_request(method, url, params=request.query_params,
-                                        headers=self.forward_headers(request, to_router), content=body)
-        return await self.client.send(req, stream=True)
-
-    def relay(self, upstream: httpx.Response, on_chunk=None, strip=frozenset()) -> StreamingResponse:
-        """The upstream answer as it comes (status, headers but ``strip``, body)."""
-
-        async def body() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in upstream.aiter_raw():
-                    if on_chunk is not None:
-                        on_chunk(chunk)
-                    yield chunk
-            except httpx.HTTPError as e:
-                log.warning("%s %s: the answer was cut: %s", upstream.request.method, upstream.request.url, e)
-                raise UpstreamLost(str(e)) from e
-            finally:
-                await upstream.aclose()
-
-        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP and k.lower() not in strip}
-        return StreamingResponse(body(), status_code=upstream.status_code, headers=headers)
+    def build(self, method: str, url: str, request: Request, body: bytes, to_router: bool) -> httpx.Request:
+        return self.client.build_request(method, url, params=request.query_params,
+                                         headers=self.forward_headers(request, to_router), content=body)
 
     async def to_replicas(self, request: Request, key: bytes, body: bytes, prefer: Optional[str] = None,
-                          watch: bool = False) -> Response:
-        """Send to the first replica, in the hashing order of ``key`` (``prefer`` first when
-        it is one), that takes the connection."""
+                          watch: bool = False, exclude: frozenset = frozenset(), retries: int = 1) -> Response:
+        """Send to the first replica, in the order of ``key`` (``prefer``'s replica first,
+        then the conversation's remembered one, then rendezvous hashing), that takes it:
+        past a replica that refuses the connection, and ``retries`` times past one lost
+        before the first byte of its answer or draining (``front_upstream.py``)."""
         path = request.url.path
         if not self.replicas.urls:
             await self.replicas.poll_once()  # perhaps the router knows of one by now
             if not self.replicas.urls:
                 return self.error(path, 503, "no replica is available (the router holds none as healthy)",
                                   "no_available_replica")
+        session = hashlib.blake2b(key, digest_size=16).digest()
+        order = self.owners.first(prefer, self.sessions.first(session, self.replicas.order(key)))
         last: Optional[Exception] = None
-        for url in self.owner_first(prefer, self.replicas.order(key)):
+        for url in order:
+            if url in exclude:
+                continue
             try:
-                upstream = await self.send(request.method, url + path, request, body, to_router=False)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # nothing was sent: the next one
+                opened = await open_upstream(self.client, self.build(request.method, url + path, request, body, False))
+            except NotSent as e:  # nothing was sent: the next one
                 log.warning("%s: cannot connect (%s); trying the next replica", url, e)
                 last = e
                 continue
+            except Lost as e:
+                last = e
+                if retries <= 0:
+                    return self.error(path, 502, f"the replica at {url} failed before answering: {e}", "replica_error")
+                retries -= 1
+                self.failovers += 1
+                log.warning("%s %s: the replica at %s failed before answering (%s); sending it to the next replica",
+                            request.method, path, url, e)
+                continue
             except httpx.HTTPError as e:
-                return self.error(path, 502, f"the replica at {url} failed: {e}", "replica_error")
-            return self.relay(upstream, _IdWatcher(self, url) if watch else None)
+                return self.error(path, 504 if isinstance(e, httpx.TimeoutException) else 502,
+                                  f"the replica at {url} failed: {e}", "replica_error")
+            if draining(opened) and retries > 0:
+                await opened.aclose()
+                retries -= 1
+                self.failovers += 1
+                last = Exception(f"{url} is draining")
+                continue
+            if opened.status < 500:
+                self.sessions.put(session, url)
+            return relay(opened, path, _IdWatcher(self, url) if watch else None)
         return self.error(path, 502, f"no replica took the request: {last}", "replica_unavailable")
 
     # ------------------------------------------------------------------ routes
     async def to_router(self, request: Request) -> Response:
         """OpenAI chat completions and completions: to the router, unless the request uses
-        what the router drops (see :func:`around_router`)."""
+        what the router drops (see :func:`around_router`). When the router cannot be
+        reached, or answers that it got no answer from the replica it chose (before any
+        byte reached the client), the request goes straight to a replica instead, the
+        failed one left out."""
         body = await request.body()
+        path = request.url.path
         if around_router(request, body):
             return await self.conversation(request, body)
         try:
-            upstream = await self.send(request.method, self.router + request.url.path, request, body, to_router=True)
+            opened = await open_upstream(self.client, self.build(request.method, self.router + path, request, body,
+                                                                 True))
+        except NotSent as e:
+            log.warning("%s %s: the router at %s cannot be reached (%s); sending it to a replica",
+                        request.method, path, self.router, e)
+            return await self.conversation(request, body)
+        except Lost as e:
+            self.failovers += 1
+            log.warning("%s %s: the router failed before answering (%s); sending it to a replica", request.method,
+                        path, e)
+            return await self.conversation(request, body, retries=0)
         except httpx.HTTPError as e:
-            return self.error(request.url.path, 502, f"the router at {self.router} failed: {e}", "router_unavailable")
-        return self.relay(upstream, strip=CORS_HEADERS)  # the router's own "*": see around_router
+            return self.error(path, 504 if isinstance(e, httpx.TimeoutException) else 502,
+                              f"the router at {self.router} failed: {e}", "router_unavailable")
+        failed = router_lost(opened)
+        if failed is not None:
+            await opened.aclose()
+            self.failovers += 1
+            log.warning("%s %s: the router got no answer from %s (%s); sending it to another replica",
+                        request.method, path, failed or "a replica", opened.upstream.headers.get("x-smg-error-code"))
+            return await self.conversation(request, body, exclude=frozenset({failed.rstrip("/")}), retries=0)
+        return relay(opened, path, strip=CORS_HEADERS)  # the router's own "*": see around_router
 
-    async def conversation(self, request: Request, body: Optional[bytes] = None) -> Response:
-        """To a replica, by the conversation's start (:func:`affinity_key`); a
-        ``previous_response_id`` to the replica that made it."""
+    async def conversation(self, request: Request, body: Optional[bytes] = None, exclude: frozenset = frozenset(),
+                           retries: int = 1) -> Response:
+        """To a replica, by the conversation (:func:`affinity_key`: the client's session
+        key, else the conversation's start); a ``previous_response_id`` to the replica that
+        made it."""
         if body is None:
             body = await request.body()
         try:
@@ -223,8 +213,10 @@ class FrontApp:
         previous = data.get("previous_response_id") if path == "/v1/responses" else None
         previous = previous if isinstance(previous, str) else None
         auth = (request.headers.get("authorization") or request.headers.get("x-api-key") or "").encode()
-        key = b"response:" + previous.encode() if previous else auth + affinity_key(path, data)
-        return await self.to_replicas(request, key, body, prefer=previous, watch=path == "/v1/responses")
+        key = b"response:" + previous.encode() if previous and session_key(path, data) is None \
+            else auth + affinity_key(path, data)
+        return await self.to_replicas(request, key, body, prefer=previous, watch=path == "/v1/responses",
+                                      exclude=exclude, retries=retries)
 
     async def stored_response(self, request: Request) -> Response:
         """``GET``/``DELETE /v1/responses/{id}``: the replica that made it, else each in turn
@@ -232,18 +224,19 @@ class FrontApp:
         if request.method == "OPTIONS":
             return await self.any_replica(request)
         rid = request.path_params["response_id"]
-        order = self.owner_first(rid, self.replicas.order(b"response:" + rid.encode()))
+        order = self.owners.first(rid, self.replicas.order(b"response:" + rid.encode()))
         for i, url in enumerate(order):
             try:
-                upstream = await self.send(request.method, url + request.url.path, request, b"", to_router=False)
-            except httpx.HTTPError:
+                opened = await open_upstream(self.client, self.build(request.method, url + request.url.path, request,
+                                                                     b"", False))
+            except (NotSent, Lost, httpx.HTTPError):
                 continue
-            if upstream.status_code == 404 and i < len(order) - 1:
-                await upstream.aclose()
+            if opened.status == 404 and i < len(order) - 1:
+                await opened.aclose()
                 continue
-            if upstream.status_code == 200:
+            if opened.status == 200:
                 self.remember(rid, url)
-            return self.relay(upstream)
+            return relay(opened, request.url.path)
         return self.error(request.url.path, 502, "no replica answered", "replica_unavailable")
 
     async def any_replica(self, request: Request) -> Response:
@@ -288,10 +281,12 @@ class FrontApp:
                             status_code=status, headers=cors)
 
     async def health(self, request: Request) -> Response:
-        ok = self.replicas.router_up and bool(self.replicas.urls)
+        """200 while the front knows a replica (it serves them without the router too), else
+        503; with the router's state and the requests sent again to another replica."""
+        ok = bool(self.replicas.urls)
         return JSONResponse({"status": "ok" if ok else "unavailable", "router": self.router,
-                             "router_up": self.replicas.router_up, "workers": self.replicas.urls},
-                            status_code=200 if ok else 503)
+                             "router_up": self.replicas.router_up, "workers": self.replicas.urls,
+                             "failovers": self.failovers}, status_code=200 if ok else 503)
 
     def app(self) -> Starlette:
         methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
@@ -342,31 +337,7 @@ class _IdWatcher:
             self.seen = bytearray()
 
 
-def _lost(e: BaseException) -> bool:
-    if isinstance(e, UpstreamLost):
-        return True
-    inner = getattr(e, "exceptions", None)  # an exception group (anyio task groups)
-    return bool(inner) and all(_lost(x) for x in inner)
-
-
-class _CutOnLoss:
-    """ASGI wrapper: a stream whose upstream went away ends without its last chunk (the
-    client sees the connection close mid-answer), logged as one line instead of a traceback."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await self.app(scope, receive, send)
-        except BaseException as e:
-            if not _lost(e):
-                raise
-
-
 def main(argv=None) -> None:
-    import uvicorn
-
     p = argparse.ArgumentParser(description="The front door of a cluster of mlx-gateway replicas behind "
                                 "SGLang's router (docs/cluster.md).")
     p.add_argument("--router", required=True, help="the router's URL, e.g. http://127.0.0.1:30000")
@@ -377,13 +348,19 @@ def main(argv=None) -> None:
     p.add_argument("--read-timeout", type=float, default=600.0,
                    help="seconds an answer may stay silent (the gateway's streams send a keep-alive every 10 s) "
                    "(default %(default)s)")
+    p.add_argument("--reuse-port", action="store_true",
+                   help="listen with SO_REUSEPORT, so that a new front can start on the port before the old one "
+                   "stops (a restart that refuses no connection: docs/cluster.md)")
+    p.add_argument("--drain-seconds", type=float, default=None,
+                   help="at SIGTERM, keep serving this long, each answer closing its connection, before stopping "
+                   "(default 2 with --reuse-port, else 0)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     front = FrontApp(a.router, a.refresh, read_timeout=a.read_timeout)
-    uvicorn.run(_CutOnLoss(front.app()), host=a.host, port=a.port, log_level=a.log_level.lower(),
-                access_log=False, lifespan="on")
+    drain = a.drain_seconds if a.drain_seconds is not None else (2.0 if a.reuse_port else 0.0)
+    serve(CutOnLoss(front.app()), front, a.host, a.port, a.log_level.lower(), a.reuse_port, drain)
 
 
 if __name__ == "__main__":

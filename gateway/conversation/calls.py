@@ -134,20 +134,42 @@ class Call:
         return self.slot.name if self.slot is not None else ""
 
 
+def sglang_priority(value: int) -> Optional[str]:
+    """The latency class an integer ``priority`` asks for: SGLang's field (its scheduler
+    runs larger values first, 0 when unset; sglang-router 0.3.2 adds ``"priority": 0`` to
+    every ``/v1/responses`` body it forwards, and passes a client's integer on
+    ``/v1/completions`` and ``/generate``). A positive value asks for ``interactive``, a
+    negative one for ``batch``, 0 for nothing (None: the ``x-priority`` header or the
+    tenant's class decides)."""
+    return "interactive" if value > 0 else "batch" if value < 0 else None
+
+
 def request_priority(tenant: Tenant, header: Optional[str], body) -> str:
     """The latency class of a request: ``priority`` in its JSON body, else the
     ``x-priority`` header, else its tenant's; a request may ask for a lower class than its
     tenant's, never a higher one.
 
+    ``priority`` is a class name (``interactive``, ``standard``, ``batch``) or SGLang's
+    integer (:func:`sglang_priority`); an integer is relative, so one above the tenant's
+    class gets the tenant's class rather than a 403.
+
     Raises:
-        APIError: 400 for a value that is not a class; 403 ``priority_not_allowed`` for a
-            class above the tenant's.
+        APIError: 400 for a value that is neither a class nor an integer; 403
+            ``priority_not_allowed`` for a class name above the tenant's.
     """
-    asked = body.get("priority") if isinstance(body, dict) and "priority" in body else header
+    asked = body.get("priority") if isinstance(body, dict) and "priority" in body else None
+    if isinstance(asked, int) and not isinstance(asked, bool):
+        cls = sglang_priority(asked)
+        if cls is not None:
+            return max(cls, tenant.priority, key=PRIORITIES.index)  # capped at the tenant's class
+        asked = None
+    if asked is None:
+        asked = header
     if asked is None:
         return tenant.priority
     if asked not in PRIORITIES:
-        raise APIError(400, f"priority must be one of {', '.join(PRIORITIES)}, got {asked!r}", param="priority")
+        raise APIError(400, f"priority must be one of {', '.join(PRIORITIES)} or an integer (SGLang's: "
+                       f"> 0 interactive, 0 the key's class, < 0 batch), got {asked!r}", param="priority")
     if PRIORITIES.index(asked) < PRIORITIES.index(tenant.priority):
         raise APIError(403, f"this key's requests are {tenant.priority!r} at most; {asked!r} is above it",
                        param="priority", code="priority_not_allowed")

@@ -130,7 +130,7 @@ def to_conversation(req: ResponsesRequest, items: list,
                         logit_bias=req.logit_bias)
     strict = fmt is not None and fmt.type == "json_schema" and getattr(fmt, "strict", None) is True
     conv = Conversation(turns, sampling, tools, choice, forced, req.parallel_tool_calls is not False, schema,
-                        param, strict, template_kwargs=kwargs, model=req.model, stream=req.stream)
+                        param, strict, template_kwargs=kwargs, model=req.model, stream=bool(req.stream))
     return conv, omitted
 
 

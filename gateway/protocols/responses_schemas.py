@@ -246,7 +246,7 @@ class ResponsesRequest(SamplingExtras):
     max_output_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = Field(default=None, ge=0, le=2)
     top_p: Optional[float] = Field(default=None, gt=0, le=1)
-    stream: StrictBool = False
+    stream: Optional[StrictBool] = False  # null: not streamed (sglang-router 0.3.2 forwards "stream": null)
     store: StrictBool = True
     previous_response_id: Optional[StrictStr] = None
     metadata: Optional[dict[str, StrictStr]] = None

@@ -14,8 +14,12 @@ and the concurrency slots that count are the store's, shared by every replica:
 store's levels as :meth:`Limiter.begin` read them and taken from the store in the
 background, completion tokens are sent in batches (at most one round trip per request per
 ``store.flush_interval``) and a slot is released in the background. The replica's own
-buckets are charged too, so that while the store does not answer (``store.usable()`` is
-False) this replica falls back on them, with its own recent use in them.
+buckets follow the store's levels (each answer of the store lowers them to its levels) and
+its own use, so that while the store does not answer (``store.usable()`` is False) this
+replica decides from where the cluster was, with its part of each tenant's requests
+(:class:`~gateway.tenancy.limits_outage.TrafficPart`, else 1 / the replicas sharing the
+store) of each limit's rate and concurrency; what it admits and charges meanwhile is sent
+to the store on its return (:mod:`gateway.tenancy.limits_outage`).
 
 All methods run on the event loop thread (no locking needed).
 """
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from gateway.http.errors import APIError
+from gateway.tenancy.limits_outage import TrafficPart
 from gateway.tenancy.tenants import Tenant
 
 
@@ -78,6 +83,15 @@ class _TenantState:
     prompt: Optional[TokenBucket] = None
     completion: Optional[TokenBucket] = None
     in_flight: int = 0
+    tenant: Optional[Tenant] = None
+    traffic: TrafficPart = field(default_factory=TrafficPart)  # this replica's part of its requests
+    seen: dict = field(default_factory=dict)  # bucket -> (level, time) the shared store last gave
+    alone: bool = False  # deciding without the store since its last answer
+
+    def buckets(self):
+        """(bucket, per-minute limit attribute of the tenant) of each bucket it has."""
+        return ((b, a) for b, a in ((self.requests, "requests_per_minute"), (self.prompt, "prompt_tokens_per_minute"),
+                                    (self.completion, "completion_tokens_per_minute")) if b is not None)
 
 
 @dataclass
@@ -152,6 +166,7 @@ class Ticket:
         if shown is not self.state:
             shown.prompt.take(n)
             bucket.refill(now)
+        if self.limiter.store is not None:
             self.limiter.store.charge(self.tenant, "prompt", n)
         bucket.take(n)
         self.headers = self.limiter._headers(shown)
@@ -204,12 +219,41 @@ class Limiter:
         self.on_limited = on_limited
         self.store = store
         self._states: dict[str, _TenantState] = {}
+        if store is not None:
+            store.levels = self.levels
+
+    def levels(self) -> dict[str, tuple]:
+        """Each tenant's ``(tenant, requests, completion, prompt)``: the levels the shared
+        store last gave, refilled to now at the whole rate (None where it gave none), for
+        a store that lost its data: the cluster's levels but for what the replicas took
+        since (they send it)."""
+        now = self.clock()
+        out = {}
+        for name, st in self._states.items():
+            if st.tenant is None:
+                continue
+            row = [st.tenant]
+            for attr, limit in (("requests", st.tenant.requests_per_minute),
+                                ("completion", st.tenant.completion_tokens_per_minute),
+                                ("prompt", st.tenant.prompt_tokens_per_minute)):
+                seen = st.seen.get(attr)
+                row.append(None if seen is None or not limit else min(limit, seen[0] + (now - seen[1]) * limit / 60))
+            out[name] = tuple(row)
+        return out
+
+    def _share(self, st: _TenantState, share: float, now: float) -> None:
+        """Refill ``st``'s buckets up to ``now`` at their rate so far, then set each one's
+        rate to ``share`` of its limit per second."""
+        for bucket, attr in st.buckets():
+            bucket.refill(now)
+            bucket.rate = getattr(st.tenant, attr) / 60.0 * share
 
     def _state(self, tenant: Tenant) -> _TenantState:
         """The tenant's buckets, created or resized to its current limits."""
         st = self._states.get(tenant.name)
         if st is None:
             st = self._states[tenant.name] = _TenantState()
+        st.tenant = tenant
         now = self.clock()
         for attr, limit in (("requests", tenant.requests_per_minute),
                             ("prompt", tenant.prompt_tokens_per_minute),
@@ -254,7 +298,7 @@ class Limiter:
         """
         st = self._state(tenant)
         store = self.store
-        lease = None
+        lease, taken = None, False
         if store is not None and any(v is not None for v in (
                 tenant.requests_per_minute, tenant.prompt_tokens_per_minute,
                 tenant.completion_tokens_per_minute, tenant.max_concurrent)):
@@ -263,7 +307,8 @@ class Limiter:
                 verdict = await store.begin(tenant, lease)
                 if verdict is not None:
                     return self._admit_shared(tenant, st, verdict, lease)
-        ticket = self._admit_local(tenant, st)
+                taken = store.in_doubt  # the store may count this request itself
+        ticket = self._admit_local(tenant, st, taken)
         if lease is not None:
             ticket.lease = lease
             store.track(tenant, lease)
@@ -273,6 +318,16 @@ class Limiter:
         now = self.clock()
         view = _TenantState(requests=_mirror(tenant.requests_per_minute, v.requests, now),
                             prompt=_mirror(tenant.prompt_tokens_per_minute, v.prompt, now))
+        # this replica's buckets follow the cluster's (what the store read), for when it
+        # must decide alone; its own take below keeps them at most the store's
+        self._share(st, 1.0, now)
+        st.alone = False
+        st.seen = {"requests": (v.requests, now), "completion": (v.completion, now), "prompt": (v.prompt, now)}
+        if st.requests is not None and v.refused != "concurrency":
+            st.traffic.saw(v.requests, v.refused is None, st.requests.capacity, st.requests.rate, now)
+        for bucket, level in ((st.requests, v.requests), (st.prompt, v.prompt), (st.completion, v.completion)):
+            if bucket is not None:
+                bucket.level = min(bucket.level, level + (1 if bucket is st.requests and v.refused is None else 0))
         if v.refused == "concurrency":
             raise self._refuse(tenant, view, "concurrency", 1,
                                f"tenant has {v.held} requests in flight (limit {tenant.max_concurrent})")
@@ -280,17 +335,33 @@ class Limiter:
             attr, unit = _MESSAGES[v.refused]
             raise self._refuse(tenant, view, v.refused, v.wait,
                                f"rate limit of {getattr(tenant, attr)} {unit} per minute reached")
-        if st.requests is not None:  # this replica's own use, for when it must fall back
-            st.requests.refill(now)
+        if st.requests is not None:
             st.requests.take(1)
         st.in_flight += 1
         if lease is not None:
             self.store.track(tenant, lease)
         return Ticket(self, tenant, st, headers=self._headers(view), lease=lease, view=view)
 
-    def _admit_local(self, tenant: Tenant, st: _TenantState) -> Ticket:
+    def _admit_local(self, tenant: Tenant, st: _TenantState, taken: bool = False) -> Ticket:
+        """Admit from this replica's buckets: alone (no store), or while a shared store does
+        not answer: then with this replica's part of the tenant's traffic (``st.traffic``)
+        of each limit, the request charged to the store on its return (unless ``taken``: a
+        check-and-take the store may still run)."""
         now = self.clock()
-        if tenant.max_concurrent is not None and st.in_flight >= tenant.max_concurrent:
+        store = self.store
+        share = st.traffic.share(store.outage.peers) if store is not None else 1.0
+        self._share(st, share, now)
+        if store is not None and not st.alone:
+            # from now on this replica spends its share of what the cluster had left (the
+            # others spend theirs), and of the refill
+            st.alone = True
+            st.traffic.forget_anchor()
+            for bucket, _ in st.buckets():
+                bucket.level *= share
+        max_concurrent = tenant.max_concurrent
+        if max_concurrent is not None and share < 1.0:
+            max_concurrent = max(1, math.ceil(max_concurrent * share))
+        if max_concurrent is not None and st.in_flight >= max_concurrent:
             raise self._refuse(tenant, st, "concurrency", 1,
                                f"tenant has {st.in_flight} requests in flight (limit {tenant.max_concurrent})")
         # (bucket, tokens needed now, limit label, per-minute limit, unit); completion
@@ -304,6 +375,8 @@ class Limiter:
                 raise self._refuse(tenant, st, label, wait, f"rate limit of {limit} {unit} per minute reached")
         if st.requests is not None:
             st.requests.take(1)
+            if store is not None and not taken:
+                store.charge(tenant, "requests", 1)
         st.in_flight += 1
         return Ticket(self, tenant, st, headers=self._headers(st))
 

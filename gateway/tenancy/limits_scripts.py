@@ -67,17 +67,51 @@ end
 return {refused, tostring(wait), held, tostring(lv[1]), tostring(lv[2]), tostring(lv[3])}
 """
 
-# KEYS: prompt bucket, completion bucket, leases. ARGV: prompt tokens per minute (0: none),
-# prompt tokens to take, completion tokens per minute (0: none), completion tokens to take,
-# then the lease ids to remove. Debt allowed.
+# KEYS: prompt, completion, requests buckets, leases. ARGV: per bucket its limit per minute
+# (0: none) and what to take, then the lease ids to remove. Debt allowed.
 SETTLE = _LIB + """
 local now = now_ms()
-for i = 1, 2 do
+for i = 1, 3 do
   local cap, n = tonumber(ARGV[2 * i - 1]), tonumber(ARGV[2 * i])
   if cap > 0 and n > 0 then save(KEYS[i], cap, level(KEYS[i], cap, now) - n, now) end
 end
-for i = 5, #ARGV do redis.call('ZREM', KEYS[3], ARGV[i]) end
+for i = 7, #ARGV do redis.call('ZREM', KEYS[4], ARGV[i]) end
 return 1
+"""
+
+# After an outage, one tenant. KEYS: requests, completion, prompt buckets. ARGV: 1 when
+# Redis lost its data meanwhile (a restart), then per bucket: limit per minute (0: none),
+# what this replica took while on its own, the level the store last gave it refilled to
+# now. A bucket Redis lost is set to that level less what this replica took (when another
+# replica has not set it first); any other is charged what was taken. Debt allowed.
+SYNC = _LIB + """
+local now = now_ms()
+local lost = ARGV[1] == '1'
+for i = 1, 3 do
+  local cap, used, mine = tonumber(ARGV[3 * i - 1]), tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1])
+  if cap > 0 then
+    if lost and redis.call('EXISTS', KEYS[i]) == 0 then
+      local l = math.min(cap, mine) - used
+      if l < cap then save(KEYS[i], cap, l, now) end
+    elseif used > 0 then
+      save(KEYS[i], cap, level(KEYS[i], cap, now) - used, now)
+    end
+  end
+end
+return 1
+"""
+
+# KEYS: the replicas (sorted set {replica id: expiry ms}), the data's epoch. ARGV: this
+# replica's id, how long its entry lives (ms), an epoch to set if there is none (Redis
+# started empty). Returns {replicas present, the epoch}.
+PRESENCE = _LIB + """
+local now = now_ms()
+local ttl = tonumber(ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
+redis.call('PEXPIRE', KEYS[1], 2 * ttl)
+redis.call('SET', KEYS[2], ARGV[3], 'NX')
+return {redis.call('ZCARD', KEYS[1]), redis.call('GET', KEYS[2])}
 """
 
 # KEYS: leases. ARGV: lease TTL (ms), lease ids... Returns the slots held.

@@ -7,6 +7,10 @@ Keys, per tenant ``T`` (the ``{T}`` hash tag keeps a tenant's keys in one Redis 
     mlxgw:{T}:completion   hash                              completion tokens per minute (may be < 0: debt)
     mlxgw:{T}:leases       sorted set {lease id: expiry ms}  concurrency slots
 
+and for the cluster: ``mlxgw:{cluster}:replicas`` (sorted set {replica id: expiry ms}: the
+replicas present) and ``mlxgw:{cluster}:epoch`` (a random value set when the data starts:
+a Redis restarted empty has a new one).
+
 A bucket refills at ``limit / 60`` per second up to ``limit``, computed from the Redis
 server's clock (``TIME``), so replicas' clocks do not matter; a bucket key expires once it
 would be full again (absent = full). The limits themselves travel with each call (the
@@ -19,19 +23,26 @@ replicas:
 - ``BEGIN``: drop expired leases, check concurrency, requests, completion debt and prompt
   tokens in the order of the in-process limiter, then take a request and add the lease
   (expiry now + ``lease_ttl``); answers the verdict and the levels for the headers.
-- ``SETTLE``: take prompt and completion tokens (debt allowed) and remove ended requests'
-  leases. One writer task sends them, one call per tenant with what accumulated while the
+- ``SETTLE``: take prompt and completion tokens and requests (debt allowed) and remove
+  ended requests' leases. One writer task sends them, one call per tenant with what accumulated while the
   previous call was in flight, so a burst of requests costs few round trips.
 - ``REFRESH``: push the expiry of this replica's running requests' leases (every
   ``lease_ttl / 3``), so a replica that dies stops refreshing and its slots expire after
   ``lease_ttl`` (30 s).
+- ``PRESENCE``: every 2 s, this replica's entry in the replicas present (kept 6 s); answers
+  how many are, and the data's epoch.
+- ``SYNC``: after an outage, per tenant, what this replica took meanwhile (and, when Redis
+  lost its data, its own levels for the buckets no replica has set again yet).
 
 No request waits on Redis more than ``timeout`` (50 ms): a call that fails or times out
 marks the store down (logged once), the limiter then uses this replica's own buckets
-(:class:`gateway.tenancy.limits.Limiter`), requests make no Redis call at all, and a
-background task pings Redis every ``probe_interval`` (2 s) until it answers (logged once);
-it then re-adds the leases of requests still running here (also those admitted locally).
-``mlx_gateway_limits_store_up`` is 1 while the store is used, 0 while it is not.
+(:class:`gateway.tenancy.limits.Limiter`), which follow the store's levels, with
+``1 / replicas present`` of each limit (:mod:`gateway.tenancy.limits_outage`); requests make
+no Redis call at all, and a background task pings Redis every ``probe_interval`` (2 s)
+until it answers. It then sends what this replica admitted and charged meanwhile (SYNC)
+before requests use the store again (logged once), and re-adds the leases of requests still
+running here (also those admitted locally). ``mlx_gateway_limits_store_up`` is 1 while the
+store is used, 0 while it is not.
 
 redis-py (``redis>=5``) is imported only when a store is created.
 """
@@ -44,12 +55,12 @@ import logging
 import os
 import secrets
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Optional
-from urllib.parse import urlsplit, urlunsplit
 
-from gateway.tenancy.limits import Limiter, Verdict
-from gateway.tenancy.limits_scripts import BEGIN, REFRESH, SETTLE
+from gateway.tenancy.limits import Verdict
+from gateway.tenancy.limits_outage import PRESENCE_SECONDS, PRESENCE_TTL, Outage, Owed
+from gateway.tenancy.limits_scripts import BEGIN, PRESENCE, REFRESH, SETTLE, SYNC
+from gateway.tenancy.limits_url import check_url, redacted
 from gateway.tenancy.tenants import Tenant
 
 log = logging.getLogger("mlx_gateway.limits")
@@ -61,39 +72,6 @@ FLUSH_SECONDS = 0.25  # a running request sends its completion tokens at most th
 CONCURRENT_CALLS = 32  # per replica: more wait for one to end (within the timeout), on warm connections
 
 _REFUSED = (None, "requests", "completion_tokens", "prompt_tokens", "concurrency")
-
-
-def redacted(url: str) -> str:
-    """``url`` without its password (for logs)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
-def check_url(url: str) -> None:
-    """Raises:
-        ValueError: ``url`` is not a ``redis://``, ``rediss://`` or ``unix://`` URL, or
-            redis-py is not installed (nothing is contacted)."""
-    if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
-        raise ValueError(f"--limits-store {redacted(url)}: expected a redis://host:port/db, rediss:// "
-                         "or unix:// URL")
-    try:
-        import redis.asyncio  # noqa: F401
-    except ImportError as e:
-        raise ValueError("--limits-store needs the redis package: pip install 'redis>=5'") from e
-
-
-@dataclass
-class _Owed:
-    """Charges and lease releases of one tenant not yet sent."""
-
-    tenant: Tenant
-    prompt: int = 0
-    completion: int = 0
-    leases: list[str] = field(default_factory=list)
 
 
 class RedisLimitsStore:
@@ -125,13 +103,19 @@ class RedisLimitsStore:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._client = None
         self._scripts: dict[str, object] = {}
-        self._owed: dict[str, _Owed] = {}  # what the writer is to send, per tenant
+        self._owed: dict[str, Owed] = {}  # what the writer is to send, per tenant
         self._writer: Optional[asyncio.Task] = None
         self._maintainer: Optional[asyncio.Task] = None
         self._lock: Optional[asyncio.Lock] = None
         self._slots: Optional[asyncio.Semaphore] = None
         self._next_probe = 0.0
         self._closed = False
+        self._catching_up = False
+        self.outage = Outage()
+        self.last_error: Optional[BaseException] = None
+        self.in_doubt = False  # the last BEGIN that failed may have been run by Redis
+        # tenant name -> (tenant, its requests, completion, prompt levels here): set by the Limiter
+        self.levels: Callable[[], dict] = dict
 
     # ------------------------------------------------------------------ setup
     def _ensure(self) -> Optional[asyncio.AbstractEventLoop]:
@@ -158,7 +142,8 @@ class RedisLimitsStore:
                 retry_on_error=[ConnectionError], decode_responses=True, health_check_interval=0)
             self._client = aioredis.Redis.from_pool(pool)
             self._scripts = {name: self._client.register_script(src) for name, src in
-                             (("begin", BEGIN), ("settle", SETTLE), ("refresh", REFRESH))}
+                             (("begin", BEGIN), ("settle", SETTLE), ("refresh", REFRESH), ("sync", SYNC),
+                              ("presence", PRESENCE))}
             self._lock = asyncio.Lock()
             self._slots = asyncio.Semaphore(CONCURRENT_CALLS)
             self._owed, self._writer = {}, None
@@ -170,13 +155,20 @@ class RedisLimitsStore:
 
     # ------------------------------------------------------------------ health
     def usable(self) -> bool:
-        """Whether requests should ask the store (False while it is down, or once closed:
-        no call at all)."""
-        return self.up and not self._closed
+        """Whether requests should ask the store (False while it is down, catching up after
+        an outage, or closed: no call at all)."""
+        return self.up and not self._closed and not self._catching_up
+
+    def share(self) -> float:
+        """An even share of each limit (1 / the replicas present), for a tenant whose part
+        of the traffic here is not known."""
+        return self.outage.share()
 
     def _down(self, error: BaseException) -> None:
         self._next_probe = self.clock() + self.probe_interval
-        if self.up:
+        if self._catching_up:
+            self.up = False
+        elif self.up:
             self.up = False
             log.warning("limits store %s does not answer (%s): this gateway applies the tenants' limits on "
                         "its own meanwhile", redacted(self.url), type(error).__name__ +
@@ -199,28 +191,48 @@ class RedisLimitsStore:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # timeouts, connection and server errors alike
+            self.last_error = e
             self._down(e)
             return None
 
     async def _maintain(self) -> None:
-        """Refresh the leases of running requests while up; ping while down."""
-        tick = min(self.probe_interval, self.refresh_interval) / 2
+        """Refresh the leases of running requests and this replica's presence while up;
+        ping while down."""
+        tick = min(self.probe_interval, self.refresh_interval, PRESENCE_SECONDS) / 2
         next_refresh = self.clock() + self.refresh_interval
+        next_presence = 0.0
         while True:
-            await asyncio.sleep(tick)
             now = self.clock()
             try:
                 if not self.up:
                     if now >= self._next_probe:
                         await self._probe()
                         next_refresh = self.clock() + self.refresh_interval
-                elif now >= next_refresh:
-                    next_refresh = now + self.refresh_interval
-                    await self._refresh()
+                        next_presence = self.clock() + PRESENCE_SECONDS
+                else:
+                    if now >= next_presence:
+                        next_presence = now + PRESENCE_SECONDS
+                        await self._presence()
+                    if now >= next_refresh:
+                        next_refresh = now + self.refresh_interval
+                        await self._refresh()
             except asyncio.CancelledError:
                 raise
             except Exception:  # never seen; the loop must outlive it
                 log.exception("limits store: maintenance failed")
+            await asyncio.sleep(tick)
+
+    async def _presence(self) -> Optional[bool]:
+        """Tell the store this replica is there; read how many are (:attr:`Outage.peers`)
+        and the data's epoch. True when the store's data is not the one this replica saw
+        last (it restarted empty), None when the store did not answer."""
+        r = await self._call("presence", [f"{self.prefix}:{{cluster}}:replicas", f"{self.prefix}:{{cluster}}:epoch"],
+                             [self._replica, int(PRESENCE_TTL * 1000), secrets.token_hex(8)])
+        if r is None:
+            return None
+        seen, self.outage.epoch = self.outage.epoch, str(r[1])
+        self.outage.peers = max(1, int(r[0]))
+        return seen is not None and seen != self.outage.epoch
 
     async def _probe(self) -> None:
         self._next_probe = self.clock() + self.probe_interval
@@ -233,8 +245,22 @@ class RedisLimitsStore:
         except Exception as e:
             log.debug("limits store: probe failed: %r", e)
             return
+        self._catching_up = True  # the calls below may run; requests do not use the store yet
+        try:
+            lost = await self._presence()
+            synced = lost is not None and await self._sync(lost)
+        finally:
+            self._catching_up = False
+        if not synced:
+            return
         self._up()
+        for o in self.outage.take().values():  # charged while the sync ran: sent as usual
+            self._owe(o.tenant, o.prompt, o.completion, requests=o.requests)
         await self._refresh()  # the requests running here hold their slots again
+
+    async def _sync(self, lost: bool) -> bool:
+        """:meth:`Outage.sync` through this store; False when it failed."""
+        return await self.outage.sync(self._call, self._key, self.levels(), lost, self.clock())
 
     async def _refresh(self) -> None:
         async with self._lock:
@@ -262,6 +288,11 @@ class RedisLimitsStore:
                 int(self.lease_ttl * 1000)]
         r = await self._call("begin", keys, args)
         if r is None:
+            # A call that timed out was sent, and Redis may run it yet (a slow or paused
+            # server): its take is then counted there, not again on the store's return.
+            from redis.exceptions import TimeoutError as RedisTimeout
+
+            self.in_doubt = isinstance(self.last_error, (TimeoutError, RedisTimeout))
             return None
         return Verdict(_REFUSED[int(r[0])], float(r[1]) / 1000, int(r[2]), float(r[3]), float(r[4]), float(r[5]))
 
@@ -276,17 +307,18 @@ class RedisLimitsStore:
         except RuntimeError:
             return None
 
-    def _owe(self, tenant: Tenant, prompt: int = 0, completion: int = 0, lease: Optional[str] = None) -> None:
-        """Add to what the writer sends (nothing while the store is down: leases then
-        expire by their TTL, tokens are charged to this replica's buckets only)."""
-        if not self.up or self._ensure() is None:
+    def _owe(self, tenant: Tenant, prompt: int = 0, completion: int = 0, lease: Optional[str] = None,
+             requests: int = 0) -> None:
+        """Add to what the writer sends. While the store is down (or catching up), charges
+        wait for its return (:class:`Outage`) and leases expire by their TTL."""
+        if not self.up or self._catching_up or self._ensure() is None:
+            if not self._closed and (requests or prompt or completion):
+                self.outage.record(tenant, requests, prompt, completion)
             return
         owed = self._owed.get(tenant.name)
         if owed is None:
-            owed = self._owed[tenant.name] = _Owed(tenant)
-        owed.tenant = tenant
-        owed.prompt += prompt
-        owed.completion += completion
+            owed = self._owed[tenant.name] = Owed(tenant)
+        owed.add(tenant, requests, prompt, completion)
         if lease is not None:
             owed.leases.append(lease)
         if self._writer is None or self._writer.done():
@@ -300,18 +332,24 @@ class RedisLimitsStore:
             owed, self._owed = self._owed, {}
             # Under the lock: a refresh in flight cannot re-add a lease after its removal.
             async with self._lock:
-                for name, o in owed.items():
+                pending = list(owed.items())
+                for k, (name, o) in enumerate(pending):
                     t = o.tenant
                     args = [t.prompt_tokens_per_minute or 0, o.prompt, t.completion_tokens_per_minute or 0,
-                            o.completion, *o.leases]
-                    keys = [self._key(name, "prompt"), self._key(name, "completion"), self._key(name, "leases")]
+                            o.completion, t.requests_per_minute or 0, o.requests, *o.leases]
+                    keys = [self._key(name, "prompt"), self._key(name, "completion"), self._key(name, "requests"),
+                            self._key(name, "leases")]
                     if await self._call("settle", keys, args) is None:
+                        for _, left in pending[k:]:  # sent on the store's return
+                            self.outage.record(left.tenant, left.requests, left.prompt, left.completion)
                         break
         if not self.up:
+            for o in self._owed.values():
+                self.outage.record(o.tenant, o.requests, o.prompt, o.completion)
             self._owed = {}
 
     def charge(self, tenant: Tenant, kind: str, n: int) -> None:
-        """Take ``n`` tokens from ``tenant``'s ``kind`` (prompt|completion) bucket, in the
+        """Take ``n`` from ``tenant``'s ``kind`` (requests|prompt|completion) bucket, in the
         background."""
         if n > 0:
             self._owe(tenant, **{kind: n})
@@ -351,46 +389,3 @@ class RedisLimitsStore:
                 pass
         self._client, self._loop = None, None
 
-
-class StoreUpCollector:
-    """``mlx_gateway_limits_store_up``: 1 while the shared limits store is used, 0 while each
-    gateway applies the limits on its own (read at scrape time)."""
-
-    def __init__(self, store: RedisLimitsStore):
-        self.store = store
-
-    def collect(self):
-        from prometheus_client.core import GaugeMetricFamily
-
-        yield GaugeMetricFamily("mlx_gateway_limits_store_up",
-                                "1 while the shared limits store (--limits-store) answers, 0 while each "
-                                "gateway applies the tenants' limits on its own.",
-                                value=1.0 if self.store.up else 0.0)
-
-    def describe(self):
-        return []
-
-
-def check_limits_store(config) -> None:
-    """Check ``config.limits_store`` (if any) before anything starts; nothing is contacted.
-
-    Raises:
-        ValueError: see :func:`check_url`.
-    """
-    if config.limits_store:
-        check_url(config.limits_store)
-
-
-def make_limiter(config, registry=None, on_limited: Optional[Callable[[str, str], None]] = None,
-                 **store_options) -> Limiter:
-    """The limiter ``config`` asks for: shared through ``config.limits_store`` (its up gauge
-    registered on ``registry``), else this process's own.
-
-    Raises:
-        ValueError: see :func:`check_url`.
-    """
-    store = RedisLimitsStore(config.limits_store, **store_options) if config.limits_store else None
-    limiter = Limiter(on_limited, store=store) if on_limited is not None else Limiter(store=store)
-    if store is not None and registry is not None:
-        registry.register(StoreUpCollector(store))
-    return limiter
