@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -54,6 +55,8 @@ class ServeConfig:
     sse_keepalive: float = 10.0
     responses_store_count: int = 1000
     responses_store_bytes: int = 64 << 20
+    responses_store: Optional[str] = None  # None: SQLite in the data directory
+    responses_store_ttl: float = 30 * 86400.0  # seconds; 0: entries never expire
     api_key_file: Optional[str] = None
     metrics_key: Optional[str] = None
     allowed_hosts: list[str] = field(default_factory=list)
@@ -103,6 +106,19 @@ def parse_size(text: str) -> int:
     if n < 0:
         raise ValueError(f"a byte size must be >= 0, got {text!r}")
     return n
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``text``: a number of seconds, or one with a unit, e.g. ``90s``, ``10m``,
+    ``12h``, ``30d``.
+
+    Raises:
+        ValueError: not a duration, or negative.
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
+    if m is None:
+        raise ValueError(f"not a duration such as 30d, 12h, 10m or 90s: {text!r}")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -257,8 +273,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_responses_arguments(p: argparse.ArgumentParser) -> None:
-    """The bounds of the Responses API's per-tenant store."""
+    """Where the Responses API keeps stored responses, and its per-tenant bounds."""
     d = ServeConfig()
+    p.add_argument("--responses-store", metavar="STORE", default=d.responses_store,
+                   help="where stored responses (store: true, previous_response_id, GET /v1/responses/{id}) are "
+                   "kept: 'sqlite:PATH' (a SQLite file; survives restarts and crashes), a Redis URL "
+                   "(redis://host:port/db, rediss://..., unix:///path?db=0: shared by replicas, so a chain "
+                   "continues on any of them; needs the redis package), or 'memory' (lost at exit) "
+                   "(default: sqlite:responses.sqlite3 in the data directory: $MLX_GATEWAY_DATA_DIR, else "
+                   "$MLX_GATEWAY_HOME, else ~/.local/share/mlx-gateway or the platform's equivalent)")
+    p.add_argument("--responses-store-ttl", type=parse_duration, default=d.responses_store_ttl, metavar="DURATION",
+                   help="a stored response unused for this long expires, e.g. 30d, 12h; 0 = never "
+                   "(default 30d)")
     p.add_argument("--responses-store-count", type=int, default=d.responses_store_count,
                    help="stored responses kept per tenant for previous_response_id and GET /v1/responses/{id}; "
                    "the least recently used go first (default %(default)s)")

@@ -6,6 +6,7 @@ import functools
 import ipaddress
 import logging
 import os
+import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -19,6 +20,7 @@ from gateway.models.budget import default_budget, gib
 from gateway.models.loader import load_model
 from gateway.models.registry import ModelRegistry
 from gateway.models.spec import ModelSpec, model_specs
+from gateway.protocols.responses_store_open import check_responses_store
 from gateway.routes.app import create_app
 from gateway.telemetry.metrics import GatewayMetrics, prime
 from gateway.telemetry.model_metrics import ModelMetrics
@@ -281,8 +283,9 @@ def serve(cfg: ServeConfig) -> None:
     Raises:
         SystemExit: a bad models or tenants file or key flags, a ``--prompt-cache-dir`` that
             cannot be a private directory of this user, an open non-loopback host (see
-            :func:`tenant_table`), an ``MLX_GATEWAY_IDLE_TRIM_SECONDS`` that is not a
-            finite number, or uvicorn could not start.
+            :func:`tenant_table`), a response store that cannot be opened, an
+            ``MLX_GATEWAY_IDLE_TRIM_SECONDS`` that is not a finite number, or uvicorn could
+            not start.
     """
     import uvicorn
 
@@ -306,6 +309,7 @@ def serve(cfg: ServeConfig) -> None:
         specs = model_specs(cfg)
         tenants = tenant_table(cfg)
         check_limits_store(cfg)
+        check_responses_store(cfg)
         if cfg.prompt_cache_dir:  # and a disk-tier directory that cannot be used
             from cache.disk_files import secure_dir
 
@@ -319,7 +323,10 @@ def serve(cfg: ServeConfig) -> None:
     if cluster is not None and cluster.rank > 0:
         serve_follower(cfg, specs[0], cluster)
         return
-    gateway = build_gateway(cfg, tenants, specs)
+    try:
+        gateway = build_gateway(cfg, tenants, specs)
+    except (ValueError, OSError, sqlite3.Error) as e:  # a response store that cannot be opened
+        raise SystemExit(f"mlx-gateway: {e}")
     if trim_after > 0:  # the kept memory goes back to the kernel after a quiet spell
         IdleTrimmer(gateway.activity, trim_after).start()
     gateway.start()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections import OrderedDict
 from typing import Optional
 
 import llguidance
@@ -27,6 +28,10 @@ log = logging.getLogger("mlx_gateway.grammar")
 # Compact JSON (``{"a":1}``): with flexible whitespace a model can emit blank space
 # forever, which random-weight models and small models do.
 JSON_DEFAULTS = {"whitespace_flexible": False}
+# For schemas that describe rather than promise (non-strict tools and formats): ``oneOf``
+# is enforced as ``anyOf`` and keywords llguidance does not implement (``uniqueItems``,
+# ``not``, unknown ``format`` s, ...) are left unenforced instead of failing the grammar.
+JSON_RELAXED = {**JSON_DEFAULTS, "coerce_one_of": True, "lenient": True}
 _ADD = np.array([0.0, -np.inf], dtype=np.float32)  # allowed -> 0, forbidden -> -inf
 
 
@@ -63,6 +68,7 @@ class Grammars:
         self.eos_token_ids = sorted(eos_token_ids)
         self._lltok: Optional[llguidance.LLTokenizer] = None
         self._lock = threading.Lock()
+        self._problems: OrderedDict[tuple[str, bool], Optional[str]] = OrderedDict()
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
@@ -83,17 +89,18 @@ class Grammars:
             return f"<[{ids[0]}]>"
         return json.dumps(text)
 
-    def mask(self, grammar: str) -> "TokenMask":
+    def mask(self, grammar: str, strict: bool = True) -> "TokenMask":
         """A fresh :class:`TokenMask` for ``grammar`` (from :func:`json_schema_grammar`
         or :func:`lark_grammar`).
 
         Raises:
-            GrammarError: the grammar does not compile (the message says why), or uses
-                JSON Schema keywords llguidance does not enforce (named).
+            GrammarError: the grammar does not compile (the message says why), or, when
+                ``strict``, uses JSON Schema keywords llguidance does not enforce (named;
+                a relaxed grammar, :data:`JSON_RELAXED`, leaves them unenforced).
         """
         _, notes = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-        unenforced = [n.split(":", 1)[1].strip() for n in notes if n.startswith("Unimplemented keys")]
-        if unenforced:  # e.g. uniqueItems, contains, not: the output could break the schema
+        unenforced = [n.split(":", 1)[1].strip() for n in notes if "Unimplemented keys" in n]
+        if strict and unenforced:  # e.g. uniqueItems, contains, not: the output could break the schema
             raise GrammarError(f"keywords the grammar engine cannot enforce: {', '.join(unenforced)}")
         try:
             matcher = llguidance.LLMatcher(self._tokenizer(), grammar)
@@ -103,13 +110,33 @@ class Grammars:
             raise GrammarError(matcher.get_error())
         return TokenMask(matcher, self.n_vocab)
 
-    def check(self, grammar: str) -> None:
+    def check(self, grammar: str, strict: bool = True) -> None:
         """Compile ``grammar`` and drop it.
 
         Raises:
-            GrammarError: it does not compile.
+            GrammarError: it does not compile (see :meth:`mask`).
         """
-        self.mask(grammar)
+        self.mask(grammar, strict)
+
+    def problem(self, grammar: str, strict: bool = True) -> Optional[str]:
+        """Why ``grammar`` does not compile (:meth:`mask`'s error), or None when it does.
+        Remembered for the last 512 grammars asked about: agents send the same tools with
+        every request."""
+        key = (grammar, strict)
+        with self._lock:
+            if key in self._problems:
+                self._problems.move_to_end(key)
+                return self._problems[key]
+        try:
+            self.mask(grammar, strict)
+            found = None
+        except GrammarError as e:
+            found = str(e)
+        with self._lock:
+            self._problems[key] = found
+            while len(self._problems) > 512:
+                self._problems.popitem(last=False)
+        return found
 
 
 class TokenMask:

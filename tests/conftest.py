@@ -16,6 +16,7 @@ import lzma
 import os
 import shutil
 import socket
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -28,6 +29,12 @@ from gateway.models.demo_model import build_model_dir, copy_tokenizer_files
 from scheduler.request import DoneEvent, ErrorEvent, TokenEvent
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# The gateway's data directory (the default response store's SQLite file) is a temporary
+# one for the whole run, inherited by gateway subprocesses: tests never write into the
+# user's own data directory, and a run starts from an empty store.
+_DATA_DIR = tempfile.TemporaryDirectory(prefix="mlx-gateway-test-data-")
+os.environ["MLX_GATEWAY_DATA_DIR"] = _DATA_DIR.name
 _MODEL_CACHE = Path(os.environ.get("MLX_GATEWAY_TEST_MODELS", ROOT / ".test-models"))
 
 # ---------------------------------------------------------------------- tokenizers

@@ -306,7 +306,7 @@ BAD = [
     ({"messages": MSG, "max_tokens": 5, "stream": "yes"}, "stream"),
     ({"messages": MSG, "max_tokens": 5, "temperature": 1.5}, "temperature"),
     ({"messages": [], "max_tokens": 5}, "messages"),
-    ({"messages": [{"role": "system", "content": "x"}], "max_tokens": 5}, "messages.0.role"),
+    ({"messages": [{"role": "robot", "content": "x"}], "max_tokens": 5}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}], "max_tokens": 5}, "messages.0.content.0.text"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 5},
      "messages.0.content.0"),

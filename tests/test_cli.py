@@ -1,5 +1,6 @@
-"""The ``mlx-gateway`` command as users run it: keys, refusing an open public host, and
-reloading the tenants file on SIGHUP without dropping a request in flight."""
+"""The ``mlx-gateway`` command as users run it: keys, refusing an open public host or a
+response store it cannot use, and reloading the tenants file on SIGHUP without dropping a
+request in flight."""
 
 from __future__ import annotations
 
@@ -59,6 +60,17 @@ def test_refuses_an_invalid_tenants_file(tmp_path):
     r = subprocess.run([*CLI, "serve", "--tenants", str(bad), "--model", str(model_path("qwen3"))],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "SHA-256" in r.stderr
+
+
+def test_refuses_a_response_store_it_cannot_use(tmp_path):
+    (tmp_path / "file").write_text("")
+    for value, said in ((f"sqlite:{tmp_path / 'file' / 'responses.sqlite3'}", "cannot create it"),
+                        ("mysql://db/responses", "expected memory, sqlite:PATH")):
+        r = subprocess.run([*CLI, "serve", "--responses-store", value, "--model", str(model_path("qwen3"))],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = subprocess.run([*CLI, "serve", "--responses-store-ttl", "soon"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--responses-store-ttl" in r.stderr
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="SIGHUP does not exist on Windows")

@@ -55,6 +55,10 @@ CLASS_NAMES = {"0": "interactive", "1": "standard", "2": "batch"}
 CLUSTER_ROW = {"mlx_gateway_prefix_cache_hits_tokens_total", "mlx_gateway_prefix_cache_queries_tokens_total",
                "mlx_gateway_requests_running", "mlx_gateway_decode_tokens_total", "mlx_gateway_requests_waiting",
                "mlx_gateway_limits_store_up"}
+# What the Stored responses row shows (the Responses API's store), by tenant where the series has one.
+STORE_ROW = {"mlx_gateway_responses_stored", "mlx_gateway_responses_stored_bytes",
+             "mlx_gateway_responses_evictions_total", "mlx_gateway_responses_store_failures_total",
+             "mlx_gateway_responses_torn_total"}
 
 
 def missing_metrics(queries: list[Query], exposed: set[str], records: set[str]) -> dict[str, list[str]]:
@@ -111,7 +115,8 @@ def test_dashboard_shape():
     # The tests substitute every variable (substitute() refuses one it has no value for).
     assert set(ALL) == {name for name, v in variables.items() if v["type"] == "query"}
     rows = [p["title"] for p in dash["panels"] if p["type"] == "row"]
-    for title in ("Cache reuse", "Latency", "Throughput", "Tenants", "Models", "Latency classes", "Cluster"):
+    for title in ("Cache reuse", "Latency", "Throughput", "Tenants", "Models", "Latency classes", "Cluster",
+                  "Stored responses"):
         assert title in rows
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
@@ -137,6 +142,19 @@ def test_dashboard_shape():
     assert not loose, f"not filtered by {INSTANCE}: {loose}"
     check_classes_row(row_panels(dash)["Latency classes"])
     check_cluster_row(row_panels(dash)["Cluster"])
+    check_store_row(row_panels(dash)["Stored responses"])
+
+
+def check_store_row(panels: list[dict]) -> None:
+    """The Stored responses row reads every store metric; a series with a tenant label is
+    read for the tenants the tenant variable selects."""
+    read = set().union(*(metric_names(t["expr"]) for p in panels for t in p["targets"]))
+    assert STORE_ROW <= read, STORE_ROW - read
+    per_tenant = {"mlx_gateway_responses_stored", "mlx_gateway_responses_stored_bytes",
+                  "mlx_gateway_responses_evictions_total"}
+    loose = unfiltered([Query(f"panel '{p['title']}'", t["expr"]) for p in panels for t in p["targets"]],
+                       per_tenant, 'tenant=~"$tenant"', frozenset())
+    assert not loose, f'not filtered by tenant=~"$tenant": {loose}'
 
 
 def check_classes_row(panels: list[dict]) -> None:
@@ -196,7 +214,8 @@ def test_checks_report_bad_layout_and_missing_model_filters():
 
 def test_row_checks_report_class_numbers_and_missing_instances():
     """The rows' checks can fail: a numeric priority drawn as a number, or under another
-    class's name; a Cluster target that does not group by instance or ignores the variable."""
+    class's name; a Cluster target that does not group by instance or ignores the variable; a
+    Stored responses row that misses a store metric or ignores the tenant variable."""
     def panel(expr, legend):
         return {"title": "p", "targets": [{"expr": expr, "legendFormat": legend}]}
 
@@ -221,6 +240,11 @@ def test_row_checks_report_class_numbers_and_missing_instances():
                 panel(f"sum by (instance) ({sorted(CLUSTER_ROW)[0]}{{{INSTANCE}}})", "all")):
         with pytest.raises(AssertionError):
             check_cluster_row(good + [bad])
+    store = [panel(f'sum by (tenant) ({n}{{tenant=~"$tenant",{INSTANCE}}})', "{{tenant}}") for n in sorted(STORE_ROW)]
+    check_store_row(store)
+    for bad in (store[1:], store + [panel(f"sum(mlx_gateway_responses_stored{{{INSTANCE}}})", "all")]):
+        with pytest.raises(AssertionError):
+            check_store_row(bad)
     assert substitute(f'up{{{INSTANCE}}}', ALL) == 'up{instance=~".*"}'
 
 

@@ -18,7 +18,8 @@ from gateway.conversation.form import Finished, Piece, ToolCallDelta, Usage
 from gateway.protocols.responses import to_turns
 from gateway.protocols.responses_events import OutputBuilder
 from gateway.protocols.responses_schemas import parse_request
-from gateway.protocols.responses_store import ResponseStore, json_size
+from gateway.protocols.responses_store import ResponseStore
+from gateway.protocols.responses_store_memory import MemoryBackend
 from gateway.tenancy.tenants import hash_key
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather", "strict": True,
@@ -324,7 +325,7 @@ def test_store_retrieve_delete(client):
 
 
 def test_store_count_bound_over_http(server, client):
-    saved, server.app.state.responses = server.app.state.responses, ResponseStore(max_responses=2)
+    saved, server.app.state.responses = server.app.state.responses, ResponseStore(MemoryBackend(max_responses=2))
     try:
         ids = [client.responses.create(model="test-model", input=f"n{i}", max_output_tokens=1).id
                for i in range(3)]
@@ -333,30 +334,6 @@ def test_store_count_bound_over_http(server, client):
         assert [client.responses.retrieve(i).id for i in ids[1:]] == ids[1:]
     finally:
         server.app.state.responses = saved
-
-
-def test_store_bounds_unit():
-    store = ResponseStore(max_responses=3, max_bytes=10_000)
-    entry = lambda i: ({"id": f"r{i}", "output": []}, [{"type": "message", "role": "user", "content": "x" * 10}])
-    for i in range(3):
-        store.put("a", *entry(i))
-    assert store.get("a", "r0") is not None  # r0 is now the most recently used
-    store.put("a", *entry(3))
-    assert store.get("a", "r1") is None and store.count("a") == 3  # r1 was the least recently used
-    assert store.get("b", "r0") is None and store.count("b") == 0  # tenants are separate
-    size = json_size(entry(0)[0]) + json_size(entry(0)[1])
-    assert store.size("a") == 3 * size
-
-    small = ResponseStore(max_responses=100, max_bytes=3 * size + 1)
-    for i in range(5):
-        small.put("a", *entry(i))
-    assert small.count("a") == 3 and small.size("a") <= 3 * size + 1
-    assert [small.get("a", f"r{i}") is not None for i in range(5)] == [False, False, True, True, True]
-    assert not small.put("a", {"id": "big", "output": []}, [{"content": "y" * 10_000}])
-    assert small.get("a", "big") is None and small.count("a") == 3
-    assert small.delete("a", "r4") and not small.delete("a", "r4") and small.count("a") == 2
-    with pytest.raises(ValueError):
-        ResponseStore(max_responses=0)
 
 
 # ---------------------------------------------------------------------- tenants

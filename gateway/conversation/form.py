@@ -17,11 +17,15 @@ from scheduler.request import TokenEvent
 
 @dataclass
 class ToolCall:
-    """A call the assistant made: ``arguments`` is a JSON text."""
+    """A call the assistant made: ``arguments`` is a JSON text, or, for a ``custom``
+    tool (``kind``), the tool's free-form input as it is. ``namespace`` is the group of a
+    Responses ``namespace`` tool's function (``name`` is the function's own name)."""
 
     id: str
     name: str
     arguments: str
+    namespace: Optional[str] = None
+    kind: str = "function"
 
 
 @dataclass
@@ -43,16 +47,31 @@ class Turn:
 
 @dataclass
 class FunctionTool:
-    """A function the model may call. ``parameters`` is a JSON Schema (None: no
+    """A tool the model may call. ``parameters`` is a JSON Schema (None: no
     arguments); ``param`` is where the tool sits in the request and ``schema_key``
     its schema's field, for error messages (e.g. ``tools.0.function`` and
-    ``parameters`` in OpenAI's form, ``tools.0`` and ``input_schema`` in Anthropic's)."""
+    ``parameters`` in OpenAI's form, ``tools.0`` and ``input_schema`` in Anthropic's).
+
+    ``strict``: the arguments must follow the schema exactly, so a keyword the grammar
+    engine cannot enforce is a 400; otherwise the schema describes the tool to the model
+    and is enforced as far as it can be (:mod:`gateway.conversation.call_grammar`).
+    ``namespace``: the group of a Responses ``namespace`` tool's function. ``kind``
+    ``custom``: the tool takes free-form text (Responses ``custom`` tools), held to
+    ``grammar`` (``(syntax, definition)``, syntax ``lark`` or ``regex``) when given.
+    ``deferred``: left out of the prompt until the conversation loads it (Anthropic's
+    ``defer_loading`` with a ``tool_reference`` in a tool result); its calls are still
+    understood."""
 
     name: str
     description: Optional[str] = None
     parameters: Optional[dict] = None
     param: str = "tools"
     schema_key: str = "parameters"
+    strict: bool = False
+    namespace: Optional[str] = None
+    kind: str = "function"
+    grammar: Optional[tuple[str, str]] = None
+    deferred: bool = False
 
 
 @dataclass
@@ -99,6 +118,7 @@ class Conversation:
     stream: bool = False
     continue_final: bool = False  # the last turn is an assistant's, to be continued (a prefill)
     thinking_budget: Optional[int] = None  # tokens of reasoning before the thinking block is closed
+    edits: list[Any] = field(default_factory=list)  # context edits to apply (gateway.conversation.context_edits)
 
 
 # ---------------------------------------------------------------------- events

@@ -5,8 +5,10 @@ text assembler of its answer. CPU work only, none of it MLX."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Optional
 
+from gateway.conversation.context_edits import apply_edits
 from gateway.conversation.form import Conversation, Sampling
 from gateway.conversation.prompts import Prompt, render_chat
 from gateway.conversation.structured import CONSTRAINED_THINKING_BUDGET, Thinking, constrains_answer, output_mask
@@ -95,9 +97,7 @@ def prepare_chat(model: ModelHandle, conv: Conversation, marks: Optional[dict] =
     if marks is not None:
         marks["render_in"] = time.monotonic()
     plan = plan_tools(conv, model.tokenizer)
-    spec = model.spec
-    prompt = render_chat(model.tokenizer, conv, spec.chat_template_args, spec.checkpoint_every, plan,
-                         trimmable=model.trimmable)
+    prompt = render_conversation(model, conv, plan)
     thinking = thinks(model, prompt)
     mask = output_mask(model.grammars, conv, plan, thinking)
     processors = []
@@ -112,6 +112,27 @@ def prepare_chat(model: ModelHandle, conv: Conversation, marks: Optional[dict] =
     if marks is not None:
         marks["render_out"] = time.monotonic()
     return prompt, plan, mask, processors
+
+
+def render_conversation(model: ModelHandle, conv: Conversation, plan: Optional[ToolPlan]) -> Prompt:
+    """The prompt of ``conv`` on ``model`` (:func:`render_chat`), with its context edits
+    applied (:mod:`gateway.conversation.context_edits`; the unedited prompt's length
+    decides whether they trigger, and :attr:`Prompt.applied_edits` says what they did).
+    What ``/v1/messages/count_tokens`` counts too. Worker thread.
+
+    Raises:
+        APIError: 400 when the template rejects the conversation.
+    """
+    spec, tok = model.spec, model.tokenizer
+    prompt = render_chat(tok, conv, spec.chat_template_args, spec.checkpoint_every, plan, trimmable=model.trimmable)
+    if conv.edits:
+        turns, applied = apply_edits(conv.turns, conv.edits, len(prompt.tokens),
+                                     lambda text: len(tok.encode(text, add_special_tokens=False)) if text else 0)
+        if applied:
+            prompt = render_chat(tok, replace(conv, turns=turns), spec.chat_template_args, spec.checkpoint_every,
+                                 plan, trimmable=model.trimmable)
+            prompt.applied_edits = applied
+    return prompt
 
 
 def thinks(model: ModelHandle, prompt: Prompt) -> Optional[Thinking]:

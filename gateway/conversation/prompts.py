@@ -35,6 +35,7 @@ class Prompt:
     messages: Optional[list[dict]] = field(default=None, repr=False)  # the template messages (chat only)
     template_kwargs: dict = field(default_factory=dict, repr=False)
     breakpoints: dict[int, float] = field(default_factory=dict)  # cache breakpoint offset -> seconds to keep
+    applied_edits: list[dict] = field(default_factory=list)  # context edits that changed the conversation
 
 
 def render_chat(
@@ -51,6 +52,11 @@ def render_chat(
     way ``apply_chat_template(tokenize=True)`` does (its pieces between special tokens
     that were tokenized recently are not tokenized again, :mod:`gateway.conversation.segments`); the token offsets of the text let
     the checkpoint planner place its offsets without tokenizing again.
+
+    A system turn past the first (Claude Code's, inside its messages; a Responses
+    ``developer`` item) is rendered where it stands when the template shows it there, and
+    otherwise folded into the user turn after it (:func:`fold_system`), the nearest form
+    a template that alternates user and assistant accepts (Gemma 3's raises).
 
     A conversation whose last turn is an assistant's to continue (``continue_final``, a
     prefill) is rendered without the generation prompt and cut right after that turn's
@@ -71,8 +77,13 @@ def render_chat(
         kwargs["tools"] = tools.tools
     if conv.continue_final and not prefill and messages and messages[-1]["role"] == "assistant":
         messages = messages[:-1]  # an empty prefill: an ordinary answer
+    text = _shown_in_place(tokenizer, messages, not prefill, kwargs)
+    folds = text is None and any(m["role"] == "system" for m in messages[1:])
+    if folds:
+        messages = fold_system(messages)
     try:
-        text = render_text(tokenizer, messages, not prefill, kwargs)
+        if text is None:
+            text = render_text(tokenizer, messages, not prefill, kwargs)
         if prefill:
             text = _continued(text, messages[-1]["content"])
     except APIError:
@@ -88,10 +99,48 @@ def render_chat(
         checkpoints = plan_chat_checkpoints(tokenizer, messages, tokens, kwargs, interval=checkpoint_every,
                                             prompt_text=text, token_ends=ends, boundaries=not trimmable,
                                             trimmable=trimmable)
-    breakpoints = _breakpoints(tokenizer, conv, tools, kwargs, not prefill, text, tokens, ends)
+    breakpoints = _breakpoints(tokenizer, conv, tools, kwargs, not prefill, text, tokens, ends, folds)
     checkpoints = sorted(set(checkpoints) | set(breakpoints))
     return Prompt(tokens, checkpoints, _opens_reasoning(tokenizer, tokens), None if prefill else messages, kwargs,
                   breakpoints)
+
+
+def _shown_in_place(tokenizer, messages: list[dict], generation_prompt: bool, kwargs: dict) -> Optional[str]:
+    """The rendered text when ``messages`` has system messages past the first and the
+    template shows each where it stands; None otherwise (none to check, or the template
+    raises on them or leaves their text out: they must be folded, :func:`fold_system`)."""
+    later = [m["content"] for m in messages[1:] if m["role"] == "system"]
+    if not later:
+        return None
+    try:
+        text = render_text(tokenizer, messages, generation_prompt, kwargs)
+    except Exception:
+        return None
+    return text if all(content in text for content in later) else None
+
+
+def fold_system(messages: list[dict]) -> list[dict]:
+    """``messages`` with every system message past the first moved into the user message
+    after it (before its text, a blank line between), or, with no user message after it,
+    appended to the last user message before it; a copy."""
+    out = [dict(m) for m in messages]
+    pending: list[str] = []
+    kept: list[dict] = []
+    for i, m in enumerate(out):
+        if m["role"] == "system" and i > 0:
+            pending.append(m["content"])
+            continue
+        if pending and m["role"] == "user":
+            m["content"] = "\n\n".join(pending + [m["content"]])
+            pending = []
+        kept.append(m)
+    if pending:
+        users = [m for m in kept if m["role"] == "user"]
+        if users:
+            users[-1]["content"] = "\n\n".join([users[-1]["content"]] + pending)
+        else:
+            kept.append({"role": "user", "content": "\n\n".join(pending)})
+    return kept
 
 
 def _continued(text: str, content: str) -> str:
@@ -109,7 +158,7 @@ def _continued(text: str, content: str) -> str:
 
 
 def _breakpoints(tokenizer, conv: Conversation, tools: Optional[ToolPlan], kwargs: dict, generation_prompt: bool,
-                 text: str, tokens: list[int], ends) -> dict[int, float]:
+                 text: str, tokens: list[int], ends, folds: bool) -> dict[int, float]:
     """Token offsets of the conversation's cache breakpoints, with the seconds each is to
     be kept: the conversation is rendered again with a marker at each, and the markers'
     places in the prompt's text become token boundaries. A breakpoint the template does
@@ -124,8 +173,9 @@ def _breakpoints(tokenizer, conv: Conversation, tools: Optional[ToolPlan], kwarg
             ttls[name] = ttl
             body = body[:pos] + f"{MARK_OPEN}{name}{MARK_CLOSE}" + body[pos:]
         marked.append(replace(t, text=body))
+    messages = template_messages(marked, tools)
     try:
-        marked_text = render_text(tokenizer, template_messages(marked, tools), generation_prompt, kwargs)
+        marked_text = render_text(tokenizer, fold_system(messages) if folds else messages, generation_prompt, kwargs)
     except Exception:
         return {}
     out: dict[int, float] = {}

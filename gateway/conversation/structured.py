@@ -4,15 +4,16 @@ A conversation's ``output_schema`` (OpenAI's ``response_format``, Anthropic's
 ``output_config.format``, the Responses API's ``text.format``) constrains the output to
 JSON valid for the schema (compact, no free whitespace); a strict one allows no
 properties its objects do not name, unless they say so
-(:func:`gateway.conversation.tools.closed_schema`), like every tool's arguments. A
-schema keyword the grammar engine cannot enforce (``uniqueItems``, ``contains``, ...) is
-a 400 naming it, never silently ignored. A ``tool_choice`` of ``required`` or a
-named function takes precedence, since the output must then be a call
-(:func:`gateway.conversation.tools.call_lark`); under ``auto``, on models whose call tag is
-a special token, text stays free and a call, once begun, follows its tool's schema
-(:func:`gateway.conversation.tools.lazy_call_lark`). The grammar is compiled into the request's
-:class:`scheduler.grammar.TokenMask` here, off the engine thread, so a bad schema is a
-400 before anything is queued.
+(:func:`gateway.conversation.schemas.closed_schema`), like every tool's arguments. For a
+strict schema, a keyword the grammar engine cannot enforce (``uniqueItems``,
+``contains``, ...) is a 400 naming it, never silently ignored; a non-strict one is
+enforced as far as the engine can (:mod:`gateway.conversation.schemas`). A
+``tool_choice`` of ``required`` or a named function takes precedence, since the output
+must then be a call (:func:`gateway.conversation.call_grammar.call_lark`); under ``auto``,
+on models whose call tag is a special token, text stays free and a call, once begun,
+follows its tool's rules (:func:`gateway.conversation.call_grammar.lazy_call_lark`). The
+grammar is compiled into the request's :class:`scheduler.grammar.TokenMask` here, off the
+engine thread, so a bad schema is a 400 before anything is queued.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from typing import Optional
 
 from gateway.http.errors import APIError
 from gateway.conversation.form import Conversation
-from gateway.conversation.tools import ToolPlan, call_lark, check_schema, closed_schema, json_lark, lazy_call_lark
+from gateway.conversation.call_grammar import call_lark, lazy_call_lark
+from gateway.conversation.schemas import check_schema, enforced, json_lark, output_fallback
+from gateway.conversation.tools import ToolPlan
 from scheduler.grammar import GrammarError, Grammars, TokenMask, lark_grammar
 
 # Reasoning tokens a thinking model may spend before a constrained answer, unless the
@@ -54,14 +57,15 @@ def output_mask(grammars: Grammars, conv: Conversation, plan: Optional[ToolPlan]
     forced = plan is not None and plan.choice in ("required", "function")
     schema = conv.output_schema
     if not forced and schema is None:
-        lazy = lazy_call_lark(plan, grammars.lark_literal)
-        return None if lazy is None else _compiled(grammars, lazy, "tools")
-    if not forced:
-        check_schema(schema, conv.output_param)
+        lazy = lazy_call_lark(plan, grammars)
+        return None if lazy is None else _compiled(grammars, lazy, "tools", strict=False)
     param = "tools" if forced else conv.output_param
-    if not forced and conv.output_strict:
-        schema = closed_schema(schema)
-    body = call_lark(plan, grammars.lark_literal, root="body") if forced else f"body: {json_lark(schema)}"
+    if forced:
+        body = call_lark(plan, grammars, root="body")
+    else:
+        check_schema(schema, conv.output_param)
+        held = enforced(grammars, schema, conv.output_strict, conv.output_param, output_fallback(schema))
+        body = f"body: {json_lark(held, relaxed=not conv.output_strict)}"
     if thinking is None:
         lark = "start: body\n" + body
     elif thinking.opened:
@@ -69,7 +73,7 @@ def output_mask(grammars: Grammars, conv: Conversation, plan: Optional[ToolPlan]
     else:
         lark = (f"start: think? body\nthink: {thinking.open} THINK_TEXT {thinking.close} /\\n{{0,2}}/\n"
                 f"THINK_TEXT: /(.|\\n)*/\n{body}")
-    return _compiled(grammars, lark, param)
+    return _compiled(grammars, lark, param, strict=False)
 
 
 def constrains_answer(conv: Conversation, plan: Optional[ToolPlan]) -> bool:
@@ -79,8 +83,14 @@ def constrains_answer(conv: Conversation, plan: Optional[ToolPlan]) -> bool:
     return conv.output_schema is not None or (plan is not None and plan.choice in ("required", "function"))
 
 
-def _compiled(grammars: Grammars, lark: str, param: str) -> TokenMask:
+def _compiled(grammars: Grammars, lark: str, param: str, strict: bool = True) -> TokenMask:
+    """The mask of the whole grammar (its schemas were checked one by one, strictly where
+    they promise, before it was put together).
+
+    Raises:
+        APIError: 400 naming ``param`` when it does not compile.
+    """
     try:
-        return grammars.mask(lark_grammar(lark))
+        return grammars.mask(lark_grammar(lark), strict)
     except (GrammarError, ValueError, RuntimeError) as e:
         raise APIError(400, f"unsupported JSON Schema: {e}", param=param)

@@ -98,7 +98,7 @@ class ToolCallStream:
     add to its arguments). :attr:`calls` holds the calls so far.
     """
 
-    _HEAD = re.compile(r'\{"name":"([A-Za-z0-9_-]{1,64})","arguments":')
+    _HEAD = re.compile(r'\{"name":"([A-Za-z0-9_-]{1,256})","arguments":')
 
     def __init__(self, plan: ToolPlan):
         self.plan = plan

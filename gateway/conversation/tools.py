@@ -15,26 +15,32 @@ Two call formats:
   go into the system message (:func:`fallback_instructions`), earlier calls are
   rendered as that JSON and tool results as a user turn.
 
+Tools beyond plain functions reach the model as functions too: a Responses
+``namespace`` tool's functions as ``<namespace>__<name>`` (:func:`offered_name`), a
+``custom`` tool (free-form input) as a function of one string ``input``
+(:func:`custom_parameters`). Anthropic's deferred tools (``defer_loading``) stay out of
+the prompt until a ``tool_reference`` loads them.
+
 ``tool_choice`` ``required`` or a named function is enforced by a grammar
-(:func:`call_lark`): the output is always a call to an offered function whose
-arguments validate against its JSON schema. Tagged formats other than ``json_tools``
-are constrained to the json format instead (their own syntax has no JSON-schema form).
-Calls are read out of the output by :mod:`gateway.conversation.tool_stream`.
+(:mod:`gateway.conversation.call_grammar`): the output is always a call to an offered
+tool whose arguments follow its schema (or its grammar). Tagged formats other than
+``json_tools`` are constrained to the json format instead (their own syntax has no
+JSON-schema form). Calls are read out of the output by
+:mod:`gateway.conversation.tool_stream`.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-import jsonschema
-
 from gateway.http.errors import APIError
-from gateway.conversation.form import Conversation, Turn
-from scheduler.grammar import JSON_DEFAULTS
+from gateway.conversation.form import Conversation, FunctionTool, Turn
+from gateway.conversation.schemas import check_schema
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+NAMESPACE_SEPARATOR = "__"  # a namespace tool's function reaches the model as <namespace>__<name>
 
 
 @dataclass(frozen=True)
@@ -59,8 +65,12 @@ JSON_FORMAT = CallFormat("json")
 class ToolPlan:
     """What one request does with its tools.
 
-    ``choice`` is ``none``, ``auto``, ``required`` or ``function`` (then ``forced`` is
-    the name); ``in_template``: the chat template renders the tools itself.
+    ``tools``: the tools as the template (or the fallback instructions) shows them, in
+    OpenAI's ``{"type": "function", "function": ...}`` form, deferred tools left out;
+    ``offered``: every tool the model may call, by the name it calls it (a namespace
+    tool's function as ``<namespace>__<name>``, :func:`offered_name`). ``choice`` is
+    ``none``, ``auto``, ``required`` or ``function`` (then ``forced`` is the offered
+    name); ``in_template``: the chat template renders the tools itself.
     """
 
     tools: list[dict]
@@ -69,10 +79,11 @@ class ToolPlan:
     parallel: bool
     format: CallFormat
     in_template: bool
+    offered: dict[str, FunctionTool] = field(default_factory=dict)
 
     @property
     def names(self) -> list[str]:
-        return [t["function"]["name"] for t in self.tools]
+        return list(self.offered) if self.offered else [t["function"]["name"] for t in self.tools]
 
     @property
     def parses(self) -> bool:
@@ -93,89 +104,69 @@ def template_renders_tools(tokenizer) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
-_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+def offered_name(tool: FunctionTool) -> str:
+    """The name the model calls ``tool`` by: its own, or ``<namespace>__<name>``."""
+    return f"{tool.namespace}{NAMESPACE_SEPARATOR}{tool.name}" if tool.namespace else tool.name
 
 
-def closed_schema(schema: Any) -> Any:
-    """``schema`` with ``"additionalProperties": false`` on every object schema that names
-    its properties and says nothing about others (``additionalProperties``,
-    ``patternProperties``, ``unevaluatedProperties``), at any depth; a copy.
-
-    Tool arguments and strict output formats are constrained this way, as vLLM does:
-    schemas made by frameworks (langchain's ``@tool``, pydantic) never say
-    ``additionalProperties``, and left open the grammar lets a small model write extra
-    keys until ``max_tokens``. A schema that allows other properties keeps them.
-    """
-    if isinstance(schema, list):
-        return [closed_schema(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [closed_schema(s) for s in out[key]]
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {k: closed_schema(v) for k, v in out[key].items()}
-    for key in _SUBSCHEMAS:
-        if isinstance(out.get(key), (dict, list)):
-            out[key] = closed_schema(out[key])
-    if isinstance(out.get("properties"), dict) and not {"additionalProperties", "patternProperties",
-                                                         "unevaluatedProperties"} & out.keys():
-        out["additionalProperties"] = False
-    return out
+def custom_parameters(tool: FunctionTool) -> dict:
+    """The arguments a ``custom`` tool's call carries: its free-form input as one string."""
+    what = "The tool's input, as free-form text"
+    if tool.grammar is not None:
+        what += f" following this {tool.grammar[0]} grammar:\n{tool.grammar[1]}"
+    return {"type": "object", "properties": {"input": {"type": "string", "description": what}},
+            "required": ["input"]}
 
 
-def check_schema(schema: dict, param: str) -> None:
-    """Check that ``schema`` is a valid JSON Schema (its own ``$schema`` dialect, else
-    2020-12).
-
-    Raises:
-        APIError: 400 naming ``param`` when it is not.
-    """
-    try:
-        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
-    except jsonschema.SchemaError as e:
-        raise APIError(400, f"invalid JSON Schema: {e.message}", param=param)
+def _shown(tool: FunctionTool, name: str) -> dict:
+    """A tool as templates take it (OpenAI's function form)."""
+    params = custom_parameters(tool) if tool.kind == "custom" else (
+        tool.parameters if tool.parameters is not None else EMPTY_PARAMETERS)
+    entry: dict[str, Any] = {"name": name, "parameters": params}
+    if tool.description is not None:
+        entry["description"] = tool.description
+    return {"type": "function", "function": entry}
 
 
 def plan_tools(conv: Conversation, tokenizer) -> Optional[ToolPlan]:
     """Check the conversation's tools and tool choice, and decide how it uses them.
+    Deferred tools are left out of the prompt's tool list (a conversation that loads one
+    shows its definition where it was loaded, so the prompt's prefix stays as it was) but
+    their calls are understood.
 
     Returns None when it offers no tools.
 
     Raises:
-        APIError: 400 naming the parameter: duplicate function names, a ``parameters``
-            that is not a valid JSON Schema, a forced function that is not offered, or
-            ``required``/a named choice without tools.
+        APIError: 400 naming the parameter: duplicate names, a ``parameters`` that is not
+            a valid JSON Schema, a forced tool that is not offered, or ``required``/a named
+            choice without tools.
     """
     if not conv.tools:
         if conv.tool_choice in ("required", "function"):
             raise APIError(400, "tool_choice requires tools", param="tool_choice")
         return None
-    tools, seen = [], set()
+    tools, offered = [], {}
     for tool in conv.tools:
-        if tool.name in seen:
-            raise APIError(400, f"duplicate function name '{tool.name}'", param=f"{tool.param}.name")
-        seen.add(tool.name)
-        params = tool.parameters if tool.parameters is not None else EMPTY_PARAMETERS
-        check_schema(params, f"{tool.param}.{tool.schema_key}")
-        entry = {"name": tool.name, "parameters": params}
-        if tool.description is not None:
-            entry["description"] = tool.description
-        tools.append({"type": "function", "function": entry})
+        name = offered_name(tool)
+        if name in offered:
+            raise APIError(400, f"duplicate function name '{name}'", param=f"{tool.param}.name")
+        if tool.kind != "custom" and tool.parameters is not None:
+            check_schema(tool.parameters, f"{tool.param}.{tool.schema_key}")
+        offered[name] = tool
+        if not tool.deferred:
+            tools.append(_shown(tool, name))
     choice, forced = conv.tool_choice, conv.forced_tool
-    if choice == "function" and forced not in seen:
+    if choice == "function" and forced not in offered:
         raise APIError(400, f"tool_choice names '{forced}', which is not in tools", param="tool_choice")
+    if choice == "function" and forced is not None and not any(t["function"]["name"] == forced for t in tools):
+        tools.append(_shown(offered[forced], forced))  # a forced deferred tool is shown
     native = model_call_format(tokenizer)
     fmt = native
     if choice in ("required", "function") and native.kind == "tagged" and not native.is_json_tools:
         fmt = JSON_FORMAT  # constrained to the json format
     parallel = conv.parallel_tool_calls and choice != "function"
     return ToolPlan(tools, choice, forced if choice == "function" else None, parallel, fmt,
-                    template_renders_tools(tokenizer))
+                    template_renders_tools(tokenizer), offered)
 
 
 # ---------------------------------------------------------------------- prompt
@@ -195,12 +186,20 @@ def fallback_instructions(plan: ToolPlan) -> str:
     return "\n".join(lines)
 
 
-def _arguments(text: str) -> Any:
-    """Arguments for a template: the parsed object when ``text`` is JSON, else ``text``."""
+def _arguments(call) -> Any:
+    """A call's arguments for a template: the parsed object when they are JSON, else the
+    text; a custom tool's input as the ``input`` string it was generated as."""
+    if call.kind == "custom":
+        return {"input": call.arguments}
     try:
-        return json.loads(text)
+        return json.loads(call.arguments)
     except ValueError:
-        return text
+        return call.arguments
+
+
+def _called(call) -> str:
+    """The name a call was made by (a namespace tool's as ``<namespace>__<name>``)."""
+    return f"{call.namespace}{NAMESPACE_SEPARATOR}{call.name}" if call.namespace else call.name
 
 
 def template_messages(turns: list[Turn], plan: Optional[ToolPlan]) -> list[dict[str, Any]]:
@@ -208,19 +207,19 @@ def template_messages(turns: list[Turn], plan: Optional[ToolPlan]) -> list[dict[
     when the template cannot render tools, tools and calls written as text (see the
     module docstring)."""
     fallback = plan is not None and not plan.in_template
-    names = {c.id: c.name for t in turns for c in t.tool_calls}
+    names = {c.id: _called(c) for t in turns for c in t.tool_calls}
     out: list[dict[str, Any]] = []
     for t in turns:
         d: dict[str, Any] = {"role": t.role, "content": t.text}
         if t.reasoning is not None:
             d["reasoning_content"] = t.reasoning
         if t.tool_calls and fallback:
-            calls = [{"name": c.name, "arguments": _arguments(c.arguments)} for c in t.tool_calls]
+            calls = [{"name": _called(c), "arguments": _arguments(c)} for c in t.tool_calls]
             text = json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
             d["content"] = f"{t.text}\n{text}" if t.text else text
         elif t.tool_calls:
             d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.name, "arguments": _arguments(c.arguments)}} for c in t.tool_calls]
+                "name": _called(c), "arguments": _arguments(c)}} for c in t.tool_calls]
         if t.role == "tool":
             if t.tool_call_id is not None:
                 d["tool_call_id"] = t.tool_call_id
@@ -248,56 +247,3 @@ def template_messages(turns: list[Turn], plan: Optional[ToolPlan]) -> list[dict[
         else:
             out.insert(0, {"role": "system", "content": text})
     return out
-
-
-# ---------------------------------------------------------------------- grammar
-def _call_schema(tool: dict) -> dict:
-    fn = tool["function"]
-    return {"type": "object", "properties": {"name": {"const": fn["name"]},
-                                             "arguments": closed_schema(fn["parameters"])},
-            "required": ["name", "arguments"], "additionalProperties": False}
-
-
-def call_lark(plan: ToolPlan, literal: Callable[[str], str] = json.dumps, root: str = "start") -> Optional[str]:
-    """Lark rules, rooted at ``root``, that force a call (``required``/named choice), else None.
-
-    ``literal`` turns a tag into a Lark expression (:meth:`Grammars.lark_literal`, for
-    tags that are special tokens)."""
-    if plan.choice not in ("required", "function"):
-        return None
-    tools = [t for t in plan.tools if plan.forced in (None, t["function"]["name"])]
-    one = _call_schema(tools[0]) if len(tools) == 1 else {"anyOf": [_call_schema(t) for t in tools]}
-    if plan.format.is_json_tools:
-        start, end = literal(plan.format.start), literal(plan.format.end)
-        rule = f'{root}: call ("\\n" call)*' if plan.parallel else f"{root}: call"
-        return f'{rule}\ncall: {start} "\\n" obj "\\n" {end}\nobj: {json_lark(one)}'
-    if plan.parallel:
-        one = {"anyOf": [one, {"type": "array", "items": one, "minItems": 1}]}
-    return f"{root}: {json_lark(one)}"
-
-
-def lazy_call_lark(plan: Optional[ToolPlan], literal: Callable[[str], str]) -> Optional[str]:
-    """Lark rules for ``tool_choice`` ``auto`` where the model's call tag is one special
-    token (Qwen3's and Hermes-style ``<tool_call>``): any tokens but that tag (free text,
-    reasoning included), then, once the model writes the tag, calls whose names and
-    arguments follow the offered tools' (closed) schemas. None where that does not apply:
-    no tools, another choice, or a call that starts as text (Llama 3's JSON calls), which
-    a token mask cannot wait for without constraining the text before it.
-
-    llguidance reads ``<[^id]>`` as any token but ``id``; a trigger-started grammar as
-    llama.cpp's lazy grammars are, expressed as one grammar.
-    """
-    if plan is None or plan.choice != "auto" or not plan.format.is_json_tools:
-        return None
-    start = literal(plan.format.start)
-    if not (start.startswith("<[") and start.endswith("]>")):
-        return None
-    one = _call_schema(plan.tools[0]) if len(plan.tools) == 1 else {"anyOf": [_call_schema(t) for t in plan.tools]}
-    calls = 'calls: call ("\\n" call)*' if plan.parallel else "calls: call"
-    return (f"start: free calls?\nfree: <[^{start[2:-2]}]>*\n{calls}\n"
-            f'call: {start} "\\n" obj "\\n" {literal(plan.format.end)}\nobj: {json_lark(one)}')
-
-
-def json_lark(schema: dict) -> str:
-    """An inline Lark JSON schema: compact JSON valid for ``schema``."""
-    return f'%json {json.dumps({**schema, "x-guidance": JSON_DEFAULTS})}'

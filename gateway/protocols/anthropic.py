@@ -24,13 +24,18 @@ from starlette.responses import JSONResponse, Response
 from gateway.conversation.form import (ChatResult, Comment, Conversation, Finished, FunctionTool, Piece, Sampling,
                                        ToolCall, Turn, Usage)
 from gateway.conversation.calls import Front, admit
-from gateway.conversation.prompts import render_chat
+from gateway.conversation.prepare import render_conversation
 from gateway.conversation.run import start_conversation
-from gateway.conversation.tools import check_schema, plan_tools
+from gateway.conversation.schemas import check_schema
+from gateway.conversation.tools import plan_tools
 from gateway.http.errors import APIError
 from gateway.http.sse import SSEResponse, comment, guarded, named_event
-from gateway.protocols.anthropic_schemas import (CountTokensRequest, MediaBlock, MessageParam, MessagesRequest,
-                                                 TextBlock, ThinkingBlock, ToolResultBlock, ToolUseBlock, parse)
+from gateway.protocols.anthropic_schemas import (CountTokensRequest, DroppedBlock, MediaBlock, MessageParam,
+                                                 MessagesRequest, RedactedThinkingBlock, SearchResultBlock,
+                                                 ServerToolResultBlock, ServerToolUseBlock, TextBlock, ThinkingBlock,
+                                                 Tool, ToolReferenceBlock, ToolResultBlock, ToolUseBlock, parse)
+from gateway.protocols.anthropic_tools import (EFFORT_BUDGETS, OMITTED_TOOLS_HEADER, context_edits, loaded_tool_text,
+                                               split_tools)
 from gateway.models.handle import ModelHandle
 
 STOP_REASONS = {"stop": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens",
@@ -49,67 +54,130 @@ def tool_use_id(call_id: str) -> str:
 
 
 # ---------------------------------------------------------------------- request
-def _message_turns(m: MessageParam, i: int, model: Optional[str]) -> tuple[list[Turn], list[float]]:
+BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's per-request block: never part of the prompt
+
+
+def _result_text(b: ToolResultBlock, tools: dict[str, Tool], model: Optional[str], where: str) -> str:
+    """A tool result's text: its text and search results, with the definition of each
+    tool it loads (``tool_reference``) where it loads it.
+
+    Raises:
+        APIError: 400 for an image or a document (the model, named, takes none).
+    """
+    if isinstance(b.content, str):
+        return b.content
+    parts = []
+    for k, part in enumerate(b.content):
+        if isinstance(part, MediaBlock):
+            raise APIError(400, f"the model '{model}' does not accept {part.type}s: send text only",
+                           param=f"{where}.content.{k}")
+        if isinstance(part, ToolReferenceBlock):
+            parts.append(loaded_tool_text(tools.get(part.tool_name), part.tool_name))
+        else:
+            parts.append(part.text if isinstance(part, TextBlock) else part.text())
+    return "\n".join(parts) if any(isinstance(p, ToolReferenceBlock) for p in b.content) else "".join(parts)
+
+
+def _message_turns(m: MessageParam, i: int, model: Optional[str], tools: dict[str, Tool]
+                   ) -> tuple[list[Turn], list[float]]:
     """The turns of message ``i``: a user message's tool results become ``tool`` turns,
     followed by its text as a user turn; an assistant message is one turn (its
-    ``tool_use`` blocks as calls, its ``thinking`` as reasoning). Blocks with
-    ``cache_control`` become breakpoints at their end (a text block's in its turn's text,
-    a tool result's at the end of its turn); a breakpoint on a block that has no text of
-    its own (a call) is returned, to be placed at the start of the next turn.
+    ``tool_use`` and server tool blocks as calls, its ``thinking`` as reasoning; the
+    results of server tools come after it as tool turns); a ``system`` message is a
+    system turn where it stands. Blocks with ``cache_control`` become breakpoints at
+    their end (a text block's in its turn's text, a tool result's at the end of its
+    turn); a breakpoint on a block that has no text of its own (a call) is returned, to
+    be placed at the start of the next turn.
 
     Raises:
         APIError: 400 for a block its role may not hold, or an image or document (the
             model, named, takes none).
     """
     if isinstance(m.content, str):
-        return [Turn(m.role, m.content)], []
-    turns, text, reasoning, calls, breaks, carry = [], [], [], [], [], []
-    allowed = (TextBlock, ToolResultBlock) if m.role == "user" else (TextBlock, ToolUseBlock, ThinkingBlock)
+        return [Turn(m.role, m.content)] if not _is_billing(m.role, m.content) else [], []
+    turns, text, reasoning, calls, breaks, carry, after = [], [], [], [], [], [], []
+    allowed = {"user": (TextBlock, ToolResultBlock, SearchResultBlock, DroppedBlock),
+               "assistant": (TextBlock, ToolUseBlock, ThinkingBlock, RedactedThinkingBlock, ServerToolUseBlock,
+                             ServerToolResultBlock, DroppedBlock),
+               "system": (TextBlock,)}[m.role]
     for j, b in enumerate(m.content):
+        where = f"messages.{i}.content.{j}"
         if isinstance(b, MediaBlock):
-            raise APIError(400, f"the model '{model}' does not accept {b.type}s: send text only",
-                           param=f"messages.{i}.content.{j}")
-        if isinstance(b, TextBlock):
-            text.append(b.text)
+            raise APIError(400, f"the model '{model}' does not accept {b.type}s: send text only", param=where)
+        if not isinstance(b, allowed):
+            raise APIError(400, f"a {m.role} message may not hold {b.type} blocks", param=f"{where}.type")
+        if isinstance(b, (TextBlock, SearchResultBlock)):
+            if isinstance(b, TextBlock) and _is_billing(m.role, b.text):
+                continue
+            text.append(b.text if isinstance(b, TextBlock) else b.text())
             if b.cache_control is not None:
                 breaks.append((len("".join(text)), b.cache_control.seconds))
-        elif not isinstance(b, allowed):
-            if b.type != "redacted_thinking" or m.role != "assistant":
-                raise APIError(400, f"a {m.role} message may not hold {b.type} blocks",
-                               param=f"messages.{i}.content.{j}.type")
         elif isinstance(b, ToolResultBlock):
-            result = b.text()
+            result = _result_text(b, tools, model, where)
             result = f"Error: {result}" if b.is_error else result
             cc = [(len(result), b.cache_control.seconds)] if b.cache_control is not None else []
             turns.append(Turn("tool", result, tool_call_id=b.tool_use_id, breaks=cc))
-        elif isinstance(b, ToolUseBlock):
+        elif isinstance(b, (ToolUseBlock, ServerToolUseBlock)):
             calls.append(ToolCall(b.id, b.name, json.dumps(b.input, ensure_ascii=False)))
             if b.cache_control is not None:
                 carry.append(b.cache_control.seconds)
+        elif isinstance(b, ServerToolResultBlock):
+            after.append(Turn("tool", json.dumps(b.content, ensure_ascii=False), tool_call_id=b.tool_use_id))
         elif isinstance(b, ThinkingBlock):
             reasoning.append(b.thinking)
     if m.role == "assistant":
-        return [Turn("assistant", "".join(text), "".join(reasoning) if reasoning else None, calls, breaks=breaks)], carry
+        turn = Turn("assistant", "".join(text), "".join(reasoning) if reasoning else None, calls, breaks=breaks)
+        return [turn] + after, carry
+    if m.role == "system":
+        return ([Turn("system", "".join(text), breaks=breaks)] if text else []), carry
     if text or not turns:
         turns.append(Turn("user", "".join(text), breaks=breaks))
     return turns, carry
 
 
-def to_conversation(req: CountTokensRequest) -> Conversation:
+def _is_billing(role: str, text: str) -> bool:
+    """Claude Code's billing block (``x-anthropic-billing-header: cc_version=...;``), which
+    several versions change on every request: left out, so the prompt's prefix stays."""
+    return role == "system" and text.lstrip().startswith(BILLING_HEADER)
+
+
+def system_turn(req: CountTokensRequest) -> Optional[Turn]:
+    """The ``system`` parameter as a turn (its blocks joined, the billing block left out,
+    ``cache_control`` breakpoints kept), or None."""
+    if req.system is None:
+        return None
+    if isinstance(req.system, str):
+        return None if _is_billing("system", req.system) else Turn("system", req.system)
+    text, breaks = "", []
+    for b in req.system:
+        if _is_billing("system", b.text):
+            continue
+        text += b.text
+        if b.cache_control is not None:
+            breaks.append((len(text), b.cache_control.seconds))
+    return Turn("system", text, breaks=breaks) if text or breaks else None
+
+
+def to_conversation(req: CountTokensRequest) -> tuple[Conversation, list[str]]:
     """An Anthropic request as the internal form (a :class:`CountTokensRequest` has no
-    sampling settings: the defaults are used). A last ``assistant`` message is a prefill:
-    the answer continues it. ``cache_control`` breakpoints (system and message blocks;
-    a tool's at the end of the system prompt, where templates render tools) become the
-    turns' ``breaks``.
+    sampling settings: the defaults are used), and the server tools left out of it. A
+    last ``assistant`` message is a prefill: the answer continues it. ``cache_control``
+    breakpoints (system and message blocks; a tool's at the end of the system prompt,
+    where templates render tools) become the turns' ``breaks``. ``output_config.effort``
+    sets the thinking budget (:data:`EFFORT_BUDGETS`) when thinking is on without one;
+    ``context_management`` edits are applied when the prompt is rendered.
 
     Raises:
-        APIError: 400 for a content block in the wrong role, or an image.
+        APIError: 400 for a content block in the wrong role, an image, or a
+            ``tool_choice`` that forces a server tool.
     """
-    turns = [Turn("system", s, breaks=req.system_breaks())] if (s := req.system_text()) is not None else []
+    by_name = {t.name: t for t in req.tools or []}
+    first = system_turn(req)
+    turns = [first] if first is not None else []
     tool_ttls = [t.cache_control.seconds for t in req.tools or [] if t.cache_control is not None]
     carry: list[float] = []
     for i, m in enumerate(req.messages):
-        new, later = _message_turns(m, i, req.model)
+        new, later = _message_turns(m, i, req.model, by_name)
         if carry and new:  # a breakpoint on an earlier call: where the next turn begins
             new[0].breaks.insert(0, (0, max(carry)))
         turns += new
@@ -119,10 +187,12 @@ def to_conversation(req: CountTokensRequest) -> Conversation:
             turns[0].breaks.append((len(turns[0].text), max(tool_ttls)))
         elif turns:
             turns[0].breaks.insert(0, (0, max(tool_ttls)))
-    tools = [FunctionTool(t.name, t.description, t.input_schema, f"tools.{i}", "input_schema")
-             for i, t in enumerate(req.tools or [])]
+    tools, omitted = split_tools(req.tools or [])
     tc = req.tool_choice
     choice = TOOL_CHOICES[tc.type] if tc is not None else "auto"
+    if choice == "function" and tc.name in omitted:
+        raise APIError(400, f"tool_choice forces '{tc.name}', a server tool this gateway does not run",
+                       param="tool_choice.name")
     parallel = not (tc is not None and tc.disable_parallel_tool_use)
     schema, schema_param = None, "output_config.format.schema"
     if req.output_config is not None and req.output_config.format is not None:
@@ -136,8 +206,12 @@ def to_conversation(req: CountTokensRequest) -> Conversation:
     conv = Conversation(turns, Sampling(), tools, choice, tc.name if choice == "function" else None, parallel,
                         schema, schema_param, schema is not None, template_kwargs=kwargs, model=req.model)
     conv.continue_final = req.messages[-1].role == "assistant"
+    effort = req.output_config.effort if req.output_config is not None else None
     if req.thinking is not None and req.thinking.type == "enabled":
         conv.thinking_budget = req.thinking.budget_tokens
+    elif effort is not None and (req.thinking is None or req.thinking.type != "disabled"):
+        conv.thinking_budget = EFFORT_BUDGETS.get(effort.lower())
+    conv.edits = context_edits(req.context_management)
     if isinstance(req, MessagesRequest):
         conv.sampling = Sampling(
             max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
@@ -146,7 +220,7 @@ def to_conversation(req: CountTokensRequest) -> Conversation:
             logit_bias=req.logit_bias)
         conv.stop = [s for s in req.stop_sequences or [] if s]
         conv.stream = req.stream
-    return conv
+    return conv, omitted
 
 
 # ---------------------------------------------------------------------- response
@@ -186,12 +260,22 @@ def content_blocks(result: ChatResult) -> list[dict]:
     return blocks
 
 
-def message(mid: str, model: str, content: list[dict], finished: Optional[Finished], use: dict) -> dict:
-    """A ``message`` object (``finished`` None: the start of a stream)."""
+def message(mid: str, model: str, content: list[dict], finished: Optional[Finished], use: dict,
+            edits: Optional[list[dict]] = None) -> dict:
+    """A ``message`` object (``finished`` None: the start of a stream); ``edits``, when the
+    request asked for context management, are the ``applied_edits`` reported."""
     reason = STOP_REASONS.get(finished.reason, "end_turn") if finished is not None else None
-    return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": reason, "stop_sequence": finished.stop_sequence if finished is not None else None,
-            "usage": use}
+    out = {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
+           "stop_reason": reason, "stop_sequence": finished.stop_sequence if finished is not None else None,
+           "usage": use}
+    if edits is not None:
+        out["context_management"] = {"applied_edits": edits}
+    return out
+
+
+def omitted_header(omitted: list[str]) -> dict[str, str]:
+    """The response header naming the server tools left out of the prompt (none: no header)."""
+    return {OMITTED_TOOLS_HEADER: ",".join(omitted)} if omitted else {}
 
 
 class BlockStream:
@@ -252,8 +336,12 @@ async def messages(request: Request) -> Response:
     front: Front = request.app.state.front
     call = await admit(front, request, "messages", "messages")
     req = parse(MessagesRequest, call.body)
-    run = await start_conversation(call, to_conversation(req))
+    conv, omitted = to_conversation(req)
+    run = await start_conversation(call, conv)
     mid, model = message_id(), call.model_name
+
+    def edits() -> Optional[list[dict]]:
+        return run.prompt.applied_edits if req.context_management is not None else None
 
     if req.stream:
 
@@ -273,30 +361,33 @@ async def messages(request: Request) -> Response:
                     if out:
                         yield out
                 else:
-                    yield blocks.close() + named_event("message_delta", {
-                        "type": "message_delta",
-                        "delta": {"stop_reason": STOP_REASONS.get(ev.reason, "end_turn"),
-                                  "stop_sequence": ev.stop_sequence},
-                        "usage": usage(ev.usage, last_breakpoint(run))}) + named_event("message_stop",
-                                                                                      {"type": "message_stop"})
+                    delta = {"type": "message_delta",
+                             "delta": {"stop_reason": STOP_REASONS.get(ev.reason, "end_turn"),
+                                       "stop_sequence": ev.stop_sequence},
+                             "usage": usage(ev.usage, last_breakpoint(run))}
+                    if edits() is not None:
+                        delta["context_management"] = {"applied_edits": edits()}
+                    yield blocks.close() + named_event("message_delta", delta) + named_event(
+                        "message_stop", {"type": "message_stop"})
 
         return SSEResponse(guarded(events(), lambda e: named_event("error", e.anthropic_body())),
-                           send_timeout=front.config.client_timeout)
+                           headers=omitted_header(omitted), send_timeout=front.config.client_timeout)
 
     result = await run.collect(request)
     if result is None:
         return Response(status_code=499)
     return JSONResponse(message(mid, model, content_blocks(result), result.finished,
-                                usage(result.finished.usage, last_breakpoint(run))))
+                                usage(result.finished.usage, last_breakpoint(run)), edits()),
+                        headers=omitted_header(omitted))
 
 
 def _count(model: ModelHandle, conv: Conversation) -> int:
-    """Prompt tokens of ``conv`` with the model's chat template (worker thread)."""
+    """Prompt tokens of ``conv`` as ``/v1/messages`` would render it, context edits
+    applied (worker thread)."""
     plan = plan_tools(conv, model.tokenizer)
     if conv.output_schema is not None:
         check_schema(conv.output_schema, conv.output_param)
-    spec = model.spec
-    return len(render_chat(model.tokenizer, conv, spec.chat_template_args, spec.checkpoint_every, plan).tokens)
+    return len(render_conversation(model, conv, plan).tokens)
 
 
 async def count_tokens(request: Request) -> Response:
@@ -308,7 +399,7 @@ async def count_tokens(request: Request) -> Response:
     """
     front: Front = request.app.state.front
     call = await admit(front, request, "count_tokens", "messages")
-    conv = to_conversation(parse(CountTokensRequest, call.body))
+    conv, _ = to_conversation(parse(CountTokensRequest, call.body))
     model = await call.model(conv.model)
     n = await anyio.to_thread.run_sync(_count, model, conv)
     return JSONResponse({"input_tokens": n})

@@ -2,12 +2,13 @@
 ``POST /v1/messages/count_tokens``), pydantic v2.
 
 Types are strict (``"max_tokens": "32"`` or ``"stream": "yes"`` is a 400, as on
-Anthropic's API); unknown fields are accepted and ignored (``cache_control``,
-``citations``, ``service_tier``, ...). Content blocks the gateway cannot use (images,
-documents, server tools) are refused with a 400 naming the field. Recent SDKs take
-``temperature``/``top_p``/``top_k`` and the gateway's extra sampling settings
-(``min_p``, ``seed``, penalties, ``logit_bias``) through ``extra_body``: they are plain
-body fields here.
+Anthropic's API); unknown fields are accepted and ignored (``citations``,
+``service_tier``, ``container``, ...). Every block and tool type the API defines is
+accepted: what the gateway cannot use is left out of the prompt in the nearest form
+(see ``anthropic.py``); images and documents are refused with a 400 naming the field
+for models that take no images. Recent SDKs take ``temperature``/``top_p``/``top_k``
+and the gateway's extra sampling settings (``min_p``, ``seed``, penalties,
+``logit_bias``) through ``extra_body``: they are plain body fields here.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, \
     model_validator
+from pydantic_core import PydanticCustomError
 
 from gateway.protocols.openai_schemas import MAX_STOP_SEQUENCES, MAX_TOKEN_ID, SEED_RANGE, validate
 
@@ -55,17 +57,48 @@ class ToolUseBlock(_Strict):
     cache_control: Optional[CacheControl] = None
 
 
-class ToolResultBlock(_Strict):
-    """The result of call ``tool_use_id`` (text only)."""
+class ToolReferenceBlock(_Strict):
+    """A deferred tool loaded by a tool search (Anthropic's tool search: a tool result
+    that names a tool whose definition was sent with ``defer_loading``)."""
 
-    type: Literal["tool_result"]
-    tool_use_id: StrictStr
-    content: Union[StrictStr, list[TextBlock]] = ""
-    is_error: Optional[StrictBool] = None
+    type: Literal["tool_reference"]
+    tool_name: StrictStr
+
+
+class MediaBlock(_Strict):
+    """An image or a document: parsed so that the answer can say the model takes none."""
+
+    type: Literal["image", "document"]
+    source: Optional[dict[str, Any]] = None
+    cache_control: Optional[CacheControl] = None
+
+
+class SearchResultBlock(_Strict):
+    """A search result given to the model (``search_result``): its title, source and text."""
+
+    type: Literal["search_result"]
+    source: StrictStr = ""
+    title: StrictStr = ""
+    content: list[TextBlock] = Field(default_factory=list)
     cache_control: Optional[CacheControl] = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+        return "\n".join(p for p in (self.title, self.source, "".join(b.text for b in self.content)) if p)
+
+
+ResultPart = Annotated[Union[TextBlock, ToolReferenceBlock, MediaBlock, SearchResultBlock],
+                       Field(discriminator="type")]
+
+
+class ToolResultBlock(_Strict):
+    """The result of call ``tool_use_id``: text, search results, tools it loaded
+    (``tool_reference``), images."""
+
+    type: Literal["tool_result"]
+    tool_use_id: StrictStr
+    content: Union[StrictStr, list[ResultPart]] = ""
+    is_error: Optional[StrictBool] = None
+    cache_control: Optional[CacheControl] = None
 
 
 class ThinkingBlock(_Strict):
@@ -83,34 +116,75 @@ class RedactedThinkingBlock(_Strict):
     data: Optional[StrictStr] = None
 
 
-class MediaBlock(_Strict):
-    """An image or a document: parsed so that the answer can say the model takes none."""
+class ServerToolUseBlock(_Strict):
+    """A call of a tool the API runs itself (``server_tool_use``, ``mcp_tool_use``), in an
+    earlier answer of Anthropic's: shown to the model as the call it was."""
 
-    type: Literal["image", "document"]
-    source: Optional[dict[str, Any]] = None
+    type: Literal["server_tool_use", "mcp_tool_use"]
+    id: StrictStr
+    name: StrictStr
+    input: dict[str, Any] = Field(default_factory=dict)
     cache_control: Optional[CacheControl] = None
 
 
-Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock, MediaBlock],
+# The results of the API's own tools, as earlier answers carry them.
+SERVER_RESULTS = ("web_search_tool_result", "web_fetch_tool_result", "code_execution_tool_result",
+                  "bash_code_execution_tool_result", "text_editor_code_execution_tool_result",
+                  "tool_search_tool_result", "mcp_tool_result")
+
+
+class ServerToolResultBlock(_Strict):
+    """The result of a server tool's call (``web_search_tool_result``, ...): shown to the
+    model as a tool result (its content as JSON)."""
+
+    type: Literal[SERVER_RESULTS]
+    tool_use_id: StrictStr
+    content: Any = None
+    cache_control: Optional[CacheControl] = None
+
+
+class DroppedBlock(_Strict):
+    """Blocks that carry nothing a prompt can show (``container_upload``): accepted, left out."""
+
+    type: Literal["container_upload"]
+
+
+Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock, MediaBlock,
+                        SearchResultBlock, ServerToolUseBlock, ServerToolResultBlock, DroppedBlock],
                   Field(discriminator="type")]
 
 
 class MessageParam(_Strict):
-    """One message: ``content`` is a string or a list of blocks."""
+    """One message: ``content`` is a string or a list of blocks. A ``system`` message
+    (Claude Code sends one inside ``messages``) is rendered where it stands."""
 
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: Union[StrictStr, list[Block]]
 
 
 # ---------------------------------------------------------------------- tools
 class Tool(_Strict):
-    """A client tool (``type`` ``custom`` or absent); server tools are refused."""
+    """A tool: a client tool (``type`` ``custom`` or absent, with its ``input_schema``),
+    one of Anthropic's client tools whose schema the API knows (``bash_20250124``,
+    ``text_editor_...``, ``memory_...``, ``computer_...``), or a tool the API runs itself
+    (``web_search_...``, ``tool_search_tool_regex_...``, ...). ``defer_loading``: left out
+    of the prompt until a tool search loads it."""
 
-    type: Optional[Literal["custom"]] = None
+    type: Optional[StrictStr] = None
     name: str = Field(pattern=TOOL_NAME)
     description: Optional[StrictStr] = None
-    input_schema: dict[str, Any] = Field(description="a JSON Schema of the tool's input object")
+    input_schema: Optional[dict[str, Any]] = Field(default=None, validate_default=True,
+                                                   description="a JSON Schema of the tool's input object")
     cache_control: Optional[CacheControl] = None
+    defer_loading: Optional[StrictBool] = None
+    strict: Optional[StrictBool] = None
+
+    @field_validator("input_schema")
+    @classmethod
+    def _schema(cls, v, info):
+        if v is None and info.data.get("type") in (None, "custom"):
+            raise PydanticCustomError("missing", "a custom tool needs an input_schema")
+        return v
 
 
 class ToolChoice(_Strict):
@@ -150,10 +224,31 @@ class JSONOutputFormat(_Strict):
 
 
 class OutputConfig(_Strict):
-    """``output_config``: ``format`` constrains the output; ``effort`` is ignored."""
+    """``output_config``: ``format`` constrains the output; ``effort`` (``low``,
+    ``medium``, ``high``, ``xhigh``, ``max``) sets the thinking budget."""
 
     format: Optional[JSONOutputFormat] = None
     effort: Optional[StrictStr] = None
+
+
+class ContextEdit(_Strict):
+    """One of ``context_management.edits``: ``clear_tool_uses_20250919`` (older tool
+    results, and optionally their calls' inputs, replaced by a placeholder once the prompt
+    passes ``trigger``) or ``clear_thinking_20251015`` (thinking of older turns dropped,
+    ``keep`` the latest ones or ``"all"``). Other fields as Anthropic documents them."""
+
+    type: StrictStr
+    trigger: Optional[dict[str, Any]] = None
+    keep: Union[dict[str, Any], StrictStr, None] = None
+    clear_at_least: Optional[dict[str, Any]] = None
+    exclude_tools: Optional[list[StrictStr]] = None
+    clear_tool_inputs: Union[StrictBool, list[StrictStr], None] = None
+
+
+class ContextManagement(_Strict):
+    """``context_management``: the edits to apply to the prompt before it is served."""
+
+    edits: list[ContextEdit] = Field(default_factory=list)
 
 
 # ---------------------------------------------------------------------- requests
@@ -167,6 +262,7 @@ class CountTokensRequest(_Strict):
     tool_choice: Optional[ToolChoice] = None
     thinking: Optional[ThinkingConfig] = None
     output_config: Optional[OutputConfig] = None
+    context_management: Optional[ContextManagement] = None
     output_format: Optional[JSONOutputFormat] = Field(
         default=None, description="the structured-outputs beta's form of output_config.format")
 

@@ -17,8 +17,10 @@ from it, ``cache_write_tokens`` stored in it by this request.
 With ``store`` (the default) a finished response is kept in the tenant's
 :class:`ResponseStore` with its whole conversation, for ``GET`` and for
 ``previous_response_id`` (whose conversation then comes before the new input; the
-previous ``instructions`` are not carried over). Another tenant's ids answer 404 exactly
-like unknown ones. Failed or abandoned responses are not stored.
+previous ``instructions`` are not carried over), before its final event or body is sent;
+one the store could not keep is answered with ``store: false``. Another tenant's ids
+answer 404 exactly like unknown ones; a store that fails answers lookups with 503. Failed
+or abandoned responses are not stored.
 """
 
 from __future__ import annotations
@@ -191,7 +193,8 @@ async def create_response(request: Request) -> Response:
     Raises:
         APIError: 400 for a bad body (dotted parameter path) or an input item whose id
             its conversation already has, 401, 404 for an unknown ``previous_response_id``
-            or model, 403, 413/429/503 when it cannot be queued.
+            or model, 403, 413/429/503 when it cannot be queued, 503 when the response
+            store failed to look up ``previous_response_id``.
     """
     front: Front = request.app.state.front
     store: ResponseStore = request.app.state.responses
@@ -200,7 +203,7 @@ async def create_response(request: Request) -> Response:
     tenant = call.tenant.name
     history: list[dict] = []
     if req.previous_response_id is not None:
-        prev = store.get(tenant, req.previous_response_id)
+        prev = await store.get(tenant, req.previous_response_id)
         if prev is None:
             raise not_found(req.previous_response_id, "previous_response_id")
         history = prev.items
@@ -214,9 +217,11 @@ async def create_response(request: Request) -> Response:
         raise
     base, out = base_response(call, req, object_id("resp")), OutputBuilder()
 
-    def keep(response: dict) -> None:
-        if req.store:
-            store.put(tenant, response, history + new_items + response["output"])
+    async def keep(response: dict) -> dict:
+        """``response``, stored first (with ``store: false`` when it could not be)."""
+        if req.store and not await store.put(tenant, response, history + new_items + response["output"]):
+            response = {**response, "store": False}
+        return response
 
     if req.stream:
 
@@ -232,8 +237,7 @@ async def create_response(request: Request) -> Response:
                         yield b"".join(map(_encode, evs))
                 else:
                     evs = out.finish(ev)
-                    response = final_response(base, out, ev)
-                    keep(response)
+                    response = await keep(final_response(base, out, ev))
                     kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
                     yield b"".join(map(_encode, evs + [out.event(kind, response=response)]))
 
@@ -243,21 +247,20 @@ async def create_response(request: Request) -> Response:
     finished = await drain(run, request, out)
     if finished is None:
         return Response(status_code=499)
-    response = final_response(base, out, finished)
-    keep(response)
-    return JSONResponse(response)
+    return JSONResponse(await keep(final_response(base, out, finished)))
 
 
-def _stored(request: Request) -> StoredResponse:
+async def _stored(request: Request) -> StoredResponse:
     """The caller's stored response named by the path.
 
     Raises:
-        APIError: 401; 404 for an id that is unknown, deleted, evicted or another tenant's.
+        APIError: 401; 404 for an id that is unknown, deleted, evicted or another tenant's;
+            503 when the store failed.
     """
     front: Front = request.app.state.front
     tenant = authenticate(front.tenants, request)
     rid = request.path_params["response_id"]
-    entry = request.app.state.responses.get(tenant.name, rid)
+    entry = await request.app.state.responses.get(tenant.name, rid)
     if entry is None:
         raise not_found(rid)
     return entry
@@ -267,9 +270,10 @@ async def retrieve_response(request: Request) -> Response:
     """``GET /v1/responses/{response_id}``: the stored response object.
 
     Raises:
-        APIError: 401; 404 for an id that is unknown, deleted, evicted or another tenant's.
+        APIError: 401; 404 for an id that is unknown, deleted, evicted or another tenant's;
+            503 when the store failed.
     """
-    return JSONResponse(_stored(request).response)
+    return JSONResponse((await _stored(request)).response)
 
 
 async def list_input_items(request: Request) -> Response:
@@ -278,21 +282,23 @@ async def list_input_items(request: Request) -> Response:
 
     Raises:
         APIError: 400 for a bad query parameter (or an ``after`` not in the list); 401;
-            404 for a response id that is unknown, deleted, evicted or another tenant's.
+            404 for a response id that is unknown, deleted, evicted or another tenant's;
+            503 when the store failed.
     """
     query = page_query(request.query_params)
-    return JSONResponse(input_items(_stored(request), *query))
+    return JSONResponse(input_items(await _stored(request), *query))
 
 
 async def delete_response(request: Request) -> Response:
     """``DELETE /v1/responses/{response_id}``: ``{"id", "object": "response", "deleted": true}``.
 
     Raises:
-        APIError: 401; 404 for an id that is unknown, already deleted, evicted or another tenant's.
+        APIError: 401; 404 for an id that is unknown, already deleted, evicted or another tenant's;
+            503 when the store failed.
     """
     front: Front = request.app.state.front
     tenant = authenticate(front.tenants, request)
     rid = request.path_params["response_id"]
-    if not request.app.state.responses.delete(tenant.name, rid):
+    if not await request.app.state.responses.delete(tenant.name, rid):
         raise not_found(rid)
     return JSONResponse({"id": rid, "object": "response", "deleted": True})

@@ -26,7 +26,7 @@ from gateway.protocols.anthropic import count_tokens, messages
 from gateway.protocols.openai_chat import chat_completions
 from gateway.protocols.openai_completions import completions
 from gateway.protocols.responses import create_response, delete_response, list_input_items, retrieve_response
-from gateway.protocols.responses_store import ResponseStore
+from gateway.protocols.responses_store_open import open_response_store
 from gateway.routes import admin, service
 from gateway.routes.openapi import openapi_json
 
@@ -62,7 +62,11 @@ def create_app(front: Front, registry: CollectorRegistry) -> Starlette:
     """The ASGI app serving ``front``, with its metrics on ``registry``: routes inside
     :class:`GatewayMiddleware`, inside CORS (``config.allowed_origins`` and the tenants'
     ``origins``; ``chrome-extension://ID`` and ``moz-extension://ID`` origins are matched
-    like any other)."""
+    like any other), and the stored responses of ``config.responses_store``.
+
+    Raises:
+        ValueError, OSError, sqlite3.Error: the response store cannot be opened.
+    """
     cfg = front.config
     routes = [Route(path, endpoint, methods=[method]) for method, path, endpoint in ROUTES]
 
@@ -75,11 +79,13 @@ def create_app(front: Front, registry: CollectorRegistry) -> Starlette:
     async def lifespan(app: Starlette):
         yield
         await front.limiter.aclose()  # a shared limits store's connections and flusher
+        await app.state.responses.aclose()
 
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found}, lifespan=lifespan)
     app.state.front = front
     app.state.registry = registry
-    app.state.responses = ResponseStore(cfg.responses_store_count, cfg.responses_store_bytes)
+    app.state.responses = open_response_store(cfg, lambda: [t.name for t in front.tenants.all()])
+    registry.register(app.state.responses.metrics)
     m = front.metrics
 
     def refused(tenant: str, error: APIError) -> None:
