@@ -292,7 +292,7 @@ def build_model_dir(
         for k, v in params.items()
     }
     if terse:
-        params = make_terse(params, config, tmp)
+        params, config = make_terse(params, config, tmp)
     mx.save_safetensors(str(tmp / "model.safetensors"), params)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     (tmp / ".mlx-gateway-demo.json").write_text(json.dumps(stamp))
