@@ -18,9 +18,11 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_arguments(serve_p)
     demo_p = sub.add_parser("demo-model", help="write a tiny random-weight model directory")
     demo_p.add_argument("dir", help="directory to write")
-    from gateway.models.demo_model import ARCH_CONFIGS
+    from gateway.models.demo_model import all_archs
 
-    demo_p.add_argument("--arch", default="qwen3", choices=sorted(ARCH_CONFIGS), help="architecture")
+    demo_p.add_argument("--arch", default="qwen3", choices=all_archs(),
+                        help="architecture (gemma3: a vision-language model, needs mlx-vlm and a Gemma 3 tokenizer; "
+                             "qwen3_embedding: an embedding model, needs mlx-embeddings and a Qwen3 tokenizer)")
     demo_p.add_argument("--tokenizer", help="copy this tokenizer directory instead of the built-in one")
     demo_p.add_argument("--vocab-size", type=int, help="embedding rows (default: the tokenizer's size)")
     demo_p.add_argument("--seed", type=int, default=0, help="weights seed")

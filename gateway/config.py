@@ -36,6 +36,11 @@ class ServeConfig:
     prompt_cache_disk_bytes: int = 32 << 30
     checkpoint_every: int = 4096
     max_body_bytes: int = 8 << 20
+    max_image_bytes: int = 10 << 20  # one image, encoded (docs/vision.md)
+    max_image_pixels: int = 7680 * 4320  # one image, width x height
+    max_images: int = 16  # images in one request
+    allow_image_urls: bool = False  # fetch http(s) image URLs
+    image_fetch_timeout: float = 10.0  # seconds
     max_waiting: int = 1024
     served_model_names: list[str] = field(default_factory=list)
     log_level: str = "INFO"
@@ -212,6 +217,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    "instead of tensor parallel (see docs/cluster.md)")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                    help="save a prefix-cache snapshot every N prompt tokens of long prompts (default %(default)s)")
+    p.add_argument("--max-image-bytes", type=parse_size, default=d.max_image_bytes,
+                   help="largest image of a request, encoded (413 over it; default 10M); a data: URL also counts "
+                        "in --max-body-bytes")
+    p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels,
+                   help="largest image, width x height (400 over it; default 7680x4320)")
+    p.add_argument("--max-images", type=int, default=d.max_images, help="most images in one request (default 16)")
+    p.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch http(s) image URLs (off: only inline data: URLs and base64 images are taken)")
+    p.add_argument("--image-fetch-timeout", type=float, default=d.image_fetch_timeout,
+                   help="seconds an image URL's fetch may take (default 10)")
     p.add_argument("--max-body-bytes", type=parse_size, default=d.max_body_bytes,
                    help="largest request body; more is a 413 (default 8M)")
     p.add_argument("--max-waiting", type=int, default=d.max_waiting,

@@ -111,7 +111,8 @@ def _load(spec: ModelSpec, registry: CollectorRegistry, reserve, *, cfg: ServeCo
 
     def configure(engine) -> None:
         table = tenants()
-        engine.prompt_cache.set_quotas(table.quotas())
+        if engine.prompt_cache is not None:  # (an embedding model has none)
+            engine.prompt_cache.set_quotas(table.quotas())
         engine.prime_metrics([t.name for t in table.all()], {t.cache_group for t in table.all()})
 
     return load_model(spec, cfg, loop, registry, reserve, cache_budget, configure)

@@ -78,6 +78,19 @@ class DecodingState:
     num_tokens: int
 
 
+INT32_LIMIT = 1 << 31
+
+
+def context_tokens(model, tokens: list[int]) -> list[int]:
+    """``tokens`` as the logits processors' context (int32, mlx-lm's ``TokenBuffer``): a
+    vision model's image positions (ids far above any vocabulary) become its image
+    placeholder token (``model.image_token_id``), as in the prompt its processor made."""
+    if not tokens or max(tokens) < INT32_LIMIT:
+        return tokens
+    placeholder = getattr(model, "image_token_id", 0)
+    return [t if t < INT32_LIMIT else placeholder for t in tokens]
+
+
 def _last_token_only(segments: list[list[int]]) -> bool:
     """A row's remaining prompt segments are just its last token."""
     return len(segments) == 1 and len(segments[0]) == 1
@@ -120,7 +133,7 @@ class JoiningGenerationBatch(GenerationBatch):
         pending = self._next_tokens
         self._next_tokens = last if pending is None or pending.size == 0 else mx.concatenate([pending, last])
         self._next_logprobs.extend(mx.zeros((1,)) for _ in uids)  # not reported
-        self._token_context.extend(TokenBuffer(t) for t in tokens)
+        self._token_context.extend(TokenBuffer(context_tokens(self.model, t)) for t in tokens)
         self._num_tokens.extend(0 for _ in uids)
         self._matchers.extend(ss.matcher() for ss in stop_sequences)
         self._fresh.extend(True for _ in uids)

@@ -116,6 +116,8 @@ ARCH_TOKENIZERS = {
     "gemma3_text": ("gemma3", 262208),
     "mamba2": ("qwen3", 151936),
     "nemotron_h": ("qwen3", 151936),
+    "gemma3": ("gemma3", 262208),  # a Gemma 3 vision-language model (mlx-vlm)
+    "qwen3_embedding": ("qwen3", 151936),  # a Qwen3-Embedding model (mlx-embeddings)
 }
 
 

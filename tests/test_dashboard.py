@@ -61,6 +61,12 @@ STORE_ROW = {"mlx_gateway_responses_stored", "mlx_gateway_responses_stored_bytes
              "mlx_gateway_responses_torn_total"}
 
 
+# What the Modalities row shows: images and embeddings.
+MODALITIES_ROW = {"mlx_gateway_image_requests_total", "mlx_gateway_image_tokens_total",
+                  "mlx_gateway_embedding_inputs_total", "mlx_gateway_embedding_tokens_total",
+                  "mlx_gateway_images_refused_total"}
+
+
 def missing_metrics(queries: list[Query], exposed: set[str], records: set[str]) -> dict[str, list[str]]:
     """Metric name -> where it is used, for names neither exposed nor recorded by a rule
     (recorded names contain ``:``)."""
@@ -116,8 +122,11 @@ def test_dashboard_shape():
     assert set(ALL) == {name for name, v in variables.items() if v["type"] == "query"}
     rows = [p["title"] for p in dash["panels"] if p["type"] == "row"]
     for title in ("Cache reuse", "Latency", "Throughput", "Tenants", "Models", "Latency classes", "Cluster",
-                  "Stored responses"):
+                  "Stored responses", "Modalities"):
         assert title in rows
+    modalities = row_panels(dash)["Modalities"]
+    read = set().union(*(metric_names(t["expr"]) for p in modalities for t in p["targets"]))
+    assert MODALITIES_ROW <= read, MODALITIES_ROW - read
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
     assert not overlaps(dash["panels"])

@@ -28,13 +28,44 @@ class ToolCall:
     kind: str = "function"
 
 
+# Where an image sits in a turn's text (a private-use character, removed from client text).
+IMAGE_MARK = "\U000F0001"
+
+
+@dataclass
+class ImageRef:
+    """An image of a turn, as the request gave it: a ``url`` (a ``data:`` URL, or an
+    http(s) URL fetched when the server allows it) or base64 ``data`` with its
+    ``media_type`` (Anthropic's base64 source). ``param`` is where it is in the request
+    (for error messages)."""
+
+    param: str
+    url: Optional[str] = None
+    data: Optional[str] = None
+    media_type: Optional[str] = None
+
+
+def join_parts(parts: list) -> tuple[str, list[ImageRef]]:
+    """A turn's text and images from its content parts in order (strings and
+    :class:`ImageRef` s): each image is :data:`IMAGE_MARK` in the text."""
+    text, images = [], []
+    for p in parts:
+        if isinstance(p, ImageRef):
+            text.append(IMAGE_MARK)
+            images.append(p)
+        else:
+            text.append(p.replace(IMAGE_MARK, ""))
+    return "".join(text), images
+
+
 @dataclass
 class Turn:
     """One message. ``role`` is ``system``, ``user``, ``assistant`` or ``tool``;
     ``tool_call_id`` (and ``name``, when known) tie a tool result to its call.
     ``breaks`` are cache breakpoints inside it (Anthropic's ``cache_control``):
     ``(character offset in text, seconds to keep the prefix)``; the prefix up to there is
-    snapshotted and kept."""
+    snapshotted and kept. ``images`` are its images, each at an :data:`IMAGE_MARK` of
+    ``text``, in order."""
 
     role: str
     text: str = ""
@@ -43,6 +74,7 @@ class Turn:
     tool_call_id: Optional[str] = None
     name: Optional[str] = None
     breaks: list[tuple[int, float]] = field(default_factory=list)
+    images: list[ImageRef] = field(default_factory=list)
 
 
 @dataclass
@@ -57,7 +89,9 @@ class FunctionTool:
     and is enforced as far as it can be (:mod:`gateway.conversation.call_grammar`).
     ``namespace``: the group of a Responses ``namespace`` tool's function. ``kind``
     ``custom``: the tool takes free-form text (Responses ``custom`` tools), held to
-    ``grammar`` (``(syntax, definition)``, syntax ``lark`` or ``regex``) when given.
+    ``grammar`` (``(syntax, definition)``, syntax ``lark`` or ``regex``) when given;
+    ``local_shell``: a function whose calls are answered as Responses ``local_shell_call``
+    items; ``function`` otherwise.
     ``deferred``: left out of the prompt until the conversation loads it (Anthropic's
     ``defer_loading`` with a ``tool_reference`` in a tool result); its calls are still
     understood."""

@@ -78,8 +78,8 @@ def fit_context(model: ModelHandle, prompt: Prompt, params: SamplingParams) -> S
     return params
 
 
-def prepare_chat(model: ModelHandle, conv: Conversation, marks: Optional[dict] = None, max_tokens: int = 0
-                 ) -> tuple[Prompt, Optional[ToolPlan], Optional[TokenMask], list]:
+def prepare_chat(model: ModelHandle, conv: Conversation, marks: Optional[dict] = None, max_tokens: int = 0,
+                 images: Optional[tuple] = None) -> tuple[Prompt, Optional[ToolPlan], Optional[TokenMask], list]:
     """Tools, prompt, output grammar and thinking budget of a conversation. Runs in a
     worker thread: template, tokenizer and grammar compilation are CPU work that must not
     stall the event loop, and none of it touches MLX.
@@ -87,6 +87,10 @@ def prepare_chat(model: ModelHandle, conv: Conversation, marks: Optional[dict] =
     A thinking model's reasoning is capped by the request's budget, or, before a
     constrained answer, by :data:`CONSTRAINED_THINKING_BUDGET` and an eighth of
     ``max_tokens`` (so the answer still fits).
+
+    ``images``, for a conversation with images: ``(refs, fetched bytes, limits)``, decoded
+    here (:func:`gateway.conversation.images.decode_images`) and preprocessed with the
+    prompt (:func:`gateway.conversation.vision_prompt.render_vision_chat`).
 
     Returns:
         ``(prompt, tool plan, token mask, further logits processors)``.
@@ -97,7 +101,7 @@ def prepare_chat(model: ModelHandle, conv: Conversation, marks: Optional[dict] =
     if marks is not None:
         marks["render_in"] = time.monotonic()
     plan = plan_tools(conv, model.tokenizer)
-    prompt = render_conversation(model, conv, plan)
+    prompt = render_conversation(model, conv, plan, images)
     thinking = thinks(model, prompt)
     mask = output_mask(model.grammars, conv, plan, thinking)
     processors = []
@@ -114,23 +118,37 @@ def prepare_chat(model: ModelHandle, conv: Conversation, marks: Optional[dict] =
     return prompt, plan, mask, processors
 
 
-def render_conversation(model: ModelHandle, conv: Conversation, plan: Optional[ToolPlan]) -> Prompt:
-    """The prompt of ``conv`` on ``model`` (:func:`render_chat`), with its context edits
-    applied (:mod:`gateway.conversation.context_edits`; the unedited prompt's length
-    decides whether they trigger, and :attr:`Prompt.applied_edits` says what they did).
-    What ``/v1/messages/count_tokens`` counts too. Worker thread.
+def render_conversation(model: ModelHandle, conv: Conversation, plan: Optional[ToolPlan],
+                        images: Optional[tuple] = None) -> Prompt:
+    """The prompt of ``conv`` on ``model`` (:func:`render_chat`, or, for a conversation
+    with ``images``, :func:`gateway.conversation.vision_prompt.render_vision_chat`), with
+    its context edits applied (:mod:`gateway.conversation.context_edits`; the unedited
+    prompt's length decides whether they trigger, and :attr:`Prompt.applied_edits` says
+    what they did). What ``/v1/messages/count_tokens`` counts too. Worker thread.
 
     Raises:
-        APIError: 400 when the template rejects the conversation.
+        APIError: 400 when the template rejects the conversation or an image is bad.
     """
     spec, tok = model.spec, model.tokenizer
-    prompt = render_chat(tok, conv, spec.chat_template_args, spec.checkpoint_every, plan, trimmable=model.trimmable)
+    if images is None:
+        def render(c: Conversation) -> Prompt:
+            return render_chat(tok, c, spec.chat_template_args, spec.checkpoint_every, plan,
+                               trimmable=model.trimmable)
+    else:  # the vision stack (mlx-vlm's processors) is an optional extra: imported only when used
+        from gateway.conversation.images import decode_images
+        from gateway.conversation.vision_prompt import render_vision_chat
+
+        pictures = decode_images(*images)
+
+        def render(c: Conversation) -> Prompt:
+            return render_vision_chat(tok, model.vision, c, pictures, spec.chat_template_args,
+                                      spec.checkpoint_every, plan)
+    prompt = render(conv)
     if conv.edits:
         turns, applied = apply_edits(conv.turns, conv.edits, len(prompt.tokens),
                                      lambda text: len(tok.encode(text, add_special_tokens=False)) if text else 0)
         if applied:
-            prompt = render_chat(tok, replace(conv, turns=turns), spec.chat_template_args, spec.checkpoint_every,
-                                 plan, trimmable=model.trimmable)
+            prompt = render(replace(conv, turns=turns))
             prompt.applied_edits = applied
     return prompt
 

@@ -26,6 +26,8 @@ from gateway.conversation.form import (
     ChatEvent, ChatResult, Comment, Conversation, Finished, Piece, Usage,
 )
 from gateway.conversation.generation import Generation, KeepAlive
+from gateway.conversation.images import RefusedImage, images_of
+from gateway.conversation.vision_admit import admit_images, charge_image_tokens
 from gateway.conversation.next_turn import schedule_next_turn
 from gateway.conversation.prepare import fit_context, prepare_chat, sampling_params, text_assembler
 from gateway.conversation.prompts import Prompt
@@ -52,9 +54,22 @@ async def begin(call: Call, model_name: Optional[str], stream: bool,
         APIError: 404 for the model; 503 when it cannot be loaded; what ``start`` raises.
     """
     future = call.hold_model(model_name)
+
+    async def checked(model: ModelHandle) -> Run:
+        require_generating(model)
+        return await start(model)
+
     if future.done() or not stream:
-        return await start(await call.ready(future))
-    return PendingRun(call, future, start)
+        return await checked(await call.ready(future))
+    return PendingRun(call, future, checked)
+
+
+def require_generating(model: ModelHandle) -> None:
+    """Raises:
+        APIError: 400 ``model_not_generating`` for an embedding model asked to generate."""
+    if model.kind == "embedding":
+        raise APIError(400, f"the model '{model.name}' is an embedding model: use POST /v1/embeddings",
+                       param="model", code="model_not_generating")
 
 
 async def start_conversation(call: Call, conv: Conversation) -> "Run | PendingRun":
@@ -67,13 +82,20 @@ async def start_conversation(call: Call, conv: Conversation) -> "Run | PendingRu
     """
     call.record.stream = conv.stream
 
+    refs = images_of(conv)
+
     async def start(model: ModelHandle) -> Run:
         params = sampling_params(model, call.tenant, conv.sampling)
+        images = await admit_images(call, model, refs) if refs else None
         marks = call.record.marks
         with model.engine.arrivals.prepare(call.rank):  # the engine may wait for it
             marks["render_start"] = time.monotonic()
-            prompt, plan, mask, processors = await anyio.to_thread.run_sync(prepare_chat, model, conv, marks,
-                                                                            params.max_tokens)
+            try:
+                prompt, plan, mask, processors = await anyio.to_thread.run_sync(
+                    prepare_chat, model, conv, marks, params.max_tokens, images)
+            except RefusedImage as e:
+                call.front.metrics.images_refused.labels(call.tenant.name, e.reason).inc()
+                raise
             marks["render_end"] = time.monotonic()
             asm = text_assembler(model, conv.stop, prompt.opens_reasoning)
             return Run.submit(call, model, prompt, params, asm, plan, mask, processors)
@@ -160,10 +182,16 @@ class Run:
         params = fit_context(model, prompt, params)
         call.ticket.charge_prompt(len(prompt.tokens))
         t = call.tenant
+        if prompt.images:
+            charge_image_tokens(call, model, prompt.images)
         gen = Generation(model.engine, prompt.tokens, params, prompt.checkpoints, namespace=t.cache_group,
                          tenant=t.name, weight=t.weight, max_queued=t.max_queued, mask=mask,
                          priority=call.rank, keep=prompt.breakpoints,
                          processors=processors)
+        if prompt.images:  # in the engine's table until the request's last event (gateway.models.vision)
+            table = model.vision.table
+            table.add(prompt.images)
+            gen.request.sink = table.releasing(gen.request.sink, prompt.images)
         call.record.request_id = gen.id
         call.record.prompt_tokens = len(prompt.tokens)
         if call.front.config.log_prompts:
@@ -172,6 +200,8 @@ class Run:
         try:
             gen.submit()
         except APIError as e:
+            if prompt.images:
+                model.vision.table.release(prompt.images)
             if e.status == 429:
                 call.front.metrics.rate_limited.labels(t.name, "queue").inc()
             raise

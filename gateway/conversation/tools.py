@@ -41,6 +41,9 @@ from gateway.conversation.schemas import check_schema
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 NAMESPACE_SEPARATOR = "__"  # a namespace tool's function reaches the model as <namespace>__<name>
+# Response header naming the tools of a request that were left out of its prompt (tools the
+# API's provider runs itself: web search, code execution, ...), comma-separated.
+OMITTED_TOOLS_HEADER = "x-gateway-omitted-tools"
 
 
 @dataclass(frozen=True)

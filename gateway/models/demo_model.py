@@ -146,6 +146,13 @@ _TOKENIZER_FILES = (
 )
 
 
+def all_archs() -> list[str]:
+    """Every architecture :func:`build_model_dir` builds."""
+    from gateway.models.demo_multimodal import EMBEDDING_CONFIGS, VISION_CONFIGS
+
+    return sorted({*ARCH_CONFIGS, *VISION_CONFIGS, *EMBEDDING_CONFIGS})
+
+
 def default_demo_dir() -> Path:
     """Where ``serve`` keeps its demo model: ``$MLX_GATEWAY_HOME`` or ``~/.cache/mlx-gateway``."""
     home = os.environ.get("MLX_GATEWAY_HOME")
@@ -234,7 +241,10 @@ def build_model_dir(
     Args:
         path: the directory to create. If it already holds a finished model built
             with the same arguments, nothing is rewritten.
-        arch: a key of :data:`ARCH_CONFIGS` (an ``mlx_lm.models`` module name).
+        arch: a key of :data:`ARCH_CONFIGS` (an ``mlx_lm.models`` module name), or a
+            vision-language or embedding architecture of
+            :mod:`gateway.models.demo_multimodal` (``gemma3``, ``qwen3_embedding``: they
+            need mlx-vlm or mlx-embeddings, and a real tokenizer directory).
         tokenizer_dir: a directory with real tokenizer files to copy; by default
             the project's own byte-level BPE (about 1,000 tokens) is trained.
         vocab_size: the embedding rows; defaults to the tokenizer's size rounded
@@ -258,8 +268,10 @@ def build_model_dir(
     import mlx.core as mx
     import mlx.utils
 
-    if arch not in ARCH_CONFIGS:
-        raise ValueError(f"unknown architecture {arch!r}; choose from {sorted(ARCH_CONFIGS)}")
+    from gateway.models.demo_multimodal import EMBEDDING_CONFIGS, VISION_CONFIGS
+
+    if arch not in ARCH_CONFIGS and arch not in VISION_CONFIGS and arch not in EMBEDDING_CONFIGS:
+        raise ValueError(f"unknown architecture {arch!r}; choose from {sorted(all_archs())}")
     if terse and arch not in TERSE_ARCHS:
         raise ValueError(f"terse weights are defined for {TERSE_ARCHS}, not {arch!r}")
     path = Path(path)
@@ -279,6 +291,16 @@ def build_model_dir(
     else:
         n_vocab = _copy_tokenizer(Path(tokenizer_dir), tmp)
     vocab = vocab_size or -(-n_vocab // 64) * 64
+    if arch not in ARCH_CONFIGS:  # a vision-language or embedding model (gateway.models.demo_multimodal)
+        from gateway.models.demo_multimodal import write_multimodal
+
+        mx.random.seed(seed)
+        write_multimodal(tmp, arch, vocab, overrides or {})
+        (tmp / ".mlx-gateway-demo.json").write_text(json.dumps(stamp))
+        shutil.rmtree(path, ignore_errors=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, path)
+        return path
 
     config = dict(ARCH_CONFIGS[arch], **(overrides or {}), vocab_size=vocab)
     module = importlib.import_module(f"mlx_lm.models.{arch}")

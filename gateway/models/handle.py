@@ -26,6 +26,11 @@ class ModelHandle:
         weights_bytes: bytes its parameters take in memory, as served.
         path: the local directory it was loaded from.
         loaded_at: wall-clock time of the load (seconds since the epoch).
+        kind: ``"text"``, ``"vision"`` (it reads images, :mod:`gateway.models.vision`) or
+            ``"embedding"`` (``/v1/embeddings`` only; its ``engine`` is a
+            :class:`scheduler.embedding.EmbeddingEngine`, ``grammars`` None).
+        vision: the vision side of a vision model (:class:`gateway.models.vision.VisionModel`).
+        embedder: the embedding model (:class:`gateway.models.embedding.EmbeddingModel`).
     """
 
     spec: ModelSpec
@@ -37,6 +42,9 @@ class ModelHandle:
     weights_bytes: int
     path: str
     loaded_at: float = field(default_factory=time.time)
+    kind: str = "text"
+    vision: Any = None
+    embedder: Any = None
 
     @property
     def name(self) -> str:

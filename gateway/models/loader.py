@@ -19,6 +19,7 @@ life, so a model unloaded and loaded again (LRU, ``keep_alive``) pays neither.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -187,6 +188,61 @@ def tokenizer_and_grammars(model_path: Path, config: dict, n_vocab: int):
     return tokenizer, grammars
 
 
+def model_kind(spec: ModelSpec, model_path: Path) -> str:
+    """What the model at ``model_path`` is: the spec's ``kind`` when given; else
+    ``"embedding"`` for a sentence-transformers directory or an encoder
+    (:func:`gateway.models.embedding.is_embedding_dir`), ``"vision"`` for a checkpoint
+    with a ``vision_config`` when mlx-vlm is installed (without it, such a model is served
+    as text, as mlx-lm loads it, and a warning says so), and ``"text"`` otherwise."""
+    if spec.kind:
+        return spec.kind
+    try:
+        config = json.loads((model_path / "config.json").read_text())
+    except (OSError, ValueError):
+        return "text"
+    from gateway.models.embedding import is_embedding_dir
+
+    if is_embedding_dir(model_path, config):
+        return "embedding"
+    if config.get("vision_config"):
+        import importlib.util
+
+        if importlib.util.find_spec("mlx_vlm") is not None:
+            return "vision"
+        log.warning("%s has a vision tower, but mlx-vlm is not installed: served as a text model "
+                    "(pip install 'mlx-gateway[vision]' for images)", spec.name)
+    return "text"
+
+
+def load_embedding(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: CollectorRegistry,
+                   reserve: Callable[[int], None], configure: Optional[Callable], model_path: Path,
+                   path: str) -> ModelHandle:
+    """Load an embedding model (mlx-embeddings) and attach its
+    :class:`~scheduler.embedding.EmbeddingEngine` to ``loop``; see :func:`load_model`."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from gateway.cpu.weights import float32_weights_for_cpu_backend, served_bytes
+    from gateway.models.embedding import load_embedding_model
+    from scheduler.embedding import EmbeddingEngine
+
+    embedder, config = load_embedding_model(model_path)
+    reserve(served_bytes(embedder.model))
+    float32_weights_for_cpu_backend(embedder.model)
+    mx.eval(embedder.model.parameters())
+    weights = sum(p.nbytes for _, p in tree_flatten(embedder.model.parameters()))
+    engine = EmbeddingEngine(embedder, loop, max_batch_inputs=cfg.decode_concurrency,
+                             max_batch_tokens=max(cfg.prefill_step_size, 512) * 4, max_waiting=cfg.max_waiting,
+                             registry=registry, name=spec.name)
+    if configure is not None:
+        configure(engine)
+    vocab = int(config.get("vocab_size") or 0)
+    handle = ModelHandle(spec, embedder.tokenizer, engine, embedder.context_length, vocab, None, weights, path,
+                         kind="embedding", embedder=embedder)
+    engine.start()
+    return handle
+
+
 def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: CollectorRegistry,
                reserve: Callable[[int], None], cache_budget: Optional[CacheBudget] = None,
                configure: Optional[Callable[[Engine], None]] = None) -> ModelHandle:
@@ -219,13 +275,25 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
 
     path = resolve_path(spec)
     model_path = Path(_download(path))
-    model, config = load_weights(model_path, lazy=True)  # shapes only: nothing read yet
+    kind = model_kind(spec, model_path)
+    if kind == "embedding":
+        return load_embedding(spec, cfg, loop, registry, reserve, configure, model_path, str(path))
+    vision = None
+    if kind == "vision":  # mlx-vlm's vision side on mlx-lm's text model (gateway.models.vision)
+        from gateway.models.vision import load_vision_model
+
+        config = json.loads((model_path / "config.json").read_text())
+        model, vision = load_vision_model(model_path, config)  # shapes only: nothing read yet
+    else:
+        model, config = load_weights(model_path, lazy=True)  # shapes only: nothing read yet
     cluster = distributed.current()
     if cluster is not None:  # one model across the ranks of mlx.launch (gateway/ranks.py)
         cluster.shard(model)
     # why it cannot speculate: split across ranks (the other ranks replay plain steps only),
     # cache kinds that cannot roll back a draft, then (once read) layers that ignore padding
     refusal = "it runs split across ranks" if cluster is not None else speculation_refusal(model)
+    if vision is not None:  # drafts could copy image positions, which are no tokens
+        refusal = refusal or "it reads images"
     draft = draft_path = None
     if spec.speculative == "draft" and refusal is None:  # a bad path fails before any weight is read
         draft, draft_path = read_draft(spec.name, spec.draft_model)  # shapes only
@@ -246,6 +314,12 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
         reserve(served_bytes(model) + served_bytes(draft))
         float32_weights_for_cpu_backend(draft)
         mx.eval(draft.parameters())
+    if vision is not None:
+        from gateway.models.vision import check_agreement
+
+        why = check_agreement(model, vision)
+        if why is not None:
+            raise RuntimeError(f"{spec.name} cannot be served with images: {why}")
     weights, draft_weights = (sum(p.nbytes for _, p in tree_flatten(m.parameters())) if m is not None else 0
                               for m in (model, draft))
     exact = batch_is_exact(model)
@@ -280,7 +354,7 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
         configure(engine)
     warm_up(tokenizer, spec.chat_template_args)
     handle = ModelHandle(spec, tokenizer, engine, context_length(model, tokenizer), vocab, grammars,
-                         weights + draft_weights, str(path))
+                         weights + draft_weights, str(path), kind=kind, vision=vision)
     try:
         engine.start()  # the hand-over: the loop opens its batch between two steps
     except BaseException:

@@ -104,9 +104,11 @@ class Slot:
     last_used_wall: Optional[float] = None
     reserved: int = 0  # bytes a load in progress holds under the budget
     unloaded: threading.Event = field(default_factory=threading.Event)  # set unless unloading
+    kind: Optional[str] = None  # text | vision | embedding: the spec's, else found at its first load
 
     def __post_init__(self) -> None:
         self.unloaded.set()
+        self.kind = self.spec.kind
 
     @property
     def name(self) -> str:
@@ -293,6 +295,7 @@ class ModelRegistry:
         seconds = time.monotonic() - started
         with self._lock:
             slot.handle, slot.state, slot.loading, slot.reserved = handle, "loaded", None, 0
+            slot.kind = handle.kind
         self.metrics.per_model.add(slot.name, registry)
         self.metrics.loaded.labels(slot.name).set(1)
         self.metrics.weights.labels(slot.name).set(handle.weights_bytes)
@@ -355,7 +358,8 @@ class ModelRegistry:
         try:
             handle.engine.stop(timeout=PERSIST_SECONDS + 10, reason=f"the model '{slot.name}' was unloaded")
         finally:
-            handle.engine.prompt_cache.close()
+            if handle.engine.prompt_cache is not None:  # (an embedding model has none)
+                handle.engine.prompt_cache.close()
             self.metrics.per_model.remove(slot.name)
             self.metrics.loaded.labels(slot.name).set(0)
             self.metrics.weights.labels(slot.name).set(0)

@@ -21,6 +21,7 @@ model, ``NAME`` the name clients send as ``model``::
     num_draft_tokens = 4           # most tokens drafted per row and step
     kv_bits = 8                    # quantized KV cache: 8 or 4 bits (default: float)
     kv_group_size = 64             # elements per quantization group
+    kind = "embedding"             # "text", "vision" or "embedding" (default: found from its files)
 
 Every setting but ``path`` is optional; the ``serve`` flags of the same names are the
 defaults (``--keep-alive`` for ``keep_alive``).
@@ -47,7 +48,8 @@ DEFAULT_NAME = "SmolLM2-135M-Instruct"
 
 _FIELDS = {"path", "aliases", "pin", "keep_alive", "max_tokens", "max_tokens_limit", "temp", "top_p", "top_k",
            "min_p", "chat_template_args", "prompt_cache_bytes", "max_prompt_tokens", "checkpoint_every",
-           "speculative", "num_draft_tokens", "draft_model", "kv_bits", "kv_group_size"}
+           "speculative", "num_draft_tokens", "draft_model", "kv_bits", "kv_group_size", "kind"}
+KINDS = ("text", "vision", "embedding")
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
@@ -80,6 +82,9 @@ class ModelSpec:
         num_draft_tokens: most tokens drafted per row and step.
         draft_model: the draft model's directory or hub id (``"draft"`` only).
         kv_bits, kv_group_size: a quantized KV cache (``cache.quantized``); None: float.
+        kind: ``"text"``, ``"vision"`` (a vision-language model, loaded through mlx-vlm) or
+            ``"embedding"`` (loaded through mlx-embeddings, for ``/v1/embeddings``); None:
+            found from the model's files at load (:func:`gateway.models.loader.model_kind`).
     """
 
     name: str
@@ -103,6 +108,7 @@ class ModelSpec:
     draft_model: Optional[str] = None
     kv_bits: Optional[int] = None
     kv_group_size: int = 64
+    kind: Optional[str] = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -284,6 +290,10 @@ def _spec(name: str, t, base: dict) -> ModelSpec:
             settings[key] = t[key]
     if settings["num_draft_tokens"] > 16:
         raise ModelsFileError(f"{where}: num_draft_tokens must be <= 16")
+    if "kind" in t:
+        if t["kind"] not in KINDS:
+            raise ModelsFileError(f"{where}: kind must be one of {', '.join(KINDS)}, got {t['kind']!r}")
+        settings["kind"] = t["kind"]
     if "chat_template_args" in t:
         if not isinstance(t["chat_template_args"], dict):
             raise ModelsFileError(f"{where}: chat_template_args must be a table")

@@ -21,21 +21,21 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.conversation.form import (ChatResult, Comment, Conversation, Finished, FunctionTool, Piece, Sampling,
+from gateway.conversation.form import (IMAGE_MARK, ChatResult, Comment, Conversation, Finished, FunctionTool, ImageRef,
+                                       Piece, Sampling,
                                        ToolCall, Turn, Usage)
 from gateway.conversation.calls import Front, admit
 from gateway.conversation.prepare import render_conversation
 from gateway.conversation.run import start_conversation
 from gateway.conversation.schemas import check_schema
-from gateway.conversation.tools import plan_tools
+from gateway.conversation.tools import OMITTED_TOOLS_HEADER, plan_tools
 from gateway.http.errors import APIError
 from gateway.http.sse import SSEResponse, comment, guarded, named_event
 from gateway.protocols.anthropic_schemas import (CountTokensRequest, DroppedBlock, MediaBlock, MessageParam,
                                                  MessagesRequest, RedactedThinkingBlock, SearchResultBlock,
                                                  ServerToolResultBlock, ServerToolUseBlock, TextBlock, ThinkingBlock,
                                                  Tool, ToolReferenceBlock, ToolResultBlock, ToolUseBlock, parse)
-from gateway.protocols.anthropic_tools import (EFFORT_BUDGETS, OMITTED_TOOLS_HEADER, context_edits, loaded_tool_text,
-                                               split_tools)
+from gateway.protocols.anthropic_tools import EFFORT_BUDGETS, context_edits, loaded_tool_text, split_tools
 from gateway.models.handle import ModelHandle
 
 STOP_REASONS = {"stop": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens",
@@ -95,7 +95,7 @@ def _message_turns(m: MessageParam, i: int, model: Optional[str], tools: dict[st
     """
     if isinstance(m.content, str):
         return [Turn(m.role, m.content)] if not _is_billing(m.role, m.content) else [], []
-    turns, text, reasoning, calls, breaks, carry, after = [], [], [], [], [], [], []
+    turns, text, reasoning, calls, breaks, carry, after, images = [], [], [], [], [], [], [], []
     allowed = {"user": (TextBlock, ToolResultBlock, SearchResultBlock, DroppedBlock),
                "assistant": (TextBlock, ToolUseBlock, ThinkingBlock, RedactedThinkingBlock, ServerToolUseBlock,
                              ServerToolResultBlock, DroppedBlock),
@@ -103,13 +103,17 @@ def _message_turns(m: MessageParam, i: int, model: Optional[str], tools: dict[st
     for j, b in enumerate(m.content):
         where = f"messages.{i}.content.{j}"
         if isinstance(b, MediaBlock):
-            raise APIError(400, f"the model '{model}' does not accept {b.type}s: send text only", param=where)
+            if b.type != "image" or m.role != "user":
+                raise APIError(400, f"the model '{model}' does not accept {b.type}s: send text only", param=where)
+            text.append(IMAGE_MARK)
+            images.append(image_source(b.source, where))
+            continue
         if not isinstance(b, allowed):
             raise APIError(400, f"a {m.role} message may not hold {b.type} blocks", param=f"{where}.type")
         if isinstance(b, (TextBlock, SearchResultBlock)):
             if isinstance(b, TextBlock) and _is_billing(m.role, b.text):
                 continue
-            text.append(b.text if isinstance(b, TextBlock) else b.text())
+            text.append((b.text if isinstance(b, TextBlock) else b.text()).replace(IMAGE_MARK, ""))
             if b.cache_control is not None:
                 breaks.append((len("".join(text)), b.cache_control.seconds))
         elif isinstance(b, ToolResultBlock):
@@ -131,7 +135,7 @@ def _message_turns(m: MessageParam, i: int, model: Optional[str], tools: dict[st
     if m.role == "system":
         return ([Turn("system", "".join(text), breaks=breaks)] if text else []), carry
     if text or not turns:
-        turns.append(Turn("user", "".join(text), breaks=breaks))
+        turns.append(Turn("user", "".join(text), breaks=breaks, images=images))
     return turns, carry
 
 
@@ -156,6 +160,18 @@ def system_turn(req: CountTokensRequest) -> Optional[Turn]:
         if b.cache_control is not None:
             breaks.append((len(text), b.cache_control.seconds))
     return Turn("system", text, breaks=breaks) if text or breaks else None
+
+
+def image_source(source, param: str) -> ImageRef:
+    """An image block's ``source``: ``base64`` (``media_type``, ``data``) or ``url``. Any
+    other (a ``file`` id, a missing field) gives a reference with neither, refused with a
+    400 once the model is known (a text model's 400 says it takes no images)."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("data"), str):
+        return ImageRef(param, data=source["data"], media_type=source.get("media_type"))
+    if kind == "url" and isinstance(source.get("url"), str):
+        return ImageRef(param, url=source["url"])
+    return ImageRef(param)
 
 
 def to_conversation(req: CountTokensRequest) -> tuple[Conversation, list[str]]:

@@ -12,7 +12,7 @@ Tools come in three kinds (Anthropic's "Tool use" docs):
 - **server tools** the API runs itself (``web_search_...``, ``web_fetch_...``,
   ``code_execution_...``, ``tool_search_tool_regex_...``, MCP toolsets, ...): the gateway
   runs none, so they are left out of the prompt and named in the response's
-  :data:`OMITTED_TOOLS_HEADER`; forcing one with ``tool_choice`` is a 400. Without the
+  :data:`gateway.conversation.tools.OMITTED_TOOLS_HEADER`; forcing one with ``tool_choice`` is a 400. Without the
   server's tool search, deferred tools could never be loaded, so they are then shown
   with the others (the nearest form the model can use).
 """
@@ -27,8 +27,6 @@ from gateway.conversation.context_edits import DEFAULT_KEEP_USES, DEFAULT_TRIGGE
     ClearToolUses, Edit
 from gateway.conversation.form import FunctionTool
 from gateway.protocols.anthropic_schemas import ContextManagement, Tool
-
-OMITTED_TOOLS_HEADER = "x-gateway-omitted-tools"  # server tools left out of the prompt, comma-separated
 
 CLIENT_TOOL_SCHEMAS = {
     "bash": {"type": "object", "properties": {"command": {"type": "string"}, "restart": {"type": "boolean"}}},

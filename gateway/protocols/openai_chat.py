@@ -24,9 +24,10 @@ from gateway.protocols.openai_schemas import ChatRequest, parse
 def to_conversation(req: ChatRequest) -> Conversation:
     """OpenAI's chat request as the internal form (``developer`` is a system turn)."""
     turns = [Turn(
-        role="system" if m.role == "developer" else m.role, text=m.text(), reasoning=m.reasoning_content,
+        role="system" if m.role == "developer" else m.role, text=text, reasoning=m.reasoning_content,
         tool_calls=[ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []],
-        tool_call_id=m.tool_call_id, name=m.name) for m in req.messages]
+        tool_call_id=m.tool_call_id, name=m.name, images=images)
+        for i, m in enumerate(req.messages) for text, images in [m.text_and_images(i)]]
     tools = [FunctionTool(t.function.name, t.function.description, t.function.parameters, f"tools.{i}.function")
              for i, t in enumerate(req.tools or [])]
     choice, forced = req.tool_choice or "auto", None

@@ -3,19 +3,20 @@
 Types are strict, as on OpenAI's API: ``"stream": "yes"`` or ``"max_tokens": "32"`` is a
 400 naming the field and the type expected (an integer is a valid number, a boolean is
 not). Unknown fields are accepted and ignored, as OpenAI clients send many optional ones;
-fields we do not support with a value that would change the result (``n`` > 1, image
-content, ``echo``) are refused with a 400 naming the field. Numbers must be finite (JSON's
+fields we do not support with a value that would change the result (``n`` > 1, ``echo``)
+are refused with a 400 naming the field. Numbers must be finite (JSON's
 non-standard ``NaN``/``Infinity`` are refused). Constraints checked by validators are
 also written into the JSON schema (:func:`_document`), so ``GET /openapi.json`` states them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Annotated, Any, Callable, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
+from gateway.conversation.form import ImageRef, join_parts
 from gateway.http.errors import APIError
 
 MAX_STOP_SEQUENCES = 16
@@ -48,6 +49,20 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    url: str
+    detail: Optional[str] = None
+
+
+class ImagePart(BaseModel):
+    """An image (``image_url``: a data: URL, or an http(s) URL the server may fetch)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function and schema names
 
 
@@ -69,19 +84,24 @@ class ToolCall(BaseModel):
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]], None] = None
     reasoning_content: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
     name: Optional[str] = None
 
     def text(self) -> str:
-        """The content as one string (text parts joined)."""
+        """The content as one string (text parts joined, each image an ``IMAGE_MARK``)."""
+        return self.text_and_images(0)[0]
+
+    def text_and_images(self, i: int) -> tuple[str, list[ImageRef]]:
+        """The content's text and images (``i``: the message's index, for error messages)."""
         if self.content is None:
-            return ""
+            return "", []
         if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
+            return self.content, []
+        return join_parts([ImageRef(f"messages.{i}.content.{j}.image_url", url=p.image_url.url)
+                           if isinstance(p, ImagePart) else p.text for j, p in enumerate(self.content)])
 
 
 class FunctionDef(BaseModel):

@@ -25,23 +25,27 @@ or abandoned responses are not stored.
 
 from __future__ import annotations
 
+import json
 import time
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.conversation.form import (Comment, Conversation, Finished, FunctionTool, Piece, Sampling, ToolCall,
-                                       Turn, Usage)
+from gateway.conversation.form import Comment, Conversation, Finished, Piece, Sampling, ToolCall, Turn, Usage
 from gateway.conversation.calls import Front, admit
 from gateway.conversation.run import Run, start_conversation
+from gateway.conversation.tools import OMITTED_TOOLS_HEADER, offered_name
 from gateway.http.errors import APIError
 from gateway.http.sse import SSEResponse, comment, guarded, named_event
+from gateway.protocols.reasoning_seal import ReasoningSeal
 from gateway.protocols.responses_events import OutputBuilder, object_id
 from gateway.protocols.responses_items import check_unique_ids, input_items, page_query, with_ids
-from gateway.protocols.responses_schemas import (FunctionCallItem, FunctionCallOutputItem, MessageItem,
+from gateway.protocols.responses_schemas import (CustomToolCallItem, FunctionCallItem, FunctionCallOutputItem,
+                                                 HostedCallItem, LocalShellCallItem, MessageItem,
                                                  ReasoningItem, ResponsesRequest, parse_items, parse_request)
 from gateway.protocols.responses_store import ResponseStore, StoredResponse
+from gateway.protocols.responses_tools import offered_tools, tool_choice
 from gateway.tenancy.auth import authenticate
 
 PARAMS = {"max_tokens": "max_output_tokens", "messages": "input"}
@@ -53,48 +57,62 @@ def not_found(rid: str, param: Optional[str] = None) -> APIError:
 
 
 # ---------------------------------------------------------------------- request
-def to_turns(items: list) -> list[Turn]:
-    """Input items as turns (see the module docstring for how assistant items merge)."""
+def to_turns(items: list, opened: Callable[[ReasoningItem], Optional[str]] = lambda it: None) -> list[Turn]:
+    """Input items as turns (see the module docstring for how assistant items merge).
+    ``opened``: the reasoning a ``reasoning`` item's ``encrypted_content`` seals (None when
+    it has none this gateway can open; its content or summary is taken then)."""
     turns: list[Turn] = []
     cur: Optional[Turn] = None  # the assistant turn being built
-    for it in items:
+
+    def assistant() -> Turn:
+        nonlocal cur
+        if cur is None:
+            cur = Turn("assistant")
+            turns.append(cur)
+        return cur
+
+    for k, it in enumerate(items):
         if isinstance(it, ReasoningItem):
             if cur is None or cur.text or cur.tool_calls or cur.reasoning is not None:
-                cur = Turn("assistant")
-                turns.append(cur)
-            cur.reasoning = it.text()
+                cur = None
+            sealed = opened(it) if it.encrypted_content else None
+            assistant().reasoning = sealed if sealed is not None else it.text()
         elif isinstance(it, FunctionCallItem):
-            if cur is None:
-                cur = Turn("assistant")
-                turns.append(cur)
-            cur.tool_calls.append(ToolCall(it.call_id, it.name, it.arguments))
+            assistant().tool_calls.append(ToolCall(it.call_id, it.name, it.arguments, namespace=it.namespace))
+        elif isinstance(it, CustomToolCallItem):
+            assistant().tool_calls.append(ToolCall(it.call_id, it.name, it.input, kind="custom"))
+        elif isinstance(it, LocalShellCallItem):
+            action = {k: v for k, v in it.action.items() if k != "type"}
+            assistant().tool_calls.append(ToolCall(it.call_id, "local_shell", json.dumps(action, ensure_ascii=False)))
+        elif isinstance(it, HostedCallItem):
+            continue  # a hosted tool's call: nothing the model can be shown
         elif isinstance(it, MessageItem) and it.role == "assistant":
             if cur is None or cur.text or cur.tool_calls:
-                cur = Turn("assistant")
-                turns.append(cur)
-            cur.text = it.text()
+                cur = None
+            assistant().text = it.text()
         elif isinstance(it, FunctionCallOutputItem):
             cur = None
-            turns.append(Turn("tool", it.text(), tool_call_id=it.call_id))
+            turns.append(Turn("tool", it.text(), tool_call_id=it.of))
         else:
             cur = None
-            turns.append(Turn("system" if it.role == "developer" else it.role, it.text()))
+            text, images = it.text_and_images(f"input.{k}")
+            turns.append(Turn("system" if it.role == "developer" else it.role, text, images=images))
     return turns
 
 
-def to_conversation(req: ResponsesRequest, items: list) -> Conversation:
-    """The request as the internal form; ``items`` is the whole input (a previous
-    response's conversation first).
+def to_conversation(req: ResponsesRequest, items: list,
+                    opened: Callable[[ReasoningItem], Optional[str]] = lambda it: None
+                    ) -> tuple[Conversation, list[str]]:
+    """The request as the internal form, and the hosted tools left out of it; ``items`` is
+    the whole input (a previous response's conversation first).
 
     Raises:
-        APIError: 400 for a ``json_schema`` format without a schema.
+        APIError: 400 for a ``json_schema`` format without a schema, or a ``tool_choice``
+            that forces a hosted tool.
     """
-    turns = ([Turn("system", req.instructions)] if req.instructions is not None else []) + to_turns(items)
-    tools = [FunctionTool(t.name, t.description, t.parameters, f"tools.{i}", "parameters")
-             for i, t in enumerate(req.tools or [])]
-    choice, forced = req.tool_choice or "auto", None
-    if not isinstance(choice, str):
-        choice, forced = "function", choice.name
+    turns = ([Turn("system", req.instructions)] if req.instructions is not None else []) + to_turns(items, opened)
+    tools, omitted = offered_tools(req.tools or [])
+    choice, forced = tool_choice(req.tool_choice)
     fmt = req.text.format if req.text is not None else None
     schema, param = None, "text.format.schema"
     if fmt is not None and fmt.type == "json_object":
@@ -108,8 +126,9 @@ def to_conversation(req: ResponsesRequest, items: list) -> Conversation:
         kwargs["enable_thinking"] = req.reasoning.effort != "none"
     sampling = Sampling(max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p)
     strict = fmt is not None and fmt.type == "json_schema" and getattr(fmt, "strict", None) is True
-    return Conversation(turns, sampling, tools, choice, forced, req.parallel_tool_calls is not False, schema,
+    conv = Conversation(turns, sampling, tools, choice, forced, req.parallel_tool_calls is not False, schema,
                         param, strict, template_kwargs=kwargs, model=req.model, stream=req.stream)
+    return conv, omitted
 
 
 def dump_items(items: list) -> list[dict]:
@@ -141,7 +160,7 @@ def base_response(call, req: ResponsesRequest, rid: str) -> dict:
         "store": req.store, "temperature": req.temperature if req.temperature is not None else spec.temp,
         "text": {"format": (req.text.format.model_dump(by_alias=True, exclude_none=True)
                             if req.text is not None and req.text.format is not None else {"type": "text"})},
-        "tool_choice": choice if isinstance(choice, str) else {"type": "function", "name": choice.name},
+        "tool_choice": choice if isinstance(choice, str) else choice.model_dump(exclude_none=True),
         "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
         "top_p": req.top_p if req.top_p is not None else spec.top_p, "truncation": "disabled",
         "usage": None, "user": req.user, "metadata": dict(req.metadata or {}),
@@ -209,13 +228,19 @@ async def create_response(request: Request) -> Response:
         history = prev.items
     new_items = with_ids(dump_items(items))
     check_unique_ids(history, new_items)
-    conv = to_conversation(req, parse_items(history, "previous_response_id") + items)
+    seal: ReasoningSeal = request.app.state.reasoning_seal
+    conv, omitted = to_conversation(req, parse_items(history, "previous_response_id") + items,
+                                    lambda it: seal.open(it.encrypted_content, tenant))
     try:
         run = await start_conversation(call, conv)
     except APIError as e:
         e.param = PARAMS.get(e.param, e.param)  # the shared code names chat's parameters
         raise
-    base, out = base_response(call, req, object_id("resp")), OutputBuilder()
+    sealed = "reasoning.encrypted_content" in (req.include or [])
+    out = OutputBuilder({offered_name(t): t for t in conv.tools},
+                        (lambda text: seal.seal(text, tenant)) if sealed else None)
+    base = base_response(call, req, object_id("resp"))
+    headers = {OMITTED_TOOLS_HEADER: ",".join(omitted)} if omitted else {}
 
     async def keep(response: dict) -> dict:
         """``response``, stored first (with ``store: false`` when it could not be)."""
@@ -242,12 +267,13 @@ async def create_response(request: Request) -> Response:
                     yield b"".join(map(_encode, evs + [out.event(kind, response=response)]))
 
         return SSEResponse(guarded(events(), lambda e: _encode(out.event(
-            "response.failed", response=failed_response(base, out, e)))), send_timeout=front.config.client_timeout)
+            "response.failed", response=failed_response(base, out, e)))), headers=headers,
+            send_timeout=front.config.client_timeout)
 
     finished = await drain(run, request, out)
     if finished is None:
         return Response(status_code=499)
-    return JSONResponse(await keep(final_response(base, out, finished)))
+    return JSONResponse(await keep(final_response(base, out, finished)), headers=headers)
 
 
 async def _stored(request: Request) -> StoredResponse:

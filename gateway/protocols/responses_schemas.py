@@ -1,10 +1,14 @@
 """Request schemas of the OpenAI Responses API (``POST /v1/responses``, pydantic v2).
 
-As for chat completions, unknown fields are accepted and ignored, numbers must be
+As for chat completions, unknown fields are accepted and ignored (``client_metadata``,
+``prompt_cache_key``, ``safety_identifier``, ``service_tier``, ...), numbers must be
 finite and types are strict (``"stream": "yes"`` or ``"max_output_tokens": "32"`` is a
 400 naming the field and the type expected). Input items are told apart by ``type``; an
-item with no ``type`` but a ``role`` is a message. Item kinds this gateway cannot serve (images,
-files, built-in tools) are refused with a 400 naming the item's ``type``.
+item with no ``type`` but a ``role`` is a message. The calls of hosted tools in an
+earlier output (``web_search_call``, ...) are accepted and left out of the prompt; item
+kinds the gateway cannot serve (images and files for a text model) are refused with a
+400 naming the item's ``type``. Tools are function, ``namespace``, ``custom`` and
+``local_shell`` tools, or hosted tools (any other ``type``), which the gateway does not run.
 """
 
 from __future__ import annotations
@@ -12,10 +16,13 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictStr, Tag, TypeAdapter,
-                      ValidationError, field_validator)
+                      ValidationError, field_validator, model_validator)
+from pydantic_core import PydanticCustomError
 
+from gateway.conversation.form import ImageRef, join_parts
 from gateway.http.errors import APIError
 from gateway.protocols.openai_schemas import TOOL_NAME, deepest, describe
+from gateway.protocols.responses_tools import AllowedTools, HostedChoice, NamedFunction, ToolParam
 
 MAX_METADATA = 16  # OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512
 
@@ -29,38 +36,105 @@ class TextContent(BaseModel):
     text: StrictStr
 
 
+class ImageContent(BaseModel):
+    """An ``input_image`` part: ``image_url`` is a data: URL or an http(s) URL (a
+    ``file_id`` is refused: this server keeps no files)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["input_image"]
+    image_url: Optional[StrictStr] = None
+    file_id: Optional[StrictStr] = None
+    detail: Optional[StrictStr] = None
+
+
 class MessageItem(BaseModel):
     """A ``message`` input item (``type`` may be left out)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Union[StrictStr, list[TextContent]]
+    content: Union[StrictStr, list[Union[TextContent, ImageContent]]]
     id: Optional[str] = None
 
     def text(self) -> str:
-        """The content as one string (parts joined)."""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        """The content as one string (parts joined, each image an ``IMAGE_MARK``)."""
+        return self.text_and_images("input")[0]
+
+    def text_and_images(self, param: str) -> tuple[str, list[ImageRef]]:
+        """The content's text and images; ``param`` is the item's place in the request.
+
+        Raises:
+            APIError: 400 for an ``input_image`` without an ``image_url``.
+        """
+        if isinstance(self.content, str):
+            return self.content, []
+        parts: list = []
+        for j, p in enumerate(self.content):
+            if isinstance(p, ImageContent):
+                if p.image_url is None:
+                    raise APIError(400, "an input_image needs an image_url (a data: URL); file ids are not kept "
+                                   "by this server", param=f"{param}.content.{j}.image_url")
+                parts.append(ImageRef(f"{param}.content.{j}.image_url", url=p.image_url))
+            else:
+                parts.append(p.text)
+        return join_parts(parts)
 
 
 class FunctionCallItem(BaseModel):
-    """A call the assistant made earlier (``function_call`` item)."""
+    """A call the assistant made earlier (``function_call`` item; ``namespace`` for a
+    namespace tool's function)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["function_call"]
     call_id: StrictStr
     name: StrictStr
     arguments: StrictStr = Field(description="the arguments as a JSON text")
+    namespace: Optional[StrictStr] = None
+    id: Optional[str] = None
+
+
+class CustomToolCallItem(BaseModel):
+    """A call of a ``custom`` tool the assistant made earlier: ``input`` is its free-form text."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["custom_tool_call"]
+    call_id: StrictStr
+    name: StrictStr
+    input: StrictStr = ""
+    id: Optional[str] = None
+
+
+class LocalShellCallItem(BaseModel):
+    """A ``local_shell`` call the assistant made earlier: ``action`` is what it ran
+    (``{"type": "exec", "command": [...], ...}``)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["local_shell_call"]
+    call_id: StrictStr
+    action: dict[str, Any]
     id: Optional[str] = None
 
 
 class FunctionCallOutputItem(BaseModel):
-    """The result of call ``call_id`` (``function_call_output`` item)."""
+    """The result of call ``call_id`` (``function_call_output``, ``custom_tool_call_output``
+    or ``local_shell_call_output``, whose call is named by ``call_id`` or ``id``)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
-    type: Literal["function_call_output"]
-    call_id: StrictStr
+    type: Literal["function_call_output", "custom_tool_call_output", "local_shell_call_output"]
+    call_id: Optional[StrictStr] = None
+    id: Optional[StrictStr] = None
     output: Union[StrictStr, list[TextContent]]
+
+    @model_validator(mode="after")
+    def _call(self):
+        if self.call_id is None and (self.type != "local_shell_call_output" or self.id is None):
+            raise PydanticCustomError("missing", "call_id is required")
+        return self
+
+    @property
+    def of(self) -> str:
+        """The id of the call this is the output of."""
+        return self.call_id if self.call_id is not None else self.id
 
     def text(self) -> str:
         """The output as one string (parts joined)."""
@@ -77,12 +151,14 @@ class ReasoningPart(BaseModel):
 
 class ReasoningItem(BaseModel):
     """An earlier answer's reasoning (``reasoning`` item, as the API returns it): its
-    ``content`` (else its ``summary``) becomes the next assistant turn's reasoning."""
+    sealed ``encrypted_content`` (opened by the gateway that made it), else its
+    ``content``, else its ``summary``, becomes the next assistant turn's reasoning."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["reasoning"]
     summary: list[ReasoningPart] = Field(default_factory=list)
     content: Optional[list[ReasoningPart]] = None
+    encrypted_content: Optional[StrictStr] = None
     id: Optional[str] = None
 
     def text(self) -> str:
@@ -90,40 +166,42 @@ class ReasoningItem(BaseModel):
         return "".join(p.text for p in (self.content if self.content else self.summary))
 
 
+# The calls of hosted tools (which the gateway does not run) in an earlier answer: nothing
+# of them reaches the prompt.
+HOSTED_CALLS = ("web_search_call", "file_search_call", "image_generation_call", "code_interpreter_call",
+                "computer_call", "computer_call_output", "mcp_call", "mcp_list_tools", "mcp_approval_request",
+                "mcp_approval_response")
+
+
+class HostedCallItem(BaseModel):
+    """A hosted tool's call or result in an earlier answer: accepted, left out."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal[HOSTED_CALLS]
+    id: Optional[str] = None
+
+
+_OUTPUTS = ("function_call_output", "custom_tool_call_output", "local_shell_call_output")
+
+
 def _item_kind(value: Any) -> Optional[str]:
-    if isinstance(value, dict):
-        return value.get("type", "message" if "role" in value else None)
-    return getattr(value, "type", None)
+    kind = value.get("type", "message" if "role" in value else None) if isinstance(value, dict) \
+        else getattr(value, "type", None)
+    return "output" if kind in _OUTPUTS else "hosted" if kind in HOSTED_CALLS else kind
 
 
 InputItem = Annotated[
     Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
-          Annotated[FunctionCallOutputItem, Tag("function_call_output")],
-          Annotated[ReasoningItem, Tag("reasoning")]],
+          Annotated[CustomToolCallItem, Tag("custom_tool_call")],
+          Annotated[LocalShellCallItem, Tag("local_shell_call")],
+          Annotated[FunctionCallOutputItem, Tag("output")],
+          Annotated[ReasoningItem, Tag("reasoning")], Annotated[HostedCallItem, Tag("hosted")]],
     Discriminator(_item_kind, custom_error_type="invalid_item",
                   custom_error_message="unsupported input item type (expected message, function_call, "
-                                       "function_call_output or reasoning)"),
+                                       "function_call_output, custom_tool_call, custom_tool_call_output, "
+                                       "local_shell_call, local_shell_call_output or reasoning)"),
 ]
 ITEMS = TypeAdapter(list[InputItem])
-
-
-class FunctionToolParam(BaseModel):
-    """A function the model may call (flat, unlike chat completions' ``function`` object)."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: Literal["function"]
-    name: str = Field(pattern=TOOL_NAME)
-    description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = Field(default=None, description="a JSON Schema of the arguments object")
-    strict: Optional[StrictBool] = None
-
-
-class NamedFunction(BaseModel):
-    """``tool_choice`` naming one function the model must call."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: Literal["function"]
-    name: StrictStr
 
 
 class TextFormat(BaseModel):
@@ -160,8 +238,8 @@ class ResponsesRequest(BaseModel):
     model: Optional[str] = None
     input: Union[StrictStr, list[Any], None] = None
     instructions: Optional[StrictStr] = None
-    tools: Optional[list[FunctionToolParam]] = None
-    tool_choice: Union[Literal["none", "auto", "required"], NamedFunction, None] = None
+    tools: Optional[list[ToolParam]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedFunction, AllowedTools, HostedChoice, None] = None
     parallel_tool_calls: Optional[StrictBool] = None
     text: Optional[TextConfig] = None
     max_output_tokens: Optional[int] = Field(default=None, ge=1)
@@ -174,6 +252,7 @@ class ResponsesRequest(BaseModel):
     reasoning: Optional[ReasoningConfig] = None
     background: Optional[Literal[False]] = None
     user: Optional[str] = None
+    include: Optional[list[StrictStr]] = None
 
     @field_validator("metadata")
     @classmethod
@@ -187,7 +266,9 @@ class ResponsesRequest(BaseModel):
         return v
 
 
-TAGS = frozenset({"message", "function_call", "function_call_output", "reasoning"})
+TOOL_TAGS = frozenset({"function", "namespace", "custom", "local_shell", "hosted"})
+TAGS = frozenset({"message", "function_call", "custom_tool_call", "local_shell_call", "output", "reasoning",
+                  "hosted"})
 
 
 def _loc(err: dict, prefix: tuple = ()) -> str:
@@ -196,6 +277,8 @@ def _loc(err: dict, prefix: tuple = ()) -> str:
     loc = list(err["loc"])
     if prefix and len(loc) > 1 and isinstance(loc[0], int) and loc[1] in TAGS:
         del loc[1]
+    loc = [x for i, x in enumerate(loc)  # a tool's kind after its index: tools.0.function.name -> tools.0.name
+           if not (i >= 2 and loc[0] == "tools" and isinstance(loc[i - 1], int) and x in TOOL_TAGS)]
     parts = [str(x) for x in (*prefix, *loc)
              if not (isinstance(x, str) and (x in {"str", "list", "dict"} or "[" in x or x[:1].isupper()))]
     if err["type"] == "invalid_item":

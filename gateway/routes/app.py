@@ -23,9 +23,11 @@ from gateway.http.errors import APIError, error_style
 from gateway.http.hosts import HostPolicy
 from gateway.http.middleware import GatewayMiddleware, metrics_key
 from gateway.protocols.anthropic import count_tokens, messages
+from gateway.protocols.embeddings import embeddings
 from gateway.protocols.openai_chat import chat_completions
 from gateway.protocols.openai_completions import completions
 from gateway.protocols.responses import create_response, delete_response, list_input_items, retrieve_response
+from gateway.protocols.reasoning_seal import load_seal
 from gateway.protocols.responses_store_open import open_response_store
 from gateway.routes import admin, service
 from gateway.routes.openapi import openapi_json
@@ -34,6 +36,7 @@ from gateway.routes.openapi import openapi_json
 ROUTES = [
     ("POST", "/v1/chat/completions", chat_completions),
     ("POST", "/v1/completions", completions),
+    ("POST", "/v1/embeddings", embeddings),
     ("POST", "/v1/responses", create_response),
     ("GET", "/v1/responses/{response_id}", retrieve_response),
     ("DELETE", "/v1/responses/{response_id}", delete_response),
@@ -65,7 +68,8 @@ def create_app(front: Front, registry: CollectorRegistry) -> Starlette:
     like any other), and the stored responses of ``config.responses_store``.
 
     Raises:
-        ValueError, OSError, sqlite3.Error: the response store cannot be opened.
+        ValueError, OSError, sqlite3.Error: the response store or the reasoning key
+            (:func:`gateway.protocols.reasoning_seal.load_seal`) cannot be opened.
     """
     cfg = front.config
     routes = [Route(path, endpoint, methods=[method]) for method, path, endpoint in ROUTES]
@@ -85,6 +89,7 @@ def create_app(front: Front, registry: CollectorRegistry) -> Starlette:
     app.state.front = front
     app.state.registry = registry
     app.state.responses = open_response_store(cfg, lambda: [t.name for t in front.tenants.all()])
+    app.state.reasoning_seal = load_seal()
     registry.register(app.state.responses.metrics)
     m = front.metrics
 

@@ -20,9 +20,14 @@ from gateway.tenancy.auth import authenticate, identify
 
 def model_object(front: Front, slot: Slot, name: str) -> dict:
     """One entry of ``/v1/models``: OpenAI's model object, plus whether the model is
-    ``loaded`` and ``pinned``, and which served model an alias ``alias_of``."""
+    ``loaded`` and ``pinned``, its ``kind`` (``text``, ``vision`` or ``embedding``; known
+    once it has been loaded, or when the models file says it) and which served model an
+    alias ``alias_of``."""
+    kind = slot.handle.kind if slot.handle is not None else slot.kind
     out = {"id": name, "object": "model", "created": front.created, "owned_by": "mlx-gateway",
            "loaded": slot.state == "loaded", "pinned": slot.spec.pin}
+    if kind is not None:
+        out["kind"] = kind
     if name != slot.name:
         out["alias_of"] = slot.name
     return out

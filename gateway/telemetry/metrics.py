@@ -91,9 +91,31 @@ class GatewayMetrics:
             ["tenant", "limit"],
             registry=registry,
         )
+        # By modality: image input of the generating APIs, and embeddings.
+        self.image_requests = Counter(
+            "mlx_gateway_image_requests", "Generation requests with at least one image.",
+            ["tenant", "model", "api"], registry=registry)
+        self.images = Counter(
+            "mlx_gateway_images", "Images received in generation requests.", ["tenant", "model", "api"],
+            registry=registry)
+        self.image_tokens = Counter(
+            "mlx_gateway_image_tokens", "Prompt tokens that stand for images (included in prompt_tokens).",
+            ["tenant", "model", "api"], registry=registry)
+        self.images_refused = Counter(
+            "mlx_gateway_images_refused",
+            "Requests refused for their images, by reason (too_large|too_many_pixels|too_many_images|"
+            "malformed|fetch|not_vision|rate_limited).", ["tenant", "reason"], registry=registry)
+        self.embedding_inputs = Counter(
+            "mlx_gateway_embedding_inputs", "Inputs embedded by /v1/embeddings.", ["tenant", "model"],
+            registry=registry)
+        self.embedding_tokens = Counter(
+            "mlx_gateway_embedding_tokens", "Tokens of the inputs embedded by /v1/embeddings.",
+            ["tenant", "model"], registry=registry)
 
 
-RATE_LIMITS = ("requests", "prompt_tokens", "completion_tokens", "concurrency", "queue")
+IMAGE_REFUSALS = ("too_large", "too_many_pixels", "too_many_images", "malformed", "fetch", "not_vision",
+                  "rate_limited")
+RATE_LIMITS = ("requests", "prompt_tokens", "completion_tokens", "concurrency", "queue", "image_tokens")
 # The ``api`` label: which protocol a generation came in on.
 APIS = ("chat", "completions", "messages", "responses")
 # The ``finish_reason`` label of ``mlx_gateway_generations_total``.
@@ -117,6 +139,13 @@ def prime(metrics: GatewayMetrics, tenants, model: str) -> None:
         for limit in RATE_LIMITS:
             metrics.rate_limited.labels(t, limit)
         metrics.origin_refused.labels(t)
+        for api in APIS:
+            for c in (metrics.image_requests, metrics.images, metrics.image_tokens):
+                c.labels(t, model, api)
+        for reason in IMAGE_REFUSALS:
+            metrics.images_refused.labels(t, reason)
+        metrics.embedding_inputs.labels(t, model)
+        metrics.embedding_tokens.labels(t, model)
     for p in PRIORITIES:
         metrics.class_ttft.labels(model, p)
         metrics.inter_token.labels(model, p)

@@ -53,7 +53,7 @@ OPEN_TENANT = "default"
 _TENANT_FIELDS = {
     "key_sha256", "models", "requests_per_minute", "prompt_tokens_per_minute",
     "completion_tokens_per_minute", "max_concurrent", "max_queued", "max_tokens", "weight",
-    "cache_group", "cache_bytes", "priority", "origins", "allow_no_origin",
+    "cache_group", "cache_bytes", "priority", "origins", "allow_no_origin", "image_tokens_per_minute",
 }
 # Latency classes, served in this order (scheduler.policy); the index is the engine's priority.
 PRIORITIES = ("interactive", "standard", "batch")
@@ -95,6 +95,7 @@ class Tenant:
     requests_per_minute: Optional[int] = None
     prompt_tokens_per_minute: Optional[int] = None
     completion_tokens_per_minute: Optional[int] = None
+    image_tokens_per_minute: Optional[int] = None  # prompt tokens standing for images (docs/vision.md)
     max_concurrent: Optional[int] = None
     max_queued: Optional[int] = None
     max_tokens: Optional[int] = None
@@ -262,6 +263,7 @@ def _tenant(name: str, spec, admin_hashes: tuple[bytes, ...]) -> Tenant:
         requests_per_minute=_positive(spec, "requests_per_minute", where),
         prompt_tokens_per_minute=_positive(spec, "prompt_tokens_per_minute", where),
         completion_tokens_per_minute=_positive(spec, "completion_tokens_per_minute", where),
+        image_tokens_per_minute=_positive(spec, "image_tokens_per_minute", where),
         max_concurrent=_positive(spec, "max_concurrent", where),
         max_queued=_positive(spec, "max_queued", where),
         max_tokens=_positive(spec, "max_tokens", where),
