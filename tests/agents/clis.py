@@ -24,12 +24,15 @@ PROMPTS = ("List the files in this directory.", "Which of them is the largest?")
 class AgentCLI:
     """One CLI: ``configure(home, base)`` writes its config files under ``home`` and
     returns its environment; ``turns`` are the arguments of each turn's command;
-    ``answer(stdout)`` is the final answer text in what the CLI printed."""
+    ``answer(stdout)`` is the final answer text in what the CLI printed; ``complaints``
+    are messages it prints when the server leaves it without something it needs (none may
+    appear)."""
 
     name: str
     configure: Callable[[Path, str], dict[str, str]]
     turns: tuple[list[str], ...]
     answer: Callable[[str], str]
+    complaints: tuple[str, ...] = ()
 
 
 def offline_env(home: Path, proxy: str) -> dict[str, str]:
@@ -94,7 +97,9 @@ CODEX = AgentCLI(
     "codex", _codex_env,
     (["exec", "--json", "--skip-git-repo-check", PROMPTS[0]],
      ["exec", "resume", "--last", "--json", "--skip-git-repo-check", PROMPTS[1]]),
-    _codex_answer)
+    _codex_answer,
+    # The model catalog (model_catalog_url) did not describe the served model.
+    ("failed to refresh available models", "Model metadata for"))
 
 
 # ---------------------------------------------------------------------- Qwen Code

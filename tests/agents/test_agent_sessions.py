@@ -15,7 +15,9 @@ request's path, status and error body); each turn exits 0 and prints the answer 
 gateway generated in one of the turn's requests (read from the recorded
 response; a CLI may send side requests after the answer, e.g. Qwen Code's memory extractor); and the session's cached prompt
 tokens are at least 0.95 x the ideal (per request, the longest token prefix it shares
-with an earlier request of the session, from the gateway's request log). The per-request
+with an earlier request of the session, from the gateway's request log). A CLI that
+prints that the server left it without something it needs (Codex: no metadata for the
+model in the catalog) fails too. The per-request
 reuse table is printed (``-s``) and written to ``.test-agents/reports/``.
 
 The model is the tiny qwen3 on Qwen3's tokenizer and chat template, with terse weights
@@ -74,6 +76,8 @@ def test_two_turn_session(cli, model, toolbox, tmp_path):
             e.describe() for e in bad)
         for i, turn in enumerate(turns, 1):
             assert turn.returncode == 0, f"{cli} turn {i}: {turn.failure()}"
+            said_wrong = [c for c in agent.complaints if c in turn.stdout + turn.stderr]
+            assert not said_wrong, f"{cli} turn {i} complained of {said_wrong}:\n{turn.failure()}"
             answers = [e for e in turn.exchanges if is_generation(e)]
             assert answers, f"{cli} turn {i} made no generation request: {[e.describe() for e in turn.exchanges]}"
             said = [_words(generated_text(e)) for e in answers if 200 <= e.status < 300]
