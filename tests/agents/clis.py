@@ -137,11 +137,16 @@ def _opencode_env(home: Path, base: str) -> dict[str, str]:
             "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "OPENCODE_DISABLE_CLAUDE_CODE": "1"}
 
 
+def _opencode_answer(stdout: str) -> str:
+    events = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    return "".join(e["part"].get("text", "") for e in events if e.get("type") == "text")
+
+
 OPENCODE = AgentCLI(
     "opencode", _opencode_env,
-    (["run", "-m", f"gw/{MODEL}", PROMPTS[0]],
-     ["run", "--continue", "-m", f"gw/{MODEL}", PROMPTS[1]]),
-    lambda stdout: stdout)
+    (["run", "--format", "json", "-m", f"gw/{MODEL}", PROMPTS[0]],
+     ["run", "--continue", "--format", "json", "-m", f"gw/{MODEL}", PROMPTS[1]]),
+    _opencode_answer)
 
 
 # ---------------------------------------------------------------------- aider

@@ -17,7 +17,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 from conftest import ROOT, TOKENIZERS, free_port, live_server, require_tokenizers
 from gateway.models.demo_model import build_model_dir
@@ -141,11 +141,12 @@ def _git_repo(work: Path) -> None:
 
 
 @contextlib.contextmanager
-def agent_session(cli: AgentCLI, command: list[str], model_dir: Path, root: Path,
+def agent_session(cli: AgentCLI, command: list[str], model_dir: Path, root: Path, node: Optional[str] = None,
                   **config) -> Iterator[AgentSession]:
     """A gateway serving ``model_dir`` as ``test-model`` (ServeConfig overrides
     ``config``), the recording and egress proxies, and ``cli`` configured to use them
-    (HOME ``root/home``, working directory ``root/project``)."""
+    (HOME ``root/home``, working directory ``root/project``, ``node``'s directory first on
+    its PATH)."""
     home, work = root / "home", root / "project"
     home.mkdir(parents=True)
     _git_repo(work)
@@ -155,6 +156,8 @@ def agent_session(cli: AgentCLI, command: list[str], model_dir: Path, root: Path
             refusing_proxy() as (proxy, refusals):
         base = f"http://127.0.0.1:{port}"
         env = {**offline_env(home, proxy), **cli.configure(home, base)}
+        if node:
+            env["PATH"] = f"{Path(node).parent}{os.pathsep}{env['PATH']}"
         if os.environ.get("LD_LIBRARY_PATH"):
             env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
         yield AgentSession(cli, command, server, recorder, log, refusals, root, home, work, env)

@@ -57,7 +57,7 @@ def test_two_turn_session(cli, model, toolbox, tmp_path):
     agent = CLIS[cli]
     command = toolbox.command(cli)
     model_dir = terse_model("qwen3" if model == "qwen3" else None)
-    with agent_session(agent, command, model_dir, tmp_path, max_tokens=64) as s:
+    with agent_session(agent, command, model_dir, tmp_path, node=toolbox.node, max_tokens=64) as s:
         turns = [s.turn(i) for i in range(len(agent.turns))]
         exchanges = [e for t in turns for e in t.exchanges]
         rows = reuse_rows(s.log.records, s.server.tokenizer)
