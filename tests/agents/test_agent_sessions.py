@@ -89,5 +89,5 @@ def test_two_turn_session(cli, model, toolbox, tmp_path):
             assert any(is_generation(e) and (e.body or {}).get("tools") for e in exchanges), \
                 f"{cli} sent no tools"
         assert rows, f"{cli}: the gateway logged no generation"
-        prompt, cached, ideal = totals(rows)
+        _, cached, ideal = totals(rows)
         assert cached >= REUSE * ideal, f"{cli}: {cached:,} cached prompt tokens < {REUSE} x ideal {ideal:,}\n{report}"
