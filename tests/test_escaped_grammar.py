@@ -1,4 +1,4 @@
-"""Custom-tool grammars for text inside a JSON string (gateway/conversation/escaped_grammar.py).
+"""Custom-tool grammars for text inside a JSON string (gateway/conversation/escaped_grammar/).
 
 The reference is llguidance itself: the raw grammar (or regex) is compiled as given and run
 over the raw text, the escaped rules over ``json.dumps(s, ensure_ascii=False)[1:-1]``; both
@@ -20,8 +20,7 @@ from pathlib import Path
 import llguidance
 import pytest
 
-from gateway.conversation import escaped_grammar
-from gateway.conversation.escaped_grammar import GrammarConversionError, escaped_lark, escaped_regex
+from gateway.conversation.escaped_grammar import GrammarConversionError, escaped_lark, escaped_regex, json_escapes
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 BYTES = llguidance.LLTokenizer("byte")
@@ -149,7 +148,7 @@ def test_only_pythons_escapes_are_accepted():
 def test_a_wrong_escape_breaks_the_checks(monkeypatch):
     """The checks above can fail: with ``"`` escaped as ``\\u0022`` inside the converter,
     the comparison finds members it rejects."""
-    monkeypatch.setattr(escaped_grammar, "_esc", lambda c: "\\u0022" if c == '"' else esc(c))
+    monkeypatch.setattr(json_escapes, "esc", lambda c: "\\u0022" if c == '"' else esc(c))
     rules, root = escaped_lark(APPLY_PATCH, "c0")
     raw = matcher(APPLY_PATCH)
     _, _, wrong = compare(raw, matcher(f"start: {root}\n{rules}"), PATCHES)

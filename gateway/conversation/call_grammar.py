@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
+from gateway.conversation.escaped_grammar import GrammarConversionError, escaped_lark, escaped_regex
 from gateway.conversation.form import FunctionTool
 from gateway.conversation.schemas import ANY_OBJECT, enforced, json_lark
 from gateway.conversation.tools import EMPTY_PARAMETERS, ToolPlan
@@ -43,8 +44,6 @@ def _arguments(i: int, tool: FunctionTool, grammars: Grammars) -> str:
         return f"args{i}: {json_lark(schema, relaxed=not tool.strict)}"
     if tool.grammar is None:
         return f'args{i}: "{{\\"input\\":" {json_lark({"type": "string"})} "}}"'
-    from gateway.conversation.escaped_grammar import GrammarConversionError, escaped_lark, escaped_regex
-
     syntax, definition = tool.grammar
     try:
         rules, root = (escaped_lark if syntax == "lark" else escaped_regex)(definition, f"c{i}")

@@ -111,13 +111,36 @@ def _shown_in_place(tokenizer, messages: list[dict], generation_prompt: bool, kw
     template shows each where it stands; None otherwise (none to check, or the template
     raises on them or leaves their text out: they must be folded, :func:`fold_system`)."""
     later = [m["content"] for m in messages[1:] if m["role"] == "system"]
-    if not later:
+    if not later or not _has_system_turns(tokenizer, getattr(tokenizer, "chat_template", None)):
         return None
     try:
         text = render_text(tokenizer, messages, generation_prompt, kwargs)
     except Exception:
         return None
     return text if all(content in text for content in later) else None
+
+
+_PROBE = ("\u2983s\u2984", "\u2983u\u2984")
+
+
+_SYSTEM_TURNS: dict[str, bool] = {}  # chat template -> whether it gives system messages turns of their own
+
+
+def _has_system_turns(tokenizer, template: Optional[str]) -> bool:
+    """Whether the template gives a system message a turn of its own (found once per
+    template, by rendering a system and a user message); one that folds its system prompt
+    into the first user turn (Gemma 3's) has no system role, so later system messages are
+    folded too (a template may show a role it was never trained on)."""
+    key = template or ""
+    if key not in _SYSTEM_TURNS:
+        try:
+            text = render_text(tokenizer, [{"role": "system", "content": _PROBE[0]},
+                                           {"role": "user", "content": _PROBE[1]}], True, {})
+            between = text[text.index(_PROBE[0]) + len(_PROBE[0]): text.index(_PROBE[1])]
+            _SYSTEM_TURNS[key] = bool(between.strip())
+        except Exception:
+            _SYSTEM_TURNS[key] = False
+    return _SYSTEM_TURNS[key]
 
 
 def fold_system(messages: list[dict]) -> list[dict]:

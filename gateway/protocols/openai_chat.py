@@ -28,7 +28,8 @@ def to_conversation(req: ChatRequest) -> Conversation:
         tool_calls=[ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []],
         tool_call_id=m.tool_call_id, name=m.name, images=images)
         for i, m in enumerate(req.messages) for text, images in [m.text_and_images(i)]]
-    tools = [FunctionTool(t.function.name, t.function.description, t.function.parameters, f"tools.{i}.function")
+    tools = [FunctionTool(t.function.name, t.function.description, t.function.parameters, f"tools.{i}.function",
+                          strict=t.function.strict is True)
              for i, t in enumerate(req.tools or [])]
     choice, forced = req.tool_choice or "auto", None
     if not isinstance(choice, str):

@@ -15,14 +15,17 @@ from starlette.responses import JSONResponse, Response
 from gateway.conversation.calls import Front
 from gateway.http.errors import APIError
 from gateway.models.registry import Slot
+from gateway.routes.model_metadata import capabilities, codex_entry, context_window
 from gateway.tenancy.auth import authenticate, identify
 
 
 def model_object(front: Front, slot: Slot, name: str) -> dict:
     """One entry of ``/v1/models``: OpenAI's model object, plus whether the model is
     ``loaded`` and ``pinned``, its ``kind`` (``text``, ``vision`` or ``embedding``; known
-    once it has been loaded, or when the models file says it) and which served model an
-    alias ``alias_of``."""
+    once it has been loaded, or when the models file says it), which served model an
+    alias ``alias_of``, its ``context_length`` (also as vLLM's ``max_model_len``; tokens,
+    prompt and answer), ``max_output_tokens`` and ``capabilities``
+    (:mod:`gateway.routes.model_metadata`)."""
     kind = slot.handle.kind if slot.handle is not None else slot.kind
     out = {"id": name, "object": "model", "created": front.created, "owned_by": "mlx-gateway",
            "loaded": slot.state == "loaded", "pinned": slot.spec.pin}
@@ -30,15 +33,27 @@ def model_object(front: Front, slot: Slot, name: str) -> dict:
         out["kind"] = kind
     if name != slot.name:
         out["alias_of"] = slot.name
+    window = context_window(slot, _hf_config(_model_dir(slot)) if slot.handle is None else {})
+    if window is not None:
+        out["context_length"] = out["max_model_len"] = window
+    if kind != "embedding":
+        out["max_output_tokens"] = slot.spec.max_tokens_limit
+    out["capabilities"] = capabilities(slot, kind)
     return out
 
 
 async def models(request: Request) -> Response:
-    """``GET /v1/models``: every model (and alias) the caller may use."""
+    """``GET /v1/models``: every model (and alias) the caller may use; with a
+    ``client_version`` query (Codex CLI's model catalog request) the same models as
+    Codex's catalog too, under ``models``."""
     front: Front = request.app.state.front
     tenant = authenticate(front.tenants, request)
     data = [model_object(front, s, n) for s, n in front.visible(tenant)]
-    return JSONResponse({"object": "list", "data": data})
+    body: dict = {"object": "list", "data": data}
+    if "client_version" in request.query_params:
+        body["models"] = [codex_entry(d["id"], d.get("context_length"), d["capabilities"]) for d in data
+                          if "embedding" not in d["capabilities"]]
+    return JSONResponse(body)
 
 
 async def model(request: Request) -> Response:
