@@ -20,6 +20,8 @@ import os
 import shutil
 from pathlib import Path
 
+from gateway.models.terse_weights import TERSE_ARCHS, TERSE_STAMP, make_terse
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
                   "</tool_call>"]
 
@@ -232,6 +234,7 @@ def build_model_dir(
     vocab_size: int | None = None,
     seed: int = 0,
     overrides: dict | None = None,
+    terse: bool = False,
 ) -> Path:
     """Write a tiny random-weight model directory for ``arch``, idempotently.
 
@@ -249,12 +252,16 @@ def build_model_dir(
         seed: the random seed of the weights.
         overrides: config entries replacing those of :data:`ARCH_CONFIGS` (e.g. a
             larger ``hidden_size`` for benchmarks).
+        terse: edit the random weights so that the model ends its answer after a
+            few tokens (right after it writes a word), as agent clients need to see a
+            turn complete; see :mod:`gateway.models.terse_weights`. Only for its
+            ``TERSE_ARCHS`` (qwen3, llama).
 
     Returns:
         The directory path.
 
     Raises:
-        ValueError: for an unknown architecture.
+        ValueError: for an unknown architecture, or ``terse`` on one it is not defined for.
     """
     import importlib
 
@@ -265,9 +272,13 @@ def build_model_dir(
 
     if arch not in ARCH_CONFIGS and arch not in VISION_CONFIGS and arch not in EMBEDDING_CONFIGS:
         raise ValueError(f"unknown architecture {arch!r}; choose from {sorted(all_archs())}")
+    if terse and arch not in TERSE_ARCHS:
+        raise ValueError(f"terse weights are defined for {TERSE_ARCHS}, not {arch!r}")
     path = Path(path)
     stamp = {"arch": arch, "tokenizer": str(tokenizer_dir), "vocab": vocab_size, "seed": seed,
              "overrides": overrides or {}, "template": hashlib.sha256((CHAT_TEMPLATE + "".join(SPECIAL_TOKENS)).encode()).hexdigest()[:12]}
+    if terse:  # (only then: the stamps of models built before the option stay valid)
+        stamp["terse"] = TERSE_STAMP
     done = path / ".mlx-gateway-demo.json"
     if done.exists() and json.loads(done.read_text()) == stamp:
         return path
@@ -302,6 +313,8 @@ def build_model_dir(
         k: (mx.random.normal(v.shape) * v.shape[-1] ** -0.5 if v.ndim > 1 else v).astype(mx.float32)
         for k, v in params.items()
     }
+    if terse:
+        params, config = make_terse(params, config, tmp)
     mx.save_safetensors(str(tmp / "model.safetensors"), params)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     (tmp / ".mlx-gateway-demo.json").write_text(json.dumps(stamp))

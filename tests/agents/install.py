@@ -1,0 +1,229 @@
+"""The agent CLIs under test, pinned, installed once into the test cache and found there.
+
+- Claude Code, Codex CLI, Qwen Code and opencode come from the npm registry, installed
+  with ``npm install --ignore-scripts`` into ``<cache>/npm-<hash of the pins>/``. Their
+  packages ship native binaries in per-platform packages, which are run directly (Claude
+  Code's and opencode's postinstall scripts only link them; skipping the scripts makes the
+  install the same under every npm version). Codex's and Qwen Code's entry points are Node
+  scripts: they run on a Node.js of at least :data:`NODE_MAJOR` (Qwen Code's declared
+  engine; it fails on Node 18, which lacks ``fs.openAsBlob``): the system's when it is new
+  enough, else a pinned Node.js from the same registry (``node-<os>-<arch>``), installed
+  alongside.
+- aider comes from PyPI into its own virtual environment, ``<cache>/aider-<version>/``:
+  its pins (litellm, openai) conflict with the test environment's.
+
+The cache is ``$MLX_GATEWAY_TEST_AGENTS``, else ``.test-agents/`` at the repository root
+(git ignores it). A finished install carries a ``.complete`` stamp and is reused; an
+interrupted one is removed and redone. Installs are serialized by a lock file, so parallel
+test runs share one cache. About 1.5 GB (npm, with Node.js) and 0.7 GB (aider); 30-60 s each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+CACHE = Path(os.environ.get("MLX_GATEWAY_TEST_AGENTS") or ROOT / ".test-agents")
+
+# The releases under test (they change what they send between releases).
+NPM_PINS = {
+    "claude": ("@anthropic-ai/claude-code", "2.1.328"),
+    "codex": ("@openai/codex", "0.169.0"),
+    "qwen": ("@qwen-code/qwen-code", "0.24.4"),
+    "opencode": ("opencode-ai", "1.18.33"),
+}
+AIDER_PIN = ("aider-chat", "0.86.2")
+NODE_MAJOR = 22  # the engines field of @qwen-code/qwen-code and @anthropic-ai/claude-code
+NODE_PIN = "22.23.3"  # installed from the registry when the system's Node.js is older
+# Platforms whose Node.js the registry has as node-<platform>@NODE_PIN.
+NODE_PLATFORMS = ("linux-x64", "linux-arm64", "darwin-x64")
+CLIS = (*NPM_PINS, "aider")
+
+
+@dataclass
+class Toolbox:
+    """Where each CLI's command starts (``argv`` prefix by name) and why a CLI is missing."""
+
+    argv: dict[str, list[str]] = field(default_factory=dict)
+    missing: dict[str, str] = field(default_factory=dict)
+    node: Optional[str] = None  # the Node.js that runs the Node-script CLIs
+
+    def command(self, name: str) -> list[str]:
+        """The ``argv`` prefix of CLI ``name``; skips the calling test, saying why, when it
+        could not be installed."""
+        import pytest
+
+        if name not in self.argv:
+            pytest.skip(f"{name} is not installed: {self.missing.get(name, 'unknown reason')}")
+        return list(self.argv[name])
+
+
+def node_platform() -> str:
+    """This machine as Node.js names it: ``linux-x64``, ``darwin-arm64``, ..."""
+    machine = {"x86_64": "x64", "amd64": "x64", "aarch64": "arm64", "arm64": "arm64"}.get(
+        platform.machine().lower(), platform.machine().lower())
+    return f"{sys.platform if sys.platform != 'win32' else 'win32'}-{machine}"
+
+
+def _major(version_text: str) -> int:
+    m = re.search(r"v?(\d+)\.", version_text)
+    return int(m.group(1)) if m else 0
+
+
+@contextlib.contextmanager
+def _locked(cache: Path) -> Iterator[None]:
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".install.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _run(argv: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def _tail(text: str, n: int = 600) -> str:
+    return " ".join(text.split())[-n:]
+
+
+def _npm_install(cache: Path, specs: list[str]) -> tuple[Optional[Path], str]:
+    """``node_modules`` holding ``specs`` (installed now unless a finished copy exists), or
+    None and why not."""
+    npm = shutil.which("npm")
+    if npm is None:
+        return None, "no npm on PATH (install Node.js and npm; .ci/run installs them with apt-get or brew)"
+    key = hashlib.sha256("\n".join(sorted(specs)).encode()).hexdigest()[:12]
+    final = cache / f"npm-{key}"
+    if (final / ".complete").exists():
+        return final / "node_modules", ""
+    with _locked(cache):
+        if (final / ".complete").exists():
+            return final / "node_modules", ""
+        tmp = cache / f".npm-{key}.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            r = _run([npm, "install", "--prefix", str(tmp), "--ignore-scripts", "--no-audit", "--no-fund",
+                      "--save-exact", "--loglevel=error", *specs], timeout=900)
+        except subprocess.TimeoutExpired:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return None, f"npm install {' '.join(specs)} took over 900 s"
+        if r.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return None, f"npm install {' '.join(specs)} failed ({r.returncode}): {_tail(r.stderr or r.stdout)}"
+        (tmp / ".complete").write_text("\n".join(specs) + "\n")
+        os.rename(tmp, final)
+    return final / "node_modules", ""
+
+
+def _aider_install(cache: Path) -> tuple[Optional[Path], str]:
+    """The aider executable in its own virtual environment (installed now unless a
+    finished one exists), or None and why not."""
+    name, version = AIDER_PIN
+    venv = cache / f"aider-{version}"
+    exe = venv / "bin" / "aider"
+    if (venv / ".complete").exists():
+        return exe, ""
+    with _locked(cache):
+        if (venv / ".complete").exists():
+            return exe, ""
+        shutil.rmtree(venv, ignore_errors=True)
+        try:
+            r = _run([sys.executable, "-m", "venv", str(venv)], timeout=300)
+            if r.returncode == 0:
+                r = _run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", f"{name}=={version}"],
+                         timeout=1200)
+        except subprocess.TimeoutExpired:
+            shutil.rmtree(venv, ignore_errors=True)
+            return None, f"pip install {name}=={version} timed out"
+        if r.returncode != 0 or not exe.exists():
+            shutil.rmtree(venv, ignore_errors=True)
+            return None, f"pip install {name}=={version} into its own venv failed: {_tail(r.stderr or r.stdout)}"
+        (venv / ".complete").write_text(f"{name}=={version}\n")
+    return exe, ""
+
+
+def _first(paths: list[Path]) -> Optional[Path]:
+    return next((p for p in paths if p.is_file() and os.access(p, os.X_OK)), None)
+
+
+def _locate(modules: Path, node: str, plat: str) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """Each npm CLI's command inside ``modules``, or why it is not there."""
+    variants = [plat, f"{plat}-musl", f"{plat}-baseline", f"{plat}-baseline-musl"]
+    found = {
+        "claude": _first([modules / "@anthropic-ai" / f"claude-code-{v}" / "claude" for v in variants]),
+        "opencode": _first([modules / f"opencode-{v}" / "bin" / "opencode" for v in variants]),
+        "codex": modules / "@openai" / "codex" / "bin" / "codex.js",
+        "qwen": modules / "@qwen-code" / "qwen-code" / "cli.js",
+    }
+    argv, missing = {}, {}
+    for name, path in found.items():
+        if path is None or not path.is_file():
+            missing[name] = f"{NPM_PINS[name][0]}@{NPM_PINS[name][1]} has no binary for {plat} in {modules}"
+        else:
+            argv[name] = [node, str(path)] if path.suffix == ".js" else [str(path)]
+    return argv, missing
+
+
+def _check_versions(box: Toolbox) -> None:
+    """Move a CLI whose ``--version`` fails or names another release to ``missing``."""
+    pins = {**{k: v for k, (_, v) in NPM_PINS.items()}, "aider": AIDER_PIN[1]}
+    for name, argv in list(box.argv.items()):
+        try:
+            r = _run([*argv, "--version"], timeout=120, stdin=subprocess.DEVNULL)
+            out = (r.stdout + r.stderr).strip()
+        except (OSError, subprocess.TimeoutExpired) as e:
+            out, r = str(e), None
+        if r is None or r.returncode != 0 or pins[name] not in out:
+            box.missing[name] = f"`{' '.join(argv)} --version` did not print {pins[name]}: {_tail(out, 300)}"
+            del box.argv[name]
+
+
+def install(cache: Path = CACHE) -> Toolbox:
+    """Install (or reuse) every pinned CLI under ``cache`` and return where each one is.
+
+    Never raises for a CLI that cannot be installed: it is listed in ``missing`` with the
+    reason (no npm, npm or pip failed, no binary for this platform, wrong version).
+    """
+    box = Toolbox()
+    plat = node_platform()
+    system_node = shutil.which("node")
+    system_major = _major(_run([system_node, "--version"], timeout=30).stdout) if system_node else 0
+    specs = [f"{pkg}@{version}" for pkg, version in NPM_PINS.values()]
+    own_node = system_major < NODE_MAJOR and plat in NODE_PLATFORMS
+    if own_node:
+        specs.append(f"node-{plat}@{NODE_PIN}")
+    modules, why = _npm_install(cache, specs)
+    if modules is None:
+        box.missing.update({name: why for name in NPM_PINS})
+    else:
+        node = str(modules / f"node-{plat}" / "bin" / "node") if own_node else system_node
+        if node is None:
+            box.missing.update({n: "no Node.js to run it" for n in ("codex", "qwen")})
+            node = "node"
+        box.node = node
+        argv, missing = _locate(modules, node, plat)
+        box.argv.update(argv)
+        box.missing.update(missing)
+    exe, why = _aider_install(cache)
+    if exe is None:
+        box.missing["aider"] = why
+    else:
+        box.argv["aider"] = [str(exe)]
+    _check_versions(box)
+    return box
