@@ -131,3 +131,30 @@ def test_under_auto_text_stays_free_and_a_begun_call_follows_its_schema(server):
     jsonschema.validate(json.loads(call.function.arguments), ADD["function"]["parameters"])
     free = client.chat.completions.create(**body)
     assert free.choices[0].finish_reason in ("stop", "length") and free.choices[0].message.content
+
+
+def test_a_budget_may_close_the_think_block_inside_a_split_character(server):
+    """Reasoning that stops on a token ending halfway through a character (byte-level BPE
+    splits characters over tokens) can still be closed by the budget: the grammar takes
+    any token but the end tag between the tags, not only whole characters (with a text
+    rule it allowed nothing there, and the row failed)."""
+    from gateway.conversation.prepare import prepare_chat
+    from gateway.protocols.openai_chat import to_conversation
+    from gateway.protocols.openai_schemas import ChatRequest
+
+    model = server.model
+    tok = model.tokenizer
+    conv = to_conversation(ChatRequest.model_validate({"messages": ASK, "tools": [ADD], "tool_choice": "required"}))
+    prompt, _, mask, (budget,) = prepare_chat(model, conv, max_tokens=32)  # a budget of 4 reasoning tokens
+    half = next(i for i in range(1000, len(tok.vocab)) if "\ufffd" in tok.decode([i]))  # a character's first bytes
+    think, end = tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("</think>")
+    import mlx.core as mx
+
+    tokens = list(prompt.tokens)
+    for t in [think, half, half, half, half]:
+        logits = budget(mx.array(tokens), mx.zeros((1, model.vocab_size)))
+        mask(mx.array(tokens), logits)
+        tokens.append(t)
+    logits = mask(mx.array(tokens), budget(mx.array(tokens), mx.zeros((1, model.vocab_size))))
+    assert mask.error is None
+    assert logits[0, end].item() == 0 and mx.isinf(logits[0]).sum().item() == model.vocab_size - 1

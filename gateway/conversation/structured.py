@@ -69,11 +69,23 @@ def output_mask(grammars: Grammars, conv: Conversation, plan: Optional[ToolPlan]
     if thinking is None:
         lark = "start: body\n" + body
     elif thinking.opened:
-        lark = f"start: THINK_TEXT {thinking.close} /\\n{{0,2}}/ body\nTHINK_TEXT: /(.|\\n)*/\n{body}"
+        lark = f"start: reasoning {thinking.close} /\\n{{0,2}}/ body\n{_reasoning(thinking)}\n{body}"
     else:
-        lark = (f"start: think? body\nthink: {thinking.open} THINK_TEXT {thinking.close} /\\n{{0,2}}/\n"
-                f"THINK_TEXT: /(.|\\n)*/\n{body}")
+        lark = (f"start: think? body\nthink: {thinking.open} reasoning {thinking.close} /\\n{{0,2}}/\n"
+                f"{_reasoning(thinking)}\n{body}")
     return _compiled(grammars, lark, param, strict=False)
+
+
+def _reasoning(thinking: Thinking) -> str:
+    """The rule ``reasoning``: what may stand between the think tags. With special-token
+    tags, any token but the two tags, so that a thinking budget may close the block after
+    any token, even one that ends inside a character split over several tokens (a text
+    rule would wait for the character to complete, and the budget would leave no token
+    allowed); with text tags, any text."""
+    ids = [t[2:-2] for t in (thinking.open, thinking.close) if t.startswith("<[") and t.endswith("]>")]
+    if len(ids) == 2:
+        return f"reasoning: <[^{','.join(ids)}]>*"
+    return "reasoning: THINK_TEXT\nTHINK_TEXT: /(.|\\n)*/"
 
 
 def constrains_answer(conv: Conversation, plan: Optional[ToolPlan]) -> bool:

@@ -2,9 +2,10 @@
 Anthropic Messages (``AnthropicModel``) APIs: an agent with a tool and a structured result.
 
 The structured result is pydantic-ai's output tool (``final_result``); a capability forces
-the function tool on the first model request only (pydantic-ai's documented way to vary
-``tool_choice`` per step), after which pydantic-ai forces some tool, and the model ends the
-run with the output tool. Checked, for each provider: two model requests, the function
+the function tool on the first model request and the output tool on the next ones
+(pydantic-ai's documented way to vary ``tool_choice`` per step: a random-weight model
+left to choose between the two may call the function again), so the model ends the run
+with the output tool. Checked, for each provider: two model requests, the function
 call's id on its tool return, the provider's id form (``call_``, ``toolu_``), the output an
 instance of the model, the usage sums, a longer prompt on the second request, the demo
 model's reasoning before its forced call as a ``ThinkingPart``, and, for Anthropic, that
@@ -45,15 +46,15 @@ async def model(gateway, provider: str):
         yield AnthropicModel(MODEL, provider=AnthropicProvider(anthropic_client=client))
 
 
-def first_step_forces(tool_name: str):
-    """A capability: the first model request must call ``tool_name``, later ones may call
-    any tool (the output tool included)."""
+def first_step_forces(tool_name: str, then: str = "final_result"):
+    """A capability: the first model request must call ``tool_name``, later ones ``then``
+    (the output tool)."""
     from pydantic_ai.capabilities import AbstractCapability
 
     @dataclass
     class FirstStepForces(AbstractCapability):
         def get_model_settings(self):
-            return lambda ctx: {"tool_choice": [tool_name] if ctx.run_step <= 1 else "auto"}
+            return lambda ctx: {"tool_choice": [tool_name] if ctx.run_step <= 1 else [then]}
 
     return FirstStepForces()
 

@@ -30,7 +30,7 @@ from .reuse import RequestLog, request_log
 
 TURN_TIMEOUT = 300  # seconds one CLI turn may take (a cold 12k-token prefill takes ~15 s here)
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-# Set to record the bodies each CLI sends as tests/agents/fixtures/<cli>/*.json.
+# Set to record the bodies each CLI sends as tests/agent_cli/fixtures/<cli>/*.json.
 RECORD_ENV = "MLX_GATEWAY_RECORD_AGENT_FIXTURES"
 MODEL_CACHE = Path(os.environ.get("MLX_GATEWAY_TEST_MODELS", ROOT / ".test-models"))
 
