@@ -148,7 +148,7 @@ def test_rejected_requests_leave_no_count_in_the_gateway():
     with live_server(model_path("qwen3"), gather_wait=30.0, max_prompt_tokens=64) as srv:
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             bad_schema = {"type": "json_schema", "json_schema": {
-                "name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}}}
+                "name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}, "strict": True}}
             r = c.post("/v1/chat/completions", json={"model": "test-model", "max_tokens": 4,
                                                      "messages": [{"role": "user", "content": "hi"}],
                                                      "response_format": bad_schema})

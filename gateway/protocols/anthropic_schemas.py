@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
     model_validator
 from pydantic_core import PydanticCustomError
 
-from gateway.protocols.openai_schemas import MAX_STOP_SEQUENCES, SamplingExtras, validate
+from gateway.protocols.openai_schemas import MAX_STOP_SEQUENCES, SamplingExtras, data_path, validate
 
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,128}$"  # Anthropic's rule for tool names
 
@@ -295,22 +295,6 @@ class MessagesRequest(CountTokensRequest, SamplingExtras):
     metadata: Optional[dict[str, Any]] = None
 
 
-def _param(data: Any, err: dict) -> list[str]:
-    """The path of a validation error in the request's own terms: parts of pydantic's
-    location that are not keys or indexes of the data (union branches, discriminator
-    tags) are dropped; a missing field keeps its name."""
-    loc, parts, node = err["loc"], [], data
-    for i, part in enumerate(loc):
-        if isinstance(node, dict) and isinstance(part, str) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
-            node = node[part]
-        elif not (err["type"] == "missing" and i == len(loc) - 1):
-            continue
-        parts.append(str(part))
-    return parts
-
-
 def parse(model: type[BaseModel], data: Any) -> Any:
     """Validate a request body against ``model``.
 
@@ -323,4 +307,4 @@ def parse(model: type[BaseModel], data: Any) -> Any:
             expected.
     """
     # Anthropic's messages do not name the field: the error body prefixes the param.
-    return validate(model, data, lambda err: ".".join(_param(data, err)), name_field=False)
+    return validate(model, data, lambda err: data_path(data, err), name_field=False)

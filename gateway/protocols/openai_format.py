@@ -45,24 +45,72 @@ def _json_logprob(lp: float) -> float:
     return lp if lp > UNLIKELY else UNLIKELY
 
 
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (``bytes_to_unicode``, used by byte-level BPE
+    tokenizers: Qwen, Llama 3, SmolLM2): the printable character that stands for each byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+_BYTE_LEVEL = _byte_level_table()
+
+
+def token_bytes(tokenizer, token: int) -> Optional[bytes]:
+    """The raw bytes of ``token`` from its vocabulary entry: a byte-level BPE piece, or a
+    SentencePiece byte token (``<0xE4>``); None when they cannot be told."""
+    try:
+        piece = tokenizer.convert_ids_to_tokens(token)
+    except Exception:
+        return None
+    if not isinstance(piece, str):
+        return None
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return bytes([int(piece[3:5], 16)])
+    if all(ch in _BYTE_LEVEL for ch in piece):
+        return bytes(_BYTE_LEVEL[ch] for ch in piece)
+    return None
+
+
 class LogprobFormatter:
     """Turns :class:`TokenEvent` logprobs into OpenAI's chat or completions shape
-    (logprobs below :data:`UNLIKELY`, e.g. -inf for tokens a grammar rules out, as UNLIKELY)."""
+    (logprobs below :data:`UNLIKELY`, e.g. -inf for tokens a grammar rules out, as UNLIKELY).
+
+    A token that is only part of a character (byte-level BPE splits characters over
+    tokens) is written as OpenAI writes such tokens, ``bytes:\\xe4\\xb8``, with its real
+    ``bytes``, so that two such tokens never share one text (a completions
+    ``top_logprobs`` object is keyed by it)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
     def _text(self, token: int) -> str:
-        return self.tokenizer.decode([token])
+        text = self.tokenizer.decode([token])
+        if "\ufffd" not in text:
+            return text
+        raw = token_bytes(self.tokenizer, token)
+        if raw is None or raw.decode("utf-8", "replace") != text:
+            return text
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    def _bytes(self, token: int, text: str) -> list[int]:
+        raw = token_bytes(self.tokenizer, token) if text.startswith("bytes:") else None
+        return list(raw if raw is not None else text.encode())
 
     def chat_entry(self, ev: TokenEvent) -> dict:
         text = self._text(ev.token)
         return {
             "token": text,
             "logprob": _json_logprob(ev.logprob),
-            "bytes": list(text.encode()),
+            "bytes": self._bytes(ev.token, text),
             "top_logprobs": [
-                {"token": (t := self._text(i)), "logprob": _json_logprob(lp), "bytes": list(t.encode())}
+                {"token": (t := self._text(i)), "logprob": _json_logprob(lp), "bytes": self._bytes(i, t)}
                 for i, lp in (ev.top_logprobs or [])
             ],
         }
@@ -75,7 +123,7 @@ class LogprobFormatter:
             lps.append(_json_logprob(ev.logprob))
             tops.append({self._text(i): _json_logprob(lp) for i, lp in (ev.top_logprobs or [])})
             offsets.append(offset)
-            offset += len(text)
+            offset += len(self.tokenizer.decode([ev.token]))
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 

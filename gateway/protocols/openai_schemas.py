@@ -258,8 +258,6 @@ class CompletionRequest(_Common):
         return v
 
 
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
-
 # pydantic's type errors -> the JSON type expected, in OpenAI's words.
 EXPECTED = {
     "string_type": "a string", "int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",
@@ -302,11 +300,21 @@ def deepest(errors: list[dict], paths: list[str]) -> tuple[str, list[dict]]:
     return best, [e for e, p in zip(errors, paths) if p == best]
 
 
-def _is_union_tag(part: Any) -> bool:
-    """True for the parts pydantic adds to an error location for a union's branches
-    (``str``, ``list[...]``, ``function-after[...]``, ``NamedToolChoice``): not field names."""
-    p = str(part)
-    return isinstance(part, str) and (p in _TYPE_TAGS or "[" in p or p[:1].isupper())
+def data_path(data: Any, err: dict) -> str:
+    """The dotted path of a validation error in the request's own terms: the parts of
+    pydantic's location that are not keys or indexes of the data (a union's branches,
+    ``str``, ``list[...]``, a discriminator's tag such as a content part's ``text``) are
+    dropped; a missing field keeps its name."""
+    loc, parts, node = err["loc"], [], data
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and isinstance(part, str) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif not (err["type"] == "missing" and i == len(loc) - 1):
+            continue
+        parts.append(str(part))
+    return ".".join(parts)
 
 
 def parse(model: type[BaseModel], data: Any) -> Any:
@@ -318,7 +326,7 @@ def parse(model: type[BaseModel], data: Any) -> Any:
         APIError: 400 naming the offending field (dotted path, e.g. ``messages.0.content``)
             and, for a value of the wrong type, the type expected.
     """
-    return validate(model, data, lambda err: ".".join(str(x) for x in err["loc"] if not _is_union_tag(x)))
+    return validate(model, data, lambda err: data_path(data, err))
 
 
 def validate(model: type[BaseModel], data: Any, path: Callable[[dict], str], name_field: bool = True) -> Any:
