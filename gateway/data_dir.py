@@ -16,16 +16,24 @@ from pathlib import Path
 DATA_ENV = "MLX_GATEWAY_DATA_DIR"
 
 
-def data_root() -> Path:
-    """The data directory (see the module docstring); it may not exist yet."""
-    for env in (DATA_ENV, "MLX_GATEWAY_HOME"):
+def user_dir(envs: tuple[str, ...], darwin: str, xdg_env: str, xdg_default: str) -> Path:
+    """``<base>/mlx-gateway``: the first of the environment variables ``envs`` that is set
+    (as it is), else the platform's user directory of that kind: ``~/Library/<darwin>`` on
+    macOS, ``%LOCALAPPDATA%`` on Windows, ``$<xdg_env>`` (an absolute path) or
+    ``~/<xdg_default>`` elsewhere."""
+    for env in envs:
         if os.environ.get(env):
             return Path(os.environ[env]).expanduser()
     if sys.platform == "darwin":
-        base = Path.home() / "Library" / "Application Support"
+        base = Path.home() / "Library" / darwin
     elif os.name == "nt":
         base = Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")
     else:
-        xdg = os.environ.get("XDG_DATA_HOME", "")
-        base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".local" / "share"
+        xdg = os.environ.get(xdg_env, "")
+        base = Path(xdg) if os.path.isabs(xdg) else Path.home() / xdg_default
     return base / "mlx-gateway"
+
+
+def data_root() -> Path:
+    """The data directory (see the module docstring); it may not exist yet."""
+    return user_dir((DATA_ENV, "MLX_GATEWAY_HOME"), "Application Support", "XDG_DATA_HOME", ".local/share")

@@ -98,10 +98,11 @@ class Grammars:
                 ``strict``, uses JSON Schema keywords llguidance does not enforce (named;
                 a relaxed grammar, :data:`JSON_RELAXED`, leaves them unenforced).
         """
-        _, notes = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-        unenforced = [n.split(":", 1)[1].strip() for n in notes if "Unimplemented keys" in n]
-        if strict and unenforced:  # e.g. uniqueItems, contains, not: the output could break the schema
-            raise GrammarError(f"keywords the grammar engine cannot enforce: {', '.join(unenforced)}")
+        if strict:  # e.g. uniqueItems, contains, not: the output could break the schema
+            _, notes = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+            unenforced = [n.split(":", 1)[1].strip() for n in notes if "Unimplemented keys" in n]
+            if unenforced:
+                raise GrammarError(f"keywords the grammar engine cannot enforce: {', '.join(unenforced)}")
         try:
             matcher = llguidance.LLMatcher(self._tokenizer(), grammar)
         except Exception as e:  # llguidance raises ValueError/RuntimeError on bad input

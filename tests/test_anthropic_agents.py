@@ -93,20 +93,27 @@ def test_a_system_message_inside_messages_is_rendered_where_it_stands(server):
     assert text[text.index(ENV):].startswith(f"{ENV}<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_a_template_that_cannot_show_it_gets_it_folded_into_the_next_user_turn(tokenizers_dir):
+def test_a_template_that_cannot_show_it_gets_it_folded_into_the_user_turn_before_it(tokenizers_dir):
+    """Gemma 3's template has no system role: a later system message joins the last user
+    message before it, so the next turn, which only adds messages after it, renders the
+    same prefix (and the prefix cache serves it)."""
     from mlx_lm.tokenizer_utils import load
 
     tok = load(model_path("gemma3_text"))
+    conv, _ = to_conversation(MessagesRequest.model_validate(body()))
+    first = tok.decode(render_chat(tok, conv, {}, 4096).tokens)
+    assert "<start_of_turn>system" not in first and f"List the files here.\n\n{ENV}" in first
     b = body()
     b["messages"] += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "and now?"}]
     conv, _ = to_conversation(MessagesRequest.model_validate(b))
-    text = tok.decode(render_chat(tok, conv, {}, 4096).tokens)
-    assert f"{ENV}\n\n" not in text.split("List the files here.")[0]  # not before the first question
-    assert "<start_of_turn>system" not in text
-    assert f"{ENV}\n\nand now?" in text  # folded into the user turn after it
-    # Where no user turn follows, it goes at the end of the last one.
-    conv, _ = to_conversation(MessagesRequest.model_validate(body()))
-    assert f"List the files here.\n\n{ENV}" in tok.decode(render_chat(tok, conv, {}, 4096).tokens)
+    second = tok.decode(render_chat(tok, conv, {}, 4096, ).tokens)
+    cut = first.rindex("<end_of_turn>")
+    assert second.startswith(first[:cut]), (first, second)  # the first turn renders the same
+    # With no user message before it, it goes before the text of the one after it.
+    b = body()
+    b["messages"] = [b["messages"][1], b["messages"][0]]
+    conv, _ = to_conversation(MessagesRequest.model_validate(b))
+    assert f"{ENV}\n\nList the files here." in tok.decode(render_chat(tok, conv, {}, 4096).tokens)
 
 
 def test_the_billing_block_never_reaches_the_prompt(server):
@@ -245,3 +252,26 @@ def test_streamed_edits_come_in_the_message_delta(server):
     (delta,) = events
     assert delta["context_management"]["applied_edits"][0]["cleared_tool_uses"] == 1
 
+
+
+@pytest.mark.parametrize("edit,param", [
+    ({"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": "x"}}, "trigger.value"),
+    ({"type": "clear_tool_uses_20250919", "keep": {"type": "tool_uses", "value": -1}}, "keep"),
+    ({"type": "clear_thinking_20251015", "keep": {"value": "all"}}, "keep"),
+])
+def test_a_bad_context_edit_is_a_400_naming_it(server, edit, param):
+    with pytest.raises(anthropic.BadRequestError) as e:
+        create(server, **body(context_management={"edits": [edit]}))
+    assert e.value.body["error"]["message"].startswith(f"context_management.edits.0.{param}"), e.value.body
+
+
+def test_an_image_in_a_tool_result_is_refused_by_a_text_model_naming_images(server):
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    b = body(messages=[
+        {"role": "user", "content": "Read the screenshot."},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_r", "name": "Bash", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_r",
+                                      "content": [{"type": "text", "text": "a picture:"}, image]}]}])
+    with pytest.raises(anthropic.BadRequestError) as e:
+        create(server, **b)
+    assert "does not accept images" in e.value.body["error"]["message"], e.value.body

@@ -139,3 +139,25 @@ def test_metrics_exposed(server):
     if sys.platform.startswith("linux"):  # the process collector reads /proc
         resident = re.search(r"^mlx_gateway_process_resident_memory_bytes (\S+)$", text, re.M)
         assert resident and float(resident.group(1)) > 0
+
+
+def test_a_token_that_is_part_of_a_character_is_written_as_its_bytes():
+    """As OpenAI writes such tokens: ``bytes:\\xe4\\xb8`` with their real bytes, so that
+    two of them never share one text (a completions ``top_logprobs`` object is keyed by
+    it); a token that is a whole character, U+FFFD itself included, keeps its text."""
+    from mlx_lm.tokenizer_utils import load
+
+    from gateway.protocols.openai_format import LogprobFormatter
+
+    tok = load(model_path("qwen3", "qwen3"))
+    f = LogprobFormatter(tok)
+    halves = [i for i in range(20000, 30000) if "\ufffd" in tok.decode([i])][:20]
+    shown = [f._text(i) for i in halves]
+    assert len(halves) == 20 and len(set(shown)) == 20 and all(s.startswith("bytes:\\x") for s in shown)
+    for i, s in zip(halves, shown):
+        raw = bytes(f._bytes(i, s))
+        assert s == "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        assert b"".join(bytes(f._bytes(j, f._text(j))) for j in tok.encode("中文", add_special_tokens=False)) == \
+            "中文".encode()
+    replacement = tok.encode("\ufffd", add_special_tokens=False)
+    assert len(replacement) == 1 and f._text(replacement[0]) == "\ufffd"

@@ -199,3 +199,35 @@ def test_a_seal_opens_only_for_its_tenant_and_key():
     assert seal.open(token, "alice") == "secret thoughts"
     assert seal.open(token, "bob") is None and other.open(token, "alice") is None
     assert seal.open("not base64!", "alice") is None and seal.open(token[:-8], "alice") is None
+
+
+def test_a_hosted_tools_label_never_breaks_the_header(server):
+    http, _ = respond(server, input="hi", reasoning=NO_THINKING, max_output_tokens=4,
+                      tools=[{"type": "mcp", "server_label": "docs\r\nx-evil: 1", "server_url": "https://x"},
+                             {"type": "web_search_é"}])
+    assert http.status_code == 200 and http.headers["x-gateway-omitted-tools"] == "mcp:docs__x-evil:_1,web_search__"
+
+
+def test_tool_choice_forms(server):
+    _, r = respond(server, input="List files.", tools=[{"type": "local_shell"}, EXEC], reasoning=NO_THINKING,
+                   tool_choice={"type": "local_shell"}, max_output_tokens=48)
+    assert [o.type for o in r.output if o.type.endswith("call")] == ["local_shell_call"]
+    # allowed_tools holds a required call to the tools it lists, whatever else is offered.
+    _, r = respond(server, input="Close a1.", tools=[EXEC, NAMESPACE], reasoning=NO_THINKING, max_output_tokens=48,
+                   parallel_tool_calls=False, tool_choice={"type": "allowed_tools", "mode": "required", "tools": [
+                       {"type": "function", "name": "close_agent", "namespace": "multi_agent_v1"}]})
+    (call,) = [o.model_dump() for o in r.output if o.type == "function_call"]
+    assert (call["name"], call["namespace"]) == ("close_agent", "multi_agent_v1")
+    with pytest.raises(openai.BadRequestError) as e:
+        respond(server, input="hi", tools=[EXEC], tool_choice={"type": "function"})
+    assert e.value.body["param"] == "tool_choice.name"
+
+
+def test_an_image_in_a_function_output_is_refused_by_a_text_model_naming_images(server):
+    with pytest.raises(openai.BadRequestError) as e:
+        respond(server, tools=[EXEC], reasoning=NO_THINKING, input=[
+            {"role": "user", "content": "Look."},
+            {"type": "function_call", "call_id": "c1", "name": "exec_command", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": [
+                {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}]}])
+    assert "does not accept images" in e.value.body["message"], e.value.body

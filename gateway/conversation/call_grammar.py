@@ -55,10 +55,11 @@ def _arguments(i: int, tool: FunctionTool, grammars: Grammars) -> str:
 
 def _one_call(plan: ToolPlan, grammars: Grammars) -> str:
     """Rules whose rule ``obj`` is one call of any tool the plan lets the model call now
-    (only the forced one under a named choice)."""
+    (only the forced one under a named choice, only the allowed ones under
+    ``allowed_tools``)."""
     rules, alternatives = [], []
     for i, (name, tool) in enumerate(plan.offered.items()):
-        if plan.forced not in (None, name):
+        if not plan.callable(name):
             continue
         rules.append(_arguments(i, tool, grammars))
         head = json.dumps(f'{{"name":"{name}","arguments":')

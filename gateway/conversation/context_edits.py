@@ -13,8 +13,9 @@ Anthropic's context management does (``context_management.edits``, beta
   the prefix cache whole).
 
 The client keeps its full history; each request is edited anew, so the same history
-edits the same way and the edited prompt's prefix stays cacheable from one request to
-the next. :func:`apply_edits` returns what each edit did, as Anthropic reports it
+edits the same way. Each clearing moves the cleared boundary and so costs a new prefill
+from the first result it clears (Anthropic's caveat too): ``clear_at_least`` makes that
+worth it. :func:`apply_edits` returns what each edit did, as Anthropic reports it
 (``applied_edits``).
 """
 
@@ -57,6 +58,11 @@ class ClearThinking:
 Edit = Union[ClearToolUses, ClearThinking]
 
 
+def needs_length(edits: list[Edit]) -> bool:
+    """Whether applying ``edits`` needs the unedited prompt's length (an input-token trigger)."""
+    return any(isinstance(e, ClearToolUses) and e.trigger_tokens is not None for e in edits)
+
+
 def apply_edits(turns: list[Turn], edits: list[Edit], prompt_tokens: int,
                 count: Callable[[str], int]) -> tuple[list[Turn], list[dict]]:
     """``turns`` with ``edits`` applied in order (new turns; the given ones are not
@@ -83,9 +89,9 @@ def _clear_thinking(turns: list[Turn], edit: ClearThinking, count) -> tuple[list
     thinking = [i for i, t in enumerate(turns) if t.role == "assistant" and t.reasoning]
     if edit.keep is None or len(thinking) <= edit.keep:
         return turns, None
-    cleared = thinking[: len(thinking) - edit.keep]
+    cleared = set(thinking[: len(thinking) - edit.keep])
     freed = sum(count(turns[i].reasoning or "") for i in cleared)
-    out = [replace(t, reasoning=None) if i in set(cleared) else t for i, t in enumerate(turns)]
+    out = [replace(t, reasoning=None) if i in cleared else t for i, t in enumerate(turns)]
     return out, {"type": edit.type, "cleared_thinking_turns": len(cleared), "cleared_input_tokens": freed}
 
 
@@ -100,7 +106,8 @@ def _clear_tool_uses(turns: list[Turn], edit: ClearToolUses, prompt_tokens: int,
     targets = {c.id: c for _, c in eligible if c.name not in edit.exclude}
     results = {i for i, t in enumerate(turns) if t.role == "tool" and t.tool_call_id in targets
                and t.text != PLACEHOLDER}
-    freed = sum(count(turns[i].text) - count(PLACEHOLDER) for i in results)
+    placeholder = count(PLACEHOLDER)
+    freed = sum(count(turns[i].text) - placeholder for i in results)
     wipe = {cid for cid, c in targets.items() if edit.clear_inputs is True or
             (isinstance(edit.clear_inputs, frozenset) and c.name in edit.clear_inputs)}
     freed += sum(count(targets[cid].arguments) - count("{}") for cid in wipe if targets[cid].arguments != "{}")

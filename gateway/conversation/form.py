@@ -153,6 +153,7 @@ class Conversation:
     continue_final: bool = False  # the last turn is an assistant's, to be continued (a prefill)
     thinking_budget: Optional[int] = None  # tokens of reasoning before the thinking block is closed
     edits: list[Any] = field(default_factory=list)  # context edits to apply (gateway.conversation.context_edits)
+    allowed_tools: Optional[list[str]] = None  # the offered names the model may call (None: every tool)
 
 
 # ---------------------------------------------------------------------- events

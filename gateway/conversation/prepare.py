@@ -8,7 +8,7 @@ import time
 from dataclasses import replace
 from typing import Optional
 
-from gateway.conversation.context_edits import apply_edits
+from gateway.conversation.context_edits import apply_edits, needs_length
 from gateway.conversation.form import Conversation, Sampling
 from gateway.conversation.prompts import Prompt, render_chat
 from gateway.conversation.structured import CONSTRAINED_THINKING_BUDGET, Thinking, constrains_answer, output_mask
@@ -143,13 +143,15 @@ def render_conversation(model: ModelHandle, conv: Conversation, plan: Optional[T
         def render(c: Conversation) -> Prompt:
             return render_vision_chat(tok, model.vision, c, pictures, spec.chat_template_args,
                                       spec.checkpoint_every, plan)
-    prompt = render(conv)
-    if conv.edits:
-        turns, applied = apply_edits(conv.turns, conv.edits, len(prompt.tokens),
-                                     lambda text: len(tok.encode(text, add_special_tokens=False)) if text else 0)
-        if applied:
-            prompt = render(replace(conv, turns=turns))
-            prompt.applied_edits = applied
+    if not conv.edits:
+        return render(conv)
+    unedited = render(conv) if needs_length(conv.edits) else None  # an input-token trigger reads its length
+    turns, applied = apply_edits(conv.turns, conv.edits, len(unedited.tokens) if unedited is not None else 0,
+                                 lambda text: len(tok.encode(text, add_special_tokens=False)) if text else 0)
+    if not applied and unedited is not None:
+        return unedited
+    prompt = render(replace(conv, turns=turns) if applied else conv)
+    prompt.applied_edits = applied
     return prompt
 
 

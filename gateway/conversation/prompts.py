@@ -56,7 +56,7 @@ def render_chat(
 
     A system turn past the first (Claude Code's, inside its messages; a Responses
     ``developer`` item) is rendered where it stands when the template shows it there, and
-    otherwise folded into the user turn after it (:func:`fold_system`), the nearest form
+    otherwise folded into the user turn before it (:func:`fold_system`), the nearest form
     a template that alternates user and assistant accepts (Gemma 3's raises).
 
     A conversation whose last turn is an assistant's to continue (``continue_final``, a
@@ -144,27 +144,30 @@ def _has_system_turns(tokenizer, template: Optional[str]) -> bool:
 
 
 def fold_system(messages: list[dict]) -> list[dict]:
-    """``messages`` with every system message past the first moved into the user message
-    after it (before its text, a blank line between), or, with no user message after it,
-    appended to the last user message before it; a copy."""
-    out = [dict(m) for m in messages]
+    """``messages`` with every system message past the first appended to the last user
+    message before it (a blank line between), or, with no user message before it, put
+    before the text of the user message after it; a copy. Where a message is folded
+    depends only on what came before it, which a conversation never changes: a later
+    request renders its earlier turns the same way, so the prefix cache serves them
+    (Claude Code's environment block comes after the first user message of each turn)."""
+    out: list[dict] = []
     pending: list[str] = []
-    kept: list[dict] = []
-    for i, m in enumerate(out):
+    for i, m in enumerate(messages):
+        m = dict(m)
         if m["role"] == "system" and i > 0:
-            pending.append(m["content"])
+            before = next((u for u in reversed(out) if u["role"] == "user"), None)
+            if before is not None:
+                before["content"] = f"{before['content']}\n\n{m['content']}"
+            else:
+                pending.append(m["content"])
             continue
         if pending and m["role"] == "user":
             m["content"] = "\n\n".join(pending + [m["content"]])
             pending = []
-        kept.append(m)
+        out.append(m)
     if pending:
-        users = [m for m in kept if m["role"] == "user"]
-        if users:
-            users[-1]["content"] = "\n\n".join([users[-1]["content"]] + pending)
-        else:
-            kept.append({"role": "user", "content": "\n\n".join(pending)})
-    return kept
+        out.append({"role": "user", "content": "\n\n".join(pending)})
+    return out
 
 
 def _continued(text: str, content: str) -> str:

@@ -1,5 +1,5 @@
-"""Tool calls for chat completions: check the request's tools, put them in the prompt,
-constrain the output when a call is required, and parse calls out of the text.
+"""Tool calls, whatever API a request came in on: check the request's tools, put them in
+the prompt, constrain the output when a call is required, and parse calls out of the text.
 
 Two call formats:
 
@@ -32,6 +32,7 @@ JSON-schema form). Calls are read out of the output by
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -44,6 +45,13 @@ NAMESPACE_SEPARATOR = "__"  # a namespace tool's function reaches the model as <
 # Response header naming the tools of a request that were left out of its prompt (tools the
 # API's provider runs itself: web search, code execution, ...), comma-separated.
 OMITTED_TOOLS_HEADER = "x-gateway-omitted-tools"
+_UNSAFE_IN_HEADER = re.compile(r"[^A-Za-z0-9_.:-]")
+
+
+def omitted_tools_header(labels: list[str]) -> dict[str, str]:
+    """The :data:`OMITTED_TOOLS_HEADER` for ``labels`` (none: no header); characters a
+    header value may not hold (they come from the request) written as ``_``."""
+    return {OMITTED_TOOLS_HEADER: ",".join(_UNSAFE_IN_HEADER.sub("_", x) for x in labels)} if labels else {}
 
 
 @dataclass(frozen=True)
@@ -70,8 +78,9 @@ class ToolPlan:
 
     ``tools``: the tools as the template (or the fallback instructions) shows them, in
     OpenAI's ``{"type": "function", "function": ...}`` form, deferred tools left out;
-    ``offered``: every tool the model may call, by the name it calls it (a namespace
-    tool's function as ``<namespace>__<name>``, :func:`offered_name`). ``choice`` is
+    ``offered``: every tool of the request, by the name the model calls it (a namespace
+    tool's function as ``<namespace>__<name>``, :func:`offered_name`); ``allowed``: the
+    names it may call now (None: all; Responses' ``allowed_tools``). ``choice`` is
     ``none``, ``auto``, ``required`` or ``function`` (then ``forced`` is the offered
     name); ``in_template``: the chat template renders the tools itself.
     """
@@ -83,10 +92,15 @@ class ToolPlan:
     format: CallFormat
     in_template: bool
     offered: dict[str, FunctionTool] = field(default_factory=dict)
+    allowed: Optional[frozenset[str]] = None
 
     @property
     def names(self) -> list[str]:
-        return list(self.offered) if self.offered else [t["function"]["name"] for t in self.tools]
+        return list(self.offered)
+
+    def callable(self, name: str) -> bool:
+        """Whether a call of ``name`` may be made now (forced, allowed)."""
+        return self.forced in (None, name) and (self.allowed is None or name in self.allowed)
 
     @property
     def parses(self) -> bool:
@@ -107,9 +121,14 @@ def template_renders_tools(tokenizer) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
+def namespaced(namespace: Optional[str], name: str) -> str:
+    """The name the model calls a function by: its own, or ``<namespace>__<name>``."""
+    return f"{namespace}{NAMESPACE_SEPARATOR}{name}" if namespace else name
+
+
 def offered_name(tool: FunctionTool) -> str:
-    """The name the model calls ``tool`` by: its own, or ``<namespace>__<name>``."""
-    return f"{tool.namespace}{NAMESPACE_SEPARATOR}{tool.name}" if tool.namespace else tool.name
+    """The name the model calls ``tool`` by (:func:`namespaced`)."""
+    return namespaced(tool.namespace, tool.name)
 
 
 def custom_parameters(tool: FunctionTool) -> dict:
@@ -168,8 +187,11 @@ def plan_tools(conv: Conversation, tokenizer) -> Optional[ToolPlan]:
     if choice in ("required", "function") and native.kind == "tagged" and not native.is_json_tools:
         fmt = JSON_FORMAT  # constrained to the json format
     parallel = conv.parallel_tool_calls and choice != "function"
+    allowed = None if conv.allowed_tools is None else frozenset(conv.allowed_tools) & offered.keys()
+    if allowed is not None and not allowed and choice in ("required", "function"):
+        raise APIError(400, "tool_choice allows none of the tools offered", param="tool_choice")
     return ToolPlan(tools, choice, forced if choice == "function" else None, parallel, fmt,
-                    template_renders_tools(tokenizer), offered)
+                    template_renders_tools(tokenizer), offered, allowed)
 
 
 # ---------------------------------------------------------------------- prompt
@@ -201,8 +223,8 @@ def _arguments(call) -> Any:
 
 
 def _called(call) -> str:
-    """The name a call was made by (a namespace tool's as ``<namespace>__<name>``)."""
-    return f"{call.namespace}{NAMESPACE_SEPARATOR}{call.name}" if call.namespace else call.name
+    """The name a call was made by (:func:`namespaced`)."""
+    return namespaced(call.namespace, call.name)
 
 
 def template_messages(turns: list[Turn], plan: Optional[ToolPlan]) -> list[dict[str, Any]]:

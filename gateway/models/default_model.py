@@ -32,6 +32,8 @@ import zipfile
 from pathlib import Path
 from typing import Optional
 
+from gateway.data_dir import user_dir
+
 log = logging.getLogger("mlx_gateway.models.default_model")
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
@@ -54,17 +56,7 @@ class DefaultModelError(RuntimeError):
 
 def cache_root() -> Path:
     """The directory the gateway caches models in (see the module docstring)."""
-    for env in (CACHE_ENV, "MLX_GATEWAY_HOME"):
-        if os.environ.get(env):
-            return Path(os.environ[env]).expanduser()
-    if sys.platform == "darwin":
-        base = Path.home() / "Library" / "Caches"
-    elif os.name == "nt":
-        base = Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME", "")
-        base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
-    return base / "mlx-gateway"
+    return user_dir((CACHE_ENV, "MLX_GATEWAY_HOME"), "Caches", "XDG_CACHE_HOME", ".cache")
 
 
 def default_model_dir() -> Path:

@@ -22,11 +22,11 @@ from gateway.conversation.calls import Front, admit
 from gateway.conversation.prepare import render_conversation
 from gateway.conversation.run import start_conversation
 from gateway.conversation.schemas import check_schema
-from gateway.conversation.tools import plan_tools
+from gateway.conversation.tools import omitted_tools_header, plan_tools
 from gateway.http.errors import APIError
 from gateway.http.sse import SSEResponse, comment, guarded, named_event
 from gateway.protocols.anthropic_events import (STOP_REASONS, BlockStream, content_blocks, last_breakpoint, message,
-                                                message_id, omitted_header, usage)
+                                                message_id, usage)
 from gateway.protocols.anthropic_schemas import (CountTokensRequest, DroppedBlock, MediaBlock, MessageParam,
                                                  MessagesRequest, RedactedThinkingBlock, SearchResultBlock,
                                                  ServerToolResultBlock, ServerToolUseBlock, TextBlock, ThinkingBlock,
@@ -41,25 +41,32 @@ TOOL_CHOICES = {"auto": "auto", "any": "required", "tool": "function", "none": "
 BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's per-request block: never part of the prompt
 
 
-def _result_text(b: ToolResultBlock, tools: dict[str, Tool], model: Optional[str], where: str) -> str:
-    """A tool result's text: its text and search results, with the definition of each
-    tool it loads (``tool_reference``) where it loads it.
+def _result(b: ToolResultBlock, tools: dict[str, Tool], model: Optional[str], where: str
+            ) -> tuple[str, list[ImageRef]]:
+    """A tool result's text and images: its text and search results, the definition of each
+    tool it loads (``tool_reference``) where it loads it, and its images (Claude Code's Read
+    of a picture) where they stand, each an ``IMAGE_MARK`` (a text model refuses them once
+    it is known, as it refuses a user's).
 
     Raises:
-        APIError: 400 for an image or a document (the model, named, takes none).
+        APIError: 400 for a document (the model, named, takes none).
     """
     if isinstance(b.content, str):
-        return b.content
-    parts = []
+        return b.content, []
+    parts, images = [], []
     for k, part in enumerate(b.content):
         if isinstance(part, MediaBlock):
-            raise APIError(400, f"the model '{model}' does not accept {part.type}s: send text only",
-                           param=f"{where}.content.{k}")
-        if isinstance(part, ToolReferenceBlock):
+            if part.type != "image":
+                raise APIError(400, f"the model '{model}' does not accept {part.type}s: send text only",
+                               param=f"{where}.content.{k}")
+            parts.append(IMAGE_MARK)
+            images.append(image_source(part.source, f"{where}.content.{k}"))
+        elif isinstance(part, ToolReferenceBlock):
             parts.append(loaded_tool_text(tools.get(part.tool_name), part.tool_name))
         else:
-            parts.append(part.text if isinstance(part, TextBlock) else part.text())
-    return "\n".join(parts) if any(isinstance(p, ToolReferenceBlock) for p in b.content) else "".join(parts)
+            parts.append((part.text if isinstance(part, TextBlock) else part.text()).replace(IMAGE_MARK, ""))
+    joiner = "\n" if any(isinstance(p, ToolReferenceBlock) for p in b.content) else ""
+    return joiner.join(parts), images
 
 
 def _message_turns(m: MessageParam, i: int, model: Optional[str], tools: dict[str, Tool]
@@ -74,8 +81,9 @@ def _message_turns(m: MessageParam, i: int, model: Optional[str], tools: dict[st
     be placed at the start of the next turn.
 
     Raises:
-        APIError: 400 for a block its role may not hold, or an image or document (the
-            model, named, takes none).
+        APIError: 400 for a block its role may not hold, a document, or an image outside a
+            user message or a tool result (images are refused later, with the model named,
+            when it takes none).
     """
     if isinstance(m.content, str):
         return [Turn(m.role, m.content)] if not _is_billing(m.role, m.content) else [], []
@@ -101,10 +109,10 @@ def _message_turns(m: MessageParam, i: int, model: Optional[str], tools: dict[st
             if b.cache_control is not None:
                 breaks.append((len("".join(text)), b.cache_control.seconds))
         elif isinstance(b, ToolResultBlock):
-            result = _result_text(b, tools, model, where)
+            result, pictures = _result(b, tools, model, where)
             result = f"Error: {result}" if b.is_error else result
             cc = [(len(result), b.cache_control.seconds)] if b.cache_control is not None else []
-            turns.append(Turn("tool", result, tool_call_id=b.tool_use_id, breaks=cc))
+            turns.append(Turn("tool", result, tool_call_id=b.tool_use_id, breaks=cc, images=pictures))
         elif isinstance(b, (ToolUseBlock, ServerToolUseBlock)):
             calls.append(ToolCall(b.id, b.name, json.dumps(b.input, ensure_ascii=False)))
             if b.cache_control is not None:
@@ -269,14 +277,14 @@ async def messages(request: Request) -> Response:
                         "message_stop", {"type": "message_stop"})
 
         return SSEResponse(guarded(events(), lambda e: named_event("error", e.anthropic_body())),
-                           headers=omitted_header(omitted), send_timeout=front.config.client_timeout)
+                           headers=omitted_tools_header(omitted), send_timeout=front.config.client_timeout)
 
     result = await run.collect(request)
     if result is None:
         return Response(status_code=499)
     return JSONResponse(message(mid, model, content_blocks(result), result.finished,
                                 usage(result.finished.usage, last_breakpoint(run)), edits()),
-                        headers=omitted_header(omitted))
+                        headers=omitted_tools_header(omitted))
 
 
 def _count(model: ModelHandle, conv: Conversation) -> int:

@@ -15,7 +15,6 @@ import uuid
 from typing import Optional
 
 from gateway.conversation.form import ChatResult, Finished, Piece, Usage
-from gateway.conversation.tools import OMITTED_TOOLS_HEADER
 from gateway.http.sse import named_event
 
 STOP_REASONS = {"stop": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens",
@@ -79,11 +78,6 @@ def message(mid: str, model: str, content: list[dict], finished: Optional[Finish
     if edits is not None:
         out["context_management"] = {"applied_edits": edits}
     return out
-
-
-def omitted_header(omitted: list[str]) -> dict[str, str]:
-    """The response header naming the server tools left out of the prompt (none: no header)."""
-    return {OMITTED_TOOLS_HEADER: ",".join(omitted)} if omitted else {}
 
 
 class BlockStream:

@@ -5,8 +5,8 @@ Types are strict (``"max_tokens": "32"`` or ``"stream": "yes"`` is a 400, as on
 Anthropic's API); unknown fields are accepted and ignored (``citations``,
 ``service_tier``, ``container``, ...). Every block and tool type the API defines is
 accepted: what the gateway cannot use is left out of the prompt in the nearest form
-(see ``anthropic.py``); images and documents are refused with a 400 naming the field
-for models that take no images. Recent SDKs take ``temperature``/``top_p``/``top_k``
+(see ``anthropic.py``); images reach vision models (a text model refuses them with a 400
+naming the field), documents are refused. Recent SDKs take ``temperature``/``top_p``/``top_k``
 and the gateway's extra sampling settings (``min_p``, ``seed``, penalties,
 ``logit_bias``) through ``extra_body``: they are plain body fields here.
 """
@@ -231,6 +231,14 @@ class OutputConfig(_Strict):
     effort: Optional[StrictStr] = None
 
 
+class EditAmount(_Strict):
+    """A context edit's amount: ``trigger`` (``input_tokens`` or ``tool_uses``), ``keep``
+    (``tool_uses`` or ``thinking_turns``), ``clear_at_least`` (``input_tokens``)."""
+
+    type: StrictStr
+    value: StrictInt = Field(ge=0)
+
+
 class ContextEdit(_Strict):
     """One of ``context_management.edits``: ``clear_tool_uses_20250919`` (older tool
     results, and optionally their calls' inputs, replaced by a placeholder once the prompt
@@ -238,9 +246,9 @@ class ContextEdit(_Strict):
     ``keep`` the latest ones or ``"all"``). Other fields as Anthropic documents them."""
 
     type: StrictStr
-    trigger: Optional[dict[str, Any]] = None
-    keep: Union[dict[str, Any], StrictStr, None] = None
-    clear_at_least: Optional[dict[str, Any]] = None
+    trigger: Optional[EditAmount] = None
+    keep: Union[EditAmount, Literal["all"], None] = None
+    clear_at_least: Optional[EditAmount] = None
     exclude_tools: Optional[list[StrictStr]] = None
     clear_tool_inputs: Union[StrictBool, list[StrictStr], None] = None
 
@@ -265,21 +273,6 @@ class CountTokensRequest(_Strict):
     context_management: Optional[ContextManagement] = None
     output_format: Optional[JSONOutputFormat] = Field(
         default=None, description="the structured-outputs beta's form of output_config.format")
-
-    def system_text(self) -> Optional[str]:
-        """The system prompt as one string (blocks joined), or None."""
-        if self.system is None or isinstance(self.system, str):
-            return self.system
-        return "".join(b.text for b in self.system)
-
-    def system_breaks(self) -> list[tuple[int, float]]:
-        """Cache breakpoints of the system blocks: (offset in :meth:`system_text`, seconds)."""
-        out, at = [], 0
-        for b in self.system if isinstance(self.system, list) else []:
-            at += len(b.text)
-            if b.cache_control is not None:
-                out.append((at, b.cache_control.seconds))
-        return out
 
 
 class MessagesRequest(CountTokensRequest, SamplingExtras):

@@ -12,9 +12,12 @@ Tools come in three kinds (Anthropic's "Tool use" docs):
 - **server tools** the API runs itself (``web_search_...``, ``web_fetch_...``,
   ``code_execution_...``, ``tool_search_tool_regex_...``, MCP toolsets, ...): the gateway
   runs none, so they are left out of the prompt and named in the response's
-  :data:`gateway.conversation.tools.OMITTED_TOOLS_HEADER`; forcing one with ``tool_choice`` is a 400. Without the
-  server's tool search, deferred tools could never be loaded, so they are then shown
-  with the others (the nearest form the model can use).
+  :data:`gateway.conversation.tools.OMITTED_TOOLS_HEADER`; forcing one with
+  ``tool_choice`` is a 400. When the request relies on the server's tool search
+  (``tool_search_tool_regex_...``, ``..._bm25_...``) to load its deferred tools, nothing
+  would ever load them here, so they are shown with the others from the start (the
+  nearest form the model can use); a client's own tool search (Claude Code's) keeps them
+  deferred.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Optional
 from gateway.conversation.context_edits import DEFAULT_KEEP_USES, DEFAULT_TRIGGER_TOKENS, ClearThinking, \
     ClearToolUses, Edit
 from gateway.conversation.form import FunctionTool
-from gateway.protocols.anthropic_schemas import ContextManagement, Tool
+from gateway.protocols.anthropic_schemas import ContextManagement, EditAmount, Tool
 
 CLIENT_TOOL_SCHEMAS = {
     "bash": {"type": "object", "properties": {"command": {"type": "string"}, "restart": {"type": "boolean"}}},
@@ -91,18 +94,17 @@ def context_edits(cm: Optional[ContextManagement]) -> list[Edit]:
     ``clear_thinking_20251015`` keeps the latest thinking turn (``keep: "all"`` keeps all)."""
     out: list[Edit] = []
     for e in cm.edits if cm is not None else []:
+        keep = e.keep.value if isinstance(e.keep, EditAmount) else None
         if e.type.startswith("clear_tool_uses"):
-            trigger = e.trigger or {"type": "input_tokens", "value": DEFAULT_TRIGGER_TOKENS}
-            value = int(trigger.get("value", DEFAULT_TRIGGER_TOKENS))
-            keep = e.keep.get("value", DEFAULT_KEEP_USES) if isinstance(e.keep, dict) else DEFAULT_KEEP_USES
-            least = (e.clear_at_least or {}).get("value", 0)
+            trigger = e.trigger or EditAmount(type="input_tokens", value=DEFAULT_TRIGGER_TOKENS)
+            uses = trigger.type == "tool_uses"
             inputs = e.clear_tool_inputs
             out.append(ClearToolUses(
-                trigger_tokens=value if trigger.get("type") != "tool_uses" else None,
-                trigger_uses=value if trigger.get("type") == "tool_uses" else None,
-                keep=int(keep), clear_at_least=int(least or 0), exclude=frozenset(e.exclude_tools or ()),
+                trigger_tokens=None if uses else trigger.value, trigger_uses=trigger.value if uses else None,
+                keep=DEFAULT_KEEP_USES if keep is None else keep,
+                clear_at_least=e.clear_at_least.value if e.clear_at_least is not None else 0,
+                exclude=frozenset(e.exclude_tools or ()),
                 clear_inputs=frozenset(inputs) if isinstance(inputs, list) else bool(inputs), type=e.type))
         elif e.type.startswith("clear_thinking"):
-            keep = None if e.keep == "all" else int(e.keep.get("value", 1)) if isinstance(e.keep, dict) else 1
-            out.append(ClearThinking(keep, e.type))
+            out.append(ClearThinking(None if e.keep == "all" else 1 if keep is None else keep, e.type))
     return out

@@ -90,14 +90,23 @@ class LogprobFormatter:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def _text(self, token: int) -> str:
+    def _shown(self, token: int) -> tuple[str, str]:
+        """``(how the token is written, its decoded text)``: the text, or, for a token
+        whose bytes are not whole UTF-8 characters, ``bytes:\\x..`` (a token that is a
+        real U+FFFD keeps its text)."""
         text = self.tokenizer.decode([token])
         if "\ufffd" not in text:
-            return text
+            return text, text
         raw = token_bytes(self.tokenizer, token)
-        if raw is None or raw.decode("utf-8", "replace") != text:
-            return text
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        try:
+            if raw is None or raw.decode("utf-8"):
+                return text, text
+        except UnicodeDecodeError:
+            pass
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), text
+
+    def _text(self, token: int) -> str:
+        return self._shown(token)[0]
 
     def _bytes(self, token: int, text: str) -> list[int]:
         raw = token_bytes(self.tokenizer, token) if text.startswith("bytes:") else None
@@ -118,12 +127,12 @@ class LogprobFormatter:
     def completion_entries(self, events: list[TokenEvent], offset: int) -> dict:
         tokens, lps, tops, offsets = [], [], [], []
         for ev in events:
-            text = self._text(ev.token)
-            tokens.append(text)
+            shown, text = self._shown(ev.token)
+            tokens.append(shown)
             lps.append(_json_logprob(ev.logprob))
             tops.append({self._text(i): _json_logprob(lp) for i, lp in (ev.top_logprobs or [])})
             offsets.append(offset)
-            offset += len(self.tokenizer.decode([ev.token]))
+            offset += len(text)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 

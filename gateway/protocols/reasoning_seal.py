@@ -10,7 +10,9 @@ tenant can open it, and a changed byte fails the tag.
 
 The key is 32 random bytes: ``$MLX_GATEWAY_REASONING_KEY`` (base64, for replicas that
 must open each other's items), else the file ``reasoning.key`` in the data directory,
-made at first use (mode 0600), so items sealed before a restart still open after it.
+made at first use (mode 0600), so items sealed before a restart still open after it. A
+gateway that never seals or opens an item never reads or writes the key
+(:class:`LazySeal`), so a read-only data directory does not keep it from starting.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import binascii
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -27,6 +30,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from gateway.data_dir import data_root
+from gateway.http.errors import APIError
 
 log = logging.getLogger("mlx_gateway.reasoning")
 
@@ -93,3 +97,36 @@ def load_seal(directory: Optional[Path] = None) -> ReasoningSeal:
         finally:
             os.unlink(tmp)
     return ReasoningSeal(path.read_bytes())
+
+
+class LazySeal:
+    """A :class:`ReasoningSeal` whose key is loaded (:func:`load_seal`) at its first use,
+    once, whichever thread asks first.
+
+    Raises (from :meth:`seal` and :meth:`open`):
+        APIError: 503 when the key cannot be loaded (see :func:`load_seal`), with why.
+    """
+
+    def __init__(self, directory: Optional[Path] = None):
+        self._directory = directory
+        self._seal: Optional[ReasoningSeal] = None
+        self._lock = threading.Lock()
+
+    def _loaded(self) -> ReasoningSeal:
+        with self._lock:
+            if self._seal is None:
+                try:
+                    self._seal = load_seal(self._directory)
+                except (OSError, ValueError) as e:
+                    log.error("the reasoning key cannot be loaded: %s", e)
+                    raise APIError(503, f"the server cannot seal reasoning: its key cannot be loaded ({e})",
+                                   code="reasoning_key_unavailable") from None
+            return self._seal
+
+    def seal(self, reasoning: str, tenant: str) -> str:
+        """As :meth:`ReasoningSeal.seal`."""
+        return self._loaded().seal(reasoning, tenant)
+
+    def open(self, token: str, tenant: str) -> Optional[str]:
+        """As :meth:`ReasoningSeal.open`."""
+        return self._loaded().open(token, tenant)

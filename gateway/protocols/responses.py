@@ -2,10 +2,14 @@
 and ``GET /v1/responses/{id}/input_items`` (listed by ``responses_items.py``), a thin
 adapter between the API's items and the internal :class:`Conversation` and its events.
 
-Input items (``message``, ``function_call``, ``function_call_output``, ``reasoning``)
-become turns: ``instructions`` is a system turn first, ``developer`` a system turn, and
-a ``reasoning`` item, an assistant ``message`` and the ``function_call`` items after it
-make one assistant turn (consecutive calls are one turn with several calls).
+Input items become turns: ``instructions`` is a system turn first, ``developer`` a
+system turn, and a ``reasoning`` item, an assistant ``message`` and the calls after it
+(``function_call``, ``custom_tool_call``, ``local_shell_call``) make one assistant turn
+(consecutive calls are one turn with several calls); their outputs are tool turns; the
+calls of hosted tools are left out. A ``reasoning`` item's sealed ``encrypted_content``
+is opened (:mod:`gateway.protocols.reasoning_seal`), and an answer's reasoning sealed when
+the request includes ``reasoning.encrypted_content``. Tools are mapped by
+:mod:`gateway.protocols.responses_tools`.
 ``reasoning.effort`` ``none`` sets the chat template's ``enable_thinking`` to false,
 any other effort to true; without it the template's default holds. ``text.format``
 ``json_object``/``json_schema`` constrain the output like chat's ``response_format``.
@@ -35,10 +39,10 @@ from starlette.responses import JSONResponse, Response
 from gateway.conversation.form import Comment, Conversation, Finished, Piece, Sampling, ToolCall, Turn, Usage
 from gateway.conversation.calls import Front, admit
 from gateway.conversation.run import Run, start_conversation
-from gateway.conversation.tools import OMITTED_TOOLS_HEADER, offered_name
+from gateway.conversation.tools import offered_name, omitted_tools_header
 from gateway.http.errors import APIError
 from gateway.http.sse import SSEResponse, comment, guarded, named_event
-from gateway.protocols.reasoning_seal import ReasoningSeal
+from gateway.protocols.reasoning_seal import LazySeal
 from gateway.protocols.responses_events import OutputBuilder, object_id
 from gateway.protocols.responses_items import check_unique_ids, input_items, page_query, with_ids
 from gateway.protocols.responses_schemas import (CustomToolCallItem, FunctionCallItem, FunctionCallOutputItem,
@@ -92,7 +96,8 @@ def to_turns(items: list, opened: Callable[[ReasoningItem], Optional[str]] = lam
             assistant().text = it.text()
         elif isinstance(it, FunctionCallOutputItem):
             cur = None
-            turns.append(Turn("tool", it.text(), tool_call_id=it.of))
+            text, images = it.text_and_images(f"input.{k}")
+            turns.append(Turn("tool", text, tool_call_id=it.of, images=images))
         else:
             cur = None
             text, images = it.text_and_images(f"input.{k}")
@@ -112,7 +117,7 @@ def to_conversation(req: ResponsesRequest, items: list,
     """
     turns = ([Turn("system", req.instructions)] if req.instructions is not None else []) + to_turns(items, opened)
     tools, omitted = offered_tools(req.tools or [])
-    choice, forced = tool_choice(req.tool_choice)
+    choice, forced, allowed = tool_choice(req.tool_choice)
     fmt = req.text.format if req.text is not None else None
     schema, param = None, "text.format.schema"
     if fmt is not None and fmt.type == "json_object":
@@ -130,7 +135,8 @@ def to_conversation(req: ResponsesRequest, items: list,
                         logit_bias=req.logit_bias)
     strict = fmt is not None and fmt.type == "json_schema" and getattr(fmt, "strict", None) is True
     conv = Conversation(turns, sampling, tools, choice, forced, req.parallel_tool_calls is not False, schema,
-                        param, strict, template_kwargs=kwargs, model=req.model, stream=bool(req.stream))
+                        param, strict, template_kwargs=kwargs, model=req.model, stream=bool(req.stream),
+                        allowed_tools=allowed)
     return conv, omitted
 
 
@@ -231,7 +237,7 @@ async def create_response(request: Request) -> Response:
         history = prev.items
     new_items = with_ids(dump_items(items))
     check_unique_ids(history, new_items)
-    seal: ReasoningSeal = request.app.state.reasoning_seal
+    seal: LazySeal = request.app.state.reasoning_seal
     conv, omitted = to_conversation(req, parse_items(history, "previous_response_id") + items,
                                     lambda it: seal.open(it.encrypted_content, tenant))
     try:
@@ -243,7 +249,7 @@ async def create_response(request: Request) -> Response:
     out = OutputBuilder({offered_name(t): t for t in conv.tools},
                         (lambda text: seal.seal(text, tenant)) if sealed else None)
     base = base_response(call, req, object_id("resp"))
-    headers = {OMITTED_TOOLS_HEADER: ",".join(omitted)} if omitted else {}
+    headers = omitted_tools_header(omitted)
 
     async def keep(response: dict) -> dict:
         """``response``, stored first (with ``store: false`` when it could not be)."""

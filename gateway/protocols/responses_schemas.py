@@ -66,18 +66,28 @@ class MessageItem(BaseModel):
         Raises:
             APIError: 400 for an ``input_image`` without an ``image_url``.
         """
-        if isinstance(self.content, str):
-            return self.content, []
-        parts: list = []
-        for j, p in enumerate(self.content):
-            if isinstance(p, ImageContent):
-                if p.image_url is None:
-                    raise APIError(400, "an input_image needs an image_url (a data: URL); file ids are not kept "
-                                   "by this server", param=f"{param}.content.{j}.image_url")
-                parts.append(ImageRef(f"{param}.content.{j}.image_url", url=p.image_url))
-            else:
-                parts.append(p.text)
-        return join_parts(parts)
+        return parts_text_and_images(self.content, f"{param}.content")
+
+
+def parts_text_and_images(content, param: str) -> tuple[str, list[ImageRef]]:
+    """A content (a string, or text and image parts) as its text, each image an
+    ``IMAGE_MARK``, and its images; ``param`` is the content's place in the request.
+
+    Raises:
+        APIError: 400 for an ``input_image`` without an ``image_url``.
+    """
+    if isinstance(content, str):
+        return content, []
+    parts: list = []
+    for j, p in enumerate(content):
+        if isinstance(p, ImageContent):
+            if p.image_url is None:
+                raise APIError(400, "an input_image needs an image_url (a data: URL); file ids are not kept "
+                               "by this server", param=f"{param}.{j}.image_url")
+            parts.append(ImageRef(f"{param}.{j}.image_url", url=p.image_url))
+        else:
+            parts.append(p.text)
+    return join_parts(parts)
 
 
 class FunctionCallItem(BaseModel):
@@ -123,7 +133,7 @@ class FunctionCallOutputItem(BaseModel):
     type: Literal["function_call_output", "custom_tool_call_output", "local_shell_call_output"]
     call_id: Optional[StrictStr] = None
     id: Optional[StrictStr] = None
-    output: Union[StrictStr, list[TextContent]]
+    output: Union[StrictStr, list[Union[TextContent, ImageContent]]]
 
     @model_validator(mode="after")
     def _call(self):
@@ -137,8 +147,17 @@ class FunctionCallOutputItem(BaseModel):
         return self.call_id if self.call_id is not None else self.id
 
     def text(self) -> str:
-        """The output as one string (parts joined)."""
-        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+        """The output as one string (parts joined, each image an ``IMAGE_MARK``)."""
+        return self.text_and_images("input")[0]
+
+    def text_and_images(self, param: str) -> tuple[str, list[ImageRef]]:
+        """The output's text and images (Codex's view_image answers with an image);
+        ``param`` is the item's place in the request.
+
+        Raises:
+            APIError: 400 for an ``input_image`` without an ``image_url``.
+        """
+        return parts_text_and_images(self.output, f"{param}.output")
 
 
 class ReasoningPart(BaseModel):

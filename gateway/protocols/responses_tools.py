@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictStr, Tag, model_validator
 
 from gateway.conversation.form import FunctionTool
-from gateway.conversation.tools import NAMESPACE_SEPARATOR
+from gateway.conversation.tools import namespaced
 from gateway.http.errors import APIError
 from gateway.protocols.openai_schemas import TOOL_NAME
 
@@ -135,7 +135,9 @@ class NamedFunction(BaseModel):
 
 
 class AllowedTools(BaseModel):
-    """``tool_choice`` ``allowed_tools``: ``mode`` ``auto`` or ``required`` over the tools."""
+    """``tool_choice`` ``allowed_tools``: ``mode`` ``auto`` or ``required``, calls held to
+    the ``tools`` it lists (each ``{"type", "name"}``, ``namespace`` for a namespace's
+    function); the prompt still shows every tool, so it stays cacheable."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["allowed_tools"]
@@ -177,20 +179,26 @@ def _function(t: FunctionToolParam, param: str, namespace: Optional[str] = None)
                         namespace=namespace)
 
 
-def tool_choice(choice) -> tuple[str, Optional[str]]:
-    """``tool_choice`` as the internal choice and the offered name it forces, if any.
+def tool_choice(choice) -> tuple[str, Optional[str], Optional[list[str]]]:
+    """``tool_choice`` as the internal choice, the offered name it forces (if any) and the
+    offered names ``allowed_tools`` allows (None: all).
 
     Raises:
-        APIError: 400 for a choice that forces a hosted tool.
+        APIError: 400 for a choice that forces a hosted tool, or names no tool.
     """
     if choice is None:
-        return "auto", None
+        return "auto", None, None
     if isinstance(choice, str):
-        return choice, None
+        return choice, None, None
     if isinstance(choice, AllowedTools):
-        return choice.mode, None
+        names = [namespaced(t.get("namespace"), t["name"]) if "name" in t else
+                 "local_shell" if t.get("type") == "local_shell" else None for t in choice.tools]
+        return choice.mode, None, [n for n in names if n]
     if isinstance(choice, NamedFunction):
-        name = f"{choice.namespace}{NAMESPACE_SEPARATOR}{choice.name}" if choice.namespace else choice.name
-        return "function", name
+        return "function", namespaced(choice.namespace, choice.name), None
+    if choice.type == "local_shell":
+        return "function", "local_shell", None
+    if choice.type in ("function", "custom"):
+        raise APIError(400, f"a tool_choice of type '{choice.type}' needs the tool's name", param="tool_choice.name")
     raise APIError(400, f"tool_choice forces the hosted tool '{choice.type}', which this gateway does not run",
                    param="tool_choice.type")

@@ -27,7 +27,7 @@ from gateway.protocols.embeddings import embeddings
 from gateway.protocols.openai_chat import chat_completions
 from gateway.protocols.openai_completions import completions
 from gateway.protocols.responses import create_response, delete_response, list_input_items, retrieve_response
-from gateway.protocols.reasoning_seal import load_seal
+from gateway.protocols.reasoning_seal import LazySeal
 from gateway.protocols.responses_store_open import open_response_store
 from gateway.routes import admin, service
 from gateway.routes.openapi import openapi_json
@@ -68,8 +68,7 @@ def create_app(front: Front, registry: CollectorRegistry) -> Starlette:
     like any other), and the stored responses of ``config.responses_store``.
 
     Raises:
-        ValueError, OSError, sqlite3.Error: the response store or the reasoning key
-            (:func:`gateway.protocols.reasoning_seal.load_seal`) cannot be opened.
+        ValueError, OSError, sqlite3.Error: the response store cannot be opened.
     """
     cfg = front.config
     routes = [Route(path, endpoint, methods=[method]) for method, path, endpoint in ROUTES]
@@ -89,7 +88,7 @@ def create_app(front: Front, registry: CollectorRegistry) -> Starlette:
     app.state.front = front
     app.state.registry = registry
     app.state.responses = open_response_store(cfg, lambda: [t.name for t in front.tenants.all()])
-    app.state.reasoning_seal = load_seal()
+    app.state.reasoning_seal = LazySeal()
     registry.register(app.state.responses.metrics)
     m = front.metrics
 

@@ -78,7 +78,10 @@ def escaped_lark(grammar: str, prefix: str) -> tuple[str, str]:
     Raises:
         GrammarConversionError: a construct with no escaped form (named), or a bad grammar.
     """
-    return LarkConverter(prefix).lark(grammar)
+    try:
+        return LarkConverter(prefix).lark(grammar)
+    except RecursionError:
+        raise GrammarConversionError("nesting too deep") from None
 
 
 def escaped_regex(regex: str, prefix: str) -> tuple[str, str]:
@@ -87,5 +90,8 @@ def escaped_regex(regex: str, prefix: str) -> tuple[str, str]:
     """
     conv = EscapedLanguages(prefix)
     root = conv.fresh(f"{conv.p}_start")
-    conv.out.append(f"{root}: {conv.lexeme(conv.esc(RustRegex(regex, '').parse()))}")
+    try:
+        conv.out.append(f"{root}: {conv.lexeme(conv.esc(RustRegex(regex, '').parse()))}")
+    except RecursionError:
+        raise GrammarConversionError("nesting too deep") from None
     return conv.finish(), root

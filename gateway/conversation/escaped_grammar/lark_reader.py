@@ -169,7 +169,7 @@ class LarkReader:
             if self.peek(".."):
                 self.i += 1
                 n = int(self.take(kind="num"))
-            return ("rep", atom, m, n)
+            return self._counted(atom, m, n)
         if self.peek("{"):
             self.i += 1
             m = n = 0 if self.peek(",") else int(self.take(kind="num"))
@@ -177,8 +177,20 @@ class LarkReader:
                 self.i += 1
                 n = None if self.peek("}") else int(self.take(kind="num"))
             self.take("}")
-            return ("rep", atom, m, n)
+            return self._counted(atom, m, n)
         return atom
+
+    @staticmethod
+    def _counted(atom: tuple, m: int, n: Optional[int]) -> tuple:
+        """A repeat of ``atom`` ``m`` to ``n`` times (None: no bound), checked as llguidance
+        checks its raw grammar.
+
+        Raises:
+            GrammarConversionError: a negative count, or a bound below the count.
+        """
+        if m < 0 or (n is not None and n < m):
+            raise GrammarConversionError(f"a repeat of {m} to {n} times")
+        return ("rep", atom, m, n)
 
     def atom(self) -> tuple:
         kind, v = self.t[self.i]

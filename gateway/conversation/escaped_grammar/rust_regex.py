@@ -113,7 +113,10 @@ class RustRegex:
         if k in "dDwWsSpP":
             return class_set(e[0], fl)
         if k in "xuU":
-            return char_set(chr(int(e[0][2:].strip("{}"), 16)), fl)
+            cp = int(e[0][2:].strip("{}"), 16)
+            if cp > 0x10FFFF or 0xD800 <= cp <= 0xDFFF:
+                self.fail(f"the escape {e[0]!r} (not a character)")
+            return char_set(chr(cp), fl)
         if k in "ntrfva":
             return char_set({"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a"}[k], fl)
         if k.isdigit():
