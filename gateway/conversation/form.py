@@ -3,7 +3,7 @@ come back out.
 
 OpenAI chat completions, OpenAI Responses and Anthropic Messages are thin adapters
 (:mod:`gateway.protocols`): each turns its JSON into a :class:`Conversation` and turns
-the :data:`ChatEvent` stream of :class:`gateway.conversation.run.ChatRun` into its own
+the :data:`ChatEvent` stream of :class:`gateway.conversation.run.Run` into its own
 answer. Nothing below the adapters knows which protocol a request came in on.
 """
 

@@ -36,7 +36,7 @@ class Prompt:
     template_kwargs: dict = field(default_factory=dict, repr=False)
     breakpoints: dict[int, float] = field(default_factory=dict)  # cache breakpoint offset -> seconds to keep
     applied_edits: list[dict] = field(default_factory=list)  # context edits that changed the conversation
-    images: list = field(default_factory=list)  # gateway.models.vision.ImageInput of its image positions
+    images: list = field(default_factory=list)  # gateway.models.vision_images.ImageInput of its image positions
 
 
 def render_chat(

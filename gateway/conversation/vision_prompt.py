@@ -7,7 +7,7 @@ expect. mlx-vlm's processor then does what the model needs: it preprocesses the 
 (resize, rescale, normalize) and expands each image's marker into the model's run of
 placeholder tokens (Gemma 3: ``<start_of_image>`` + 256 ``<image_soft_token>`` +
 ``<end_of_image>``), and tokenizes. Each run of placeholders becomes the image's own token
-ids, derived from its preprocessed pixels (:func:`gateway.models.vision.image_ids`): the
+ids, derived from its preprocessed pixels (:func:`gateway.models.vision_images.image_ids`): the
 prefix cache then keys the image's positions by its content.
 
 Checkpoints are the periodic ones of long prompts and one right after each image, so a
@@ -24,7 +24,7 @@ from gateway.conversation.form import IMAGE_MARK, Conversation
 from gateway.conversation.prompts import Prompt
 from gateway.conversation.tools import ToolPlan, template_messages
 from gateway.http.errors import APIError
-from gateway.models.vision import ImageInput, VisionModel, image_ids, pixel_digest
+from gateway.models.vision_images import ImageInput, VisionModel, image_ids, pixel_digest
 
 
 def with_image_parts(messages: list[dict]) -> list[dict]:

@@ -26,10 +26,10 @@ class ModelHandle:
         weights_bytes: bytes its parameters take in memory, as served.
         path: the local directory it was loaded from.
         loaded_at: wall-clock time of the load (seconds since the epoch).
-        kind: ``"text"``, ``"vision"`` (it reads images, :mod:`gateway.models.vision`) or
+        kind: ``"text"``, ``"vision"`` (it reads images, :mod:`gateway.models.vision_load`) or
             ``"embedding"`` (``/v1/embeddings`` only; its ``engine`` is a
             :class:`scheduler.embedding.EmbeddingEngine`, ``grammars`` None).
-        vision: the vision side of a vision model (:class:`gateway.models.vision.VisionModel`).
+        vision: the vision side of a vision model (:class:`gateway.models.vision_images.VisionModel`).
         embedder: the embedding model (:class:`gateway.models.embedding.EmbeddingModel`).
     """
 

@@ -279,8 +279,8 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
     if kind == "embedding":
         return load_embedding(spec, cfg, loop, registry, reserve, configure, model_path, str(path))
     vision = None
-    if kind == "vision":  # mlx-vlm's vision side on mlx-lm's text model (gateway.models.vision)
-        from gateway.models.vision import load_vision_model
+    if kind == "vision":  # mlx-vlm's vision side on mlx-lm's text model (gateway.models.vision_load)
+        from gateway.models.vision_load import load_vision_model
 
         config = json.loads((model_path / "config.json").read_text())
         model, vision = load_vision_model(model_path, config)  # shapes only: nothing read yet
@@ -315,7 +315,7 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
         float32_weights_for_cpu_backend(draft)
         mx.eval(draft.parameters())
     if vision is not None:
-        from gateway.models.vision import check_agreement
+        from gateway.models.vision_load import check_agreement
 
         why = check_agreement(model, vision)
         if why is not None:

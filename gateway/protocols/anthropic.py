@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.conversation.form import IMAGE_MARK, Comment, Conversation, ImageRef, Piece, Sampling, ToolCall, Turn, Usage
 from gateway.conversation.calls import Front, admit
 from gateway.conversation.prepare import render_conversation
-from gateway.conversation.run import start_conversation
+from gateway.conversation.start import start_conversation
 from gateway.conversation.schemas import check_schema
 from gateway.conversation.tools import omitted_tools_header, plan_tools
 from gateway.http.errors import APIError

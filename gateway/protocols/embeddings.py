@@ -13,7 +13,7 @@ before the engine sees them, and embedded by the model's engine
 (:class:`scheduler.embedding.EmbeddingEngine`), batched with other requests' inputs.
 A model that is not an embedding model answers 400 ``model_not_embedding``; asking a
 chat endpoint of an embedding model answers 400 too
-(:func:`gateway.conversation.run.require_generating`).
+(:func:`gateway.conversation.start.require_generating`).
 """
 
 from __future__ import annotations

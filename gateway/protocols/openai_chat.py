@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.conversation.form import Comment, Conversation, FunctionTool, Piece, Sampling, ToolCall, Turn
 from gateway.conversation.generation import new_id
 from gateway.conversation.calls import Front, admit
-from gateway.conversation.run import start_conversation
+from gateway.conversation.start import start_conversation
 from gateway.http.errors import APIError
 from gateway.http.sse import comment, sse
 from gateway.protocols.openai_format import (

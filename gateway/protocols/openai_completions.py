@@ -15,7 +15,8 @@ from gateway.conversation.generation import new_id
 from gateway.conversation.prompts import render_completion
 from gateway.conversation.calls import Front, admit
 from gateway.conversation.prepare import sampling_params, text_assembler
-from gateway.conversation.run import Run, begin
+from gateway.conversation.run import Run
+from gateway.conversation.start import begin
 from gateway.http.sse import comment, sse
 from gateway.protocols.openai_format import (
     LogprobFormatter, finish_reason, stream_response, text_completion, usage, usage_chunk,

@@ -38,7 +38,8 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.conversation.form import Comment, Conversation, Finished, Piece, Sampling, ToolCall, Turn, Usage
 from gateway.conversation.calls import Front, admit
-from gateway.conversation.run import Run, start_conversation
+from gateway.conversation.run import Run
+from gateway.conversation.start import start_conversation
 from gateway.conversation.tools import offered_name, omitted_tools_header
 from gateway.http.errors import APIError
 from gateway.http.sse import SSEResponse, comment, guarded, named_event

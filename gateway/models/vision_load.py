@@ -1,0 +1,172 @@
+"""Vision-language models: mlx-vlm's vision side on mlx-lm's text model, in the shared engine.
+
+A vision-language checkpoint is loaded by mlx-vlm (PyPI ``mlx-vlm``, the ``[vision]``
+extra): its model (vision tower, projector, language model) and its processor (image
+preprocessing and the expansion of each image into its placeholder tokens). The engine
+batches mlx-lm models with mlx-lm's caches (``BatchKVCache``, ``BatchRotatingKVCache``, the
+restore rules of :mod:`cache`); mlx-vlm's language models keep caches of their own
+classes. So the text side that the engine runs is mlx-lm's model of the same checkpoint
+(``mlx_lm.models.<model_type>``, e.g. ``gemma3``, which mlx-lm loads as a text model),
+holding *the same weight arrays* as mlx-vlm's language model (nothing is read twice).
+A load-time probe checks that the two agree on a prompt with an image
+(:func:`check_agreement`): a model for which they do not is refused.
+
+Positions are 1-D (the image tokens take consecutive positions). Models whose language
+model places image tokens on a 2-D/3-D grid (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: M-RoPE,
+with a per-request position offset after each image) cannot run in this batch, whose
+rows advance one position per token from their cache offset: they are refused at load.
+
+The image ids and the table of images in flight are in :mod:`gateway.models.vision_images`,
+the model the engine calls in :mod:`gateway.models.vision_model`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from gateway.models.vision_images import ImageInput, ImageTable, VisionModel, image_ids, pixel_digest
+from gateway.models.vision_model import VisionLanguageModel
+
+# Language models whose image tokens take 3-D (M-RoPE) positions: not servable in the batch.
+GRID_POSITION_TYPES = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe", "glm4v",
+                       "glm4v_moe", "ernie4_5_moe_vl", "paddleocr_vl", "kimi_vl"}
+
+
+class VisionUnavailable(RuntimeError):
+    """mlx-vlm is not installed, or the model cannot be served with images (why is said)."""
+
+
+def _text_class(config: dict):
+    """mlx-lm's model class and arguments for the checkpoint's ``model_type``."""
+    from mlx_lm.utils import _get_classes
+
+    return _get_classes(config)
+
+
+def load_vision_model(model_path: Path, config: dict):
+    """Build the served model of a vision-language checkpoint, its weights not yet read.
+
+    Returns:
+        ``(VisionLanguageModel, VisionModel)``.
+
+    Raises:
+        VisionUnavailable: mlx-vlm is not installed; mlx-lm has no text model for the
+            ``model_type``, or it takes no ``input_embeddings``; the language model places
+            image tokens on a grid (M-RoPE); the weights do not fit.
+    """
+    import inspect
+
+    from mlx.utils import tree_flatten
+
+    model_type = str(config.get("model_type", ""))
+    if model_type in GRID_POSITION_TYPES:
+        raise VisionUnavailable(f"{model_type} places image tokens on a 2-D/3-D position grid (M-RoPE), which "
+                                "the shared batch (1-D positions from each row's cache offset) cannot run")
+    try:
+        from mlx_vlm.utils import load_model as vlm_load, load_processor
+    except ImportError as e:
+        raise VisionUnavailable("vision-language models need mlx-vlm: pip install 'mlx-gateway[vision]'") from e
+    try:
+        model_class, args_class = _text_class(config)
+    except ValueError as e:
+        raise VisionUnavailable(f"mlx-lm has no text model for {model_type}: {e}") from None
+    if "input_embeddings" not in inspect.signature(model_class.__call__).parameters:
+        raise VisionUnavailable(f"mlx-lm's {model_type} model takes no input_embeddings")
+    vlm = vlm_load(model_path, lazy=True)
+    text = model_class(args_class.from_dict(config))
+    weights = {k: v for k, v in tree_flatten(vlm.language_model.parameters())}
+    weights = {f"language_model.{k}": v for k, v in weights.items()}
+    if "lm_head.weight" not in _own_keys(model_path):  # mlx-vlm added it: tie it as mlx-lm does
+        weights.pop("language_model.lm_head.weight", None)
+    if hasattr(text, "sanitize"):
+        weights = text.sanitize(weights)
+    if "quantization" in config:
+        import mlx.nn as nn
+
+        q = config["quantization"]
+        nn.quantize(text, group_size=q["group_size"], bits=q["bits"],
+                    class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights)
+    try:
+        text.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise VisionUnavailable(f"mlx-lm's {model_type} model does not take mlx-vlm's language weights: {e}"
+                                ) from None
+    original = vlm.language_model  # mlx-vlm's, kept for the load-time probe only (check_agreement)
+    vlm.language_model = text.language_model if hasattr(text, "language_model") else text
+    image_token_id = config.get("image_token_index", config.get("image_token_id"))
+    if not isinstance(image_token_id, int):
+        raise VisionUnavailable(f"{model_type}: its config names no image token (image_token_index)")
+    table = ImageTable()
+    model = VisionLanguageModel(text, vlm, image_token_id, table)
+    model._parts.original = original
+    processor = load_processor(model_path, add_detokenizer=False)
+    return model, VisionModel(processor, image_token_id, table, model_type)
+
+
+def _own_keys(model_path: Path) -> str:
+    """The weight names of the checkpoint, joined (to see whether it has an lm_head)."""
+    index = model_path / "model.safetensors.index.json"
+    if index.is_file():
+        return " ".join(json.loads(index.read_text()).get("weight_map", {}))
+    from safetensors import safe_open
+
+    names = []
+    for f in sorted(model_path.glob("*.safetensors")):
+        with safe_open(str(f), "np") as fh:
+            names.extend(fh.keys())
+    return " ".join(names)
+
+
+def check_agreement(model: VisionLanguageModel, vision: VisionModel, tolerance: float = 1e-3) -> Optional[str]:
+    """Why ``model`` cannot serve images, or None: the last logits of a short prompt with
+    a random image, through mlx-vlm's own path (``get_input_embeddings`` then its
+    language model, as ``mlx_vlm.generate`` runs it) and through ``model`` (image ids,
+    features, mlx-lm's text model), must agree within ``tolerance`` (relative)."""
+    import mlx.core as mx
+
+    vlm, original = model._parts.vlm, model._parts.original
+    model._parts.original = None  # its arrays (unread unless compared here) go after the probe
+    size = _pixel_shape(vision)
+    if size is None or original is None:
+        return None  # nothing to compare with
+    n = _image_tokens(vision)
+    rng = np.random.default_rng(0)
+    pixels = rng.standard_normal(size).astype(np.float32)
+    digest = pixel_digest(pixels)
+    image = ImageInput(pixels, digest, tuple(image_ids(digest, n)))
+    text_ids = [1, 2, 3]
+    ids = mx.array([[text_ids[0], *([vision.image_token_id] * n), *text_ids[1:]]])
+    try:
+        emb = vlm.get_input_embeddings(ids, mx.array(pixels[None]), mask=mx.ones(ids.shape))
+        emb = emb.inputs_embeds if hasattr(emb, "inputs_embeds") else emb
+        want = original(ids, inputs_embeds=emb)
+        want = (want.logits if hasattr(want, "logits") else want)[0, -1]
+        vision.table.add([image])
+        try:
+            got = model(mx.array([[text_ids[0], *image.ids, *text_ids[1:]]]))[0, -1]
+        finally:
+            vision.table.release([image])
+            model.forget_features()
+        scale = float(mx.abs(want).max().item()) or 1.0
+        diff = float(mx.abs(got - want).max().item())
+    except Exception as e:
+        return f"the image path failed on a probe: {e!r}"
+    if diff > tolerance * scale:
+        return f"the image path differs from mlx-vlm's by {diff:.3g} on a probe"
+    return None
+
+
+def _pixel_shape(vision: VisionModel) -> Optional[tuple[int, ...]]:
+    ip = getattr(vision.processor, "image_processor", None)
+    size = getattr(ip, "size", None)
+    if isinstance(size, dict) and "height" in size and "width" in size:
+        return (3, int(size["height"]), int(size["width"]))
+    return None
+
+
+def _image_tokens(vision: VisionModel) -> int:
+    return int(getattr(vision.processor, "image_seq_length", 0) or 1)
