@@ -35,11 +35,6 @@ def image_ids(digest: bytes, n: int) -> list[int]:
     return [IMAGE_ID_BASE + (seed + i) % IMAGE_ID_SPAN for i in range(n)]
 
 
-def is_image_id(token: int) -> bool:
-    """``token`` stands for an image position (it is no vocabulary token)."""
-    return token >= IMAGE_ID_BASE
-
-
 def pixel_digest(pixels: np.ndarray) -> bytes:
     """SHA-256 of an image's preprocessed pixels: their float32 bytes and shape."""
     a = np.ascontiguousarray(pixels, dtype=np.float32)
