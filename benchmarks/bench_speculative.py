@@ -231,17 +231,14 @@ def verify_cost(model_dir: str, context: int = 1500) -> list[tuple]:
     import mlx.core as mx
     from mlx_lm import load
 
-    from gateway.cpu import cpu_backend
+    from gateway.cpu.paths import choose_cpu_paths
+    from gateway.cpu.weights import float32_weights_for_cpu_backend
     from scheduler.speculative.holes import HoledKVCache
     from scheduler.speculative.rewind import Rewind, held_arrays, holed, replay
 
-    if cpu_backend():
-        from gateway.cpu.allocator import keep_freed_memory
-        from gateway.cpu.attention import install
-
-        keep_freed_memory()
-        install()
     model, _ = load(model_dir)
+    float32_weights_for_cpu_backend(model)  # the paths serve would take on this machine
+    choose_cpu_paths(model)
     rows = []
     for B in (1, 4):
         caches = holed(batch_cache(model, B))

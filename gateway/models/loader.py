@@ -269,6 +269,7 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
     from mlx_lm.utils import _download
     from mlx_lm.utils import load_model as load_weights
 
+    from gateway.cpu.paths import choose_cpu_paths
     from gateway.cpu.weights import float32_weights_for_cpu_backend, served_bytes
     from scheduler import distributed
     from scheduler.equivalence import batch_is_exact
@@ -298,8 +299,9 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
     if spec.speculative == "draft" and refusal is None:  # a bad path fails before any weight is read
         draft, draft_path = read_draft(spec.name, spec.draft_model)  # shapes only
     reserve(served_bytes(model))
-    # Linux CPU: only float32 matmuls use BLAS (docs/deployment.md, "Weights in float32")
-    loaded_as = "float32" if float32_weights_for_cpu_backend(model) is None else None
+    # Linux CPU: only float32 matmuls use BLAS (docs/deployment.md, "Weights in float32"),
+    # measured on one of its layers; across ranks every rank must decide alike: unmeasured
+    loaded_as = "float32" if float32_weights_for_cpu_backend(model, measure=cluster is None) is None else None
     mx.eval(model.parameters())
     if spec.kv_bits:
         try:
@@ -322,6 +324,7 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
             raise RuntimeError(f"{spec.name} cannot be served with images: {why}")
     weights, draft_weights = (sum(p.nbytes for _, p in tree_flatten(m.parameters())) if m is not None else 0
                               for m in (model, draft))
+    choose_cpu_paths(model)  # Linux CPU: attention kernels and allocator, measured (gateway/cpu/paths.py)
     exact = batch_is_exact(model)
     vocab = logits_size(model)
     tokenizer, grammars = tokenizer_and_grammars(model_path, config, vocab)
