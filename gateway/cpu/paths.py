@@ -16,7 +16,7 @@ import mlx.core as mx
 from gateway.cpu import allocator, attention
 from gateway.cpu.measure import Choice
 
-WORKLOAD_TOKENS = (512, 2048)  # (queries, keys) of the allocator's prefill-shaped workload
+WORKLOAD_TOKENS = (384, 1536)  # (queries, keys) of the allocator's prefill-shaped workload
 
 
 def prefill_workload(model, shapes: set[tuple]):
@@ -56,6 +56,6 @@ def choose_cpu_paths(model, rounds: int = 3) -> list[Choice]:
     if allocator.unavailable() is None and allocator.decided() is None:
         workload = prefill_workload(model, attention.attention_shapes(model))
         if workload is not None:
-            choices.append(allocator.choose(workload, mx.eval, rounds))
+            choices.append(allocator.choose(workload, mx.eval, max(1, rounds - 1)))
     choices.append(Choice("CPU path measurements", "done", reason=f"{time.perf_counter() - tic:.2f} s").log())
     return choices

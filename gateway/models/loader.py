@@ -273,6 +273,7 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
     from gateway.cpu.weights import float32_weights_for_cpu_backend, served_bytes
     from scheduler import distributed
     from scheduler.equivalence import batch_is_exact
+    from scheduler.forward_cost import measure_forward_cost
 
     path = resolve_path(spec)
     model_path = Path(_download(path))
@@ -346,11 +347,18 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
         except OSError as e:
             manager.close()
             raise DiskTierUnusable(f"the prompt cache's disk tier cannot be used: {e}") from e
+    # what a prefill forward costs here: chunked prefill never cuts a chunk below the size
+    # where its cost per token rises 20 % above the best chunk's (scheduler/forward_cost.py);
+    # not across ranks, where a forward is a collective the other ranks do not join here
+    cost = measure_forward_cost(model) if cfg.prefill_budget > 0 and cluster is None else None
+    if cost is not None:
+        log.info("%s: a prefill forward costs %s here: chunks beside decoding rows of at least %d tokens",
+                 spec.name, cost.describe(), cost.floor(cfg.prefill_step_size))
     engine = Engine(model, tokenizer.eos_token_ids, manager, speculation=_speculation(spec, refusal, draft),
                     prompt_concurrency=cfg.prompt_concurrency,
                     decode_concurrency=cfg.decode_concurrency, prefill_step_size=cfg.prefill_step_size,
                     prefill_budget=cfg.prefill_budget, max_waiting=cfg.max_waiting, registry=registry,
-                    pad_free_prefill=not exact, loop=loop, name=spec.name)
+                    pad_free_prefill=not exact, loop=loop, name=spec.name, forward_cost=cost)
     if cluster is not None:
         distributed.lead(engine, cluster)
     if configure is not None:
