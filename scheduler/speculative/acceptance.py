@@ -15,6 +15,8 @@ Transformers via Speculative Decoding", eq. 1, with i.i.d. acceptance).
 
 from __future__ import annotations
 
+from typing import Optional
+
 PRIOR_RATE = 0.5  # a new row's assumed acceptance rate
 DECAY = 0.9  # weight of the past in a row's rate, per verification
 MIN_RATE = 0.15  # below this a row stops drafting for a while
@@ -104,12 +106,22 @@ class StepCost:
     """The extra cost of each drafted position in a decode step, relative to a plain
     step of the same batch size, measured from the steps themselves: ``beta`` in the
     verification forward (a ``[B, W]`` forward costs ``1 + beta (W - 1)`` plain steps) and
-    ``draft`` in drafting it (a draft model's forwards; 0 for prompt lookup)."""
+    ``draft`` in drafting it (a draft model's forwards; 0 for prompt lookup).
+
+    ``beta`` depends on the batch size: on a compute-bound CPU a ``[4, W]`` forward costs
+    relatively more than a ``[1, W]`` one (``benchmarks/bench_speculative.py`` prints both),
+    so it is kept per batch size (:meth:`beta_at`), ``beta`` itself being the figure for
+    sizes not measured yet."""
 
     def __init__(self, beta: float = 0.15, draft: float = 0.0):
         self.beta = beta
         self.draft = draft
         self._plain: dict[int, float] = {}  # batch size -> seconds of a plain step (EMA)
+        self._beta: dict[int, float] = {}  # batch size -> beta measured at that size (EMA)
+
+    def beta_at(self, batch: int) -> float:
+        """``beta`` measured for ``batch`` rows, else the overall figure."""
+        return getattr(self, "_beta", {}).get(batch, self.beta)
 
     def plain(self, batch: int, seconds: float) -> None:
         """A plain decode step of ``batch`` rows took ``seconds``."""
@@ -125,8 +137,10 @@ class StepCost:
             return
         base = self._plain.get(batch)
         if base is not None and base > 0:
-            observed = max(0.0, (seconds / base - 1.0) / (width - 1))
-            self.beta = 0.8 * self.beta + 0.2 * min(observed, 2.0)
+            observed = min(2.0, max(0.0, (seconds / base - 1.0) / (width - 1)))
+            self.beta = 0.8 * self.beta + 0.2 * observed
+            old = self._beta.get(batch)
+            self._beta[batch] = observed if old is None else 0.8 * old + 0.2 * observed
         if draft_seconds is not None:
             base = base or seconds / (1.0 + self.beta * (width - 1))
             observed = max(0.0, draft_seconds) / base
@@ -145,3 +159,83 @@ def best_width(drafts: list[int], rows: list[RowAcceptance], beta: float) -> int
         if value > best_value * 1.02:  # a clear win only
             best, best_value = width, value
     return best
+
+
+MIN_STEPS = 3  # verify steps of a batch size measured before their rate is judged
+DECAY_RATE = 0.9  # weight of the past in a rate, per step
+BACKOFF_STEPS = 32  # decode steps a batch size stays plain after its verify steps lost (doubles, up to 1024)
+LOSS_MARGIN = 0.03  # verify steps lose when their tokens/s is below plain steps' by more than this
+PROBE_EVERY = 64  # verify steps of a batch size after which plain steps are measured again
+
+
+class RealizedRate:
+    """Tokens per second that decode steps actually delivered, plain and verifying, per
+    batch size: the check that speculation pays, whatever the width rule's model says.
+
+    Each step is timed as it runs in the engine (no extra wait): a plain step from its call
+    to its return (mlx-lm's pipelining makes that about one forward in steady state), a
+    verify step likewise (its forward is waited for). When, at some batch size, verify
+    steps deliver fewer tokens per second than plain steps by :data:`LOSS_MARGIN`, that size
+    stays plain for :data:`BACKOFF_STEPS` steps (doubling while it keeps losing), then
+    measures again from scratch.
+
+    While every row drafts, no plain step runs to compare with: so when a batch size has no
+    plain figure, or :data:`PROBE_EVERY` verify steps ran since its last one, two plain
+    steps run (:meth:`probe`), the second timed (the first finds no forward of its own to
+    wait for after a verify step, which would flatter it)."""
+
+    def __init__(self) -> None:
+        self._sums: dict[tuple[str, int], list[float]] = {}  # (kind, batch) -> [tokens, seconds, steps]
+        self._pause: dict[int, int] = {}  # batch size -> plain steps left
+        self._backoff: dict[int, int] = {}
+        self._since_plain: dict[int, int] = {}  # batch size -> verify steps since its last timed plain step
+        self._probing: dict[int, int] = {}  # batch size -> probe steps left
+
+    def record(self, kind: str, batch: int, tokens: int, seconds: float) -> None:
+        """A ``kind`` (``"plain"`` or ``"verify"``) step of ``batch`` rows delivered
+        ``tokens`` tokens in ``seconds``."""
+        s = self._sums.setdefault((kind, batch), [0.0, 0.0, 0])
+        s[0], s[1], s[2] = DECAY_RATE * s[0] + tokens, DECAY_RATE * s[1] + seconds, s[2] + 1
+        if kind == "plain":
+            self._since_plain[batch] = 0
+        else:
+            self._since_plain[batch] = self._since_plain.get(batch, PROBE_EVERY) + 1
+        if kind == "verify" and self.losing(batch):
+            wait = self._backoff.get(batch, BACKOFF_STEPS)
+            self._pause[batch] = wait
+            self._backoff[batch] = min(1024, 2 * wait)
+            del self._sums[("verify", batch)]  # measured afresh after the pause
+        elif kind == "verify" and s[2] >= MIN_STEPS and not self.losing(batch):
+            self._backoff.pop(batch, None)
+
+    def rate(self, kind: str, batch: int) -> Optional[float]:
+        """Tokens/s of ``kind`` steps of ``batch`` rows (recent steps weighing most); None
+        before :data:`MIN_STEPS` of them (plain: one)."""
+        s = self._sums.get((kind, batch))
+        if s is None or s[1] <= 0 or s[2] < (MIN_STEPS if kind == "verify" else 1):
+            return None
+        return s[0] / s[1]
+
+    def losing(self, batch: int) -> bool:
+        """Verify steps of ``batch`` rows delivered less than plain ones (both measured)."""
+        plain, verify = self.rate("plain", batch), self.rate("verify", batch)
+        return plain is not None and verify is not None and verify < plain * (1.0 - LOSS_MARGIN)
+
+    def probe(self, batch: int) -> Optional[bool]:
+        """None: no probe now; else this step of ``batch`` rows is a plain one, timed
+        (True, the second of the two) or not (False)."""
+        left = self._probing.get(batch, 0)
+        if left == 0 and self._since_plain.get(batch, PROBE_EVERY) >= PROBE_EVERY:
+            left = 2
+        if left == 0:
+            return None
+        self._probing[batch] = left - 1
+        return left == 1
+
+    def paused(self, batch: int) -> bool:
+        """``batch`` rows stay plain this step (counts one step of a pause)."""
+        left = self._pause.get(batch, 0)
+        if left <= 0:
+            return False
+        self._pause[batch] = left - 1
+        return True
