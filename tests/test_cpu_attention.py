@@ -121,17 +121,19 @@ def test_installed_replaces_mx_fast_attention_and_restores_it():
 
 
 def test_the_planned_kernel_runs_for_its_shape_and_regime(monkeypatch):
-    """Prefill calls (several queries a row) go to the prefill kernel planned for their
-    shape, decode calls to the decode one; an unplanned shape runs MLX's own."""
+    """Prefill calls (more than FEW_QUERIES queries a row) go to the prefill kernel planned
+    for their shape, decode calls (one, or a verify step's few) to the decode one; an
+    unplanned shape runs MLX's own."""
     calls = []
     for name in attention.KERNELS:
         monkeypatch.setitem(attention.KERNELS, name, lambda q, k, v, s, m, name=name: calls.append(name) or q)
-    q, k, v = qkv(1, 4, 2, 3, 6, mx.float32, seed=3)
+    q, k, v = qkv(1, 4, 2, attention.FEW_QUERIES + 1, 40, mx.float32, seed=3)
     with attention.installed("compiled-blocks", "mlx", [(4, 2, 16, mx.float32)]):
         attention.attention(q, k, v, scale=0.3, mask="causal")
         attention.attention(q[:, :, :1], k, v, scale=0.3)
+        attention.attention(q[:, :, :5], k, v, scale=0.3, mask="causal")  # verifying four drafts
         other = attention.attention(*qkv(1, 6, 2, 3, 6, mx.float32, seed=3), scale=0.3)  # not planned
-    assert calls == ["compiled-blocks", "mlx"]
+    assert calls == ["compiled-blocks", "mlx", "mlx"]
     assert other.shape == (1, 6, 3, 16)
 
 

@@ -62,6 +62,7 @@ ROUND = 12582912.0  # 1.5 * 2**23: (y + ROUND) - ROUND rounds a float32 |y| < 2*
 MLX_BLOCK = 128  # queries per block of the mlx-blocks kernel
 COMPILED_BLOCK = 32  # queries per block of the compiled-blocks kernel: [rep * 32, Tk] scores stay in cache
 PREFILL_SHAPE = (256, 1024)  # (queries, keys) the prefill kernels are timed on at load
+FEW_QUERIES = 16  # calls with at most this many queries a row (decode, verifying drafts) take the decode kernel
 DECODE_SHAPE = (4, 1024)  # (rows, keys) of the decode timing: one query per row
 _MASKED = -3.0e38  # a score that exp turns into 0 (finite: a fully masked row stays finite, as in MLX)
 
@@ -203,8 +204,9 @@ _plans: dict[tuple, tuple[str, str]] = {}
 
 
 def plan(hq: int, hk: int, d: int, dtype, prefill: str, decode: str) -> None:
-    """Use kernel ``prefill`` for calls with several queries per row and ``decode`` for
-    one query per row, on attention of that shape (names from :data:`KERNELS`).
+    """Use kernel ``prefill`` for calls with more than :data:`FEW_QUERIES` queries per row
+    and ``decode`` for the others (a decode step's one, a verify step's few), on attention
+    of that shape (names from :data:`KERNELS`).
 
     Raises:
         KeyError: an unknown kernel name.
@@ -248,7 +250,7 @@ def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Mask
     kernels = _plans.get((q.shape[1], k.shape[1], q.shape[3], q.dtype))
     if kernels is None:
         return _mlx_attention(q, k, v, scale=scale, mask=mask)
-    return KERNELS[kernels[0] if q.shape[2] > 1 else kernels[1]](q, k, v, scale, mask)
+    return KERNELS[kernels[0] if q.shape[2] > FEW_QUERIES else kernels[1]](q, k, v, scale, mask)
 
 
 def install() -> None:
