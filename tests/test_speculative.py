@@ -38,7 +38,7 @@ def steady_step_cost(monkeypatch):
     acceptance alone, not on how loaded the machine running the tests is.
     ``test_width_follows_the_expected_gain`` and the ``RealizedRate`` tests cover the rules."""
     def fixed(self, beta: float = 0.05, draft: float = 0.0):
-        self.beta, self.draft, self._plain, self._beta = 0.05, 0.0, {}, {}
+        self.beta, self.draft, self._plain, self._beta, self._extra = 0.05, 0.0, {}, {}, {}
 
     monkeypatch.setattr(StepCost, "__init__", fixed)
     monkeypatch.setattr(StepCost, "plain", lambda self, batch, seconds: None)
@@ -103,6 +103,25 @@ def test_step_cost_is_measured(monkeypatch):
         cost.wide(4, 5, 0.3)
     assert abs(cost.beta_at(4) - 0.5) < 0.01 and abs(cost.beta_at(1) - 0.25) < 0.01
     assert cost.beta_at(8) == cost.beta  # not measured at that size: the overall figure
+
+
+def test_wide_steps_are_costed_from_the_widths_measured(monkeypatch):
+    """A verify step's fixed part is not spread over its positions: widths measured at a
+    batch size give a line (its slope the cost per position), one measured width that
+    width's cost plus at most 0.15 per position."""
+    monkeypatch.undo()
+    cost = StepCost(beta=0.15)
+    for _ in range(40):
+        cost.plain(1, 0.100)
+        cost.wide(1, 2, 0.122)  # 0.10 of fixed part + 0.12 per position
+    assert cost.relative(1, 2) == pytest.approx(1.22, abs=0.01)
+    assert cost.relative(1, 9) == pytest.approx(1.22 + 7 * 0.15, abs=0.02)  # one width: the prior slope
+    assert cost.beta_at(1) == pytest.approx(0.22, abs=0.01)  # what beta alone would charge a position
+    for _ in range(40):
+        cost.wide(1, 5, 0.158)
+    assert cost.relative(1, 9) == pytest.approx(1.10 + 8 * 0.12, abs=0.02)  # the line through both
+    assert cost.relative(4, 3) == pytest.approx(1 + 2 * cost.beta)  # nothing measured at that size
+    assert cost.relative(1, 1) == 1.0
 
 
 def test_a_batch_size_whose_verify_steps_deliver_less_than_plain_ones_goes_plain(monkeypatch):

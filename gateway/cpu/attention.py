@@ -22,7 +22,7 @@ The kernels here (:data:`KERNELS`):
 
 Which one runs is decided per model at load (:func:`choose_for_model`): each kernel is
 timed on the model's own head counts, head size and dtype, on a prefill shape (a chunk of
-:data:`PREFILL_SHAPE` queries over keys) and a decode shape, and the fastest is used for
+:data:`PREFILL_SHAPES`: queries over keys) and a decode shape, and the fastest is used for
 each (MLX's own unless another wins by :data:`gateway.cpu.measure.MARGIN`); the log says
 what was chosen with the figures. Shapes no model was measured for run MLX's own.
 
@@ -61,7 +61,9 @@ ROUND = 12582912.0  # 1.5 * 2**23: (y + ROUND) - ROUND rounds a float32 |y| < 2*
 
 MLX_BLOCK = 128  # queries per block of the mlx-blocks kernel
 COMPILED_BLOCK = 32  # queries per block of the compiled-blocks kernel: [rep * 32, Tk] scores stay in cache
-PREFILL_SHAPE = (256, 1024)  # (queries, keys) the prefill kernels are timed on at load
+# (queries, keys) of the prefill timings at load: a fresh chunk (half its scores masked) and one
+# over earlier context; a kernel's figure is the sum of the two
+PREFILL_SHAPES = ((256, 256), (256, 1024))
 FEW_QUERIES = 16  # calls with at most this many queries a row (decode, verifying drafts) take the decode kernel
 DECODE_SHAPE = (4, 1024)  # (rows, keys) of the decode timing: one query per row
 _MASKED = -3.0e38  # a score that exp turns into 0 (finite: a fully masked row stays finite, as in MLX)
@@ -322,21 +324,23 @@ def _can_compile() -> bool:
 
 def measure_shape(hq: int, hk: int, d: int, dtype, rounds: int = 3) -> tuple[dict[str, float], dict[str, float]]:
     """Seconds of each candidate kernel (fastest of ``rounds``) on attention of that shape:
-    a :data:`PREFILL_SHAPE` chunk with a causal boolean mask (as mlx-lm's batch caches
-    give), and :data:`DECODE_SHAPE` rows of one query each. Returns ``(prefill, decode)``."""
-    key = mx.random.key(0)
-    tq, tk = PREFILL_SHAPE
-    q, k, v = (mx.random.normal(shape, key=kk).astype(dtype)
-               for shape, kk in zip(((1, hq, tq, d), (1, hk, tk, d), (1, hk, tk, d)), mx.random.split(key, 3)))
-    mask = (mx.arange(tk - tq, tk)[:, None] >= mx.arange(tk)[None])[None, None]
+    the :data:`PREFILL_SHAPES` chunks with a causal boolean mask (as mlx-lm's batch caches
+    give; a kernel's figure is their sum), and :data:`DECODE_SHAPE` rows of one query
+    each. Returns ``(prefill, decode)``."""
+    chunks = []
+    for i, (tq, tk) in enumerate(PREFILL_SHAPES):
+        q, k, v = (mx.random.normal(shape, key=kk).astype(dtype) for shape, kk in
+                   zip(((1, hq, tq, d), (1, hk, tk, d), (1, hk, tk, d)), mx.random.split(mx.random.key(2 + i), 3)))
+        chunks.append((q, k, v, (mx.arange(tk - tq, tk)[:, None] >= mx.arange(tk)[None])[None, None]))
     rows, keys = DECODE_SHAPE
     dq, dk, dv = (mx.random.normal(shape, key=kk).astype(dtype)
                   for shape, kk in zip(((rows, hq, 1, d), (rows, hk, keys, d), (rows, hk, keys, d)),
                                        mx.random.split(mx.random.key(1), 3)))
-    mx.eval(q, k, v, mask, dq, dk, dv)
+    mx.eval(chunks, dq, dk, dv)
     names = _candidates()
     scale = d ** -0.5
-    prefill = race({n: (lambda f=KERNELS[n]: f(q, k, v, scale, mask)) for n in names}, rounds, sync=mx.eval)
+    prefill = race({n: (lambda f=KERNELS[n]: [f(q, k, v, scale, m) for q, k, v, m in chunks]) for n in names},
+                   rounds, sync=mx.eval)
     decode = race({n: (lambda f=KERNELS[n]: f(dq, dk, dv, scale, None)) for n in names if n != "mlx-blocks"},
                   rounds, sync=mx.eval)
     return prefill, decode

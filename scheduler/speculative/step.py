@@ -176,7 +176,7 @@ class Speculator:
         mx.eval(batch._next_tokens)
         inputs = batch._next_tokens.tolist()
         drafts = self._drafts(batch, candidates, inputs, k)
-        width = best_width([len(d) for d in drafts], rows, beta)
+        width = best_width([len(d) for d in drafts], rows, lambda w: self.cost.relative(size, w))
         if width == 1:
             self.drafter.settle(batch.uids, [0] * len(inputs))
             return self._plain(batch, timed=True)
