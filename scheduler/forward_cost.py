@@ -79,11 +79,23 @@ def _time_forward(model, n: int) -> float:
 def measure_forward_cost(model, sizes: tuple[int, int] = SIZES, rounds: int = 2) -> Optional[ForwardCost]:
     """Time forwards of each of ``sizes`` tokens from an empty cache (the fastest of
     ``rounds``, taking turns, after one untimed one each) and :func:`solve`; None if the
-    model cannot run them here."""
+    model cannot run them here. They run on a stream of the calling thread's own (a model
+    loads while the engine loop steps the others)."""
+    import mlx.core as mx
+
+    stream = mx.new_stream(mx.default_device())
+    try:
+        with mx.stream(stream):
+            return _measure(model, sizes, rounds)
+    finally:
+        mx.synchronize(stream)
+
+
+def _measure(model, sizes: tuple[int, int], rounds: int) -> Optional[ForwardCost]:
     try:
         for n in sizes:
             _time_forward(model, n)
-        best = {n: min(_time_forward(model, n) for _ in range(1)) for n in sizes}
+        best = {n: _time_forward(model, n) for n in sizes}
         for _ in range(rounds - 1):
             for n in sizes:
                 best[n] = min(best[n], _time_forward(model, n))

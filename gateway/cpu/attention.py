@@ -61,9 +61,9 @@ ROUND = 12582912.0  # 1.5 * 2**23: (y + ROUND) - ROUND rounds a float32 |y| < 2*
 
 MLX_BLOCK = 128  # queries per block of the mlx-blocks kernel
 COMPILED_BLOCK = 32  # queries per block of the compiled-blocks kernel: [rep * 32, Tk] scores stay in cache
-# (queries, keys) of the prefill timings at load: a fresh chunk (half its scores masked) and one
-# over earlier context; a kernel's figure is the sum of the two
-PREFILL_SHAPES = ((256, 256), (256, 1024))
+# (queries, keys) of the prefill timings at load: a chunk over earlier context (a fresh chunk's
+# figure is dominated by per-call costs that long prompts, where attention matters, do not pay)
+PREFILL_SHAPES = ((256, 1024),)
 FEW_QUERIES = 16  # calls with at most this many queries a row (decode, verifying drafts) take the decode kernel
 DECODE_SHAPE = (4, 1024)  # (rows, keys) of the decode timing: one query per row
 _MASKED = -3.0e38  # a score that exp turns into 0 (finite: a fully masked row stays finite, as in MLX)
@@ -322,7 +322,7 @@ def _can_compile() -> bool:
     return bool(_compile_ok[0])
 
 
-def measure_shape(hq: int, hk: int, d: int, dtype, rounds: int = 3) -> tuple[dict[str, float], dict[str, float]]:
+def measure_shape(hq: int, hk: int, d: int, dtype, rounds: int = 4) -> tuple[dict[str, float], dict[str, float]]:
     """Seconds of each candidate kernel (fastest of ``rounds``) on attention of that shape:
     the :data:`PREFILL_SHAPES` chunks with a causal boolean mask (as mlx-lm's batch caches
     give; a kernel's figure is their sum), and :data:`DECODE_SHAPE` rows of one query
@@ -340,9 +340,9 @@ def measure_shape(hq: int, hk: int, d: int, dtype, rounds: int = 3) -> tuple[dic
     names = _candidates()
     scale = d ** -0.5
     prefill = race({n: (lambda f=KERNELS[n]: [f(q, k, v, scale, m) for q, k, v, m in chunks]) for n in names},
-                   rounds, sync=mx.eval)
+                   rounds, sync=mx.eval, warmup=2)
     decode = race({n: (lambda f=KERNELS[n]: f(dq, dk, dv, scale, None)) for n in names if n != "mlx-blocks"},
-                  rounds, sync=mx.eval)
+                  rounds, sync=mx.eval, warmup=2)
     return prefill, decode
 
 
@@ -356,7 +356,7 @@ def choose(hq: int, hk: int, d: int, dtype, prefill: dict[str, float], decode: d
             Choice(f"attention, decode {shape}", dd, dict(decode))]
 
 
-def choose_for_model(model, rounds: int = 3) -> list[Choice]:
+def choose_for_model(model, rounds: int = 4) -> list[Choice]:
     """Measure and plan the attention kernels for every attention shape of ``model``
     (float32 ones; others keep MLX's own), when MLX runs on the CPU and
     ``MLX_GATEWAY_CPU_ATTENTION`` is not 0; installs :func:`attention`. Logs and

@@ -69,8 +69,10 @@ def pick(seconds: Mapping[str, float], default: str, margin: float = MARGIN) -> 
 
 
 def race(candidates: Mapping[str, Callable[[], object]], rounds: int = 3,
-         budget: Optional[float] = None, sync: Optional[Callable[[object], None]] = None) -> dict[str, float]:
-    """Each candidate's fastest run, in seconds, after one untimed warm-up call each.
+         budget: Optional[float] = None, sync: Optional[Callable[[object], None]] = None,
+         warmup: int = 1) -> dict[str, float]:
+    """Each candidate's fastest run, in seconds, after ``warmup`` untimed calls each (a
+    fresh process's first calls also pay for growing the heap and loading kernels).
 
     Args:
         candidates: name -> a call that does the work; what it returns is passed to
@@ -86,7 +88,8 @@ def race(candidates: Mapping[str, Callable[[], object]], rounds: int = 3,
     live = {}
     for name, fn in candidates.items():
         try:
-            sync(fn())
+            for _ in range(max(1, warmup)):
+                sync(fn())
             live[name] = fn
         except Exception as e:  # a candidate that cannot run here is simply not chosen
             log.warning("measuring %s failed: %r", name, e)
