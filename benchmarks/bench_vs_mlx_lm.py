@@ -14,7 +14,9 @@ banned, ``--decode`` tokens:
 
 * prefill tokens/s: prompt tokens over the time to the first token (the gateway's over
   HTTP, streamed ``/v1/completions``; mlx-lm's from ``insert`` to its first token);
-* decode tokens/s: the tokens after the first over the time from the first to the last.
+* decode tokens/s: the tokens after the first over the time from the first to the last
+  (the gateway's also as its request log times them, ``ttft_seconds`` to
+  ``total_seconds``: the client's reading of the stream, on the same CPU, left out).
 
 ``--repeat N`` runs each length N times, the two alternating; figures are medians, the
 ratio is of the medians. The gateway's request log gives its per-phase times (``phases``,
@@ -122,8 +124,8 @@ def stream_completion(url: str, tokens: list[int], decode: int, bias: dict) -> d
     return {"ttft": first - t0, "decode_s": end - first, "completion": usage.get("completion_tokens", 0)}
 
 
-def phases(log_path: Path) -> list[dict]:
-    """The ``phases`` of each request in a ``--log-format json`` log, in order."""
+def requests_logged(log_path: Path) -> list[dict]:
+    """The completions requests of a ``--log-format json`` log, in order."""
     out = []
     for line in log_path.read_text().splitlines():
         try:
@@ -131,7 +133,7 @@ def phases(log_path: Path) -> list[dict]:
         except ValueError:
             continue
         if isinstance(rec, dict) and isinstance(rec.get("phases"), dict) and rec.get("endpoint") == "completions":
-            out.append(rec["phases"])
+            out.append(rec)
     return out
 
 
@@ -194,18 +196,26 @@ def main() -> None:
         mlx.wait(60)
         server.terminate()
         server.wait(60)
-    steps = phases(log)[1:]  # after the warm-up
+    logged = requests_logged(log)[1:]  # after the warm-up, in the order they ran
+    steps = [r["phases"] for r in logged]
+    by_length: dict = {}
+    for r in logged:
+        if r.get("completion_tokens", 0) > 1 and r.get("total_seconds", 0) > r.get("ttft_seconds", 0):
+            by_length.setdefault(r["prompt_tokens"], []).append(
+                (r["completion_tokens"] - 1) / (r["total_seconds"] - r["ttft_seconds"]))
     choices = [json.loads(line).get("message", "") for line in log.read_text().splitlines()
                if "chosen by measurement" in line]
     med = {n: {side: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for side, rs in by.items()}
            for n, by in runs.items()}
     lines = ["| prompt tokens | gateway prefill tok/s | mlx-lm prefill tok/s | ratio | gateway decode tok/s | "
-             "mlx-lm decode tok/s | ratio |", "|---|---|---|---|---|---|---|"]
+             "mlx-lm decode tok/s | ratio | gateway decode tok/s, its log | ratio |", "|---|---|---|---|---|---|---|---|---|"]
     for n in lengths:
         g, m = med[n]["gateway"], med[n]["mlx-lm"]
+        served = statistics.median(by_length[n]) if by_length.get(n) else float("nan")
         lines.append(f"| {n} | {g['prefill_tok_s']:.1f} | {m['prefill_tok_s']:.1f} | "
                      f"{g['prefill_tok_s'] / m['prefill_tok_s']:.2f} | {g['decode_tok_s']:.2f} | "
-                     f"{m['decode_tok_s']:.2f} | {g['decode_tok_s'] / m['decode_tok_s']:.2f} |")
+                     f"{m['decode_tok_s']:.2f} | {g['decode_tok_s'] / m['decode_tok_s']:.2f} | {served:.2f} | "
+                     f"{served / m['decode_tok_s']:.2f} |")
     md = "\n".join(lines)
     print(md)
     print("chosen at load:\n  " + "\n  ".join(c for c in choices))

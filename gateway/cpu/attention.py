@@ -22,9 +22,11 @@ The kernels here (:data:`KERNELS`):
 
 Which one runs is decided per model at load (:func:`choose_for_model`): each kernel is
 timed on the model's own head counts, head size and dtype, on a prefill shape (a chunk of
-:data:`PREFILL_SHAPES`: queries over keys) and a decode shape, and the fastest is used for
-each (MLX's own unless another wins by :data:`gateway.cpu.measure.MARGIN`); the log says
-what was chosen with the figures. Shapes no model was measured for run MLX's own.
+:data:`PREFILL_SHAPES`: queries over keys) and a decode step over a short and a long
+context (:data:`DECODE_SHAPES`: over 8,192 keys MLX's scalar ``exp`` makes its own kernel
+twice the compiled one, over 1,024 it wins), and the fastest is used for each (MLX's own
+unless another wins by :data:`gateway.cpu.measure.MARGIN`); the log says what was chosen
+with the figures. Shapes no model was measured for run MLX's own.
 
 :func:`attention` is what :func:`install` puts in place of
 ``mx.fast.scaled_dot_product_attention`` for the whole process, which is how mlx-lm's
@@ -65,7 +67,8 @@ COMPILED_BLOCK = 32  # queries per block of the compiled-blocks kernel: [rep * 3
 # figure is dominated by per-call costs that long prompts, where attention matters, do not pay)
 PREFILL_SHAPES = ((256, 1024),)
 FEW_QUERIES = 16  # calls with at most this many queries a row (decode, verifying drafts) take the decode kernel
-DECODE_SHAPE = (4, 1024)  # (rows, keys) of the decode timing: one query per row
+DECODE_SHAPES = ((1, 1024), (1, 8192))  # (rows, keys) of the decode timings: short and long context
+LONG_KEYS = 4096  # decode calls over at least this many keys take the kernel timed over long context
 _MASKED = -3.0e38  # a score that exp turns into 0 (finite: a fully masked row stays finite, as in MLX)
 
 _mlx_attention = mx.fast.scaled_dot_product_attention
@@ -202,24 +205,27 @@ KERNELS: dict[str, Callable[[mx.array, mx.array, mx.array, float, Mask], mx.arra
 }
 
 # (query heads, KV heads, head size, dtype) -> (prefill kernel, decode kernel)
-_plans: dict[tuple, tuple[str, str]] = {}
+_plans: dict[tuple, tuple[str, str, str]] = {}
 
 
-def plan(hq: int, hk: int, d: int, dtype, prefill: str, decode: str) -> None:
+def plan(hq: int, hk: int, d: int, dtype, prefill: str, decode: str, decode_long: Optional[str] = None) -> None:
     """Use kernel ``prefill`` for calls with more than :data:`FEW_QUERIES` queries per row
-    and ``decode`` for the others (a decode step's one, a verify step's few), on attention
-    of that shape (names from :data:`KERNELS`).
+    and ``decode`` for the others (a decode step's one, a verify step's few), ``decode_long``
+    (default: ``decode``) for those over :data:`LONG_KEYS` keys or more, on attention of
+    that shape (names from :data:`KERNELS`).
 
     Raises:
         KeyError: an unknown kernel name.
     """
-    for name in (prefill, decode):
+    decode_long = decode_long or decode
+    for name in (prefill, decode, decode_long):
         KERNELS[name]  # noqa: B018 (raises KeyError)
-    _plans[(hq, hk, d, dtype)] = (prefill, decode)
+    _plans[(hq, hk, d, dtype)] = (prefill, decode, decode_long)
 
 
-def planned(hq: int, hk: int, d: int, dtype) -> Optional[tuple[str, str]]:
-    """The ``(prefill, decode)`` kernels used for that shape, or None (MLX's own)."""
+def planned(hq: int, hk: int, d: int, dtype) -> Optional[tuple[str, str, str]]:
+    """The ``(prefill, decode, long-context decode)`` kernels used for that shape, or
+    None (MLX's own)."""
     return _plans.get((hq, hk, d, dtype))
 
 
@@ -252,7 +258,9 @@ def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Mask
     kernels = _plans.get((q.shape[1], k.shape[1], q.shape[3], q.dtype))
     if kernels is None:
         return _mlx_attention(q, k, v, scale=scale, mask=mask)
-    return KERNELS[kernels[0] if q.shape[2] > FEW_QUERIES else kernels[1]](q, k, v, scale, mask)
+    if q.shape[2] > FEW_QUERIES:
+        return KERNELS[kernels[0]](q, k, v, scale, mask)
+    return KERNELS[kernels[2] if k.shape[2] >= LONG_KEYS else kernels[1]](q, k, v, scale, mask)
 
 
 def install() -> None:
@@ -266,13 +274,14 @@ def uninstall() -> None:
 
 
 @contextlib.contextmanager
-def installed(prefill: Optional[str] = None, decode: Optional[str] = None, shapes=()) -> Iterator[None]:
+def installed(prefill: Optional[str] = None, decode: Optional[str] = None, shapes=(),
+              decode_long: Optional[str] = None) -> Iterator[None]:
     """:func:`install` for the duration of a ``with`` block; with ``prefill`` and
-    ``decode``, those kernels planned for each ``(hq, hk, d, dtype)`` of ``shapes``
-    meanwhile."""
+    ``decode`` (and ``decode_long``), those kernels planned for each ``(hq, hk, d, dtype)``
+    of ``shapes`` meanwhile."""
     saved = dict(_plans)
     for shape in shapes:
-        plan(*shape, prefill, decode)
+        plan(*shape, prefill, decode, decode_long)
     install()
     try:
         yield
@@ -322,38 +331,45 @@ def _can_compile() -> bool:
     return bool(_compile_ok[0])
 
 
-def measure_shape(hq: int, hk: int, d: int, dtype, rounds: int = 4) -> tuple[dict[str, float], dict[str, float]]:
-    """Seconds of each candidate kernel (fastest of ``rounds``) on attention of that shape:
-    the :data:`PREFILL_SHAPES` chunks with a causal boolean mask (as mlx-lm's batch caches
-    give; a kernel's figure is their sum), and :data:`DECODE_SHAPE` rows of one query
-    each. Returns ``(prefill, decode)``."""
+def measure_shape(hq: int, hk: int, d: int, dtype, rounds: int = 4) -> tuple[dict[str, float], ...]:
+    """Seconds of each candidate kernel (fastest of ``rounds``, after two warm-up calls) on
+    attention of that shape: the :data:`PREFILL_SHAPES` chunks with a causal boolean mask
+    (as mlx-lm's batch caches give; a kernel's figure is their sum), and each of
+    :data:`DECODE_SHAPES` (rows of one query). Returns ``(prefill, decode, long-context
+    decode)``."""
     chunks = []
     for i, (tq, tk) in enumerate(PREFILL_SHAPES):
         q, k, v = (mx.random.normal(shape, key=kk).astype(dtype) for shape, kk in
                    zip(((1, hq, tq, d), (1, hk, tk, d), (1, hk, tk, d)), mx.random.split(mx.random.key(2 + i), 3)))
         chunks.append((q, k, v, (mx.arange(tk - tq, tk)[:, None] >= mx.arange(tk)[None])[None, None]))
-    rows, keys = DECODE_SHAPE
-    dq, dk, dv = (mx.random.normal(shape, key=kk).astype(dtype)
-                  for shape, kk in zip(((rows, hq, 1, d), (rows, hk, keys, d), (rows, hk, keys, d)),
-                                       mx.random.split(mx.random.key(1), 3)))
-    mx.eval(chunks, dq, dk, dv)
+    steps = []
+    for i, (rows, keys) in enumerate(DECODE_SHAPES):
+        steps.append(tuple(mx.random.normal(shape, key=kk).astype(dtype) for shape, kk in
+                           zip(((rows, hq, 1, d), (rows, hk, keys, d), (rows, hk, keys, d)),
+                               mx.random.split(mx.random.key(10 + i), 3))))
+    mx.eval(chunks, steps)
     names = _candidates()
     scale = d ** -0.5
     prefill = race({n: (lambda f=KERNELS[n]: [f(q, k, v, scale, m) for q, k, v, m in chunks]) for n in names},
                    rounds, sync=mx.eval, warmup=2)
-    decode = race({n: (lambda f=KERNELS[n]: f(dq, dk, dv, scale, None)) for n in names if n != "mlx-blocks"},
-                  rounds, sync=mx.eval, warmup=2)
-    return prefill, decode
+    decodes = tuple(race({n: (lambda f=KERNELS[n], a=a: f(*a, scale, None)) for n in names if n != "mlx-blocks"},
+                         rounds, sync=mx.eval, warmup=2) for a in steps)
+    return (prefill, *decodes)
 
 
-def choose(hq: int, hk: int, d: int, dtype, prefill: dict[str, float], decode: dict[str, float]) -> list[Choice]:
+def choose(hq: int, hk: int, d: int, dtype, prefill: dict[str, float], decode: dict[str, float],
+           decode_long: Optional[dict[str, float]] = None) -> list[Choice]:
     """Plan the fastest kernels for that shape from their timings (:func:`pick`: MLX's
-    own unless another beats it by the margin); returns the two choices."""
+    own unless another beats it by the margin); returns the choices."""
     shape = f"[{hq} query / {hk} KV heads of {d}]"
     p, dd = pick(prefill, "mlx"), pick(decode, "mlx")
-    plan(hq, hk, d, dtype, p, dd)
-    return [Choice(f"attention, prefill {shape}", p, dict(prefill)),
-            Choice(f"attention, decode {shape}", dd, dict(decode))]
+    dl = pick(decode_long, "mlx") if decode_long else dd
+    plan(hq, hk, d, dtype, p, dd, dl)
+    out = [Choice(f"attention, prefill {shape}", p, dict(prefill)),
+           Choice(f"attention, decode {shape}", dd, dict(decode))]
+    if decode_long:
+        out.append(Choice(f"attention, decode over {LONG_KEYS}+ keys {shape}", dl, dict(decode_long)))
+    return out
 
 
 def choose_for_model(model, rounds: int = 4) -> list[Choice]:
@@ -375,7 +391,6 @@ def choose_for_model(model, rounds: int = 4) -> list[Choice]:
             continue
         if planned(hq, hk, d, dtype) is not None:
             continue  # another model of the same shape measured it
-        prefill, decode = measure_shape(hq, hk, d, dtype, rounds)
-        choices += [c.log() for c in choose(hq, hk, d, dtype, prefill, decode)]
+        choices += [c.log() for c in choose(hq, hk, d, dtype, *measure_shape(hq, hk, d, dtype, rounds))]
     install()
     return choices

@@ -47,7 +47,10 @@ def _cell(name: str, value) -> str:
 
 def row(r: Result) -> str:
     cells = [_cell(k, r.setting[k]) for k in FLAGS]
-    cells += [_cell(k, r.figures[k]) for k in COLUMNS] if r.figures else [f"skipped: {r.skipped}"] + [""] * (len(COLUMNS) - 1)
+    if r.figures:
+        cells += [_cell(k, r.figures[k]) for k in COLUMNS]
+    else:
+        cells += [f"skipped: {r.skipped}"] + [""] * (len(COLUMNS) - 1)
     return "| " + " | ".join(cells) + " |"
 
 

@@ -64,7 +64,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, setting: dict, extra: list[str], timeout: float = 600) -> tuple[subprocess.Popen, int, float]:
+def start_server(model: str, setting: dict, extra: list[str],
+                 timeout: float = 600) -> tuple[subprocess.Popen, int, float]:
     """``mlx-gateway serve`` of ``model`` with ``setting``; returns (process, port,
     seconds until ``/health`` answered 200).
 
