@@ -1,89 +1,87 @@
-"""MLX's CPU attention against gateway/cpu/attention.py, with glibc's default malloc and
-with gateway/cpu/allocator.py's setting; prints milliseconds (medians), asserts nothing.
+"""The CPU attention kernels of gateway/cpu/attention.py (MLX's own, MLX's own in query
+blocks, the compiled-exp blocks) on the default model's shapes, with glibc's malloc and
+with gateway/cpu/allocator.py's setting; prints milliseconds (fastest of interleaved
+runs), asserts nothing.
 
-Shapes (``[B, Hq/Hk, Tq, Tk]``, the benchmark model's 8 query and 4 KV heads of 32):
-a 95-token chat turn over 2000 cached tokens, one decode row over 2000, six decode rows
-over 900, a 512-token prefill chunk over 3000, six 300-token suffixes over 900 (the
-serving benchmark's cold burst). Also ``exp`` alone, and a float32 multiply of 12 M
-elements (what a fresh allocation's page faults cost). Each allocator setting runs in
-its own process.
+Shapes (``[B, Tq, Tk]``, 9 query and 3 KV heads of 64, SmolLM2-135M's): a 2,048-token
+prefill chunk from an empty cache, a 512-token chunk over 3,000 cached tokens, a 95-token
+chat turn over 2,000, the load-time measurement's 256 over 1,024, six decode rows over
+900 and one over 2,000. Prefill shapes get the causal boolean mask mlx-lm's batch
+caches give. Each allocator setting runs in its own process, and the kernels take turns
+within it. ``--heads HQ,HK,D`` measures other shapes.
 
 Usage::
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        python benchmarks/bench_cpu_attention.py
+        python benchmarks/bench_cpu_attention.py [--heads 9,3,64] [--rounds 3]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SHAPES = [("turn", 1, 95, 2000), ("decode 1x2000", 1, 1, 2000), ("decode 6x900", 6, 1, 900),
-          ("chunk 512x3000", 1, 512, 3000), ("burst 6x300x900", 6, 300, 900)]
+SHAPES = [("prefill 2048 from 0", 1, 2048, 2048), ("chunk 512 over 3000", 1, 512, 3512),
+          ("turn 95 over 2000", 1, 95, 2095), ("load-time 256 over 768", 1, 256, 1024),
+          ("decode 6 x 900", 6, 1, 900), ("decode 1 x 2000", 1, 1, 2000)]
 
 
-def ms(fn, reps: int = 9) -> float:
-    """Median wall milliseconds of ``fn()`` evaluated, after one untimed call."""
-    import mlx.core as mx
-
-    mx.eval(fn())
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
-
-
-def measure() -> dict:
-    """This process's figures (ms)."""
+def measure(heads: tuple[int, int, int], rounds: int) -> dict:
+    """This process's figures (ms) per shape and kernel."""
     import mlx.core as mx
 
     from gateway.cpu import attention
+    from gateway.cpu.measure import race
 
+    hq, hk, d = heads
+    attention._can_compile()
     out = {}
-    x = -mx.random.uniform(0, 30, (1_500_000,))
-    big = mx.random.normal((12_000_000,))
-    mx.eval(x, big)
-    out["exp 1.5M: mx.exp"] = ms(lambda: mx.exp(x))
-    out["exp 1.5M: compiled"] = ms(lambda: attention.exp_nonpositive(x))
-    out["multiply 12M"] = ms(lambda: big * 2.0)
     for name, b, tq, tk in SHAPES:
-        q, k, v = (mx.random.normal((b, h, t, 32)) for h, t in ((8, tq), (4, tk), (4, tk)))
-        mx.eval(q, k, v)
-        mask = "causal" if tq > 1 else None
-        for label, fn in (("mlx", attention._mlx_attention), ("ours", attention.attention)):
-            out[f"{name}: {label}"] = ms(lambda: fn(q, k, v, scale=32 ** -0.5, mask=mask))
+        q, k, v = (mx.random.normal(s) for s in ((b, hq, tq, d), (b, hk, tk, d), (b, hk, tk, d)))
+        mask = (mx.arange(tk - tq, tk)[:, None] >= mx.arange(tk)[None])[None, None] if tq > 1 else None
+        mx.eval(q, k, v, *([mask] if mask is not None else []))
+        kernels = [n for n in attention.KERNELS if tq > 1 or n != "mlx-blocks"]
+        times = race({n: (lambda f=attention.KERNELS[n]: f(q, k, v, d ** -0.5, mask)) for n in kernels},
+                     rounds, sync=mx.eval)
+        out[name] = {n: 1e3 * s for n, s in times.items()}
     return out
 
 
 def main() -> None:
-    if "--child" in sys.argv:
-        if "--tuned" in sys.argv:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--heads", default="9,3,64", help="query heads, KV heads, head size (default SmolLM2-135M's)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--child", choices=["glibc", "keep freed"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    heads = tuple(int(x) for x in args.heads.split(","))
+    if args.child:
+        if args.child == "keep freed":
             from gateway.cpu.allocator import keep_freed_memory
 
             keep_freed_memory()
-        print(json.dumps(measure()))
+        print(json.dumps(measure(heads, args.rounds)))
         return
     env = {k: v for k, v in os.environ.items() if k != "MLX_GATEWAY_MALLOC_TUNE"}
     runs = {}
-    for label, flags in (("glibc default", []), ("freed memory kept", ["--tuned"])):
-        res = subprocess.run([sys.executable, __file__, "--child", *flags], env=env, capture_output=True,
-                             text=True, check=True)
+    for label in ("glibc", "keep freed"):
+        res = subprocess.run([sys.executable, __file__, "--heads", args.heads, "--rounds", str(args.rounds),
+                              "--child", label], env=env, capture_output=True, text=True, check=True)
         runs[label] = json.loads(res.stdout.strip().splitlines()[-1])
-    labels = list(runs)
-    print(f"{'ms (median)':28s}" + "".join(f"{label:>20s}" for label in labels))
-    for key in runs[labels[0]]:
-        print(f"{key:28s}" + "".join(f"{runs[label][key]:20.2f}" for label in labels))
+    print(f"heads {heads[0]}/{heads[1]} of {heads[2]}, float32, ms (fastest of {args.rounds})")
+    print("| shape | malloc | " + " | ".join(["mlx", "mlx-blocks", "compiled-blocks"]) + " |")
+    print("|---|---|---|---|---|")
+    for name, *_ in SHAPES:
+        for label, figures in runs.items():
+            row = figures[name]
+            cells = [f"{row[k]:.2f}" if k in row else "-" for k in ("mlx", "mlx-blocks", "compiled-blocks")]
+            print(f"| {name} | {label} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@ and as float32 (``gateway/cpu/weights.py``, what ``mlx-gateway serve`` loads on 
 prints figures, asserts nothing.
 
 Each variant is loaded fresh, then a ``--prompt``-token prefill (best of ``--reps``) and
-the mean of 10 decode steps after it are timed, with the CPU attention and allocator
-settings ``serve`` uses. ``--half`` adds a float16 variant. The default model is
+the mean of 10 decode steps after it are timed, with the CPU attention kernels and
+allocator setting ``serve`` would measure and choose for it. ``--half`` adds a float16 variant. The default model is
 SmolLM2-135M-Instruct (Q4_1) from the gateway's model cache (``mlx-gateway
 fetch-default-model`` puts it there).
 
@@ -29,7 +29,7 @@ import mlx_lm  # noqa: E402
 from mlx.utils import tree_flatten, tree_map  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from gateway.cpu import allocator, attention  # noqa: E402
+from gateway.cpu.paths import choose_cpu_paths  # noqa: E402
 from gateway.cpu.weights import float32_weights  # noqa: E402
 from gateway.models import default_model  # noqa: E402
 
@@ -46,6 +46,7 @@ def measure(path: str, variant: str, n_prompt: int, reps: int) -> tuple[float, f
         float32_weights(model, limit_bytes=1 << 40)
         model.update(tree_map(lambda p: p.astype(mx.float16) if p.dtype == mx.float32 else p, model.parameters()))
     mx.eval(model.parameters())
+    choose_cpu_paths(model)  # the attention kernels and allocator serve would measure and take
     mb = sum(p.nbytes for _, p in tree_flatten(model.parameters())) / 1e6
     prompt = mx.array([[(7 * i) % 900 + 10 for i in range(n_prompt)]])
     best, cache = float("inf"), None
@@ -72,8 +73,6 @@ def main() -> None:
     path = args.model or str(default_model.default_model_dir())
     if not default_model.is_ready(path) and not (Path(path) / "config.json").is_file():
         sys.exit(f"no model at {path}: run `mlx-gateway fetch-default-model` or pass --model")
-    allocator.keep_freed_memory()
-    attention.install_for_cpu_backend()
     print(f"{path}: {args.prompt}-token prefill, then decode steps")
     print("| weights | MB | prefill (s) | decode step (ms) |\n|---|---|---|---|")
     for variant in ("stored", "float32", *(["float16"] if args.half else [])):

@@ -76,9 +76,14 @@ def setting(model_dir: str, bits, prompts: list[list[int]], long_prompt: list[in
     from cache.quantized import quantize_kv
     from scheduler import Engine
 
+    from gateway.cpu.paths import choose_cpu_paths
+    from gateway.cpu.weights import float32_weights_for_cpu_backend
+
     model, tok = mlx_lm.load(model_dir)
+    float32_weights_for_cpu_backend(model)  # the CPU paths serve would take on this machine
     if bits:
         quantize_kv(model, bits, 64)
+    choose_cpu_paths(model)
     manager = PromptCacheManager(8 << 30, 64)
     snap = make_prompt_cache(model)
     model(mx.array([long_prompt[:1000]]), cache=snap)
@@ -116,14 +121,6 @@ def main() -> None:
     args = ap.parse_args()
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from gateway.cpu import cpu_backend
-
-    if cpu_backend():
-        from gateway.cpu.allocator import keep_freed_memory
-        from gateway.cpu.attention import install
-
-        keep_freed_memory()
-        install()
     model_dir = args.model or smol_shaped_model()
     tok = load_tokenizer(Path(model_dir))
     prompts = [tok.encode(words(120, 300 + i)) for i in range(max(4, args.prompts))]

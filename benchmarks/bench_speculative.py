@@ -17,7 +17,9 @@ fresh ``mlx-gateway serve`` subprocess; the workloads, streamed over the chat AP
   does not draft); the output never repeats, so drafts are rare: what speculation costs
   when it does not help. Its outputs are random draws, so they are not compared.
 
-Each at 1 stream and at ``--streams`` concurrent streams. Figures per row: decode
+Each at every count of concurrent streams in ``--streams`` (default ``1,4``; a single
+number ``N`` means ``1,N``); ``--code-chars`` sets the source file's size (6,000
+characters: about 1,450 tokens of SmolLM2's tokenizer; 4,000: about 950). Figures per row: decode
 tokens/s (completion tokens after the first, over the time from the first token to the
 end of the stream, ``scenarios.stream_chat``, summed over the streams), the ratio
 ngram / off, acceptance rate (accepted / drafted tokens, from ``/metrics``, summed over
@@ -161,9 +163,12 @@ SERIES = ("mlx_gateway_speculative_draft_tokens_total", "mlx_gateway_speculative
           "mlx_gateway_decode_batch_size_count", "mlx_gateway_decode_batch_size_sum")
 
 
+CODE_CHARS = [6000]  # --code-chars
+
+
 async def workload(url: str, model: str, kind: str, streams: int, answer: int) -> dict:
     if kind == "code-edit":
-        bodies = [(code_prompt(6000 - 40 * i), 0) for i in range(streams)]
+        bodies = [(code_prompt(CODE_CHARS[0] - 40 * i), 0) for i in range(streams)]
     else:
         bodies = [([{"role": "user", "content": words(60, 900 + i)}], 1.0) for i in range(streams)]
     async with httpx.AsyncClient(base_url=url, timeout=3600) as c:
@@ -182,12 +187,12 @@ async def workload(url: str, model: str, kind: str, streams: int, answer: int) -
     }
 
 
-def run_setting(model_dir: str, speculative: str, streams: int, answer: int, k: int,
+def run_setting(model_dir: str, speculative: str, streams: list[int], answer: int, k: int,
                 draft: str | None = None) -> dict:
     port = free_port()
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--model", model_dir, "--port", str(port),
            "--served-model-name", "m", "--speculative", speculative, "--num-draft-tokens", str(k),
-           "--no-precompute-next-turn", "--decode-concurrency", str(max(8, streams))]
+           "--no-precompute-next-turn", "--decode-concurrency", str(max(8, *streams))]
     if speculative == "draft":
         cmd += ["--draft-model", draft]
     proc, _ = start(cmd, port, env=dict(os.environ))
@@ -195,7 +200,7 @@ def run_setting(model_dir: str, speculative: str, streams: int, answer: int, k: 
         url = f"http://127.0.0.1:{port}"
         out = {}
         for kind in ("code-edit", "no-repetition"):
-            for n in (1, streams):
+            for n in streams:
                 asyncio.run(workload(url, "m", kind, n, 8))  # warm-up: compiles, fills allocator pools
                 out[f"{kind}/{n}"] = asyncio.run(workload(url, "m", kind, n, answer))
         return out
@@ -231,17 +236,14 @@ def verify_cost(model_dir: str, context: int = 1500) -> list[tuple]:
     import mlx.core as mx
     from mlx_lm import load
 
-    from gateway.cpu import cpu_backend
+    from gateway.cpu.paths import choose_cpu_paths
+    from gateway.cpu.weights import float32_weights_for_cpu_backend
     from scheduler.speculative.holes import HoledKVCache
     from scheduler.speculative.rewind import Rewind, held_arrays, holed, replay
 
-    if cpu_backend():
-        from gateway.cpu.allocator import keep_freed_memory
-        from gateway.cpu.attention import install
-
-        keep_freed_memory()
-        install()
     model, _ = load(model_dir)
+    float32_weights_for_cpu_backend(model)  # the paths serve would take on this machine
+    choose_cpu_paths(model)
     rows = []
     for B in (1, 4):
         caches = holed(batch_cache(model, B))
@@ -296,12 +298,12 @@ def same(kind: str, on: dict, off: dict) -> str:
     return "yes" if on["texts"] is not None and on["texts"] == off["texts"] else "no"
 
 
-def table(results: dict, streams: int) -> str:
+def table(results: dict, streams: list[int]) -> str:
     lines = ["| workload | streams | method | off tok/s | on tok/s | ratio | acceptance of drafts | "
              "tokens/row-step | same output |",
              "|---|---|---|---|---|---|---|---|---|"]
     for kind in ("code-edit", "no-repetition"):
-        for n in (1, streams):
+        for n in streams:
             for method in (m for m in results if m != "off"):
                 off, on = results["off"][f"{kind}/{n}"], results[method][f"{kind}/{n}"]
                 acc = f"{on['accepted'] / on['drafted']:.2f} of {on['drafted']:.0f}" if on["drafted"] else "no drafts"
@@ -319,7 +321,9 @@ def main() -> None:
                     help="without --model: the random model's layer mix at SmolLM2-135M's size (default llama; "
                     "qwen3_5: gated delta nets, gemma3_text: sliding windows)")
     ap.add_argument("--answer", type=int, default=128, help="answer tokens per request (default 128)")
-    ap.add_argument("--streams", type=int, default=4, help="concurrent streams of the batched rows (default 4)")
+    ap.add_argument("--streams", default="1,4",
+                    help="counts of concurrent streams, comma-separated (default 1,4; N alone: 1,N)")
+    ap.add_argument("--code-chars", type=int, default=6000, help="characters of the code-edit source (default 6000)")
     ap.add_argument("--num-draft-tokens", type=int, default=8)
     ap.add_argument("--draft-model", help="also run --speculative draft with this draft model")
     ap.add_argument("--draft-layers", type=int,
@@ -331,6 +335,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="runs of each setting, taking turns; figures are medians")
     ap.add_argument("--out", help="directory for speculative.json and speculative.md")
     args = ap.parse_args()
+    args.streams = [int(x) for x in args.streams.split(",")] if "," in args.streams else [1, int(args.streams)]
+    CODE_CHARS[0] = args.code_chars
     model_dir = args.model or smol_shaped_model(args.shape)
     if args.synthetic_pair:
         model_dir, args.draft_model = synthetic_pair(args.synthetic_pair)

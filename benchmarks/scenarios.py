@@ -259,13 +259,17 @@ async def stall(url: str, model: str, streams: int = 4, long_tokens: int = 3000,
     """Decode stall: ``streams`` requests are decoding when a ``long_tokens``-token prompt
     arrives. Reports the decoding streams' inter-token gaps (seconds) before it arrived
     (``gap_alone_p50``) and from its arrival to its first token (``gap_max``,
-    ``gap_p50``), and the long prompt's TTFT. EOS is banned so the streams outlast the
-    prefill."""
+    ``gap_p50``), the long prompt's TTFT, and the TTFT of another prompt of that length
+    sent alone first, with nothing decoding (``long_alone_ttft``: their ratio is the
+    long prompt's prefill throughput alone over beside the streams). EOS is banned so the
+    streams outlast the prefill."""
     no_eos = steady_stream_bias(model)
     text = long_text(model, long_tokens, seed)
+    alone_text = long_text(model, long_tokens, seed + 1)
     times: list[list[float]] = [[] for _ in range(streams)]
     texts: list[list[str]] = [[] for _ in range(streams)]
     async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+        alone_ttft = (await stream_chat(c, [{"role": "user", "content": alone_text}], 8, model))["ttft"]
         tasks = [asyncio.create_task(_timed_stream(c, {
             "model": model, "messages": [{"role": "user", "content": words(20, seed * 100 + i)}],
             "max_tokens": 4000, "temperature": 0, "stream": True, "logit_bias": no_eos}, times[i], texts[i]))
@@ -287,7 +291,7 @@ async def stall(url: str, model: str, streams: int = 4, long_tokens: int = 3000,
               [(round(g, 3), round(s, 3), k, x) for g, s, k, x in worst], "first token at", round(t_first - t_long, 3))
     return {"gap_alone_p50": statistics.median(alone), "gap_max": max(during, default=float("nan")),
             "gap_p50": statistics.median(during) if during else float("nan"),
-            "long_ttft": r["ttft"], "long_prompt": r["prompt"]}
+            "long_ttft": r["ttft"], "long_prompt": r["prompt"], "long_alone_ttft": alone_ttft}
 
 
 def distinct_prefix_tokens(sequences) -> int:

@@ -1,5 +1,5 @@
-"""The ``mlx-gateway`` command: ``serve``, ``demo-model``, ``convert-gguf``, ``fetch-default-model``
-and ``keys``."""
+"""The ``mlx-gateway`` command: ``serve``, ``tune``, ``demo-model``, ``convert-gguf``,
+``fetch-default-model`` and ``keys``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     serve_p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_serve_arguments(serve_p)
+    tune_p = sub.add_parser("tune", help="measure the scheduling flags on this machine and recommend a setting",
+                            description="Serve the model with one setting of --prompt-concurrency, "
+                            "--prefill-step-size and --prefill-budget at a time, run a workload against each "
+                            "(a burst sharing a system prompt, interactive streams, agent-size prompts; or a "
+                            "replayed request log), print a table and the flags it recommends, and write "
+                            "tune.md, tune.json and tune.png.")
+    from gateway.tuning.command import add_arguments as add_tune_arguments
+
+    add_tune_arguments(tune_p)
     demo_p = sub.add_parser("demo-model", help="write a tiny random-weight model directory")
     demo_p.add_argument("dir", help="directory to write")
     from gateway.models.demo_model import all_archs
@@ -46,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         return _convert_gguf(ns.file, ns.out_dir, ns.force)
     if ns.command == "fetch-default-model":
         return _fetch_default_model(ns.source, ns.force)
+    if ns.command == "tune":
+        from gateway.tuning.command import run
+
+        return run(ns)
     if ns.command == "serve":
         _serve_and_exit(ns)
     else:

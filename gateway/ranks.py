@@ -57,6 +57,7 @@ def serve_follower(cfg: ServeConfig, spec: ModelSpec, cluster: distributed.Clust
     from mlx_lm.utils import load_model as load_weights
 
     from cache.restore import always_trimmable
+    from gateway.cpu.paths import choose_cpu_paths
     from gateway.cpu.weights import float32_weights_for_cpu_backend
     from gateway.models.loader import logits_size, resolve_path
     from cache.quantized import quantize_kv
@@ -69,13 +70,14 @@ def serve_follower(cfg: ServeConfig, spec: ModelSpec, cluster: distributed.Clust
         cluster.shard(model)
     except ValueError as e:  # rank 0 reports it too, as a failed load
         raise SystemExit(f"mlx-gateway: rank {cluster.rank}: {e}")
-    float32_weights_for_cpu_backend(model)
+    float32_weights_for_cpu_backend(model, measure=False)  # as rank 0: every rank decides alike
     mx.eval(model.parameters())
     if spec.kv_bits:
         try:
             quantize_kv(model, spec.kv_bits, spec.kv_group_size)
         except ValueError as e:  # rank 0 reports it too, as a failed load
             raise SystemExit(f"mlx-gateway: rank {cluster.rank}: {e}")
+    choose_cpu_paths(model)  # local measurements, no collectives
     batch_is_exact(model)
     logits_size(model)
     tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id", None))

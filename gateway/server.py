@@ -275,6 +275,17 @@ def _version(dist: str) -> str:
         return "unknown"
 
 
+def _first_model_dir(cfg: ServeConfig) -> Optional[str]:
+    """The directory of the first model to serve when it is at hand (``--model DIR``, or the
+    default model once fetched), for the shapes of start-up measurements; else None."""
+    from gateway.models.default_model import default_model_dir
+
+    models = [cfg.model] if isinstance(cfg.model, str) else cfg.model
+    if models:
+        return models[0]
+    return None if cfg.models_file else str(default_model_dir())
+
+
 def serve(cfg: ServeConfig) -> None:
     """Run the gateway until SIGTERM or SIGINT (see :mod:`gateway.shutdown`: running
     requests get ``--shutdown-grace`` seconds to finish). The models to load at start load
@@ -293,19 +304,16 @@ def serve(cfg: ServeConfig) -> None:
     from gateway.shutdown import UVICORN_GRACE, GatewayServer
 
     configure_logging(cfg.log_level, cfg.log_format)
-    from gateway.cpu.allocator import keep_freed_memory
-    from gateway.cpu.attention import install_for_cpu_backend
-    from gateway.cpu.blas import ensure_fast_blas
+    from gateway.cpu import allocator
+    from gateway.cpu.blas import ensure_fast_blas, matmul_shape
     from gateway.cpu.idle_trim import IdleTrimmer, idle_seconds_setting
 
-    ensure_fast_blas()  # Linux CPU: re-executes with OpenBLAS preloaded, or warns (before any thread)
-    # Linux CPU: freed buffers are reused instead of page-faulted in again, and attention
-    # gets a compiled exp (it makes more temporaries than MLX's: only with reused memory).
-    keeping_freed = keep_freed_memory() is None
-    if keeping_freed:
-        install_for_cpu_backend()
+    # Linux CPU: re-executes with OpenBLAS preloaded where it measures faster, or warns
+    # (before any thread). The other CPU paths (float32 weights, attention kernels, the
+    # allocator setting) are measured when a model loads (gateway.models.loader).
+    ensure_fast_blas(matmul_shape(_first_model_dir(cfg)))
     try:
-        trim_after = idle_seconds_setting() if keeping_freed else 0.0
+        trim_after = idle_seconds_setting() if allocator.unavailable() is None else 0.0
         # Refuse a bad models or tenants file, or an open non-loopback host, before any work,
         specs = model_specs(cfg)
         tenants = tenant_table(cfg)

@@ -23,6 +23,16 @@ sequences decode, the planner instead:
 With nothing decoding, prompts prefill in full ``prefill_step_size`` chunks: TTFT is
 then what it would be without a budget.
 
+A time budget shrinks chunks on a slower machine, and each chunk pays a forward's fixed
+cost (reading every weight, dispatching every layer's ops) whatever its size. So a chunk
+is never sized below the floor of :mod:`scheduler.forward_cost`: the fewest tokens whose
+cost per token stays within 20 % of the best chunk's, from the model's forward cost
+measured at load and the per-token cost measured on the prompt's recent chunks. Where
+that floor is larger than the budget allows, the step takes longer than the budget: the
+prompt keeps its throughput rather than the streams their gap. The one exception is a
+latency-class cap (:meth:`ChunkPlanner.next_chunk`'s ``cap``), a promise to an
+interactive request that it waits at most about that long.
+
 How this compares: vLLM (V1) schedules decode tokens first and fills the rest of a
 per-step token budget (``max_num_batched_tokens``) with prefill chunks, all in one
 forward pass; SGLang caps each prefill at ``--chunked-prefill-size`` tokens and
@@ -35,6 +45,8 @@ the time.
 from __future__ import annotations
 
 from typing import Optional
+
+from scheduler.forward_cost import ForwardCost
 
 ALIGN = 32  # chunk sizes are multiples of this many tokens
 # Under a latency-class cap (:meth:`ChunkPlanner.next_chunk`), chunks may be as small as
@@ -82,14 +94,20 @@ class ChunkPlanner:
             decode as prompts prefill (``--prefill-budget``); 0 disables chunking.
         share: the decode-only time owed, shared with the other models of one engine
             loop (None: a planner of its own).
+        cost: the model's forward cost (:mod:`scheduler.forward_cost`), for the floor
+            below which no chunk is cut; None: no floor.
     """
 
-    def __init__(self, step_size: int, budget: float, share: Optional[DecodeShare] = None) -> None:
+    def __init__(self, step_size: int, budget: float, share: Optional[DecodeShare] = None,
+                 cost: Optional[ForwardCost] = None) -> None:
         self.step_size = max(1, step_size)
         self.budget = max(0.0, budget)
         self.share = share or DecodeShare()
+        self.cost = cost
         # Seconds per prompt token of the last timed chunk, by the latency classes prefilling in it.
         self._per_token: dict[tuple, float] = {}
+        # The marginal seconds per prompt token (the fixed part of a forward taken out), likewise.
+        self._marginal: dict[tuple, float] = {}
         self.decode_step = 0.0  # seconds of a step that only decodes (moving average)
         self.decode_only_steps = 0  # steps that advanced only the decoding batch
         self.budgeted_steps = 0  # prefill steps whose chunk the budget cut below step_size
@@ -128,6 +146,18 @@ class ChunkPlanner:
             return self.step_size
         return self._sized(prefilling, self.budget, classes)
 
+    def floor(self, prefilling: int, classes: tuple = ()) -> int:
+        """The fewest tokens per prompt a chunk of ``prefilling`` prompts may have: their
+        forward's cost per token within 20 % of a full ``step_size`` chunk's
+        (:meth:`ForwardCost.floor <scheduler.forward_cost.ForwardCost.floor>`, with the
+        marginal cost per token last measured for these classes), a multiple of
+        :data:`ALIGN`; :data:`ALIGN` without a measured forward cost."""
+        if self.cost is None or prefilling <= 0:
+            return ALIGN
+        total = self.cost.floor(self.step_size * prefilling, self._marginal.get(classes))
+        per_row = -(-total // prefilling)
+        return min(self.step_size, max(ALIGN, -(-per_row // ALIGN) * ALIGN))
+
     def _sized(self, prefilling: int, budget: float, classes: tuple, align: int = ALIGN) -> int:
         # Classes not timed yet: the costliest of those that were (a chunk too small, not too long).
         per_token = self._per_token.get(classes) or max(self._per_token.values(), default=0.0)
@@ -136,6 +166,8 @@ class ChunkPlanner:
         else:
             per_row = int(HEADROOM * budget / per_token) // prefilling
         per_row = max(align, per_row - per_row % align)
+        if align == ALIGN:  # not under a latency-class cap: never below the efficient size
+            per_row = max(per_row, self.floor(prefilling, classes))
         if per_row < self.step_size:
             self.budgeted_steps += 1
             return per_row
@@ -155,3 +187,7 @@ class ChunkPlanner:
             self.share.owe(DECODE_SHARE * seconds)
         if prefilled >= CAP_ALIGN:
             self._per_token[classes] = seconds / prefilled
+            if self.cost is not None and prefilled >= ALIGN:
+                forward = seconds - (self.decode_step if decoding else 0.0) - self.cost.fixed
+                if forward > 0:
+                    self._marginal[classes] = forward / prefilled

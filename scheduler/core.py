@@ -20,6 +20,7 @@ from scheduler.arrivals import Arrivals
 from scheduler.batch import Batch
 from scheduler.classes import LatencyClasses
 from scheduler.chunking import ChunkPlanner
+from scheduler.forward_cost import ForwardCost
 from scheduler.loop import EngineLoop
 from scheduler.metrics import SchedulerMetrics
 from scheduler.policy import Admission, ClassShare, InFlight, WaitingQueue
@@ -42,7 +43,7 @@ class EngineCore(LatencyClasses):
     def __init__(self, model, eos_token_ids: set[int], prompt_cache: PromptCacheManager, loop: EngineLoop, *,
                  prompt_concurrency: int, decode_concurrency: int, prefill_step_size: int, prefill_budget: float,
                  max_waiting: int, registry: Optional[CollectorRegistry], pad_free_prefill: bool, name: str,
-                 speculation: SpeculationConfig = SpeculationConfig()):
+                 speculation: SpeculationConfig = SpeculationConfig(), forward_cost: Optional[ForwardCost] = None):
         self.model = model
         self.name = name
         self.eos_token_ids = set(eos_token_ids)
@@ -51,7 +52,7 @@ class EngineCore(LatencyClasses):
         self.decode_concurrency = max(self.prompt_concurrency, decode_concurrency)
         self.prefill_step_size = prefill_step_size
         self._loop = loop
-        self.chunks = ChunkPlanner(prefill_step_size, prefill_budget, loop.decode_share)
+        self.chunks = ChunkPlanner(prefill_step_size, prefill_budget, loop.decode_share, forward_cost)
         self.max_waiting = max_waiting
         self.pad_free_prefill = pad_free_prefill
         self.trimmable = always_trimmable(make_prompt_cache(model))

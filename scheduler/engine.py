@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from cache import PromptCacheManager
 from scheduler.core import PERSIST_SECONDS, EngineCore
+from scheduler.forward_cost import ForwardCost
 from scheduler.loop import EngineLoop
 from scheduler.precompute import Precompute
 from scheduler.prefetch import DiskPrefetch
@@ -70,6 +71,9 @@ class Engine(EngineCore):
             and its recurrent and window layers are checked on the model itself (at load,
             else before the first draft: :func:`scheduler.speculative.rollback_refusal`;
             a model that fails decodes plainly).
+        forward_cost: what a prefill forward costs (:func:`scheduler.forward_cost.measure_forward_cost`):
+            chunks are never cut below the size where their cost per token rises
+            more than 20 % above the best chunk's; None: no such floor.
     """
 
     def __init__(
@@ -89,13 +93,14 @@ class Engine(EngineCore):
         loop: Optional[EngineLoop] = None,
         name: str = "model",
         speculation: SpeculationConfig = SpeculationConfig(),
+        forward_cost: Optional[ForwardCost] = None,
     ):
         self._own_loop = loop is None
         super().__init__(model, eos_token_ids, prompt_cache, loop or EngineLoop(gather_wait=gather_wait),
                          prompt_concurrency=prompt_concurrency, decode_concurrency=decode_concurrency,
                          prefill_step_size=prefill_step_size, prefill_budget=prefill_budget,
                          max_waiting=max_waiting, registry=registry, pad_free_prefill=pad_free_prefill, name=name,
-                         speculation=speculation)
+                         speculation=speculation, forward_cost=forward_cost)
         self._started = False
         self._prefetch = DiskPrefetch(prompt_cache, self._hand_over)
 

@@ -28,6 +28,7 @@ def test_long_prompt_chunked_between_decode_steps_matches_solo(arch):
     # 32-token chunk, and decode-only steps come between the chunks.
     with live_server(model_path(arch), prefill_budget=1e-4, prompt_concurrency=4, decode_concurrency=8) as server:
         engine = server.engine
+        engine.chunks.cost = None  # no efficiency floor (below): 32-token chunks, many steps to check
         no_eos = {str(t): -100 for t in server.tokenizer.eos_token_ids}
 
         async def run():
@@ -51,3 +52,64 @@ def test_long_prompt_chunked_between_decode_steps_matches_solo(arch):
     assert_same_tokens(together_long, solo_long, f"{arch}: long prompt chunked under decode")
     for i, (got, want) in enumerate(zip(together_short, solo_short)):
         assert_same_tokens(got, want, f"{arch}: decoding request {i}")
+
+
+# ---------------------------------------------------------------------- the efficiency floor
+
+
+def test_the_forward_cost_is_the_line_through_two_timings():
+    from scheduler.forward_cost import solve
+
+    cost = solve((16, 0.0043), (64, 0.0091))
+    assert abs(cost.per_token - 1e-4) < 1e-12 and abs(cost.fixed - 0.0027) < 1e-12
+    assert solve((16, 0.010), (64, 0.008)).per_token == 0.0  # noise: never a negative part
+
+
+@pytest.mark.parametrize("fixed,per_token,best", [(0.0025, 1.1e-4, 2048), (0.070, 0.002, 2048), (0.01, 1e-3, 256)])
+def test_the_floor_is_the_smallest_chunk_within_20_percent_of_the_best(fixed, per_token, best):
+    from scheduler.forward_cost import ForwardCost
+
+    cost = ForwardCost(fixed, per_token)
+    n = cost.floor(best)
+
+    def per_token_at(k):
+        return fixed / k + per_token
+
+    assert per_token_at(n) <= 1.2 * per_token_at(best) + 1e-12
+    assert n == 1 or per_token_at(n - 1) > 1.2 * per_token_at(best)
+    assert cost.floor(best, per_token=10 * per_token) < n  # costlier tokens (a long context): a smaller floor
+
+
+def test_chunks_beside_decoding_are_never_cut_below_the_floor():
+    """A budget that would allow 32-token chunks gets chunks of the floor instead; two prompts
+    share it; under a latency-class cap (a promise to an interactive request) chunks may
+    still be smaller."""
+    from scheduler.chunking import ALIGN, ChunkPlanner
+    from scheduler.forward_cost import ForwardCost
+
+    cost = ForwardCost(fixed=0.070, per_token=0.002)  # SmolLM2-135M on the 2-core machine
+    p = ChunkPlanner(2048, 0.2, cost=cost)
+    p.record(0, 0, 1, 0.1)  # a decode-only step of one row
+    p.record(128, 128, 1, 0.070 + 0.002 * 128 + 0.1)  # a chunk beside that row
+    assert p._marginal[()] == pytest.approx(0.002)
+    floor = p.floor(1)
+    assert floor % ALIGN == 0 and floor >= cost.floor(2048)
+    p.share.clear()  # the decode-only time that chunk owed is paid
+    assert p.next_chunk(1, 4) == floor  # the budget alone gives 32: (0.85 * 0.2) / 0.0033 // 32 * 32
+    p.share.clear()
+    two = p.next_chunk(2, 4)
+    assert two >= -(-cost.floor(4096, p._marginal[()]) // 2) and two % ALIGN == 0
+    p.share.clear()
+    assert p.next_chunk(1, 4, cap=0.005) < floor
+    assert ChunkPlanner(2048, 0.2).floor(1) == ALIGN  # no measured cost: no floor
+
+
+def test_the_floor_follows_the_marginal_cost_measured_as_the_prompt_advances():
+    from scheduler.chunking import ChunkPlanner
+    from scheduler.forward_cost import ForwardCost
+
+    p = ChunkPlanner(2048, 0.2, cost=ForwardCost(fixed=0.010, per_token=1e-4))
+    early = p.floor(1)
+    p.record(512, 512, 0, 0.010 + 512 * 1e-3)  # attention over a long context: 10x the cost per token
+    assert p._marginal[()] == pytest.approx(1e-3)
+    assert p.floor(1) < early

@@ -152,3 +152,34 @@ def test_sighup_reloads_tenants_without_dropping_requests(tmp_path):
         assert field in streamed, field
     assert any(r["status"] == 401 and "tenant" not in r for r in requests)  # refused requests are logged too
     assert "quokka" not in json.dumps(requests)  # no prompt text without --log-prompts
+
+
+def test_tune_measures_each_setting_within_its_budget_and_recommends_flags(tmp_path):
+    """``mlx-gateway tune`` on a tiny model with a small workload: the base setting runs,
+    the next one is skipped once the time budget is spent, the table and the recommended
+    flags are printed, the progress bar is drawn, and the files are written (the plot where
+    matplotlib is installed)."""
+    import importlib.util
+
+    out = subprocess.run([*CLI, "tune", "--model", str(model_path("qwen3")), "--burst", "2", "--streams", "1",
+                          "--agents", "1", "--agent-tokens", "200", "--values", "prompt-concurrency=1",
+                          "--values", "prefill-step-size=", "--values", "prefill-budget=", "--budget", "0.01",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 2
+    assert rows[0].startswith("| 8 | 2048 | 0.2 | ") and "skipped" not in rows[0]
+    assert rows[1].startswith("| 1 | 2048 | 0.2 | skipped: time budget")
+    assert "recommended: --prompt-concurrency 8 --prefill-step-size 2048 --prefill-budget 0.2" in out.stdout
+    assert "[############------------] 1/2 settings" in out.stderr
+    saved = json.loads((tmp_path / "tune.json").read_text())
+    assert saved[0]["figures"]["failed"] == 0 and saved[0]["figures"]["tok_s"] > 0 and saved[1]["skipped"]
+    assert "recommended:" in (tmp_path / "tune.md").read_text()
+    assert (tmp_path / "tune.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
+
+
+def test_tune_refuses_an_unknown_flag_or_model():
+    out = subprocess.run([*CLI, "tune", "--values", "decode-budget=1"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "unknown flag 'decode-budget'" in out.stderr
+    out = subprocess.run([*CLI, "tune", "--model", "/no/such/model"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "cannot use the model '/no/such/model'" in out.stderr

@@ -46,33 +46,71 @@ def make_mask(kind, b, hq, tq, tk, dtype):
     }[kind]
 
 
-@pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-5), (mx.float16, 2e-3), (mx.bfloat16, 2e-2)])
-@pytest.mark.parametrize("mask", [None, "causal", "bool", "bool per head", "bool 2-d", "additive"])
-@pytest.mark.parametrize("heads,tq,tk", [((8, 4), 5, 9), ((4, 4), 1, 12), ((6, 2), 7, 7), ((2, 1), 3, 40)])
-def test_matches_mlx_attention(dtype, tol, mask, heads, tq, tk):
-    q, k, v = qkv(2, heads[0], heads[1], tq, tk, dtype, seed=tq * tk)
-    m = make_mask(mask, 2, heads[0], tq, tk, dtype)
+def rows_that_see_a_key(mask, b, hq, tq, tk):
+    """``[b, hq, tq]`` True where the query has at least one key to attend to (a fully
+    masked row is padding: any output is right for it)."""
+    if mask is None or isinstance(mask, str) or mask.dtype != mx.bool_:
+        return mx.ones((b, hq, tq), dtype=mx.bool_)
+    return mx.broadcast_to(mx.any(mask, axis=-1), (b, hq, tq))
+
+
+def padded_causal(b, tq, tk):
+    from mlx_lm.models.base import create_causal_mask
+
+    return create_causal_mask(tq, tk - tq, left_padding=mx.array([0, 5][:b]))
+
+
+@pytest.mark.parametrize("kernel", sorted(attention.KERNELS))
+@pytest.mark.parametrize("mask", [None, "causal", "bool", "bool per head", "bool 2-d", "additive", "padded causal"])
+@pytest.mark.parametrize("heads,tq,tk", [((8, 4), 5, 9), ((4, 4), 1, 12), ((6, 2), 7, 7), ((2, 1), 3, 40),
+                                         ((9, 3), 70, 70), ((4, 2), 150, 171)])
+def test_every_kernel_matches_mlx_attention(kernel, mask, heads, tq, tk, monkeypatch):
+    monkeypatch.setattr(attention, "MLX_BLOCK", 64)  # several blocks of each kernel in these shapes
+    q, k, v = qkv(2, heads[0], heads[1], tq, tk, mx.float32, seed=tq * tk)
+    m = padded_causal(2, tq, tk) if mask == "padded causal" else make_mask(mask, 2, heads[0], tq, tk, mx.float32)
     want = attention._mlx_attention(q, k, v, scale=0.3, mask=m)
-    got = attention.attention(q, k, v, scale=0.3, mask=m)
+    got = attention.KERNELS[kernel](q, k, v, 0.3, m)
     assert got.shape == want.shape and got.dtype == want.dtype
-    assert float(mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)))) < tol
+    seen = rows_that_see_a_key(m, 2, heads[0], tq, tk)[..., None]
+    assert float(mx.max(mx.where(seen, mx.abs(got - want), 0.0))) < 1e-5
 
 
-def test_other_dtypes_go_to_mlx():
+def test_only_keys_a_block_can_see_are_read_under_a_causal_mask():
+    """A causal or padded-causal mask lets each block stop at its last query's key; a mask
+    that shows a later key does not (the block then reads every key)."""
+    tq, tk = 4, 10
+    assert attention._hides_future("causal", tq, tk)
+    assert attention._hides_future(padded_causal(2, tq, tk), tq, tk)
+    assert not attention._hides_future(None, tq, tk)
+    shows_later = mx.ones((tq, tk), dtype=mx.bool_)
+    assert not attention._hides_future(shows_later, tq, tk)
+    assert not attention._hides_future(mx.zeros((tq, tk)), tq, tk)  # additive: not checked, not assumed
+    blocks = list(attention._blocks(70, 100, 32, causal=True))
+    assert blocks == [(0, 32, 62), (32, 64, 94), (64, 70, 100)]
+    assert [n for *_, n in attention._blocks(70, 100, 32, causal=False)] == [100, 100, 100]
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_half_precision_and_mixed_dtypes_go_to_mlx(dtype):
     q, k, v = qkv(1, 4, 2, 3, 6, mx.float32, seed=2)
-    q16 = q.astype(mx.float16)
-    assert mx.array_equal(attention.attention(q16, k, v, scale=0.3, mask="causal"),
-                          attention._mlx_attention(q16, k, v, scale=0.3, mask="causal"))
+    with attention.installed("compiled-blocks", "compiled-blocks", [(4, 2, 16, mx.float32), (4, 2, 16, dtype)]):
+        q16 = q.astype(dtype)
+        assert mx.array_equal(attention.attention(q16, k, v, scale=0.3, mask="causal"),
+                              attention._mlx_attention(q16, k, v, scale=0.3, mask="causal"))
+        q16, k16, v16 = (a.astype(dtype) for a in (q, k, v))
+        assert mx.array_equal(attention.attention(q16, k16, v16, scale=0.3, mask="causal"),
+                              attention._mlx_attention(q16, k16, v16, scale=0.3, mask="causal"))
 
 
 def test_sinks_go_to_mlx_and_bad_mask_mode_is_refused():
     q, k, v = qkv(1, 4, 2, 3, 6, mx.float32, seed=1)
     sinks = mx.array([0.5, -1.0, 0.0, 2.0])
-    want = attention._mlx_attention(q, k, v, scale=0.3, mask="causal", sinks=sinks)
-    got = attention.attention(q, k, v, scale=0.3, mask="causal", sinks=sinks)
-    assert mx.array_equal(got, want)
-    with pytest.raises(ValueError, match="mask_mode"):
-        attention.attention(q, k, v, scale=0.3, mask="sideways")
+    with attention.installed("compiled-blocks", "compiled-blocks", [(4, 2, 16, mx.float32)]):
+        want = attention._mlx_attention(q, k, v, scale=0.3, mask="causal", sinks=sinks)
+        got = attention.attention(q, k, v, scale=0.3, mask="causal", sinks=sinks)
+        assert mx.array_equal(got, want)
+        with pytest.raises(ValueError, match="mask_mode"):
+            attention.attention(q, k, v, scale=0.3, mask="sideways")
 
 
 def test_installed_replaces_mx_fast_attention_and_restores_it():
@@ -82,11 +120,57 @@ def test_installed_replaces_mx_fast_attention_and_restores_it():
     assert mx.fast.scaled_dot_product_attention is original
 
 
+def test_the_planned_kernel_runs_for_its_shape_and_regime(monkeypatch):
+    """Prefill calls (more than FEW_QUERIES queries a row) go to the prefill kernel planned
+    for their shape, decode calls (one, or a verify step's few) to the decode one; an
+    unplanned shape runs MLX's own."""
+    calls = []
+    for name in attention.KERNELS:
+        monkeypatch.setitem(attention.KERNELS, name, lambda q, k, v, s, m, name=name: calls.append(name) or q)
+    q, k, v = qkv(1, 4, 2, attention.FEW_QUERIES + 1, 40, mx.float32, seed=3)
+    long_k, long_v = (mx.zeros((1, 2, attention.LONG_KEYS, 16)) for _ in range(2))
+    with attention.installed("compiled-blocks", "mlx", [(4, 2, 16, mx.float32)], decode_long="mlx-blocks"):
+        attention.attention(q, k, v, scale=0.3, mask="causal")
+        attention.attention(q[:, :, :1], k, v, scale=0.3)
+        attention.attention(q[:, :, :5], k, v, scale=0.3, mask="causal")  # verifying four drafts
+        attention.attention(q[:, :, :1], long_k, long_v, scale=0.3)  # a decode step over a long context
+        other = attention.attention(*qkv(1, 6, 2, 3, 6, mx.float32, seed=3), scale=0.3)  # not planned
+    assert calls == ["compiled-blocks", "mlx", "mlx", "mlx-blocks"]
+    assert other.shape == (1, 6, 3, 16)
+
+
+@pytest.mark.parametrize("prefill,decode,decode_long,want", [
+    ({"mlx": 0.040, "mlx-blocks": 0.035, "compiled-blocks": 0.020}, {"mlx": 0.0010, "compiled-blocks": 0.0015},
+     {"mlx": 0.0072, "compiled-blocks": 0.0036}, ("compiled-blocks", "mlx", "compiled-blocks")),
+    ({"mlx": 0.020, "mlx-blocks": 0.019, "compiled-blocks": 0.080}, {"mlx": 0.0020, "compiled-blocks": 0.0010},
+     {"mlx": 0.0070, "compiled-blocks": 0.0069}, ("mlx", "compiled-blocks", "mlx")),  # within the margin: MLX's
+    ({"mlx": 0.020, "mlx-blocks": 0.015}, {"mlx": 0.0010}, {"mlx": 0.0070}, ("mlx-blocks", "mlx", "mlx")),  # no g++
+])
+def test_the_choice_follows_the_measurement(prefill, decode, decode_long, want):
+    with attention.installed():
+        choices = attention.choose(9, 3, 64, mx.float32, prefill, decode, decode_long)
+        assert attention.planned(9, 3, 64, mx.float32) == want
+    assert [c.chosen for c in choices] == list(want)
+    assert all(f"{1e3 * s:.2f} ms" in c.describe() for c, figures in zip(choices, (prefill, decode, decode_long))
+               for s in figures.values())
+    assert attention.planned(9, 3, 64, mx.float32) is None  # installed() put the plans back
+
+
+def test_attention_shapes_are_traced_from_the_model():
+    model, _ = mlx_lm.load(str(model_path("qwen3")))
+    args = model.args
+    assert attention.attention_shapes(model) == {
+        (args.num_attention_heads, args.num_key_value_heads, args.head_dim, mx.float32)}
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3_text", "qwen3_5", "nemotron_h"])
-def test_serving_generator_with_it_matches_mlx_lm_with_mlx_attention(arch):
-    """The batched, joining generator on this attention gives mlx-lm's generator's tokens
+@pytest.mark.parametrize("kernels", [("compiled-blocks", "compiled-blocks"), ("mlx-blocks", "mlx")])
+def test_serving_generator_with_it_matches_mlx_lm_with_mlx_attention(arch, kernels, monkeypatch):
+    """The batched, joining generator on these kernels gives mlx-lm's generator's tokens
     (logprobs within 1e-4) on MLX's attention: cold rows of different lengths (left
     padding, array masks), warm rows, a sliding window (gemma3_text) and hybrids."""
+    monkeypatch.setattr(attention, "MLX_BLOCK", 8)
+    monkeypatch.setattr(attention, "COMPILED_BLOCK", 8)
     model, _ = mlx_lm.load(str(model_path(arch)))
     base = [(11 * i + 5) % 200 + 10 for i in range(48)]
     warm = prefilled(model, base[:40])
@@ -97,7 +181,7 @@ def test_serving_generator_with_it_matches_mlx_lm_with_mlx_attention(arch):
         ([base[40:45], [base[45]]], warm, base[:40], 4),
     ]
     want = run(BatchGenerator, model, rows, prefill_batch=4, decode_batch=4)
-    with attention.installed():
+    with attention.installed(*kernels, attention.attention_shapes(model)):
         warm = prefilled(model, base[:40])
         rows[1], rows[3] = (rows[1][0], warm, *rows[1][2:]), (rows[3][0], warm, *rows[3][2:])
         got = run(JoiningBatchGenerator, model, rows, prefill_batch=4, decode_batch=4)
@@ -153,14 +237,26 @@ def test_freed_memory_stays_for_reuse(setting, want):
     assert out == want
 
 
-def test_serve_installs_it_on_the_cpu_unless_turned_off(monkeypatch):
+def test_models_kernels_are_measured_and_planned_unless_turned_off(monkeypatch):
+    model, _ = mlx_lm.load(str(model_path("qwen3")))
+    (shape,) = attention.attention_shapes(model)
+    attention.forget_plans()  # a server started by an earlier test planned this shape
     monkeypatch.setenv("MLX_GATEWAY_CPU_ATTENTION", "0")
-    assert attention.install_for_cpu_backend() == "MLX_GATEWAY_CPU_ATTENTION=0"
-    assert mx.fast.scaled_dot_product_attention is attention._mlx_attention
-    monkeypatch.delenv("MLX_GATEWAY_CPU_ATTENTION")
-    want = None if cpu_backend() and shutil.which("g++") else ("MLX runs on a GPU" if not cpu_backend() else "no g++")
     try:
-        assert attention.install_for_cpu_backend() == want
-        assert (mx.fast.scaled_dot_product_attention is attention.attention) == (want is None)
+        (choice,) = attention.choose_for_model(model, rounds=1)
+        assert choice.chosen == "mlx" and choice.reason == "MLX_GATEWAY_CPU_ATTENTION=0"
+        assert attention.planned(*shape) is None
+        monkeypatch.delenv("MLX_GATEWAY_CPU_ATTENTION")
+        choices = attention.choose_for_model(model, rounds=1)
+        if not cpu_backend():
+            assert [c.reason for c in choices] == ["MLX runs on a GPU"]
+            return
+        assert [c.what.split(" [")[0] for c in choices] == ["attention, prefill", "attention, decode",
+                                                            f"attention, decode over {attention.LONG_KEYS}+ keys"]
+        assert attention.planned(*shape) == tuple(c.chosen for c in choices)
+        assert set(choices[0].seconds) <= set(attention.KERNELS)
+        assert ("compiled-blocks" in choices[0].seconds) == (shutil.which("g++") is not None)
+        assert mx.fast.scaled_dot_product_attention is attention.attention
     finally:
         attention.uninstall()
+        attention.forget_plans()

@@ -15,7 +15,7 @@ from mlx_lm.models.switch_layers import SwitchLinear
 
 from conftest import live_server, model_path
 from gateway.cpu import cpu_backend
-from gateway.cpu.weights import float32_bytes, float32_weights
+from gateway.cpu.weights import decide, float32_bytes, float32_weights
 
 PROMPT = mx.array([[5, 17, 99, 300, 42, 7, 650, 12]])
 
@@ -122,16 +122,63 @@ def quantized_dir(tmp_path_factory):
 
 @pytest.mark.skipif(not cpu_backend(), reason="applies where MLX runs on the CPU")
 def test_a_quantized_model_is_served_in_float32(quantized_dir, tmp_path, monkeypatch):
-    """Converted unless turned off; the disk tier keeps the two kinds of snapshots apart."""
+    """Converted when set to (``=1``, unmeasured), not when turned off; the disk tier keeps
+    the two kinds of snapshots apart."""
     tiers = []
-    for setting, converted in ((None, True), ("0", False)):
-        if setting is None:
-            monkeypatch.delenv("MLX_GATEWAY_CPU_FLOAT32", raising=False)
-        else:
-            monkeypatch.setenv("MLX_GATEWAY_CPU_FLOAT32", setting)
+    for setting, converted in (("1", True), ("0", False)):
+        monkeypatch.setenv("MLX_GATEWAY_CPU_FLOAT32", setting)
         with live_server(quantized_dir, prompt_cache_dir=str(tmp_path / "disk")) as server, server.client() as c:
             assert (quantized_layers(server.engine.model) == 0) is converted
             r = c.post("/v1/completions", json={"model": "test-model", "prompt": "the sea", "max_tokens": 4})
             assert r.status_code == 200, r.text
             tiers.append(server.engine.prompt_cache.disk.tier.dir)
     assert tiers[0] != tiers[1]
+
+
+@pytest.mark.parametrize("seconds,want", [
+    # quantized matmuls in MLX's own CPU loops: float32 wins both ways
+    ({"stored prefill": 0.0616, "float32 prefill": 0.00016, "stored decode": 0.00188, "float32 decode": 0.00006},
+     True),
+    # a machine whose quantized kernels are fast: float32 reads 8x the bytes per decode step
+    ({"stored prefill": 0.0010, "float32 prefill": 0.0009, "stored decode": 0.00005, "float32 decode": 0.0004},
+     False),
+    # prefill faster in float32 but decode slower: the request's mix decides
+    ({"stored prefill": 0.0100, "float32 prefill": 0.0010, "stored decode": 0.0001, "float32 decode": 0.0002},
+     True),
+])
+def test_the_conversion_follows_the_measurement(seconds, want):
+    assert decide(seconds) is want
+
+
+@pytest.mark.skipif(not cpu_backend(), reason="applies where MLX runs on the CPU")
+@pytest.mark.parametrize("faster", ["float32", "as stored"])
+def test_the_model_is_converted_only_where_float32_measured_faster(quantized, monkeypatch, faster, caplog):
+    import logging
+
+    from gateway.cpu import weights
+
+    model, _ = quantized
+    fast, slow = 0.001, 0.01
+    timings = {f"{kind} {shape}": (fast if (kind == "float32") == (faster == "float32") else slow)
+               for kind in ("stored", "float32") for shape in ("prefill", "decode")}
+    monkeypatch.delenv("MLX_GATEWAY_CPU_FLOAT32", raising=False)
+    monkeypatch.setattr(weights, "measure_layer", lambda layer, rounds=3: timings)
+    with caplog.at_level(logging.INFO, logger="mlx_gateway"):
+        why = weights.float32_weights_for_cpu_backend(model)
+    assert (why is None) == (faster == "float32")
+    assert (quantized_layers(model) == 0) == (faster == "float32")
+    assert f"weights (as stored, or float32): {faster} (measured: stored prefill" in caplog.text
+
+
+def test_the_layer_timings_cover_both_shapes(quantized):
+    from gateway.cpu import weights
+
+    model, _ = quantized
+    layer = weights._sample_layer(model)
+    assert isinstance(layer, nn.QuantizedLinear)
+    seconds = weights.measure_layer(layer, rounds=1, rows=16)
+    assert set(seconds) == {"stored prefill", "float32 prefill", "stored decode", "float32 decode"}
+    assert all(s > 0 for s in seconds.values())
+    stored, w32, _ = weights._stored_matmul(layer, 16)
+    x = mx.random.normal((3, layer.weight.shape[1] * 32 // layer.bits))
+    assert float(mx.max(mx.abs(stored(x) - x @ w32.T))) < 1e-3  # the same matmul, dequantized

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -15,25 +16,47 @@ from gateway.cpu import blas as fast_blas
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux CPU backend only")
 
-PROBE = ("import sys; from gateway.cpu.blas import ensure_fast_blas, openblas_loaded; "
+PROBE = ("import logging, sys; logging.basicConfig(level=logging.INFO, format='%(message)s'); "
+         "from gateway.cpu.blas import ensure_fast_blas, openblas_loaded; "
          "ensure_fast_blas(); print(openblas_loaded(), sys.argv[1:])")
+CHOICE = re.compile(r"BLAS \[.*\]: (\w+) \(measured: bundled ([0-9.]+) ms, openblas ([0-9.]+) ms\)")
 
 
-def run_probe(**env_extra) -> str:
+def run_probe(**env_extra) -> tuple[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MLX_GATEWAY_FAST_BLAS")}
     env.update(env_extra)
-    return subprocess.run([sys.executable, "-c", PROBE, "--flag", "x y"], env=env, capture_output=True,
-                          text=True, check=True, timeout=120).stdout.strip()
+    done = subprocess.run([sys.executable, "-c", PROBE, "--flag", "x y"], env=env, capture_output=True,
+                          text=True, check=True, timeout=120)
+    return done.stdout.strip(), done.stderr
 
 
-def test_reexecutes_with_openblas_preloaded_keeping_the_arguments():
+def test_reexecutes_with_the_blas_that_measured_faster_keeping_the_arguments():
+    """OpenBLAS is timed in the re-executed process against the bundled BLAS's figure; the
+    process ends up with the one the logged measurement chose."""
     if fast_blas.find_openblas() is None:
         pytest.skip("no system OpenBLAS here: install libopenblas0-pthread (.ci/run does)")
-    assert run_probe() == "True ['--flag', 'x y']"
+    out, log = run_probe()
+    (chosen, bundled, openblas), = CHOICE.findall(log)
+    assert chosen == fast_blas.decide({"bundled": float(bundled), "openblas": float(openblas)})
+    assert out == f"{chosen == 'openblas'} ['--flag', 'x y']"
+
+
+@pytest.mark.parametrize("seconds,want", [({"bundled": 0.0110, "openblas": 0.0004}, "openblas"),
+                                          ({"bundled": 0.0010, "openblas": 0.0010}, "bundled"),
+                                          ({"bundled": 0.0010, "openblas": 0.0030}, "bundled")])
+def test_the_choice_follows_the_measurement(seconds, want):
+    assert fast_blas.decide(seconds) == want
+
+
+def test_model_shapes_come_from_its_config(tmp_path):
+    (tmp_path / "config.json").write_text('{"hidden_size": 64, "intermediate_size": 160}')
+    assert fast_blas.matmul_shape(str(tmp_path)) == (64, 160)
+    assert fast_blas.matmul_shape(str(tmp_path / "missing")) == fast_blas.DEFAULT_SHAPE
+    assert fast_blas.matmul_shape(None) == fast_blas.DEFAULT_SHAPE
 
 
 def test_can_be_turned_off():
-    assert run_probe(MLX_GATEWAY_FAST_BLAS="0") == "False ['--flag', 'x y']"
+    assert run_probe(MLX_GATEWAY_FAST_BLAS="0")[0] == "False ['--flag', 'x y']"
 
 
 def test_warns_with_the_install_command_when_openblas_is_missing(monkeypatch, caplog):

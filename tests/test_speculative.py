@@ -23,7 +23,7 @@ from mlx_lm.generate import StopSequences
 from scheduler.generator import JoiningBatchGenerator
 from scheduler.sampling import TemperatureSampler, greedy
 from scheduler.speculative import SpeculationConfig, SpeculationStats, Speculator, speculation_refusal
-from scheduler.speculative.acceptance import RowAcceptance, StepCost, best_width
+from scheduler.speculative.acceptance import RealizedRate, RowAcceptance, StepCost, best_width
 from scheduler.speculative.holes import HoledKVCache
 from scheduler.speculative.lookup import PromptLookup
 from scheduler.speculative.verify import accept_sampled
@@ -33,15 +33,18 @@ NGRAM = SpeculationConfig("ngram", 4)
 
 @pytest.fixture(autouse=True)
 def steady_step_cost(monkeypatch):
-    """A fixed, low cost per drafted position (no measuring): whether a step verifies
-    drafts then depends on the rows' drafts and acceptance alone, not on how loaded the
-    machine running the tests is. ``test_width_follows_the_expected_gain`` covers the rule."""
+    """A fixed, low cost per drafted position and no check of the delivered rates (no
+    measuring): whether a step verifies drafts then depends on the rows' drafts and
+    acceptance alone, not on how loaded the machine running the tests is.
+    ``test_width_follows_the_expected_gain`` and the ``RealizedRate`` tests cover the rules."""
     def fixed(self, beta: float = 0.05, draft: float = 0.0):
-        self.beta, self.draft, self._plain = 0.05, 0.0, {}
+        self.beta, self.draft, self._plain, self._beta, self._extra = 0.05, 0.0, {}, {}, {}
 
     monkeypatch.setattr(StepCost, "__init__", fixed)
     monkeypatch.setattr(StepCost, "plain", lambda self, batch, seconds: None)
     monkeypatch.setattr(StepCost, "wide", lambda self, batch, width, seconds, draft_seconds=None: None)
+    monkeypatch.setattr(RealizedRate, "record", lambda self, kind, batch, tokens, seconds: None)
+    monkeypatch.setattr(RealizedRate, "probe", lambda self, batch: None)
 
 
 # ----------------------------------------------------------------------------- drafting
@@ -95,6 +98,71 @@ def test_step_cost_is_measured(monkeypatch):
         cost.plain(1, 0.1)
         cost.wide(1, 5, 0.2)  # twice a plain step for 4 drafted positions: 0.25 each
     assert abs(cost.beta - 0.25) < 0.01
+    for _ in range(30):  # four rows: the verify forward costs relatively more
+        cost.plain(4, 0.1)
+        cost.wide(4, 5, 0.3)
+    assert abs(cost.beta_at(4) - 0.5) < 0.01 and abs(cost.beta_at(1) - 0.25) < 0.01
+    assert cost.beta_at(8) == cost.beta  # not measured at that size: the overall figure
+
+
+def test_wide_steps_are_costed_from_the_widths_measured(monkeypatch):
+    """A verify step's fixed part is not spread over its positions: widths measured at a
+    batch size give a line (its slope the cost per position), one measured width that
+    width's cost plus at most 0.15 per position."""
+    monkeypatch.undo()
+    cost = StepCost(beta=0.15)
+    for _ in range(40):
+        cost.plain(1, 0.100)
+        cost.wide(1, 2, 0.122)  # 0.10 of fixed part + 0.12 per position
+    assert cost.relative(1, 2) == pytest.approx(1.22, abs=0.01)
+    assert cost.relative(1, 9) == pytest.approx(1.22 + 7 * 0.15, abs=0.02)  # one width: the prior slope
+    assert cost.beta_at(1) == pytest.approx(0.22, abs=0.01)  # what beta alone would charge a position
+    for _ in range(40):
+        cost.wide(1, 5, 0.158)
+    assert cost.relative(1, 9) == pytest.approx(1.10 + 8 * 0.12, abs=0.02)  # the line through both
+    assert cost.relative(4, 3) == pytest.approx(1 + 2 * cost.beta)  # nothing measured at that size
+    assert cost.relative(1, 1) == 1.0
+
+
+def test_a_batch_size_whose_verify_steps_deliver_less_than_plain_ones_goes_plain(monkeypatch):
+    """Four rows: plain steps give 4 tokens in 0.1 s (40/s), verify steps 5 tokens in 0.2 s
+    (25/s): once three verify steps are measured the size pauses, for 32 steps, then 64
+    after it loses again; one row, whose verify steps pay (3 tokens in 0.12 s), keeps
+    speculating."""
+    monkeypatch.undo()
+    import scheduler.speculative.acceptance as acc
+
+    r = RealizedRate()
+    assert r.probe(4) is False and r.probe(4) is True  # no plain figure yet: two plain steps, the second timed
+    r.record("plain", 4, 4, 0.1)
+    assert r.probe(4) is None
+    for _ in range(acc.MIN_STEPS):
+        assert not r.paused(4)
+        r.record("verify", 4, 5, 0.2)
+    assert [r.paused(4) for _ in range(acc.BACKOFF_STEPS)] == [True] * acc.BACKOFF_STEPS
+    assert not r.paused(4)
+    assert r.rate("verify", 4) is None  # measured afresh after the pause
+    for _ in range(acc.MIN_STEPS):
+        r.record("verify", 4, 5, 0.2)
+    assert sum(r.paused(4) for _ in range(3 * acc.BACKOFF_STEPS)) == 2 * acc.BACKOFF_STEPS
+    r.record("plain", 1, 1, 0.08)
+    for _ in range(10):
+        r.record("verify", 1, 3, 0.12)
+        assert not r.paused(1)
+    assert r.rate("verify", 1) == pytest.approx(25.0) and r.rate("plain", 1) == pytest.approx(12.5)
+
+
+def test_plain_steps_are_measured_again_while_every_row_drafts(monkeypatch):
+    monkeypatch.undo()
+    import scheduler.speculative.acceptance as acc
+
+    r = RealizedRate()
+    r.record("plain", 2, 2, 0.1)
+    for _ in range(acc.PROBE_EVERY - 1):
+        r.record("verify", 2, 4, 0.15)
+        assert r.probe(2) is None
+    r.record("verify", 2, 4, 0.15)
+    assert [r.probe(2), r.probe(2)] == [False, True]
 
 
 # ----------------------------------------------------------------------------- rollback

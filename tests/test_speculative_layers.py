@@ -256,7 +256,8 @@ def test_a_model_refused_at_load_never_reads_its_draft(caplog, monkeypatch):
 
     converted, reserved = [], []
     real_convert, real_reserve = cpu_weights.float32_weights_for_cpu_backend, ModelRegistry._reserve
-    monkeypatch.setattr(cpu_weights, "float32_weights_for_cpu_backend", lambda m: converted.append(m) or real_convert(m))
+    monkeypatch.setattr(cpu_weights, "float32_weights_for_cpu_backend",
+                        lambda m, **kw: converted.append(m) or real_convert(m, **kw))
     monkeypatch.setattr(ModelRegistry, "_reserve",
                         lambda self, slot, need, evict: reserved.append(need) or real_reserve(self, slot, need, evict))
     draft = model_path("qwen3", tokenizer="qwen3")  # Nemotron-H's tokenizer, full attention

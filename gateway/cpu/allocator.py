@@ -1,20 +1,26 @@
-"""glibc malloc that keeps freed memory for reuse (Linux, MLX on the CPU).
+"""glibc malloc that keeps freed memory for reuse (Linux, MLX on the CPU), where it pays.
 
 MLX's CPU backend allocates every array with ``malloc`` and frees it when the array
 dies; it keeps no buffer cache of its own (its Metal allocator does). glibc serves
 large requests with fresh ``mmap`` pages (or trims the heap top back to the kernel on
-``free``), so each new buffer page-faults on first write. A prefill chunk's attention
-scores are ``[B, H, Tq, Tk]`` float32, tens of MB per layer, and on the 2-core VM these
-benchmarks run on, a fault costs about 3 µs per 4 KiB page: a float32 multiply of 12 M
-elements took 53 ms, against 8 ms once memory is reused
-(``benchmarks/bench_cpu_attention.py``).
+``free``), so each new buffer page-faults on first write: on the 2-core VM of
+``benchmarks/bench_cpu_attention.py`` about 3 µs per 4 KiB page, so a float32 multiply of
+12 M elements took 53 ms, against 8 ms once memory is reused.
 
-:func:`keep_freed_memory` sets, with ``mallopt(3)``: one arena (``M_ARENA_MAX=1``, so the
-engine thread's buffers come from the main heap too), no ``mmap`` for large blocks
-(``M_MMAP_MAX=0``) and no trimming below 1 GiB of free heap top (``M_TRIM_THRESHOLD``).
-Memory freed after a long prefill then stays in the process for the next one instead of
-going back to the kernel; the resident size follows the peak, like jemalloc or
-tcmalloc with their defaults. ``MLX_GATEWAY_MALLOC_TUNE=0`` leaves glibc's defaults.
+:data:`SETTINGS` (``mallopt(3)``): no ``mmap`` for large blocks (``M_MMAP_MAX=0``) and no
+trimming below 1 GiB of free heap top (``M_TRIM_THRESHOLD``). Memory freed after a
+prefill chunk then stays in the process for the next one; the resident size follows the
+peak, like jemalloc or tcmalloc with their defaults (:mod:`gateway.cpu.idle_trim` gives it
+back after a quiet spell).
+
+Whether that is faster depends on the machine and on the kernels in use (attention that
+works in blocks makes few large buffers), so :func:`choose` measures it at load, on a
+prefill-shaped workload of the served model, first with glibc's behaviour, then with the
+settings, and keeps them only if they win by :data:`gateway.cpu.measure.MARGIN`. Otherwise
+it sets :data:`GLIBC_LIKE`: glibc's own values once its dynamic threshold has grown to its
+ceiling (``mmap`` above 32 MiB, trim above 64 MiB), since ``mallopt`` cannot switch the
+dynamic threshold back on. ``MLX_GATEWAY_MALLOC_TUNE=0`` leaves glibc alone; ``=1`` sets
+the settings without measuring.
 """
 
 from __future__ import annotations
@@ -23,15 +29,22 @@ import ctypes
 import logging
 import os
 import sys
-from typing import Optional
+from typing import Callable, Optional
+
+from gateway.cpu.measure import Choice, pick, race
 
 log = logging.getLogger("mlx_gateway")
 
 # mallopt parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
-M_ARENA_MAX = -8
-SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 1 << 30))
+SETTINGS = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 1 << 30))
+# glibc's defaults after its dynamic mmap threshold reached its 64-bit ceiling
+# (DEFAULT_MMAP_THRESHOLD_MAX, 32 MiB; the trim threshold follows at twice that).
+GLIBC_LIKE = ((M_MMAP_MAX, 65536), (M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 64 << 20))
+
+_state = {"kept": False}
 
 
 def _glibc() -> bool:
@@ -41,24 +54,91 @@ def _glibc() -> bool:
         return False
 
 
-def keep_freed_memory() -> Optional[str]:
-    """Apply :data:`SETTINGS` with ``mallopt`` on Linux with glibc when MLX runs on the CPU,
-    unless ``MLX_GATEWAY_MALLOC_TUNE=0``. Call before any thread starts (arenas are
-    per thread). Returns why it did not, or None.
-
-    A setting glibc refuses (``mallopt`` returns 0) is logged and reported as the reason.
-    """
+def unavailable() -> Optional[str]:
+    """Why the setting cannot apply here (``MLX_GATEWAY_MALLOC_TUNE=0``, not Linux with
+    glibc, MLX on a GPU), or None."""
     from gateway.cpu import cpu_backend
 
-    if os.environ.get("MLX_GATEWAY_MALLOC_TUNE", "1") == "0":
+    if os.environ.get("MLX_GATEWAY_MALLOC_TUNE", "") == "0":
         return "MLX_GATEWAY_MALLOC_TUNE=0"
     if not sys.platform.startswith("linux") or not _glibc():
         return "not Linux with glibc"
     if not cpu_backend():
         return "MLX runs on a GPU"
+    return None
+
+
+def _mallopt(settings) -> Optional[str]:
     libc = ctypes.CDLL(None)
-    for param, value in SETTINGS:
+    for param, value in settings:
         if libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) != 1:
-            log.warning("glibc refused mallopt(%d, %d); freed memory may go back to the kernel", param, value)
+            log.warning("glibc refused mallopt(%d, %d)", param, value)
             return f"mallopt({param}, {value}) failed"
     return None
+
+
+def keeping_freed_memory() -> bool:
+    """The settings are in force (set by :func:`keep_freed_memory` or :func:`choose`)."""
+    return _state["kept"]
+
+
+def keep_freed_memory() -> Optional[str]:
+    """Apply :data:`SETTINGS` now, without measuring, where they can apply (see
+    :func:`unavailable`). Returns why it did not, or None."""
+    why = unavailable() or _mallopt(SETTINGS)
+    _state["kept"] = why is None
+    return why
+
+
+def give_back_freed_memory() -> Optional[str]:
+    """Undo :func:`keep_freed_memory` (:data:`GLIBC_LIKE`); returns why it could not, or None."""
+    why = _mallopt(GLIBC_LIKE)
+    if why is None:
+        _state["kept"] = False
+    return why
+
+
+def decided() -> Optional[str]:
+    """What :func:`choose` decided in this process (``"keep freed"`` or ``"glibc"``), or None."""
+    return _state.get("decided")
+
+
+def decide(seconds: dict[str, float]) -> str:
+    """``"keep freed"`` or ``"glibc"`` from the workload's time under each
+    (:func:`gateway.cpu.measure.pick`: glibc's unless the setting wins by the margin)."""
+    return pick(seconds, "glibc")
+
+
+def choose(workload: Callable[[], object], sync: Callable[[object], None], rounds: int = 3) -> Choice:
+    """Time ``workload`` under glibc's behaviour, then with :data:`SETTINGS`, then with
+    glibc's values again (:data:`GLIBC_LIKE`), and keep the faster (:func:`decide`; glibc's
+    figure the better of its two); ``MLX_GATEWAY_MALLOC_TUNE=1`` keeps the settings
+    unmeasured.
+    Once per process: a later call returns the settings in force. Logs the choice.
+
+    Args:
+        workload: a call doing prefill-shaped work of the served model, passed to ``sync``.
+        sync: waits for the work (``mx.eval``).
+    """
+    what = "allocator (freed memory kept for reuse, or glibc's)"
+    why = unavailable()
+    if why is not None:
+        return Choice(what, "glibc", reason=why).log()
+    if "decided" in _state:
+        return Choice(what, _state["decided"], reason="decided at the first model's load")
+    if os.environ.get("MLX_GATEWAY_MALLOC_TUNE", "") == "1":
+        why = keep_freed_memory()
+        _state["decided"] = "keep freed" if why is None else "glibc"
+        return Choice(what, _state["decided"], reason=why or "MLX_GATEWAY_MALLOC_TUNE=1").log()
+    # glibc's, the setting's, then glibc's again (as it would stay): the first block also
+    # grows the heap, so glibc's figure is the faster of its two
+    seconds = {"glibc": race({"glibc": workload}, rounds, sync=sync)["glibc"]}
+    if keep_freed_memory() is None:
+        seconds["keep freed"] = race({"keep freed": workload}, rounds, sync=sync)["keep freed"]
+        give_back_freed_memory()
+        seconds["glibc"] = min(seconds["glibc"], race({"glibc": workload}, rounds, sync=sync)["glibc"])
+    chosen = decide(seconds) if "keep freed" in seconds else "glibc"
+    if chosen == "keep freed":
+        keep_freed_memory()
+    _state["decided"] = chosen
+    return Choice(what, chosen, seconds).log()

@@ -1,30 +1,42 @@
-"""Attention for MLX's CPU backend whose softmax ``exp`` is one compiled kernel.
+"""Attention for MLX's CPU backend: the kernel that a measurement at load finds fastest.
 
 On the CPU, ``mx.fast.scaled_dot_product_attention`` runs MLX's unfused fallback
-(``mlx/fast.cpp``): ``q @ k^T``, mask, ``softmax(precise=True)``, ``@ v``. On Linux x86-64
-the softmax's ``exp`` is MLX's Cephes polynomial (``mlx/backend/cpu/simd/math.h``) on
-``Simd<float, 1>``, one element at a time through out-of-line ``fma`` calls: about
-40-67 M elements/s here, so a 95-token turn over 2000 cached tokens spends most of its
-prefill in ``exp`` (``benchmarks/bench_prefill_ops.py``).
+(``mlx/fast.cpp``): ``q @ k^T``, mask, ``softmax(precise=True)``, ``@ v``, over every
+key for every query. On Linux x86-64 MLX's ``exp`` is its Cephes polynomial on
+``Simd<float, 1>`` with out-of-line ``fma`` calls, one element at a time (about 60-70 M
+elements/s on the 2-core machine of ``benchmarks/bench_cpu_attention.py``), so a
+2,048-token prefill chunk of SmolLM2-135M (9 query heads of 64) spends about 0.7 s per
+layer in attention, 20 s of a chunk whose matmuls take 4: the ``[Tq, Tk]`` scores are
+38 M elements per layer, half of them masked.
 
-:func:`attention` computes the same thing with the same polynomial written as MLX array
-ops, fused by ``mx.compile`` into one elementwise kernel that the compiler vectorizes:
-about 3x faster ``exp``, and attention over that shape 45 ms -> 19 ms with
-:mod:`gateway.cpu.allocator`'s setting (``benchmarks/bench_cpu_attention.py``). It then
-normalizes after ``@ v`` (``[.., Tq, D]``) instead of before (``[.., Tq, Tk]``). Outputs
-agree with MLX's to about 1e-6 in float32 (``tests/test_cpu_attention.py``); a row's
-result does not depend on the other rows of its batch, so batched and cached paths stay
-equivalent to a cold single-request run.
+The kernels here (:data:`KERNELS`):
 
-:func:`install` replaces ``mx.fast.scaled_dot_product_attention`` for the whole process,
-which is how mlx-lm's models reach it (``mlx_lm.models.base``). Calls it does not cover
-(attention sinks, an explicit stream, ``force_fused``) go to MLX's own.
-``mlx-gateway serve`` installs it when MLX runs on the CPU, ``g++`` is on the PATH (MLX
-compiles CPU kernels with it; without it the ops would run unfused) and the allocator
-setting below is in force.
-``MLX_GATEWAY_CPU_ATTENTION=0`` keeps MLX's. It makes more temporary arrays than MLX's
-fallback, so it relies on :mod:`gateway.cpu.allocator` reusing freed memory: with glibc's
-default malloc, large prefill chunks page-fault enough to be slower than MLX's.
+* ``mlx``: MLX's own, as it is.
+* ``mlx-blocks``: MLX's own on blocks of :data:`MLX_BLOCK` queries, each over the keys
+  it can see: under a causal mask a block ending at query ``e`` sees keys ``< Tk - Tq +
+  e``, so a chunk from an empty cache computes about half the scores.
+* ``compiled-blocks``: blocks of :data:`COMPILED_BLOCK` queries (their scores stay in
+  the CPU's cache), the softmax's ``exp`` written as array ops (the same polynomial) and
+  fused by ``mx.compile`` into kernels the compiler vectorizes, and the normalizer taken
+  by the ``@ v`` matmul itself (``v`` gets a column of ones).
+
+Which one runs is decided per model at load (:func:`choose_for_model`): each kernel is
+timed on the model's own head counts, head size and dtype, on a prefill shape (a chunk of
+:data:`PREFILL_SHAPES`: queries over keys) and a decode step over a short and a long
+context (:data:`DECODE_SHAPES`: over 8,192 keys MLX's scalar ``exp`` makes its own kernel
+twice the compiled one, over 1,024 it wins), and the fastest is used for each (MLX's own
+unless another wins by :data:`gateway.cpu.measure.MARGIN`); the log says what was chosen
+with the figures. Shapes no model was measured for run MLX's own.
+
+:func:`attention` is what :func:`install` puts in place of
+``mx.fast.scaled_dot_product_attention`` for the whole process, which is how mlx-lm's
+models reach it (``mlx_lm.models.base``). Calls it does not cover (attention sinks, an
+explicit stream, ``force_fused``, float16 and bfloat16, inputs not of rank 4) go to MLX's
+own. Every kernel gives MLX's outputs to about 1e-6 in float32
+(``tests/test_cpu_attention.py``), and a row's result does not depend on the other rows of
+its batch, so batched and cached paths stay equivalent to a cold single-request run.
+``MLX_GATEWAY_CPU_ATTENTION=0`` keeps MLX's own everywhere; ``compiled-blocks`` needs
+``g++`` on the PATH (MLX compiles CPU kernels with it) and is not a candidate without it.
 """
 
 from __future__ import annotations
@@ -34,9 +46,11 @@ import logging
 import os
 import shutil
 from collections.abc import Iterator
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import mlx.core as mx
+
+from gateway.cpu.measure import Choice, pick, race
 
 log = logging.getLogger("mlx_gateway")
 
@@ -47,14 +61,26 @@ POLY = (1.535336188319500e-4, 1.339887440266574e-3, 9.618437357674640e-3, 5.5503
         2.402264791363012e-1, 6.931472028550421e-1, 1.0)
 ROUND = 12582912.0  # 1.5 * 2**23: (y + ROUND) - ROUND rounds a float32 |y| < 2**22 to an integer
 
+MLX_BLOCK = 128  # queries per block of the mlx-blocks kernel
+COMPILED_BLOCK = 32  # queries per block of the compiled-blocks kernel: [rep * 32, Tk] scores stay in cache
+# (queries, keys) of the prefill timings at load: a chunk over earlier context (a fresh chunk's
+# figure is dominated by per-call costs that long prompts, where attention matters, do not pay)
+PREFILL_SHAPES = ((256, 1024),)
+FEW_QUERIES = 16  # calls with at most this many queries a row (decode, verifying drafts) take the decode kernel
+DECODE_SHAPES = ((1, 1024), (1, 8192))  # (rows, keys) of the decode timings: short and long context
+LONG_KEYS = 4096  # decode calls over at least this many keys take the kernel timed over long context
+_MASKED = -3.0e38  # a score that exp turns into 0 (finite: a fully masked row stays finite, as in MLX)
+
 _mlx_attention = mx.fast.scaled_dot_product_attention
 
+Mask = Union[None, str, mx.array]
 
-def _exp_parts(x: mx.array) -> tuple[mx.array, mx.array]:
-    """For ``x <= 0`` (float32): ``(bits of 2**i as int32, P(f))`` with ``exp(x) = 2**i * P(f)``.
-    ``i`` is clamped at -126 (the smallest normal exponent), so ``exp`` of anything below
-    about -87.3 comes out as about 1e-38 instead of 0."""
-    y = mx.maximum(x * LOG2E, -126.0)
+
+def _exp_parts(x: mx.array, rowmax: mx.array) -> tuple[mx.array, mx.array]:
+    """For ``d = x - rowmax <= 0`` (float32): ``(bits of 2**i as int32, P(f))`` with
+    ``exp(d) = 2**i * P(f)``. ``i`` is clamped at -126 (the smallest normal exponent), so
+    ``exp`` of anything below about -87.3 comes out as about 1e-38 instead of 0."""
+    y = mx.maximum((x - rowmax) * LOG2E, -126.0)
     i = (y + ROUND) - ROUND
     f = y - i
     p = POLY[0]
@@ -67,16 +93,150 @@ def _exp_parts(x: mx.array) -> tuple[mx.array, mx.array]:
 _exp_parts_fused = mx.compile(_exp_parts, shapeless=True)
 
 
-def exp_nonpositive(x: mx.array) -> mx.array:
-    """``exp(x)`` for float32 ``x <= 0``, relative error about 1e-7 (same polynomial as
-    MLX's CPU ``exp``); about 1e-38 instead of 0 below -87.3."""
-    bits, poly = _exp_parts_fused(x)
+def _exp_shifted(x: mx.array, rowmax: mx.array) -> mx.array:
+    bits, poly = _exp_parts_fused(x, rowmax)
     return bits.view(mx.float32) * poly  # view: shapeless compile cannot infer its shape
 
 
-def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float,
-              mask: Union[None, str, mx.array] = None, **kwargs) -> mx.array:
-    """``softmax(scale * q @ k^T + mask) @ v``, as ``mx.fast.scaled_dot_product_attention``.
+def exp_nonpositive(x: mx.array) -> mx.array:
+    """``exp(x)`` for float32 ``x <= 0``, relative error about 1e-7 (same polynomial as
+    MLX's CPU ``exp``); about 1e-38 instead of 0 below -87.3."""
+    return _exp_shifted(x, mx.zeros((1,), x.dtype))
+
+
+# ----------------------------------------------------------------------------- masks
+def _mask_4d(mask: mx.array) -> mx.array:
+    while mask.ndim < 4:
+        mask = mx.expand_dims(mask, 0)
+    return mask
+
+
+_seen_causal: list = [None, False]  # [the last array mask checked, whether it hides the future]
+
+
+def _hides_future(mask: Mask, Tq: int, Tk: int) -> bool:
+    """True when no query may see a key after its own position (``Tk - Tq + i`` for query
+    ``i``): ``"causal"``, or a boolean array mask that is False there (mlx-lm's batch
+    caches' masks: causal with padding, or a sliding window). Then a block of queries
+    needs only the keys up to its last query. An array mask is checked once (the models
+    pass one mask object to every layer of a forward)."""
+    if isinstance(mask, str):
+        return mask == "causal"
+    if mask is None or mask.dtype != mx.bool_ or Tq == 1:
+        return Tq == 1 and mask is None
+    if _seen_causal[0] is mask:
+        return _seen_causal[1]
+    future = mx.arange(Tk)[None] > mx.arange(Tk - Tq, Tk)[:, None]
+    hides = not bool(mx.any(mx.logical_and(mask, future)).item())
+    _seen_causal[:] = [mask, hides]
+    return hides
+
+
+# ----------------------------------------------------------------------------- kernels
+def _blocks(Tq: int, Tk: int, block: int, causal: bool) -> Iterator[tuple[int, int, int]]:
+    """``(start, end, keys)`` per block of queries: the keys it needs are ``[0, keys)``."""
+    for s in range(0, Tq, block):
+        e = min(Tq, s + block)
+        yield s, e, (Tk - Tq + e) if causal else Tk
+
+
+def _mlx_blocks(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask) -> mx.array:
+    """MLX's own attention per block of :data:`MLX_BLOCK` queries over the keys each sees."""
+    Tq, Tk = q.shape[2], k.shape[2]
+    if Tq <= MLX_BLOCK:
+        return _mlx_attention(q, k, v, scale=scale, mask=mask)
+    causal = _hides_future(mask, Tq, Tk)
+    if isinstance(mask, mx.array):
+        mask = _mask_4d(mask)
+    outs = []
+    for s, e, n in _blocks(Tq, Tk, MLX_BLOCK, causal):
+        # "causal" stays "causal": the block's last query sees the last of its keys
+        m = mask if isinstance(mask, str) or mask is None else mask[..., s:e, :n]
+        outs.append(_mlx_attention(q[:, :, s:e], k[:, :, :n], v[:, :, :n], scale=scale, mask=m))
+    return mx.concatenate(outs, axis=2)
+
+
+def _compiled_blocks(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask) -> mx.array:
+    """Attention in blocks of :data:`COMPILED_BLOCK` queries, float32: per block and KV
+    head, the ``rep`` query heads that share it are one ``[rep * n, D]`` matmul against
+    the keys the block sees; the softmax's ``exp`` is :func:`_exp_shifted`; ``@ [v, 1]``
+    gives the weighted values and their normalizer at once. Grouped-query heads: query
+    head ``h`` uses key/value head ``h // rep``, as in MLX."""
+    B, Hq, Tq, D = q.shape
+    Hk, Tk = k.shape[1], k.shape[2]
+    rep = Hq // Hk
+    causal = _hides_future(mask, Tq, Tk)
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"[scaled_dot_product_attention] Invalid mask_mode {mask}")
+    elif mask is not None:
+        mask = _mask_4d(mask)
+    q = (q * mx.array(scale, q.dtype)).reshape(B, Hk, rep, Tq, D)
+    kT = k.swapaxes(-1, -2)
+    v1 = mx.concatenate([v, mx.ones((B, Hk, Tk, 1), v.dtype)], axis=-1)  # [.., D + 1]: the last column sums p
+    outs = []
+    for s, e, n in _blocks(Tq, Tk, COMPILED_BLOCK, causal):
+        rows = e - s
+        qb = q[..., s:e, :].reshape(B, Hk, rep * rows, D)
+        scores = (qb @ kT[..., :n]).reshape(B, Hk, rep, rows, n)
+        if mask is not None:
+            if isinstance(mask, str):
+                m = mx.arange(n - rows, n)[:, None] >= mx.arange(n)[None]
+            else:
+                m = mask[..., s:e, :n]
+                m = m[:, :, None] if m.shape[1] == 1 else m.reshape(m.shape[0], Hk, rep, rows, n)
+            if m.dtype == mx.bool_:
+                scores = mx.where(m, scores, mx.array(_MASKED, scores.dtype))
+            else:
+                scores = scores + m.astype(scores.dtype)
+        p = _exp_shifted(scores, mx.max(scores, axis=-1, keepdims=True))
+        o = p.reshape(B, Hk, rep * rows, n) @ v1[..., :n, :]
+        outs.append((o[..., :D] / o[..., D:]).reshape(B, Hk, rep, rows, D))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
+    return out.reshape(B, Hq, Tq, D)
+
+
+def _mlx(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask) -> mx.array:
+    return _mlx_attention(q, k, v, scale=scale, mask=mask)
+
+
+KERNELS: dict[str, Callable[[mx.array, mx.array, mx.array, float, Mask], mx.array]] = {
+    "mlx": _mlx, "mlx-blocks": _mlx_blocks, "compiled-blocks": _compiled_blocks,
+}
+
+# (query heads, KV heads, head size, dtype) -> (prefill kernel, decode kernel)
+_plans: dict[tuple, tuple[str, str, str]] = {}
+
+
+def plan(hq: int, hk: int, d: int, dtype, prefill: str, decode: str, decode_long: Optional[str] = None) -> None:
+    """Use kernel ``prefill`` for calls with more than :data:`FEW_QUERIES` queries per row
+    and ``decode`` for the others (a decode step's one, a verify step's few), ``decode_long``
+    (default: ``decode``) for those over :data:`LONG_KEYS` keys or more, on attention of
+    that shape (names from :data:`KERNELS`).
+
+    Raises:
+        KeyError: an unknown kernel name.
+    """
+    decode_long = decode_long or decode
+    for name in (prefill, decode, decode_long):
+        KERNELS[name]  # noqa: B018 (raises KeyError)
+    _plans[(hq, hk, d, dtype)] = (prefill, decode, decode_long)
+
+
+def planned(hq: int, hk: int, d: int, dtype) -> Optional[tuple[str, str, str]]:
+    """The ``(prefill, decode, long-context decode)`` kernels used for that shape, or
+    None (MLX's own)."""
+    return _plans.get((hq, hk, d, dtype))
+
+
+def forget_plans() -> None:
+    """Every shape back to MLX's own attention."""
+    _plans.clear()
+
+
+def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Mask = None, **kwargs) -> mx.array:
+    """``softmax(scale * q @ k^T + mask) @ v``, as ``mx.fast.scaled_dot_product_attention``,
+    with the kernel planned for its shape (:func:`plan`; MLX's own where none is).
 
     Args:
         q: queries ``[B, Hq, Tq, D]``.
@@ -84,47 +244,23 @@ def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float,
         scale: multiplies ``q``.
         mask: None; ``"causal"`` (query ``i`` sees keys ``<= Tk - Tq + i``); a boolean
             array (True: attend) or an additive one, broadcastable to ``[B, Hq, Tq, Tk]``.
-        kwargs: ``sinks``, ``stream``, ``force_fused``: given, MLX's own computes it, as
-            it does inputs not of rank 4, of mixed dtypes, or other than float32, float16
-            and bfloat16.
+        kwargs: ``sinks``, ``stream``, ``force_fused``: given, MLX's own computes it.
 
     Returns:
-        ``[B, Hq, Tq, D]`` in the inputs' dtype. float16 and bfloat16 take the softmax in
-        float32 and normalize before ``@ v``, as MLX does.
+        ``[B, Hq, Tq, D]`` in the inputs' dtype.
+
+    Raises:
+        ValueError: a mask mode other than ``"causal"``.
     """
     if (any(v_ is not None and v_ is not False for v_ in kwargs.values()) or q.ndim != 4
-            or not q.dtype == k.dtype == v.dtype or q.dtype not in (mx.float32, mx.float16, mx.bfloat16)):
+            or not q.dtype == k.dtype == v.dtype == mx.float32):
         return _mlx_attention(q, k, v, scale=scale, mask=mask, **kwargs)
-    B, Hq, Tq, D = q.shape
-    Hk, Tk = k.shape[1], k.shape[2]
-    rep = Hq // Hk
-    q = q * mx.array(scale, q.dtype)
-    if rep > 1:  # [B, Hk, rep, Tq, D] against [B, Hk, 1, Tk, D]
-        q = q.reshape(B, Hk, rep, Tq, D)
-        k, v = mx.expand_dims(k, 2), mx.expand_dims(v, 2)
-    scores = q @ k.swapaxes(-1, -2)
-    if isinstance(mask, str):
-        if mask != "causal":
-            raise ValueError(f"[scaled_dot_product_attention] Invalid mask_mode {mask}")
-        mask = mx.arange(Tk - Tq, Tk)[:, None] >= mx.arange(Tk)[None]
-    if mask is not None:
-        if rep > 1 and mask.ndim >= 3:
-            mask = (mx.expand_dims(mask, -3) if mask.shape[-3] == 1
-                    else mask.reshape(*mask.shape[:-3], Hk, rep, *mask.shape[-2:]))
-        if mask.dtype == mx.bool_:
-            scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
-        else:
-            scores = scores + mask.astype(scores.dtype)
-    low = scores.dtype != mx.float32
-    if low:
-        scores = scores.astype(mx.float32)
-    p = exp_nonpositive(scores - mx.max(scores, axis=-1, keepdims=True))
-    total = p.sum(axis=-1, keepdims=True)
-    if low:
-        out = (p / total).astype(v.dtype) @ v
-    else:
-        out = (p @ v) / total
-    return out.reshape(B, Hq, Tq, -1) if rep > 1 else out
+    kernels = _plans.get((q.shape[1], k.shape[1], q.shape[3], q.dtype))
+    if kernels is None:
+        return _mlx_attention(q, k, v, scale=scale, mask=mask)
+    if q.shape[2] > FEW_QUERIES:
+        return KERNELS[kernels[0]](q, k, v, scale, mask)
+    return KERNELS[kernels[2] if k.shape[2] >= LONG_KEYS else kernels[1]](q, k, v, scale, mask)
 
 
 def install() -> None:
@@ -138,33 +274,123 @@ def uninstall() -> None:
 
 
 @contextlib.contextmanager
-def installed() -> Iterator[None]:
-    """:func:`install` for the duration of a ``with`` block."""
+def installed(prefill: Optional[str] = None, decode: Optional[str] = None, shapes=(),
+              decode_long: Optional[str] = None) -> Iterator[None]:
+    """:func:`install` for the duration of a ``with`` block; with ``prefill`` and
+    ``decode`` (and ``decode_long``), those kernels planned for each ``(hq, hk, d, dtype)``
+    of ``shapes`` meanwhile."""
+    saved = dict(_plans)
+    for shape in shapes:
+        plan(*shape, prefill, decode, decode_long)
     install()
     try:
         yield
     finally:
         uninstall()
+        _plans.clear()
+        _plans.update(saved)
 
 
-def install_for_cpu_backend() -> Optional[str]:
-    """:func:`install` when MLX runs on the CPU and can compile kernels (``g++`` on the
-    PATH), unless ``MLX_GATEWAY_CPU_ATTENTION=0``; compiles the kernel once. Returns why
-    it did not install, or None."""
+# ----------------------------------------------------------------------------- the choice
+def attention_shapes(model) -> set[tuple]:
+    """The ``(query heads, KV heads, head size, dtype)`` of every attention call of a
+    forward of ``model`` (traced lazily on two tokens: nothing is computed)."""
+    seen: set[tuple] = set()
+    current = mx.fast.scaled_dot_product_attention
+
+    def record(q, k, v, *, scale, mask=None, **kwargs):
+        seen.add((q.shape[1], k.shape[1], q.shape[3], q.dtype))
+        return _mlx_attention(q, k, v, scale=scale, mask=mask, **kwargs)
+
+    mx.fast.scaled_dot_product_attention = record
+    try:
+        model(mx.array([[1, 2]]))
+    finally:
+        mx.fast.scaled_dot_product_attention = current
+    return seen
+
+
+def _candidates() -> list[str]:
+    return [name for name in KERNELS if name != "compiled-blocks" or _can_compile()]
+
+
+_compile_ok: list[Optional[bool]] = [None]
+
+
+def _can_compile() -> bool:
+    """``g++`` is on the PATH and MLX compiled the ``exp`` kernel (once per process)."""
+    if _compile_ok[0] is None:
+        ok = shutil.which("g++") is not None
+        if ok:
+            try:
+                mx.eval(exp_nonpositive(mx.zeros((1,))))
+            except RuntimeError as e:  # e.g. a temporary directory that cannot hold or load the kernel
+                log.warning("MLX could not compile the CPU attention kernel (%s)", e)
+                ok = False
+        _compile_ok[0] = ok
+    return bool(_compile_ok[0])
+
+
+def measure_shape(hq: int, hk: int, d: int, dtype, rounds: int = 4) -> tuple[dict[str, float], ...]:
+    """Seconds of each candidate kernel (fastest of ``rounds``, after two warm-up calls) on
+    attention of that shape: the :data:`PREFILL_SHAPES` chunks with a causal boolean mask
+    (as mlx-lm's batch caches give; a kernel's figure is their sum), and each of
+    :data:`DECODE_SHAPES` (rows of one query). Returns ``(prefill, decode, long-context
+    decode)``."""
+    chunks = []
+    for i, (tq, tk) in enumerate(PREFILL_SHAPES):
+        q, k, v = (mx.random.normal(shape, key=kk).astype(dtype) for shape, kk in
+                   zip(((1, hq, tq, d), (1, hk, tk, d), (1, hk, tk, d)), mx.random.split(mx.random.key(2 + i), 3)))
+        chunks.append((q, k, v, (mx.arange(tk - tq, tk)[:, None] >= mx.arange(tk)[None])[None, None]))
+    steps = []
+    for i, (rows, keys) in enumerate(DECODE_SHAPES):
+        steps.append(tuple(mx.random.normal(shape, key=kk).astype(dtype) for shape, kk in
+                           zip(((rows, hq, 1, d), (rows, hk, keys, d), (rows, hk, keys, d)),
+                               mx.random.split(mx.random.key(10 + i), 3))))
+    mx.eval(chunks, steps)
+    names = _candidates()
+    scale = d ** -0.5
+    prefill = race({n: (lambda f=KERNELS[n]: [f(q, k, v, scale, m) for q, k, v, m in chunks]) for n in names},
+                   rounds, sync=mx.eval, warmup=2)
+    decodes = tuple(race({n: (lambda f=KERNELS[n], a=a: f(*a, scale, None)) for n in names if n != "mlx-blocks"},
+                         rounds, sync=mx.eval, warmup=2) for a in steps)
+    return (prefill, *decodes)
+
+
+def choose(hq: int, hk: int, d: int, dtype, prefill: dict[str, float], decode: dict[str, float],
+           decode_long: Optional[dict[str, float]] = None) -> list[Choice]:
+    """Plan the fastest kernels for that shape from their timings (:func:`pick`: MLX's
+    own unless another beats it by the margin); returns the choices."""
+    shape = f"[{hq} query / {hk} KV heads of {d}]"
+    p, dd = pick(prefill, "mlx"), pick(decode, "mlx")
+    dl = pick(decode_long, "mlx") if decode_long else dd
+    plan(hq, hk, d, dtype, p, dd, dl)
+    out = [Choice(f"attention, prefill {shape}", p, dict(prefill)),
+           Choice(f"attention, decode {shape}", dd, dict(decode))]
+    if decode_long:
+        out.append(Choice(f"attention, decode over {LONG_KEYS}+ keys {shape}", dl, dict(decode_long)))
+    return out
+
+
+def choose_for_model(model, rounds: int = 4) -> list[Choice]:
+    """Measure and plan the attention kernels for every attention shape of ``model``
+    (float32 ones; others keep MLX's own), when MLX runs on the CPU and
+    ``MLX_GATEWAY_CPU_ATTENTION`` is not 0; installs :func:`attention`. Logs and
+    returns the choices (a reason instead of figures where nothing was measured)."""
     from gateway.cpu import cpu_backend
 
-    if os.environ.get("MLX_GATEWAY_CPU_ATTENTION", "1") == "0":
-        return "MLX_GATEWAY_CPU_ATTENTION=0"
-    if not cpu_backend():
-        return "MLX runs on a GPU"
-    if shutil.which("g++") is None:
-        log.warning("no g++ on the PATH: MLX cannot compile CPU kernels, so attention keeps MLX's "
-                    "scalar exp (about 2x slower prefill); install g++ to speed it up")
-        return "no g++"
-    try:
-        mx.eval(exp_nonpositive(mx.zeros((1,))))  # the one-off kernel compile, before requests
-    except RuntimeError as e:  # e.g. a temporary directory that cannot hold or load the kernel
-        log.warning("MLX could not compile the CPU attention kernel (%s); keeping MLX's attention", e)
-        return f"compile failed: {e}"
+    why = ("MLX_GATEWAY_CPU_ATTENTION=0" if os.environ.get("MLX_GATEWAY_CPU_ATTENTION", "1") == "0"
+           else None if cpu_backend() else "MLX runs on a GPU")
+    if why is not None:
+        return [Choice("attention", "mlx", reason=why).log()]
+    choices = []
+    for hq, hk, d, dtype in sorted(attention_shapes(model), key=str):
+        if dtype != mx.float32:
+            choices.append(Choice(f"attention [{hq}/{hk} heads of {d}, {dtype}]", "mlx",
+                                  reason="not float32").log())
+            continue
+        if planned(hq, hk, d, dtype) is not None:
+            continue  # another model of the same shape measured it
+        choices += [c.log() for c in choose(hq, hk, d, dtype, *measure_shape(hq, hk, d, dtype, rounds))]
     install()
-    return None
+    return choices

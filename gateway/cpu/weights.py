@@ -23,6 +23,13 @@ Models are left as stored when a layer is quantized in a way ``dequantize_model`
 not handle: subclasses of MLX's quantized layers (afm7's fused QKV), other quantized
 layer types (``QuantizedMultiLinear``, ``HadamardQuantizedLinear``, ``BitLinear``), and
 experts with an nvfp4 global scale.
+
+Whether float32 is faster is measured at load, on one of the model's own layers
+(:func:`measure_layer`): its matmul as stored and as float32, for a prefill chunk of
+:data:`CHUNK` tokens and for one decode token; the weights are converted when a request of
+:data:`REQUEST` (prompt, generated) tokens costs less that way by
+:data:`gateway.cpu.measure.MARGIN` (:func:`decide`), and the log gives the figures.
+``MLX_GATEWAY_CPU_FLOAT32=1`` converts without measuring.
 """
 
 from __future__ import annotations
@@ -30,16 +37,21 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
+from gateway.cpu.measure import Choice, MARGIN, race
+
 log = logging.getLogger("mlx_gateway")
 
 MEMORY_SHARE = 0.25  # float32 weights may take at most this share of memory_limit_bytes()
 FLOATS = (mx.float16, mx.bfloat16, mx.float32)
+CHUNK = 32  # tokens of the prefill-shaped timing
+SAMPLE_ROWS = 128  # output rows of the sampled layer that are timed
+REQUEST = (1000, 200)  # (prompt, generated) tokens of the request the two timings are weighed by
 
 
 def memory_limit_bytes() -> Optional[int]:
@@ -169,23 +181,94 @@ def served_bytes(model: nn.Module) -> int:
     return sum(p.nbytes for _, p in tree_flatten(model.parameters()))
 
 
-def float32_weights_for_cpu_backend(model: nn.Module) -> Optional[str]:
-    """:func:`float32_weights` when MLX runs on the CPU, unless
-    ``MLX_GATEWAY_CPU_FLOAT32=0``; logs a warning when a model that is not float32 stays
-    as stored (too large, unsupported layers, the conversion raised). Returns why it did
-    not convert, or None."""
+def _sample_layer(model: nn.Module) -> Optional[nn.Module]:
+    """The largest quantized or half-precision linear layer (a matmul the model runs per
+    token), or None."""
+    best, size = None, -1
+    for _, m in model.named_modules():
+        if type(m) is nn.QuantizedLinear or (type(m) is nn.Linear and m.weight.dtype in (mx.float16, mx.bfloat16)):
+            n = math.prod(m.weight.shape)
+            if n > size:
+                best, size = m, n
+    return best
+
+
+def _stored_matmul(layer: nn.Module, rows: int) -> tuple[Callable[[mx.array], mx.array], mx.array, mx.Dtype]:
+    """``(x -> x @ W[:rows].T as stored, W[:rows] as float32, the input dtype)`` for a
+    quantized or half-precision linear ``layer`` (``W`` is ``[out, in]``)."""
+    if isinstance(layer, nn.QuantizedLinear):
+        mode = getattr(layer, "mode", "affine")
+        w, scales, biases = (None if a is None else a[:rows] for a in
+                             (layer.weight, layer.scales, layer.get("biases")))
+        kwargs = dict(transpose=True, group_size=layer.group_size, bits=layer.bits, mode=mode)
+        f32 = mx.dequantize(w, scales, biases, group_size=layer.group_size, bits=layer.bits, mode=mode)
+        return (lambda x: mx.quantized_matmul(x, w, scales, biases, **kwargs)), f32.astype(mx.float32), scales.dtype
+    w = layer.weight[:rows]
+    return (lambda x: x @ w.T), w.astype(mx.float32), w.dtype
+
+
+def measure_layer(layer: nn.Module, rounds: int = 3, rows: int = SAMPLE_ROWS) -> dict[str, float]:
+    """Seconds (fastest of ``rounds``) of ``rows`` output rows of ``layer``'s matmul as
+    stored and as float32 (the cost of a matmul goes by its rows, so the ratio is the
+    layer's), on a prefill chunk of :data:`CHUNK` tokens and on one token: keys ``stored
+    prefill``, ``float32 prefill``, ``stored decode``, ``float32 decode``."""
+    stored, w32, dtype = _stored_matmul(layer, rows)
+    n_in = w32.shape[1]
+    x = {"prefill": mx.random.normal((1, CHUNK, n_in), key=mx.random.key(0)),
+         "decode": mx.random.normal((1, 1, n_in), key=mx.random.key(1))}
+    mx.eval(w32, x)
+    calls = {}
+    for shape, a in x.items():
+        low = a.astype(dtype)
+        mx.eval(low)
+        calls[f"stored {shape}"] = lambda low=low: stored(low)
+        calls[f"float32 {shape}"] = lambda a=a: a @ w32.T
+    return race(calls, rounds, budget=0.2, sync=mx.eval)
+
+
+def decide(seconds: dict[str, float], margin: float = MARGIN) -> bool:
+    """Convert to float32: a request of :data:`REQUEST` tokens costs less by ``margin``
+    with float32 matmuls than as stored, from :func:`measure_layer`'s timings."""
+    prompt, generated = REQUEST
+
+    def cost(kind: str) -> float:
+        return prompt / CHUNK * seconds[f"{kind} prefill"] + generated * seconds[f"{kind} decode"]
+
+    return cost("float32") < cost("stored") * (1.0 - margin)
+
+
+def float32_weights_for_cpu_backend(model: nn.Module, rounds: int = 3, measure: bool = True) -> Optional[str]:
+    """:func:`float32_weights` when MLX runs on the CPU and a measurement on one of the
+    model's layers finds float32 faster (:func:`measure_layer`, :func:`decide`), unless
+    ``MLX_GATEWAY_CPU_FLOAT32=0`` (``=1`` or ``measure`` false: without measuring, as the
+    ranks of a model split across machines must all decide alike); logs the choice, and a
+    warning when a model that is not float32 stays as stored because it is too large or
+    has layers it cannot convert. Returns why it did not convert, or None."""
     from gateway.cpu import cpu_backend
 
-    if os.environ.get("MLX_GATEWAY_CPU_FLOAT32", "1") == "0":
+    setting = os.environ.get("MLX_GATEWAY_CPU_FLOAT32", "")
+    if setting == "0":
         return "MLX_GATEWAY_CPU_FLOAT32=0"
     if not cpu_backend():
         return "MLX runs on a GPU"
+    why = _why_not(model)
+    if why is not None:
+        if why != "already float32":
+            log.warning("MLX runs on the CPU, where quantized, float16 and bfloat16 matmuls are many times "
+                        "slower than float32 ones; the weights stay as stored (%s)", why)
+        return why
+    layer = _sample_layer(model)
+    what = "weights (as stored, or float32)"
+    if measure and setting != "1" and layer is not None:
+        mx.eval(layer.parameters())
+        seconds = measure_layer(layer, rounds)
+        if not decide(seconds):
+            Choice(what, "as stored", seconds).log()
+            return "measured faster as stored"
+        Choice(what, "float32", seconds).log()
     try:
         why = float32_weights(model)
     except Exception as e:  # dequantize_model swaps the layers in one update: nothing half done
         log.exception("converting the weights to float32 failed; they stay as stored")
         return f"failed: {e}"
-    if why is not None and why != "already float32":
-        log.warning("MLX runs on the CPU, where quantized, float16 and bfloat16 matmuls are many times "
-                    "slower than float32 ones; the weights stay as stored (%s)", why)
     return why

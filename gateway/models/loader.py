@@ -269,9 +269,11 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
     from mlx_lm.utils import _download
     from mlx_lm.utils import load_model as load_weights
 
+    from gateway.cpu.paths import choose_cpu_paths
     from gateway.cpu.weights import float32_weights_for_cpu_backend, served_bytes
     from scheduler import distributed
     from scheduler.equivalence import batch_is_exact
+    from scheduler.forward_cost import measure_forward_cost
 
     path = resolve_path(spec)
     model_path = Path(_download(path))
@@ -298,8 +300,9 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
     if spec.speculative == "draft" and refusal is None:  # a bad path fails before any weight is read
         draft, draft_path = read_draft(spec.name, spec.draft_model)  # shapes only
     reserve(served_bytes(model))
-    # Linux CPU: only float32 matmuls use BLAS (docs/deployment.md, "Weights in float32")
-    loaded_as = "float32" if float32_weights_for_cpu_backend(model) is None else None
+    # Linux CPU: only float32 matmuls use BLAS (docs/deployment.md, "Weights in float32"),
+    # measured on one of its layers; across ranks every rank must decide alike: unmeasured
+    loaded_as = "float32" if float32_weights_for_cpu_backend(model, measure=cluster is None) is None else None
     mx.eval(model.parameters())
     if spec.kv_bits:
         try:
@@ -322,6 +325,7 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
             raise RuntimeError(f"{spec.name} cannot be served with images: {why}")
     weights, draft_weights = (sum(p.nbytes for _, p in tree_flatten(m.parameters())) if m is not None else 0
                               for m in (model, draft))
+    choose_cpu_paths(model)  # Linux CPU: attention kernels and allocator, measured (gateway/cpu/paths.py)
     exact = batch_is_exact(model)
     vocab = logits_size(model)
     tokenizer, grammars = tokenizer_and_grammars(model_path, config, vocab)
@@ -343,11 +347,18 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
         except OSError as e:
             manager.close()
             raise DiskTierUnusable(f"the prompt cache's disk tier cannot be used: {e}") from e
+    # what a prefill forward costs here: chunked prefill never cuts a chunk below the size
+    # where its cost per token rises 20 % above the best chunk's (scheduler/forward_cost.py);
+    # not across ranks, where a forward is a collective the other ranks do not join here
+    cost = measure_forward_cost(model) if cfg.prefill_budget > 0 and cluster is None else None
+    if cost is not None:
+        log.info("%s: a prefill forward costs %s here: chunks beside decoding rows of at least %d tokens",
+                 spec.name, cost.describe(), cost.floor(cfg.prefill_step_size))
     engine = Engine(model, tokenizer.eos_token_ids, manager, speculation=_speculation(spec, refusal, draft),
                     prompt_concurrency=cfg.prompt_concurrency,
                     decode_concurrency=cfg.decode_concurrency, prefill_step_size=cfg.prefill_step_size,
                     prefill_budget=cfg.prefill_budget, max_waiting=cfg.max_waiting, registry=registry,
-                    pad_free_prefill=not exact, loop=loop, name=spec.name)
+                    pad_free_prefill=not exact, loop=loop, name=spec.name, forward_cost=cost)
     if cluster is not None:
         distributed.lead(engine, cluster)
     if configure is not None:

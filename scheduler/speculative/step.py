@@ -37,7 +37,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
 
 from scheduler.sampling import TemperatureSampler, greedy
-from scheduler.speculative.acceptance import BatchAcceptance, RowAcceptance, StepCost, best_width
+from scheduler.speculative.acceptance import BatchAcceptance, RealizedRate, RowAcceptance, StepCost, best_width
 from scheduler.speculative.config import SpeculationConfig, rollback_refusal
 from scheduler.speculative.draft_model import ModelDrafter
 from scheduler.speculative.lookup import LookupDrafter
@@ -88,6 +88,7 @@ class Speculator:
         self.config = config
         self.stats = stats or SpeculationStats()
         self.cost = StepCost(draft=config.draft.relative_cost if config.draft is not None else 0.0)
+        self.realized = RealizedRate()
         self._on_verify = on_verify
         if config.method == "draft":
             self.drafter = ModelDrafter(config.draft, snapshots, self.stats)
@@ -155,28 +156,36 @@ class Speculator:
         if not batch.uids:
             return []
         self.forget(batch.uids)
-        candidates = [self._may_draft(batch, i) for i in range(len(batch.uids))]
-        if not any(candidates) or not self._rolls_back(batch):
-            return self._plain(batch, timed=self.stats.plain_steps % PLAIN_SAMPLE == 0)
+        start = time.perf_counter()
+        size = len(batch.uids)
+        candidates = [self._may_draft(batch, i) for i in range(size)]
+        if not any(candidates) or not self._rolls_back(batch) or self.realized.paused(size):
+            return self._plain(batch, timed=self.stats.plain_steps % PLAIN_SAMPLE == 0, start=start)
+        probe = self.realized.probe(size)  # the plain rate to compare with, while every row drafts
+        if probe is not None:
+            return self._plain(batch, timed=False, start=start if probe else None)
         rows = [self._rate(uid) for uid in batch.uids]
         k = self.config.num_draft_tokens
+        beta = self.cost.beta_at(size)
         if self.drafter.costly:
             # drafting costs forwards of the draft model: decide the width before paying for it
-            planned = best_width([k if c else 0 for c in candidates], rows, self.cost.beta + self.cost.draft)
+            planned = best_width([k if c else 0 for c in candidates], rows, beta + self.cost.draft)
             if planned == 1:  # still a plain, pipelined step, as when no row may draft
-                return self._plain(batch, timed=self.stats.plain_steps % PLAIN_SAMPLE == 0)
+                return self._plain(batch, timed=self.stats.plain_steps % PLAIN_SAMPLE == 0, start=start)
             k = planned - 1
         mx.eval(batch._next_tokens)
         inputs = batch._next_tokens.tolist()
         drafts = self._drafts(batch, candidates, inputs, k)
-        width = best_width([len(d) for d in drafts], rows, self.cost.beta)
+        width = best_width([len(d) for d in drafts], rows, lambda w: self.cost.relative(size, w))
         if width == 1:
             self.drafter.settle(batch.uids, [0] * len(inputs))
             return self._plain(batch, timed=True)
         tic = time.perf_counter()
         batch.prompt_cache = holed(batch.prompt_cache)
         responses = self._verify(batch, inputs, [d[: width - 1] for d in drafts], width)
-        self.cost.wide(len(inputs), width, time.perf_counter() - tic, self.drafter.forward_seconds)
+        end = time.perf_counter()
+        self.cost.wide(len(inputs), width, end - tic, self.drafter.forward_seconds)
+        self.realized.record("verify", size, len(responses), end - start)
         return responses
 
     def _rolls_back(self, batch) -> bool:
@@ -190,14 +199,18 @@ class Speculator:
                 log.warning("speculative decoding is off: %s", self.refusal)
         return not self.refusal
 
-    def _plain(self, batch, timed: bool) -> list:
-        """mlx-lm's step; ``timed``: wait for its forward and time it (the cost model)."""
+    def _plain(self, batch, timed: bool, start: Optional[float] = None) -> list:
+        """mlx-lm's step; ``timed``: wait for its forward and time it (the cost model);
+        ``start``: when the step began, for its delivered rate (:class:`RealizedRate`) when
+        it was not made to wait."""
         tic = time.perf_counter()
         rows = len(batch.uids)
         responses = batch.plain_next()
         if timed and batch._next_tokens is not None:
             mx.eval(batch._next_tokens)
             self.cost.plain(rows, time.perf_counter() - tic)
+        elif start is not None:
+            self.realized.record("plain", rows, len(responses), time.perf_counter() - start)
         self.stats.plain_steps += 1
         return responses
 

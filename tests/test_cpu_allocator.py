@@ -1,0 +1,75 @@
+"""The allocator setting (gateway/cpu/allocator.py) is used only where its measurement
+finds it faster: the decision follows the two timings, and what glibc then does with a
+large freed block follows the decision."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gateway.cpu import allocator, cpu_backend
+
+CHOOSE = """
+import ctypes, json, sys
+sys.path.insert(0, {root!r})
+from gateway.cpu import allocator
+from test_cpu_attention import MallInfo2
+timings = {timings!r}
+allocator.race = lambda candidates, rounds, sync=None: {{name: timings[name] for name in candidates}}
+choice = allocator.choose(lambda: None, lambda _: None)
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+libc.mallinfo2.restype = MallInfo2
+p = libc.malloc(64 << 20)
+ctypes.memset(p, 1, 64 << 20)
+libc.free(p)
+print(json.dumps([choice.chosen, allocator.keeping_freed_memory(), libc.mallinfo2().fordblks >= 64 << 20,
+                  allocator.choose(lambda: None, lambda _: None).chosen]))
+"""
+
+
+def _glibc_with_mallinfo2() -> bool:
+    try:
+        return hasattr(ctypes.CDLL(None), "mallinfo2")
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("seconds,want", [({"glibc": 0.050, "keep freed": 0.030}, "keep freed"),
+                                          ({"glibc": 0.030, "keep freed": 0.029}, "glibc"),
+                                          ({"glibc": 0.030, "keep freed": 0.045}, "glibc")])
+def test_the_decision_follows_the_timings(seconds, want):
+    assert allocator.decide(seconds) == want
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _glibc_with_mallinfo2(),
+                    reason="glibc's malloc (2.33 or later, for mallinfo2)")
+@pytest.mark.skipif(not cpu_backend(), reason="the setting applies where MLX runs on the CPU")
+@pytest.mark.parametrize("timings,kept", [({"glibc": 0.050, "keep freed": 0.030}, True),
+                                          ({"glibc": 0.030, "keep freed": 0.045}, False)])
+def test_the_setting_stays_only_where_it_measured_faster(timings, kept):
+    """Given the two timings, the setting is in force after the choice (64 MiB freed stays in
+    the heap as free bytes) or given back (glibc unmaps a block that large on free); a second
+    model's load keeps the first decision."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "MLX_GATEWAY_MALLOC_TUNE"}
+    here = os.path.dirname(__file__)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here])
+    script = CHOOSE.format(root=os.path.dirname(here), timings=timings)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
+                         timeout=120).stdout.strip().splitlines()[-1]
+    chosen = "keep freed" if kept else "glibc"
+    assert json.loads(out) == [chosen, kept, kept, chosen]
+
+
+def test_turned_off_it_is_not_measured(monkeypatch):
+    monkeypatch.setenv("MLX_GATEWAY_MALLOC_TUNE", "0")
+    monkeypatch.setattr(allocator, "race", lambda *a, **k: pytest.fail("must not measure"))
+    choice = allocator.choose(lambda: None, lambda _: None)
+    assert (choice.chosen, choice.reason) == ("glibc", "MLX_GATEWAY_MALLOC_TUNE=0")
