@@ -1,6 +1,6 @@
 """Prefix-cache benchmark (a script, not a test).
 
-Usage:  cd /work/main && PYTHONPATH=. .venv/bin/python benchmarks/bench_cache.py [--lengths 2048 20480]
+Usage:  python benchmarks/bench_cache.py [--lengths 2048 20480]
 
 Model: the tiny random-weight ``qwen3`` test model (2 layers, hidden 64, 2 KV heads
 of dim 16, float32, ~1K vocabulary; ``tests/conftest.py``), run on whatever MLX
