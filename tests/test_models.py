@@ -199,8 +199,11 @@ def medium_qwen3():
 
 
 # A 2-core machine's scheduler hands a busy thread back after a few milliseconds; the
-# loader thread's CPU work (tokenizer, grammar index, probes) competes for those cores.
-SLACK = 0.01  # seconds
+# loader thread's CPU work (tokenizer, grammar index, probes, and the timed forwards and
+# kernels that choose the new model's CPU paths and chunk floor) competes for those cores:
+# on 2 cores the largest gap while B loads measured 45-61 ms against a 16 ms step. A load
+# that held the engine would stop A for the whole load (0.7 s or more here).
+SLACK = 0.06  # seconds
 
 
 def test_a_load_does_not_stall_the_other_models_decoding():
