@@ -77,7 +77,7 @@ def serve_follower(cfg: ServeConfig, spec: ModelSpec, cluster: distributed.Clust
             quantize_kv(model, spec.kv_bits, spec.kv_group_size)
         except ValueError as e:  # rank 0 reports it too, as a failed load
             raise SystemExit(f"mlx-gateway: rank {cluster.rank}: {e}")
-    choose_cpu_paths(model)  # local measurements, no collectives
+    choose_cpu_paths(model, measure=False)  # as rank 0: MLX's own paths on every rank
     batch_is_exact(model)
     logits_size(model)
     tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id", None))

@@ -47,11 +47,18 @@ def prefill_workload(model, shapes: set[tuple]):
     return work
 
 
-def choose_cpu_paths(model, rounds: int = 4) -> list[Choice]:
+def choose_cpu_paths(model, rounds: int = 4, measure: bool = True) -> list[Choice]:
     """Measure and set the attention kernels for ``model``'s shapes and (once per
     process) the allocator setting; returns the choices (each is logged), the last one
     a note of the seconds the measurements took. The measurements run on a stream of the
-    calling thread's own (a model loads while the engine loop steps the others)."""
+    calling thread's own (a model loads while the engine loop steps the others).
+
+    ``measure`` false keeps MLX's own paths unmeasured: for a model split across ranks
+    (``mlx.launch``), where a rank that finished measuring waits in the next collective
+    while the others still measure, and on shared cores that wait takes the CPU the
+    others' measurements need (their timings, and the load, then ran 7x longer)."""
+    if not measure:
+        return [Choice("CPU paths", "MLX's own", reason="split across ranks: not measured, every rank alike").log()]
     stream = mx.new_stream(mx.default_device())
     try:
         with mx.stream(stream):

@@ -325,7 +325,8 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
             raise RuntimeError(f"{spec.name} cannot be served with images: {why}")
     weights, draft_weights = (sum(p.nbytes for _, p in tree_flatten(m.parameters())) if m is not None else 0
                               for m in (model, draft))
-    choose_cpu_paths(model)  # Linux CPU: attention kernels and allocator, measured (gateway/cpu/paths.py)
+    # Linux CPU: attention kernels and allocator, measured (gateway/cpu/paths.py); MLX's own across ranks
+    choose_cpu_paths(model, measure=cluster is None)
     exact = batch_is_exact(model)
     vocab = logits_size(model)
     tokenizer, grammars = tokenizer_and_grammars(model_path, config, vocab)
