@@ -16,6 +16,8 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
+from cache.checkpoints import common_prefix
+
 LOGGER = "mlx_gateway.requests"
 
 
@@ -65,14 +67,6 @@ class Row:
     retokenized: int
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def reuse_rows(records: list[dict], tokenizer) -> list[Row]:
     """The session's generation requests (records with a prompt), in start order, with
     their ideal reuse. ``tokenizer`` is the served model's (``encode(text,
@@ -81,7 +75,7 @@ def reuse_rows(records: list[dict], tokenizer) -> list[Row]:
     rows, seen = [], []
     for r in records:
         tokens = tokenizer.encode(r["prompt"], add_special_tokens=False)
-        best = max((_common_prefix(tokens, t) for t in seen), default=0)
+        best = max((common_prefix(tokens, t) for t in seen), default=0)
         rows.append(Row(r.get("endpoint", "?"), r.get("status", 0), r["prompt_tokens"], r.get("cached_tokens", 0),
                         min(best, r["prompt_tokens"] - 1), r.get("ttft_seconds"), len(tokens)))
         seen.append(tokens)
