@@ -47,6 +47,8 @@ from scenarios import (  # noqa: E402
     start,
 )
 
+from gateway.telemetry.request_log import read_json_log  # noqa: E402
+
 
 GATEWAY_ARGS: list[str] = []  # extra `serve` flags (--gateway-args)
 
@@ -208,9 +210,10 @@ def main() -> None:
                                      log_path)
                     print(f"{name:14s} {scenario:12s} {fmt(res[scenario])}", flush=True)
                     if log_path is not None:  # what the gateway chose at load on this machine
-                        for line in log_path.read_text().splitlines():
-                            if "chosen by measurement" in line or "prefill forward costs" in line:
-                                print(f"{'':14s} {json.loads(line).get('message', line)}", flush=True)
+                        for rec in read_json_log(log_path):
+                            message = rec.get("message", "")
+                            if "chosen by measurement" in message or "prefill forward costs" in message:
+                                print(f"{'':14s} {message}", flush=True)
                     if log_path is not None and scenario in ("burst", "conversation"):
                         res[f"{scenario}_warm_phases"] = phase_breakdown(log_path)
                         print(f"{'':14s} {scenario + ' warm-hit phases (median s)':12s} "

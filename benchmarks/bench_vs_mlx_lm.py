@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scenarios import free_port, start, words  # noqa: E402
+from gateway.telemetry.request_log import read_json_log  # noqa: E402
 
 
 def prompt_ids(model_dir: str, n: int, seed: int) -> list[int]:
@@ -126,15 +127,8 @@ def stream_completion(url: str, tokens: list[int], decode: int, bias: dict) -> d
 
 def requests_logged(log_path: Path) -> list[dict]:
     """The completions requests of a ``--log-format json`` log, in order."""
-    out = []
-    for line in log_path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and isinstance(rec.get("phases"), dict) and rec.get("endpoint") == "completions":
-            out.append(rec)
-    return out
+    return [rec for rec in read_json_log(log_path)
+            if isinstance(rec.get("phases"), dict) and rec.get("endpoint") == "completions"]
 
 
 def figures(r: dict, n: int) -> dict:
@@ -203,8 +197,7 @@ def main() -> None:
         if r.get("completion_tokens", 0) > 1 and r.get("total_seconds", 0) > r.get("ttft_seconds", 0):
             by_length.setdefault(r["prompt_tokens"], []).append(
                 (r["completion_tokens"] - 1) / (r["total_seconds"] - r["ttft_seconds"]))
-    choices = [json.loads(line).get("message", "") for line in log.read_text().splitlines()
-               if "chosen by measurement" in line]
+    choices = [r["message"] for r in read_json_log(log) if "chosen by measurement" in r.get("message", "")]
     med = {n: {side: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for side, rs in by.items()}
            for n, by in runs.items()}
     lines = ["| prompt tokens | gateway prefill tok/s | mlx-lm prefill tok/s | ratio | gateway decode tok/s | "

@@ -348,15 +348,10 @@ def phase_breakdown(log_path: Path, min_cached_frac: float = 0.9) -> dict[str, f
     """Median seconds per TTFT phase (the request log's ``phases``) over the streamed
     requests in a gateway's JSON log whose prompt was at least ``min_cached_frac``
     cached: the per-phase breakdown of a warm hit. Also ``ttft`` and ``requests``."""
-    rows = []
-    for line in log_path.read_text().splitlines():
-        try:
-            d = json.loads(line)
-        except ValueError:
-            continue
-        if d.get("stream") and d.get("phases") and d.get("prompt_tokens") and \
-                d.get("cached_tokens", 0) >= min_cached_frac * d["prompt_tokens"]:
-            rows.append(d)
+    from gateway.telemetry.request_log import read_json_log
+
+    rows = [d for d in read_json_log(log_path) if d.get("stream") and d.get("phases") and d.get("prompt_tokens")
+            and d.get("cached_tokens", 0) >= min_cached_frac * d["prompt_tokens"]]
     if not rows:
         return {}
     names = list(rows[0]["phases"])

@@ -11,7 +11,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
-from typing import Callable, Optional
+from pathlib import Path
+from typing import Callable, Iterator, Optional
 
 log = logging.getLogger("mlx_gateway.requests")
 
@@ -160,3 +161,16 @@ def configure_logging(level: str, fmt: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+
+
+def read_json_log(path: Path) -> Iterator[dict]:
+    """The JSON objects of a ``--log-format json`` log, in order: request records and the
+    other log lines alike (a caller picks by their fields); lines that are not a JSON
+    object (text written by other processes, a torn last line) are skipped."""
+    for line in Path(path).read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            yield record

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import httpx
 
+from gateway.telemetry.request_log import read_json_log
+
 
 @dataclass(frozen=True)
 class Request:
@@ -61,12 +63,8 @@ def from_log(path: Path) -> list[Request]:
         ValueError: no line has token counts.
     """
     rows = []
-    for line in path.read_text().splitlines():
-        try:
-            d = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(d, dict) and d.get("prompt_tokens") and d.get("ts") and d.get("status") == 200:
+    for d in read_json_log(path):
+        if d.get("prompt_tokens") and d.get("ts") and d.get("status") == 200:
             ts = datetime.datetime.fromisoformat(d["ts"].replace("Z", "+00:00")).timestamp()
             rows.append((ts, d))
     if not rows:
