@@ -42,6 +42,7 @@ its batch, so batched and cached paths stay equivalent to a cold single-request 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -314,21 +315,17 @@ def _candidates() -> list[str]:
     return [name for name in KERNELS if name != "compiled-blocks" or _can_compile()]
 
 
-_compile_ok: list[Optional[bool]] = [None]
-
-
+@functools.cache
 def _can_compile() -> bool:
     """``g++`` is on the PATH and MLX compiled the ``exp`` kernel (once per process)."""
-    if _compile_ok[0] is None:
-        ok = shutil.which("g++") is not None
-        if ok:
-            try:
-                mx.eval(exp_nonpositive(mx.zeros((1,))))
-            except RuntimeError as e:  # e.g. a temporary directory that cannot hold or load the kernel
-                log.warning("MLX could not compile the CPU attention kernel (%s)", e)
-                ok = False
-        _compile_ok[0] = ok
-    return bool(_compile_ok[0])
+    if shutil.which("g++") is None:
+        return False
+    try:
+        mx.eval(exp_nonpositive(mx.zeros((1,))))
+    except RuntimeError as e:  # e.g. a temporary directory that cannot hold or load the kernel
+        log.warning("MLX could not compile the CPU attention kernel (%s)", e)
+        return False
+    return True
 
 
 def measure_shape(hq: int, hk: int, d: int, dtype, rounds: int = 4) -> tuple[dict[str, float], ...]:
