@@ -127,7 +127,8 @@ class ChunkPlanner:
             classes: the latency classes of the prompts prefilling (sorted): the chunk is
                 sized from the cost per token last measured for the same classes.
         """
-        capped = self.step_size if cap is None else self._sized(prefilling, cap * share, classes, CAP_ALIGN)
+        capped = self.step_size if cap is None else self._sized(prefilling, cap * share, classes, CAP_ALIGN,
+                                                                 floored=False)
         if not prefilling or not decoding or not self.budget:
             self.share.clear()
             return capped
@@ -158,7 +159,7 @@ class ChunkPlanner:
         per_row = -(-total // prefilling)
         return min(self.step_size, max(ALIGN, -(-per_row // ALIGN) * ALIGN))
 
-    def _sized(self, prefilling: int, budget: float, classes: tuple, align: int = ALIGN) -> int:
+    def _sized(self, prefilling: int, budget: float, classes: tuple, align: int = ALIGN, floored: bool = True) -> int:
         # Classes not timed yet: the costliest of those that were (a chunk too small, not too long).
         per_token = self._per_token.get(classes) or max(self._per_token.values(), default=0.0)
         if per_token <= 0:
@@ -166,7 +167,7 @@ class ChunkPlanner:
         else:
             per_row = int(HEADROOM * budget / per_token) // prefilling
         per_row = max(align, per_row - per_row % align)
-        if align == ALIGN:  # not under a latency-class cap: never below the efficient size
+        if floored:  # not under a latency-class cap: never below the efficient size
             per_row = max(per_row, self.floor(prefilling, classes))
         if per_row < self.step_size:
             self.budgeted_steps += 1
