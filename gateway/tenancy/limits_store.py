@@ -57,6 +57,7 @@ import secrets
 import time
 from typing import Callable, Optional
 
+from gateway.async_tasks import cancel_and_wait
 from gateway.tenancy.limits import Verdict
 from gateway.tenancy.limits_outage import PRESENCE_SECONDS, PRESENCE_TTL, Outage, Owed
 from gateway.tenancy.limits_scripts import BEGIN, PRESENCE, REFRESH, SETTLE, SYNC
@@ -172,12 +173,13 @@ class RedisLimitsStore:
             self.up = False
             log.warning("limits store %s does not answer (%s): this gateway applies the tenants' limits on "
                         "its own meanwhile", redacted(self.url), type(error).__name__ +
-                        (f": {error}" if str(error) else ""))
+                        (f": {error}" if str(error) else ""), extra={"replica": self._replica})
 
     def _up(self) -> None:
         if not self.up:
             self.up = True
-            log.info("limits store %s answers again: the tenants' limits are shared again", redacted(self.url))
+            log.info("limits store %s answers again: the tenants' limits are shared again", redacted(self.url),
+                     extra={"replica": self._replica})
 
     async def _call(self, name: str, keys: list[str], args: list) -> Optional[object]:
         """Run script ``name``; None (and the store marked down) when it fails or takes
@@ -201,7 +203,7 @@ class RedisLimitsStore:
         tick = min(self.probe_interval, self.refresh_interval, PRESENCE_SECONDS) / 2
         next_refresh = self.clock() + self.refresh_interval
         next_presence = 0.0
-        while True:
+        while not self._closed:  # not only the cancellation: one may be lost (gateway.async_tasks)
             now = self.clock()
             try:
                 if not self.up:
@@ -376,15 +378,12 @@ class RedisLimitsStore:
         await self.drain()
         self._closed = True
         if self._maintainer is not None:
-            self._maintainer.cancel()
-            try:
-                await self._maintainer
-            except (asyncio.CancelledError, Exception):
-                pass
+            if not await cancel_and_wait(self._maintainer):
+                log.warning("limits store: the maintenance task did not end; closing without it")
             self._maintainer = None
         if self._client is not None:
             try:
-                await self._client.aclose()
+                await asyncio.wait_for(self._client.aclose(), 5.0)
             except Exception:
                 pass
         self._client, self._loop = None, None
