@@ -47,7 +47,7 @@ def measure(heads: tuple[int, int, int], rounds: int) -> dict:
         q, k, v = (mx.random.normal(s) for s in ((b, hq, tq, d), (b, hk, tk, d), (b, hk, tk, d)))
         mask = (mx.arange(tk - tq, tk)[:, None] >= mx.arange(tk)[None])[None, None] if tq > 1 else None
         mx.eval(q, k, v, *([mask] if mask is not None else []))
-        kernels = [n for n in attention.KERNELS if tq > 1 or n != "mlx-blocks"]
+        kernels = list(attention.KERNELS)
         times = race({n: (lambda f=attention.KERNELS[n]: f(q, k, v, d ** -0.5, mask)) for n in kernels},
                      rounds, sync=mx.eval)
         out[name] = {n: 1e3 * s for n, s in times.items()}
@@ -75,12 +75,12 @@ def main() -> None:
                               "--child", label], env=env, capture_output=True, text=True, check=True)
         runs[label] = json.loads(res.stdout.strip().splitlines()[-1])
     print(f"heads {heads[0]}/{heads[1]} of {heads[2]}, float32, ms (fastest of {args.rounds})")
-    print("| shape | malloc | " + " | ".join(["mlx", "mlx-blocks", "compiled-blocks"]) + " |")
+    print("| shape | malloc | " + " | ".join(["mlx", "compiled-blocks"]) + " |")
     print("|---|---|---|---|---|")
     for name, *_ in SHAPES:
         for label, figures in runs.items():
             row = figures[name]
-            cells = [f"{row[k]:.2f}" if k in row else "-" for k in ("mlx", "mlx-blocks", "compiled-blocks")]
+            cells = [f"{row[k]:.2f}" if k in row else "-" for k in ("mlx", "compiled-blocks")]
             print(f"| {name} | {label} | " + " | ".join(cells) + " |")
 
 

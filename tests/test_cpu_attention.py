@@ -65,7 +65,7 @@ def padded_causal(b, tq, tk):
 @pytest.mark.parametrize("heads,tq,tk", [((8, 4), 5, 9), ((4, 4), 1, 12), ((6, 2), 7, 7), ((2, 1), 3, 40),
                                          ((9, 3), 70, 70), ((4, 2), 150, 171)])
 def test_every_kernel_matches_mlx_attention(kernel, mask, heads, tq, tk, monkeypatch):
-    monkeypatch.setattr(attention, "MLX_BLOCK", 64)  # several blocks of each kernel in these shapes
+    monkeypatch.setattr(attention, "COMPILED_BLOCK", 64)  # several blocks in the larger shapes
     q, k, v = qkv(2, heads[0], heads[1], tq, tk, mx.float32, seed=tq * tk)
     m = padded_causal(2, tq, tk) if mask == "padded causal" else make_mask(mask, 2, heads[0], tq, tk, mx.float32)
     want = attention._mlx_attention(q, k, v, scale=0.3, mask=m)
@@ -129,22 +129,22 @@ def test_the_planned_kernel_runs_for_its_shape_and_regime(monkeypatch):
         monkeypatch.setitem(attention.KERNELS, name, lambda q, k, v, s, m, name=name: calls.append(name) or q)
     q, k, v = qkv(1, 4, 2, attention.FEW_QUERIES + 1, 40, mx.float32, seed=3)
     long_k, long_v = (mx.zeros((1, 2, attention.LONG_KEYS, 16)) for _ in range(2))
-    with attention.installed("compiled-blocks", "mlx", [(4, 2, 16, mx.float32)], decode_long="mlx-blocks"):
+    with attention.installed("compiled-blocks", "mlx", [(4, 2, 16, mx.float32)], decode_long="compiled-blocks"):
         attention.attention(q, k, v, scale=0.3, mask="causal")
         attention.attention(q[:, :, :1], k, v, scale=0.3)
         attention.attention(q[:, :, :5], k, v, scale=0.3, mask="causal")  # verifying four drafts
         attention.attention(q[:, :, :1], long_k, long_v, scale=0.3)  # a decode step over a long context
         other = attention.attention(*qkv(1, 6, 2, 3, 6, mx.float32, seed=3), scale=0.3)  # not planned
-    assert calls == ["compiled-blocks", "mlx", "mlx", "mlx-blocks"]
+    assert calls == ["compiled-blocks", "mlx", "mlx", "compiled-blocks"]
     assert other.shape == (1, 6, 3, 16)
 
 
 @pytest.mark.parametrize("prefill,decode,decode_long,want", [
-    ({"mlx": 0.040, "mlx-blocks": 0.035, "compiled-blocks": 0.020}, {"mlx": 0.0010, "compiled-blocks": 0.0015},
+    ({"mlx": 0.040, "compiled-blocks": 0.020}, {"mlx": 0.0010, "compiled-blocks": 0.0015},
      {"mlx": 0.0072, "compiled-blocks": 0.0036}, ("compiled-blocks", "mlx", "compiled-blocks")),
-    ({"mlx": 0.020, "mlx-blocks": 0.019, "compiled-blocks": 0.080}, {"mlx": 0.0020, "compiled-blocks": 0.0010},
+    ({"mlx": 0.020, "compiled-blocks": 0.080}, {"mlx": 0.0020, "compiled-blocks": 0.0010},
      {"mlx": 0.0070, "compiled-blocks": 0.0069}, ("mlx", "compiled-blocks", "mlx")),  # within the margin: MLX's
-    ({"mlx": 0.020, "mlx-blocks": 0.015}, {"mlx": 0.0010}, {"mlx": 0.0070}, ("mlx-blocks", "mlx", "mlx")),  # no g++
+    ({"mlx": 0.020}, {"mlx": 0.0010}, {"mlx": 0.0070}, ("mlx", "mlx", "mlx")),  # no g++: MLX's own only
 ])
 def test_the_choice_follows_the_measurement(prefill, decode, decode_long, want):
     with attention.installed():
@@ -164,12 +164,11 @@ def test_attention_shapes_are_traced_from_the_model():
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3_text", "qwen3_5", "nemotron_h"])
-@pytest.mark.parametrize("kernels", [("compiled-blocks", "compiled-blocks"), ("mlx-blocks", "mlx")])
+@pytest.mark.parametrize("kernels", [("compiled-blocks", "compiled-blocks"), ("compiled-blocks", "mlx")])
 def test_serving_generator_with_it_matches_mlx_lm_with_mlx_attention(arch, kernels, monkeypatch):
     """The batched, joining generator on these kernels gives mlx-lm's generator's tokens
     (logprobs within 1e-4) on MLX's attention: cold rows of different lengths (left
     padding, array masks), warm rows, a sliding window (gemma3_text) and hybrids."""
-    monkeypatch.setattr(attention, "MLX_BLOCK", 8)
     monkeypatch.setattr(attention, "COMPILED_BLOCK", 8)
     model, _ = mlx_lm.load(str(model_path(arch)))
     base = [(11 * i + 5) % 200 + 10 for i in range(48)]

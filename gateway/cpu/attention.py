@@ -12,13 +12,15 @@ layer in attention, 20 s of a chunk whose matmuls take 4: the ``[Tq, Tk]`` score
 The kernels here (:data:`KERNELS`):
 
 * ``mlx``: MLX's own, as it is.
-* ``mlx-blocks``: MLX's own on blocks of :data:`MLX_BLOCK` queries, each over the keys
-  it can see: under a causal mask a block ending at query ``e`` sees keys ``< Tk - Tq +
-  e``, so a chunk from an empty cache computes about half the scores.
 * ``compiled-blocks``: blocks of :data:`COMPILED_BLOCK` queries (their scores stay in
   the CPU's cache), the softmax's ``exp`` written as array ops (the same polynomial) and
   fused by ``mx.compile`` into kernels the compiler vectorizes, and the normalizer taken
   by the ``@ v`` matmul itself (``v`` gets a column of ones).
+
+A third, MLX's own on blocks of 128 queries (under a causal mask a block sees only the
+keys before its end), was removed: in no measurement at load on the machines measured did
+it beat MLX's own by the margin (e.g. 36.00 against 36.35 ms on SmolLM2's prefill shape),
+and the compiled kernel beat it wherever that one could be built.
 
 Which one runs is decided per model at load (:func:`choose_for_model`): each kernel is
 timed on the model's own head counts, head size and dtype, on a prefill shape (a chunk of
@@ -62,7 +64,6 @@ POLY = (1.535336188319500e-4, 1.339887440266574e-3, 9.618437357674640e-3, 5.5503
         2.402264791363012e-1, 6.931472028550421e-1, 1.0)
 ROUND = 12582912.0  # 1.5 * 2**23: (y + ROUND) - ROUND rounds a float32 |y| < 2**22 to an integer
 
-MLX_BLOCK = 128  # queries per block of the mlx-blocks kernel
 COMPILED_BLOCK = 32  # queries per block of the compiled-blocks kernel: [rep * 32, Tk] scores stay in cache
 # (queries, keys) of the prefill timings at load: a chunk over earlier context (a fresh chunk's
 # figure is dominated by per-call costs that long prompts, where attention matters, do not pay)
@@ -141,22 +142,6 @@ def _blocks(Tq: int, Tk: int, block: int, causal: bool) -> Iterator[tuple[int, i
         yield s, e, (Tk - Tq + e) if causal else Tk
 
 
-def _mlx_blocks(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask) -> mx.array:
-    """MLX's own attention per block of :data:`MLX_BLOCK` queries over the keys each sees."""
-    Tq, Tk = q.shape[2], k.shape[2]
-    if Tq <= MLX_BLOCK:
-        return _mlx_attention(q, k, v, scale=scale, mask=mask)
-    causal = _hides_future(mask, Tq, Tk)
-    if isinstance(mask, mx.array):
-        mask = _mask_4d(mask)
-    outs = []
-    for s, e, n in _blocks(Tq, Tk, MLX_BLOCK, causal):
-        # "causal" stays "causal": the block's last query sees the last of its keys
-        m = mask if isinstance(mask, str) or mask is None else mask[..., s:e, :n]
-        outs.append(_mlx_attention(q[:, :, s:e], k[:, :, :n], v[:, :, :n], scale=scale, mask=m))
-    return mx.concatenate(outs, axis=2)
-
-
 def _compiled_blocks(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask) -> mx.array:
     """Attention in blocks of :data:`COMPILED_BLOCK` queries, float32: per block and KV
     head, the ``rep`` query heads that share it are one ``[rep * n, D]`` matmul against
@@ -202,7 +187,7 @@ def _mlx(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask) -> mx.
 
 
 KERNELS: dict[str, Callable[[mx.array, mx.array, mx.array, float, Mask], mx.array]] = {
-    "mlx": _mlx, "mlx-blocks": _mlx_blocks, "compiled-blocks": _compiled_blocks,
+    "mlx": _mlx, "compiled-blocks": _compiled_blocks,
 }
 
 # (query heads, KV heads, head size, dtype) -> (prefill kernel, decode kernel)
@@ -349,7 +334,7 @@ def measure_shape(hq: int, hk: int, d: int, dtype, rounds: int = 4) -> tuple[dic
     scale = d ** -0.5
     prefill = race({n: (lambda f=KERNELS[n]: [f(q, k, v, scale, m) for q, k, v, m in chunks]) for n in names},
                    rounds, sync=mx.eval, warmup=2)
-    decodes = tuple(race({n: (lambda f=KERNELS[n], a=a: f(*a, scale, None)) for n in names if n != "mlx-blocks"},
+    decodes = tuple(race({n: (lambda f=KERNELS[n], a=a: f(*a, scale, None)) for n in names},
                          rounds, sync=mx.eval, warmup=2) for a in steps)
     return (prefill, *decodes)
 
