@@ -11,7 +11,6 @@ from gateway.async_tasks import cancel_and_wait
 async def test_a_loop_that_lost_its_cancellation_is_ended():
     loop = asyncio.get_running_loop()
     answers = [loop.create_future()]
-    rounds = []
 
     async def maintain():  # the shape of a store's maintenance loop: errors caught, carries on
         while True:
@@ -21,7 +20,6 @@ async def test_a_loop_that_lost_its_cancellation_is_ended():
                 raise
             except Exception:
                 pass
-            rounds.append(1)
             answers.append(loop.create_future())
             await asyncio.sleep(0.01)
 

@@ -64,8 +64,7 @@ def padded_causal(b, tq, tk):
 @pytest.mark.parametrize("mask", [None, "causal", "bool", "bool per head", "bool 2-d", "additive", "padded causal"])
 @pytest.mark.parametrize("heads,tq,tk", [((8, 4), 5, 9), ((4, 4), 1, 12), ((6, 2), 7, 7), ((2, 1), 3, 40),
                                          ((9, 3), 70, 70), ((4, 2), 150, 171)])
-def test_every_kernel_matches_mlx_attention(kernel, mask, heads, tq, tk, monkeypatch):
-    monkeypatch.setattr(attention, "COMPILED_BLOCK", 64)  # several blocks in the larger shapes
+def test_every_kernel_matches_mlx_attention(kernel, mask, heads, tq, tk):
     q, k, v = qkv(2, heads[0], heads[1], tq, tk, mx.float32, seed=tq * tk)
     m = padded_causal(2, tq, tk) if mask == "padded causal" else make_mask(mask, 2, heads[0], tq, tk, mx.float32)
     want = attention._mlx_attention(q, k, v, scale=0.3, mask=m)
