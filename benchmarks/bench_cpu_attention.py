@@ -1,12 +1,12 @@
-"""The CPU attention kernels of gateway/cpu/attention.py (MLX's own, MLX's own in query
-blocks, the compiled-exp blocks) on the default model's shapes, with glibc's malloc and
+"""The CPU attention kernels of gateway/cpu/attention.py (MLX's own, the compiled-exp
+blocks, the compiled-exp decode kernel) on the default model's shapes, with glibc's malloc and
 with gateway/cpu/allocator.py's setting; prints milliseconds (fastest of interleaved
 runs), asserts nothing.
 
 Shapes (``[B, Tq, Tk]``, 9 query and 3 KV heads of 64, SmolLM2-135M's): a 2,048-token
 prefill chunk from an empty cache, a 512-token chunk over 3,000 cached tokens, a 95-token
 chat turn over 2,000, the load-time measurement's 256 over 1,024, six decode rows over
-900 and one over 2,000. Prefill shapes get the causal boolean mask mlx-lm's batch
+900, one over 2,000 and one over 8,000. Prefill shapes get the causal boolean mask mlx-lm's batch
 caches give. Each allocator setting runs in its own process, and the kernels take turns
 within it. ``--heads HQ,HK,D`` measures other shapes.
 
@@ -30,7 +30,9 @@ sys.path.insert(0, str(ROOT))
 
 SHAPES = [("prefill 2048 from 0", 1, 2048, 2048), ("chunk 512 over 3000", 1, 512, 3512),
           ("turn 95 over 2000", 1, 95, 2095), ("load-time 256 over 768", 1, 256, 1024),
-          ("decode 6 x 900", 6, 1, 900), ("decode 1 x 2000", 1, 1, 2000)]
+          ("decode 6 x 900", 6, 1, 900), ("decode 1 x 2000", 1, 1, 2000), ("decode 1 x 8000", 1, 1, 8000)]
+
+KERNEL_NAMES = ("mlx", "compiled-blocks", "compiled-decode")
 
 
 def measure(heads: tuple[int, int, int], rounds: int) -> dict:
@@ -75,12 +77,12 @@ def main() -> None:
                               "--child", label], env=env, capture_output=True, text=True, check=True)
         runs[label] = json.loads(res.stdout.strip().splitlines()[-1])
     print(f"heads {heads[0]}/{heads[1]} of {heads[2]}, float32, ms (fastest of {args.rounds})")
-    print("| shape | malloc | " + " | ".join(["mlx", "compiled-blocks"]) + " |")
-    print("|---|---|---|---|---|")
+    print("| shape | malloc | " + " | ".join(KERNEL_NAMES) + " |")
+    print("|---|---|" + "---|" * len(KERNEL_NAMES))
     for name, *_ in SHAPES:
         for label, figures in runs.items():
             row = figures[name]
-            cells = [f"{row[k]:.2f}" if k in row else "-" for k in ("mlx", "compiled-blocks")]
+            cells = [f"{row[k]:.2f}" if k in row else "-" for k in KERNEL_NAMES]
             print(f"| {name} | {label} | " + " | ".join(cells) + " |")
 
 

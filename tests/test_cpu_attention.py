@@ -121,36 +121,44 @@ def test_installed_replaces_mx_fast_attention_and_restores_it():
 
 def test_the_planned_kernel_runs_for_its_shape_and_regime(monkeypatch):
     """Prefill calls (more than FEW_QUERIES queries a row) go to the prefill kernel planned
-    for their shape, decode calls (one, or a verify step's few) to the decode one; an
-    unplanned shape runs MLX's own."""
+    for their shape, decode calls (one, or a verify step's few) to the decode one of their
+    context's bucket; an unplanned shape runs MLX's own."""
     calls = []
     for name in attention.KERNELS:
         monkeypatch.setitem(attention.KERNELS, name, lambda q, k, v, s, m, name=name: calls.append(name) or q)
     q, k, v = qkv(1, 4, 2, attention.FEW_QUERIES + 1, 40, mx.float32, seed=3)
-    long_k, long_v = (mx.zeros((1, 2, attention.LONG_KEYS, 16)) for _ in range(2))
-    with attention.installed("compiled-blocks", "mlx", [(4, 2, 16, mx.float32)], decode_long="compiled-blocks"):
+    (_, short), (medium, _), (long, _) = attention.DECODE_BUCKETS
+    decode = ("mlx", "compiled-decode", "compiled-blocks")
+    with attention.installed("compiled-blocks", decode, [(4, 2, 16, mx.float32)]):
         attention.attention(q, k, v, scale=0.3, mask="causal")
         attention.attention(q[:, :, :1], k, v, scale=0.3)
         attention.attention(q[:, :, :5], k, v, scale=0.3, mask="causal")  # verifying four drafts
-        attention.attention(q[:, :, :1], long_k, long_v, scale=0.3)  # a decode step over a long context
+        for keys in (medium - 1, medium, long - 1, long, 2 * long):  # the buckets' edges
+            kv = mx.zeros((1, 2, keys, 16))
+            attention.attention(q[:, :, :1], kv, kv, scale=0.3)
         other = attention.attention(*qkv(1, 6, 2, 3, 6, mx.float32, seed=3), scale=0.3)  # not planned
-    assert calls == ["compiled-blocks", "mlx", "mlx", "compiled-blocks"]
+    assert calls == ["compiled-blocks", "mlx", "mlx", "mlx", "compiled-decode", "compiled-decode",
+                     "compiled-blocks", "compiled-blocks"]
     assert other.shape == (1, 6, 3, 16)
 
 
-@pytest.mark.parametrize("prefill,decode,decode_long,want", [
-    ({"mlx": 0.040, "compiled-blocks": 0.020}, {"mlx": 0.0010, "compiled-blocks": 0.0015},
-     {"mlx": 0.0072, "compiled-blocks": 0.0036}, ("compiled-blocks", "mlx", "compiled-blocks")),
-    ({"mlx": 0.020, "compiled-blocks": 0.080}, {"mlx": 0.0020, "compiled-blocks": 0.0010},
-     {"mlx": 0.0070, "compiled-blocks": 0.0069}, ("mlx", "compiled-blocks", "mlx")),  # within the margin: MLX's
-    ({"mlx": 0.020}, {"mlx": 0.0010}, {"mlx": 0.0070}, ("mlx", "mlx", "mlx")),  # no g++: MLX's own only
+@pytest.mark.parametrize("prefill,decodes,want", [
+    ({"mlx": 0.040, "compiled-blocks": 0.020},
+     [{"mlx": 0.0010, "compiled-decode": 0.0015}, {"mlx": 0.0030, "compiled-decode": 0.0015},
+      {"mlx": 0.0072, "compiled-decode": 0.0036}], ("compiled-blocks", "mlx", "compiled-decode", "compiled-decode")),
+    ({"mlx": 0.020, "compiled-blocks": 0.080},
+     [{"mlx": 0.0020, "compiled-decode": 0.0010}, {"mlx": 0.0030, "compiled-decode": 0.0029},
+      {"mlx": 0.0070, "compiled-decode": 0.0069}], ("mlx", "compiled-decode", "mlx", "mlx")),  # within the margin
+    ({"mlx": 0.020}, [{"mlx": 0.0010}, {"mlx": 0.0030}, {"mlx": 0.0070}], ("mlx",) * 4),  # no g++: MLX's own only
 ])
-def test_the_choice_follows_the_measurement(prefill, decode, decode_long, want):
+def test_the_choice_follows_the_measurement(prefill, decodes, want):
     with attention.installed():
-        choices = attention.choose(9, 3, 64, mx.float32, prefill, decode, decode_long)
+        choices = attention.choose(9, 3, 64, mx.float32, prefill, *decodes)
         assert attention.planned(9, 3, 64, mx.float32) == want
+        with pytest.raises(ValueError, match="buckets"):
+            attention.choose(9, 3, 64, mx.float32, prefill, *decodes[:2])
     assert [c.chosen for c in choices] == list(want)
-    assert all(f"{1e3 * s:.2f} ms" in c.describe() for c, figures in zip(choices, (prefill, decode, decode_long))
+    assert all(f"{1e3 * s:.2f} ms" in c.describe() for c, figures in zip(choices, (prefill, *decodes))
                for s in figures.values())
     assert attention.planned(9, 3, 64, mx.float32) is None  # installed() put the plans back
 
@@ -163,7 +171,7 @@ def test_attention_shapes_are_traced_from_the_model():
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3_text", "qwen3_5", "nemotron_h"])
-@pytest.mark.parametrize("kernels", [("compiled-blocks", "compiled-blocks"), ("compiled-blocks", "mlx")])
+@pytest.mark.parametrize("kernels", [("compiled-blocks", "compiled-decode"), ("compiled-blocks", "mlx")])
 def test_serving_generator_with_it_matches_mlx_lm_with_mlx_attention(arch, kernels, monkeypatch):
     """The batched, joining generator on these kernels gives mlx-lm's generator's tokens
     (logprobs within 1e-4) on MLX's attention: cold rows of different lengths (left
@@ -249,11 +257,15 @@ def test_models_kernels_are_measured_and_planned_unless_turned_off(monkeypatch):
         if not cpu_backend():
             assert [c.reason for c in choices] == ["MLX runs on a GPU"]
             return
-        assert [c.what.split(" [")[0] for c in choices] == ["attention, prefill", "attention, decode",
-                                                            f"attention, decode over {attention.LONG_KEYS}+ keys"]
+        (_, short), (medium, _), (long, _) = attention.DECODE_BUCKETS
+        assert [c.what.split(" [")[0] for c in choices] == [
+            "attention, prefill", f"attention, decode over 0-{medium - 1} keys",
+            f"attention, decode over {medium}-{long - 1} keys", f"attention, decode over {long}+ keys"]
         assert attention.planned(*shape) == tuple(c.chosen for c in choices)
-        assert set(choices[0].seconds) <= set(attention.KERNELS)
-        assert ("compiled-blocks" in choices[0].seconds) == (shutil.which("g++") is not None)
+        assert set(choices[0].seconds) == set(attention.PREFILL_KERNELS) - (
+            set() if shutil.which("g++") else {"compiled-blocks"})
+        assert all(set(c.seconds) == set(attention.DECODE_KERNELS) - (
+            set() if shutil.which("g++") else {"compiled-decode"}) for c in choices[1:])
         assert mx.fast.scaled_dot_product_attention is attention.attention
     finally:
         attention.uninstall()

@@ -16,6 +16,11 @@ The kernels here (:data:`KERNELS`):
   the CPU's cache), the softmax's ``exp`` written as array ops (the same polynomial) and
   fused by ``mx.compile`` into kernels the compiler vectorizes, and the normalizer taken
   by the ``@ v`` matmul itself (``v`` gets a column of ones).
+* ``compiled-decode``: for a few queries a row (a decode step, a verify step): the same
+  compiled ``exp`` over all of a row's scores at once, the normalizer summed over them
+  (a column of ones would copy every value for a single query). Over 2,000 keys MLX's
+  scalar ``exp`` makes its own kernel about twice this one on SmolLM2's heads (0.84
+  against 0.45 ms a layer here; 2.67 against 1.40 over 8,000), a tenth of a decode step.
 
 A third, MLX's own on blocks of 128 queries (under a causal mask a block sees only the
 keys before its end), was removed: in no measurement at load on the machines measured did
@@ -24,9 +29,10 @@ and the compiled kernel beat it wherever that one could be built.
 
 Which one runs is decided per model at load (:func:`choose_for_model`): each kernel is
 timed on the model's own head counts, head size and dtype, on a prefill shape (a chunk of
-:data:`PREFILL_SHAPES`: queries over keys) and a decode step over a short and a long
-context (:data:`DECODE_SHAPES`: over 8,192 keys MLX's scalar ``exp`` makes its own kernel
-twice the compiled one, over 1,024 it wins), and the fastest is used for each (MLX's own
+:data:`PREFILL_SHAPES`: queries over keys; candidates :data:`PREFILL_KERNELS`) and a
+decode step over a short, a medium and a long context (:data:`DECODE_BUCKETS`;
+candidates :data:`DECODE_KERNELS`: around 1,000 keys MLX's own and the compiled one are
+even, beyond it the compiled one pulls ahead), and the fastest is used for each (MLX's own
 unless another wins by :data:`gateway.cpu.measure.MARGIN`); the log says what was chosen
 with the figures. Shapes no model was measured for run MLX's own.
 
@@ -69,8 +75,12 @@ COMPILED_BLOCK = 32  # queries per block of the compiled-blocks kernel: [rep * 3
 # figure is dominated by per-call costs that long prompts, where attention matters, do not pay)
 PREFILL_SHAPES = ((256, 1024),)
 FEW_QUERIES = 16  # calls with at most this many queries a row (decode, verifying drafts) take the decode kernel
-DECODE_SHAPES = ((1, 1024), (1, 8192))  # (rows, keys) of the decode timings: short and long context
-LONG_KEYS = 4096  # decode calls over at least this many keys take the kernel timed over long context
+# (fewest keys, keys timed) per decode bucket: a decode call over k keys takes the kernel
+# timed for the last bucket whose fewest is <= k (a short, a medium and a long context)
+DECODE_BUCKETS = ((0, 1024), (1536, 2048), (4096, 8192))
+PREFILL_KERNELS = ("mlx", "compiled-blocks")  # the candidates timed for prefill calls
+DECODE_KERNELS = ("mlx", "compiled-decode")  # and for decode calls (compiled-blocks, one block there, is
+# compiled-decode plus a copy of the values)
 _MASKED = -3.0e38  # a score that exp turns into 0 (finite: a fully masked row stays finite, as in MLX)
 
 _mlx_attention = mx.fast.scaled_dot_product_attention
@@ -182,37 +192,71 @@ def _compiled_blocks(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: 
     return out.reshape(B, Hq, Tq, D)
 
 
+def _compiled_decode(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask) -> mx.array:
+    """Attention for few queries a row, float32: per KV head, the ``rep`` query heads that
+    share it are one ``[rep * Tq, D]`` matmul against all the keys; the softmax's ``exp``
+    is :func:`_exp_shifted` and its normalizer the sum of ``p``. Grouped-query heads as in
+    MLX (query head ``h`` uses key/value head ``h // rep``)."""
+    B, Hq, Tq, D = q.shape
+    Hk, Tk = k.shape[1], k.shape[2]
+    rep = Hq // Hk
+    q = (q * mx.array(scale, q.dtype)).reshape(B, Hk, rep * Tq, D)
+    scores = (q @ k.swapaxes(-1, -2)).reshape(B, Hk, rep, Tq, Tk)
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"[scaled_dot_product_attention] Invalid mask_mode {mask}")
+        mask = mx.arange(Tk - Tq, Tk)[:, None] >= mx.arange(Tk)[None] if Tq > 1 else None
+    if mask is not None:
+        m = _mask_4d(mask)
+        m = m[:, :, None] if m.shape[1] == 1 else m.reshape(m.shape[0], Hk, rep, *m.shape[2:])
+        if m.dtype == mx.bool_:
+            scores = mx.where(m, scores, mx.array(_MASKED, scores.dtype))
+        else:
+            scores = scores + m.astype(scores.dtype)
+    p = _exp_shifted(scores, mx.max(scores, axis=-1, keepdims=True)).reshape(B, Hk, rep * Tq, Tk)
+    out = (p @ v) / mx.sum(p, axis=-1, keepdims=True)
+    return out.reshape(B, Hq, Tq, D)
+
+
 def _mlx(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask) -> mx.array:
     return _mlx_attention(q, k, v, scale=scale, mask=mask)
 
 
 KERNELS: dict[str, Callable[[mx.array, mx.array, mx.array, float, Mask], mx.array]] = {
-    "mlx": _mlx, "compiled-blocks": _compiled_blocks,
+    "mlx": _mlx, "compiled-blocks": _compiled_blocks, "compiled-decode": _compiled_decode,
 }
 
-# (query heads, KV heads, head size, dtype) -> (prefill kernel, decode kernel)
-_plans: dict[tuple, tuple[str, str, str]] = {}
+# (query heads, KV heads, head size, dtype) -> (prefill kernel, one decode kernel per DECODE_BUCKETS)
+_plans: dict[tuple, tuple[str, ...]] = {}
 
 
-def plan(hq: int, hk: int, d: int, dtype, prefill: str, decode: str, decode_long: Optional[str] = None) -> None:
+def plan(hq: int, hk: int, d: int, dtype, prefill: str, decode: Union[str, tuple[str, ...]]) -> None:
     """Use kernel ``prefill`` for calls with more than :data:`FEW_QUERIES` queries per row
-    and ``decode`` for the others (a decode step's one, a verify step's few), ``decode_long``
-    (default: ``decode``) for those over :data:`LONG_KEYS` keys or more, on attention of
-    that shape (names from :data:`KERNELS`).
+    and ``decode`` for the others (a decode step's one, a verify step's few), on attention
+    of that shape (names from :data:`KERNELS`). ``decode`` is one name for every context
+    length or one per :data:`DECODE_BUCKETS`.
 
     Raises:
         KeyError: an unknown kernel name.
+        ValueError: a tuple of decode kernels not one per bucket.
     """
-    decode_long = decode_long or decode
-    for name in (prefill, decode, decode_long):
+    decode = (decode,) * len(DECODE_BUCKETS) if isinstance(decode, str) else tuple(decode)
+    if len(decode) != len(DECODE_BUCKETS):
+        raise ValueError(f"{len(decode)} decode kernels for {len(DECODE_BUCKETS)} buckets")
+    for name in (prefill, *decode):
         KERNELS[name]  # noqa: B018 (raises KeyError)
-    _plans[(hq, hk, d, dtype)] = (prefill, decode, decode_long)
+    _plans[(hq, hk, d, dtype)] = (prefill, *decode)
 
 
-def planned(hq: int, hk: int, d: int, dtype) -> Optional[tuple[str, str, str]]:
-    """The ``(prefill, decode, long-context decode)`` kernels used for that shape, or
+def planned(hq: int, hk: int, d: int, dtype) -> Optional[tuple[str, ...]]:
+    """The kernels used for that shape, ``(prefill, decode per DECODE_BUCKETS...)``, or
     None (MLX's own)."""
     return _plans.get((hq, hk, d, dtype))
+
+
+def _bucket(keys: int) -> int:
+    """The index in :data:`DECODE_BUCKETS` of a decode call over ``keys`` keys."""
+    return max(i for i, (fewest, _) in enumerate(DECODE_BUCKETS) if fewest <= keys)
 
 
 def forget_plans() -> None:
@@ -246,7 +290,7 @@ def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Mask
         return _mlx_attention(q, k, v, scale=scale, mask=mask)
     if q.shape[2] > FEW_QUERIES:
         return KERNELS[kernels[0]](q, k, v, scale, mask)
-    return KERNELS[kernels[2] if k.shape[2] >= LONG_KEYS else kernels[1]](q, k, v, scale, mask)
+    return KERNELS[kernels[1 + _bucket(k.shape[2])]](q, k, v, scale, mask)
 
 
 def install() -> None:
@@ -260,14 +304,14 @@ def uninstall() -> None:
 
 
 @contextlib.contextmanager
-def installed(prefill: Optional[str] = None, decode: Optional[str] = None, shapes=(),
-              decode_long: Optional[str] = None) -> Iterator[None]:
+def installed(prefill: Optional[str] = None, decode: Union[None, str, tuple[str, ...]] = None,
+              shapes=()) -> Iterator[None]:
     """:func:`install` for the duration of a ``with`` block; with ``prefill`` and
-    ``decode`` (and ``decode_long``), those kernels planned for each ``(hq, hk, d, dtype)``
-    of ``shapes`` meanwhile."""
+    ``decode`` (as :func:`plan` takes them), those kernels planned for each
+    ``(hq, hk, d, dtype)`` of ``shapes`` meanwhile."""
     saved = dict(_plans)
     for shape in shapes:
-        plan(*shape, prefill, decode, decode_long)
+        plan(*shape, prefill, decode)
     install()
     try:
         yield
@@ -296,8 +340,9 @@ def attention_shapes(model) -> set[tuple]:
     return seen
 
 
-def _candidates() -> list[str]:
-    return [name for name in KERNELS if name != "compiled-blocks" or _can_compile()]
+def _candidates(names: tuple[str, ...]) -> list[str]:
+    """``names`` less the compiled kernels where MLX cannot compile (no ``g++``)."""
+    return [name for name in names if not name.startswith("compiled-") or _can_compile()]
 
 
 @functools.cache
@@ -315,43 +360,54 @@ def _can_compile() -> bool:
 
 def measure_shape(hq: int, hk: int, d: int, dtype, rounds: int = 4) -> tuple[dict[str, float], ...]:
     """Seconds of each candidate kernel (fastest of ``rounds``, after two warm-up calls) on
-    attention of that shape: the :data:`PREFILL_SHAPES` chunks with a causal boolean mask
-    (as mlx-lm's batch caches give; a kernel's figure is their sum), and each of
-    :data:`DECODE_SHAPES` (rows of one query). Returns ``(prefill, decode, long-context
-    decode)``."""
+    attention of that shape: :data:`PREFILL_KERNELS` on the :data:`PREFILL_SHAPES` chunks
+    with a causal boolean mask (as mlx-lm's batch caches give; a kernel's figure is their
+    sum), and :data:`DECODE_KERNELS` on one query over each of :data:`DECODE_BUCKETS`' keys
+    with a boolean mask showing every key (what a batch cache gives a row without padding).
+    Returns ``(prefill, decode per bucket...)``."""
     chunks = []
     for i, (tq, tk) in enumerate(PREFILL_SHAPES):
         q, k, v = (mx.random.normal(shape, key=kk).astype(dtype) for shape, kk in
                    zip(((1, hq, tq, d), (1, hk, tk, d), (1, hk, tk, d)), mx.random.split(mx.random.key(2 + i), 3)))
         chunks.append((q, k, v, (mx.arange(tk - tq, tk)[:, None] >= mx.arange(tk)[None])[None, None]))
     steps = []
-    for i, (rows, keys) in enumerate(DECODE_SHAPES):
-        steps.append(tuple(mx.random.normal(shape, key=kk).astype(dtype) for shape, kk in
-                           zip(((rows, hq, 1, d), (rows, hk, keys, d), (rows, hk, keys, d)),
-                               mx.random.split(mx.random.key(10 + i), 3))))
+    for i, (_, keys) in enumerate(DECODE_BUCKETS):
+        q, k, v = (mx.random.normal(shape, key=kk).astype(dtype) for shape, kk in
+                   zip(((1, hq, 1, d), (1, hk, keys, d), (1, hk, keys, d)), mx.random.split(mx.random.key(10 + i), 3)))
+        steps.append((q, k, v, mx.ones((1, 1, 1, keys), dtype=mx.bool_)))
     mx.eval(chunks, steps)
-    names = _candidates()
     scale = d ** -0.5
-    prefill = race({n: (lambda f=KERNELS[n]: [f(q, k, v, scale, m) for q, k, v, m in chunks]) for n in names},
-                   rounds, sync=mx.eval, warmup=2)
-    decodes = tuple(race({n: (lambda f=KERNELS[n], a=a: f(*a, scale, None)) for n in names},
+    prefill = race({n: (lambda f=KERNELS[n]: [f(q, k, v, scale, m) for q, k, v, m in chunks])
+                    for n in _candidates(PREFILL_KERNELS)}, rounds, sync=mx.eval, warmup=2)
+    decodes = tuple(race({n: (lambda f=KERNELS[n], a=a: f(*a[:3], scale, a[3])) for n in _candidates(DECODE_KERNELS)},
                          rounds, sync=mx.eval, warmup=2) for a in steps)
     return (prefill, *decodes)
 
 
-def choose(hq: int, hk: int, d: int, dtype, prefill: dict[str, float], decode: dict[str, float],
-           decode_long: Optional[dict[str, float]] = None) -> list[Choice]:
+def _decode_label(i: int) -> str:
+    fewest = DECODE_BUCKETS[i][0]
+    if i + 1 == len(DECODE_BUCKETS):
+        return f"over {fewest}+ keys"
+    return f"over {fewest}-{DECODE_BUCKETS[i + 1][0] - 1} keys"
+
+
+def choose(hq: int, hk: int, d: int, dtype, prefill: dict[str, float], *decodes: dict[str, float]) -> list[Choice]:
     """Plan the fastest kernels for that shape from their timings (:func:`pick`: MLX's
-    own unless another beats it by the margin); returns the choices."""
+    own unless another beats it by the margin): ``prefill``'s and one per
+    :data:`DECODE_BUCKETS` (``decodes``, in that order); returns the choices.
+
+    Raises:
+        ValueError: not one decode timing per bucket.
+    """
+    if len(decodes) != len(DECODE_BUCKETS):
+        raise ValueError(f"{len(decodes)} decode timings for {len(DECODE_BUCKETS)} buckets")
     shape = f"[{hq} query / {hk} KV heads of {d}]"
-    p, dd = pick(prefill, "mlx"), pick(decode, "mlx")
-    dl = pick(decode_long, "mlx") if decode_long else dd
-    plan(hq, hk, d, dtype, p, dd, dl)
-    out = [Choice(f"attention, prefill {shape}", p, dict(prefill)),
-           Choice(f"attention, decode {shape}", dd, dict(decode))]
-    if decode_long:
-        out.append(Choice(f"attention, decode over {LONG_KEYS}+ keys {shape}", dl, dict(decode_long)))
-    return out
+    p = pick(prefill, "mlx")
+    dd = tuple(pick(t, "mlx") for t in decodes)
+    plan(hq, hk, d, dtype, p, dd)
+    return [Choice(f"attention, prefill {shape}", p, dict(prefill))] + [
+        Choice(f"attention, decode {_decode_label(i)} {shape}", name, dict(t))
+        for i, (name, t) in enumerate(zip(dd, decodes))]
 
 
 def choose_for_model(model, rounds: int = 4) -> list[Choice]:
