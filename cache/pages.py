@@ -33,7 +33,7 @@ Edge operations (called by the tree, see ``RadixTree`` hooks):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
@@ -258,34 +258,71 @@ class PagedKVCache(KVCache):
         return [(self._keys[..., : self.offset, :], self._values[..., : self.offset, :])]
 
     @classmethod
-    def merge(cls, caches: Sequence[Any], room: int = 0) -> BatchKVCache:
+    def merge(cls, caches: Sequence[Any], room: int = 0, into: Optional[BatchKVCache] = None) -> BatchKVCache:
         """Left-pad and stack row caches (``KVCache`` or paged) into one ``BatchKVCache``
         ``[B, H, T, D]``, copying each page once. ``room=0`` gives mlx-lm's
         ``BatchKVCache.merge`` (``T = max_len``); ``room > 0`` leaves space for that many
         more tokens (``T`` rounded up to the cache's 256-token step), so the next
-        ``update_and_fetch`` writes in place instead of reallocating the whole batch."""
+        ``update_and_fetch`` writes in place instead of reallocating the whole batch.
+
+        With ``into`` (a decode batch's layer cache holding tokens), the result is ``into``
+        extended with the rows after its own, as ``into.extend(merge(caches))`` gives, but
+        written into one new buffer: every token is copied once (extending copies the new
+        rows twice and the batch once or twice more). ``into`` itself is left as it was.
+        """
         rows = [c.pieces() if isinstance(c, PagedKVCache) else
                 ([(c.keys[..., : c.offset, :], c.values[..., : c.offset, :])] if c.keys is not None else [])
                 for c in caches]
         lengths = [sum(k.shape[2] for k, _ in r) for r in rows]
-        longest = max(lengths)
+        before = into._idx if into is not None else 0
+        longest = max(lengths + [before])
         if longest == 0:
             return BatchKVCache([0] * len(caches))
-        k0, v0 = next(r[0] for r in rows if r)
+        k0, v0 = next(r[0] for r in rows if r) if any(rows) else (into.keys, into.values)
         step = BatchKVCache.step
         size = -(-(longest + room) // step) * step if room > 0 else longest
-        keys = mx.zeros((len(rows), k0.shape[1], size, k0.shape[3]), dtype=k0.dtype)
-        values = mx.zeros((len(rows), v0.shape[1], size, v0.shape[3]), dtype=v0.dtype)
+        b0 = into.keys.shape[0] if into is not None else 0
+        keys = mx.zeros((b0 + len(rows), k0.shape[1], size, k0.shape[3]), dtype=k0.dtype)
+        values = mx.zeros((b0 + len(rows), v0.shape[1], size, v0.shape[3]), dtype=v0.dtype)
+        shift = longest - before  # the batch's rows move right by this much
+        if into is not None and before:
+            keys[:b0, :, shift:longest] = into.keys[..., :before, :]
+            values[:b0, :, shift:longest] = into.values[..., :before, :]
         padding = [longest - n for n in lengths]
         for i, (pad, r) in enumerate(zip(padding, rows)):
-            pos = pad
+            pos, row = pad, b0 + i
             for k, v in r:
                 n = k.shape[2]
-                keys[i : i + 1, :, pos : pos + n] = k
-                values[i : i + 1, :, pos : pos + n] = v
+                keys[row : row + 1, :, pos : pos + n] = k
+                values[row : row + 1, :, pos : pos + n] = v
                 pos += n
         batch = BatchKVCache(padding)
-        batch.keys, batch.values = keys, values
         batch.offset += longest
+        if into is not None:
+            batch.left_padding = mx.concatenate([into.left_padding + shift, batch.left_padding])
+            batch.offset = mx.concatenate([into.offset, batch.offset])
+        batch.keys, batch.values = keys, values
         batch._idx = longest
         return batch
+
+    @staticmethod
+    def can_merge_into(batch: Any, caches: Sequence[Any]) -> bool:
+        """Whether :meth:`merge` can take ``batch`` as ``into`` for rows ``caches``: a plain
+        ``BatchKVCache`` holding tokens (no right padding pending) and float rows whose
+        heads, head size and dtype match it."""
+        if type(batch) is not BatchKVCache or batch.keys is None or batch._right_padding is not None:
+            return False
+        for c in caches:
+            if isinstance(c, PagedKVCache):  # its pieces: reading .keys would join its pages
+                pieces = c.pieces()
+                if not pieces:
+                    return False
+                k, v = pieces[0]
+            elif isinstance(c, KVCache) and c.keys is not None:
+                k, v = c.keys, c.values
+            else:
+                return False
+            if (k.dtype != batch.keys.dtype or k.shape[1] != batch.keys.shape[1] or k.shape[3] != batch.keys.shape[3]
+                    or v.shape[3] != batch.values.shape[3]):
+                return False
+        return True

@@ -52,6 +52,26 @@ def merge_with_room(caches: list[list]) -> list:
     return merged
 
 
+def extend_with_rows(batch: list, caches: list[list]) -> list:
+    """Per layer, the decode batch's layer caches ``batch`` followed by the rows of
+    ``caches`` (``B`` lists, one cache per layer each), with room for the next token: what
+    mlx-lm's ``_extend_cache(batch, merge_with_room(caches))`` gives, except that a float
+    ``BatchKVCache`` layer and its new float rows are written into one new buffer
+    (:meth:`cache.pages.PagedKVCache.merge` with ``into``), each token copied once.
+    Other layers are merged and extended in place, as mlx-lm does."""
+    if not batch:
+        return merge_with_room(caches)
+    out = []
+    for layer, current in enumerate(batch):
+        per_row = [c[layer] for c in caches]
+        if PagedKVCache.can_merge_into(current, per_row):
+            out.append(PagedKVCache.merge(per_row, room=1, into=current))
+        else:
+            current.extend(merge_with_room([[c] for c in per_row])[0])
+            out.append(current)
+    return out
+
+
 @dataclass
 class DecodingState:
     """A decoding row taken out of the decode batch between two steps
@@ -113,17 +133,20 @@ class JoiningGenerationBatch(GenerationBatch):
                    prompt_cache=[], tokens=[], samplers=[], logits_processors=[], max_tokens=[], stop_sequences=[])
 
     def join(self, uids, caches: list, last_tokens: list[int], tokens, samplers, logits_processors,
-             stop_sequences, max_tokens) -> None:
+             stop_sequences, max_tokens, rows: bool = False) -> None:
         """Add rows decoding from their last prompt token.
 
         Args:
-            caches: per layer, the rows' batch cache (their prompt minus its last token).
+            caches: per layer, the rows' batch cache (their prompt minus its last token);
+                with ``rows``, per row, its list of layer caches instead
+                (:func:`extend_with_rows` puts them in).
             last_tokens: each row's last prompt token, its input in the next step.
             tokens: each row's tokens in its cache (the context of logits processors).
             samplers, logits_processors, stop_sequences, max_tokens: per row, as in mlx-lm.
         """
         self.uids.extend(uids)
-        self.prompt_cache = _extend_cache(self.prompt_cache, caches)
+        self.prompt_cache = (extend_with_rows(self.prompt_cache, caches) if rows
+                             else _extend_cache(self.prompt_cache, caches))
         self.tokens.extend(tokens)
         self.samplers.extend(samplers)
         self.logits_processors.extend(logits_processors)
@@ -154,7 +177,7 @@ class JoiningGenerationBatch(GenerationBatch):
         """Put a row taken by :meth:`take` back under ``uid``: its next step feeds its
         pending token, as the step it missed would have."""
         self.uids.append(uid)
-        self.prompt_cache = _extend_cache(self.prompt_cache, merge_with_room([state.cache]))
+        self.prompt_cache = extend_with_rows(self.prompt_cache, [state.cache])
         self.tokens.append(state.tokens)
         self.samplers.append(state.sampler)
         self.logits_processors.append(state.processors)
@@ -326,9 +349,9 @@ class JoiningBatchGenerator(BatchGenerator):
             return []
         # (uid, segments, max_tokens, cache, tokens, sampler, processors, stop sequences)
         self._generation_batch.join(
-            [s[0] for s in direct], merge_with_room([s[3] for s in direct]), [s[1][0][0] for s in direct],
+            [s[0] for s in direct], [s[3] for s in direct], [s[1][0][0] for s in direct],
             [s[4] for s in direct], [s[5] for s in direct], [s[6] for s in direct], [s[7] for s in direct],
-            [s[2] for s in direct],
+            [s[2] for s in direct], rows=True,
         )
         return [PromptProcessingBatch.Response(s[0], (1, 1), True, True) for s in direct]
 

@@ -213,6 +213,48 @@ def test_paged_restore_merges_into_a_batch_like_mlx_lm():
     mgr.release(hit.lease)
 
 
+@pytest.mark.parametrize("batch_len,room", [(40, 1), (100, 1), (75, 0)])
+def test_rows_merged_into_a_decode_batch_match_mlx_lm_extend(batch_len, room):
+    """Paged and plain rows written into a decode batch's buffer with ``into`` give what
+    mlx-lm's merge-then-extend gives: each row's keys and values right-aligned at the same
+    write index, the same left padding and offsets; the batch itself is left as it was."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    from cache.pages import PagedKVCache
+
+    mgr = PromptCacheManager(max_bytes=1 << 22, max_entries=10)
+    key = list(range(1, 90))
+    for end in (30, 60, 89):
+        mgr.insert("n", key[:end], make("kv", key[:end]))
+    hit = mgr.fetch("n", key[:75] + [3])
+    plain = make("kv", list(range(500, 520)))
+    batch_rows = [make("kv", list(range(700 + 100 * i, 700 + 100 * i + batch_len - 7 * i)))[0] for i in range(2)]
+
+    def decode_batch():
+        batch = BatchKVCache.merge(batch_rows)
+        batch.update_and_fetch(*(mx.full((2, 1, 1, 2), 9.0) for _ in range(2)))  # one decode step
+        return batch
+
+    batch = decode_batch()
+    before = (batch.keys, batch.left_padding.tolist(), batch.offset.tolist(), batch._idx)
+    rows = [hit.cache[0], plain[0]]
+    assert PagedKVCache.can_merge_into(batch, rows)
+    got = PagedKVCache.merge(rows, room=room, into=batch)
+    want = decode_batch()
+    want.extend(PagedKVCache.merge(rows, room=room))
+    assert (batch.keys, batch.left_padding.tolist(), batch.offset.tolist(), batch._idx)[1:] == before[1:]
+    assert batch.keys is before[0]
+    assert got._idx == want._idx and got.left_padding.tolist() == want.left_padding.tolist()
+    assert got.offset.tolist() == want.offset.tolist()
+    gk, gv = got.keys_and_values()
+    wk, wv = want.keys_and_values()
+    assert gk.shape == wk.shape and mx.array_equal(gk, wk) and mx.array_equal(gv, wv)
+    if room:
+        assert got.keys.shape[2] % BatchKVCache.step == 0 and got.keys.shape[2] > got._idx
+    assert not PagedKVCache.can_merge_into(BatchKVCache([0]), rows)  # holds no tokens yet
+    mgr.release(hit.lease)
+
+
 def test_a_new_key_sharing_a_prefix_can_evict_the_snapshot_it_branches_from():
     one = 100 * KV_PER_TOKEN
     mgr = PromptCacheManager(max_bytes=one + one // 2, max_entries=100)  # room for one
