@@ -2,7 +2,8 @@
 (:mod:`gateway.cpu.measure`): the attention kernels for its shapes
 (:mod:`gateway.cpu.attention`), then, for the first model of the process, the allocator
 setting (:mod:`gateway.cpu.allocator`) on a prefill-shaped workload of that model with
-those kernels. Its weights' dtype is chosen before, as they are read
+those kernels, and the streams a decode batch's merge of row caches spreads over
+(:mod:`gateway.cpu.merges`). Its weights' dtype is chosen before, as they are read
 (:func:`gateway.cpu.weights.float32_weights_for_cpu_backend`), and the BLAS at start-up
 (:mod:`gateway.cpu.blas`).
 """
@@ -13,7 +14,7 @@ import time
 
 import mlx.core as mx
 
-from gateway.cpu import allocator, attention
+from gateway.cpu import allocator, attention, cpu_backend, merges
 from gateway.cpu.measure import Choice
 
 WORKLOAD_TOKENS = (384, 1536)  # (queries, keys) of the allocator's prefill-shaped workload
@@ -74,5 +75,7 @@ def _choose(model, rounds: int) -> list[Choice]:
         workload = prefill_workload(model, attention.attention_shapes(model))
         if workload is not None:
             choices.append(allocator.choose(workload, mx.eval, max(1, rounds - 2)))
+    if cpu_backend() and merges.decided() is None:
+        choices.append(merges.choose(model, attention.attention_shapes(model), max(1, rounds - 1)))
     choices.append(Choice("CPU path measurements", "done", reason=f"{time.perf_counter() - tic:.2f} s").log())
     return choices

@@ -1,0 +1,60 @@
+"""How many streams a decode batch's merge of row caches spreads its layers over,
+chosen by a short measurement at load (:mod:`gateway.cpu.measure`).
+
+A row joining the decode batch has its cached prefix copied into the batch's buffer, every
+layer's keys and values (:func:`scheduler.generator.merge_with_room`): for six rows of 900
+tokens of SmolLM2-135M that is 250 MB, about 100 ms on a 2-core machine, most of a warm
+request's time to first token. MLX's CPU backend runs one stream's work on one thread, so
+the copies use one core; spread over two streams (layers taking turns) they took 58 ms
+there. Whether a second stream pays depends on the machine's cores and memory bandwidth,
+so it is timed here on the model's own KV shape (a merge of :data:`ROWS` rows of
+:data:`TOKENS` tokens, in two pages each, over every layer) against one stream, and kept
+only if it wins by :data:`gateway.cpu.measure.MARGIN`.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from cache.pages import PagedKVCache
+from gateway.cpu.measure import Choice, pick, race
+from scheduler.generator import extra_streams, merge_with_room, spread_merges
+
+ROWS = 4  # rows of the timed merge
+TOKENS = 384  # cached tokens of each, in two pages
+CANDIDATES = {"one stream": 1, "two streams": 2}
+
+_decided: list = []  # the process's choice, once made
+
+
+def decided():
+    """The choice made for this process (:func:`choose`), or None."""
+    return _decided[0] if _decided else None
+
+
+def choose(model, shapes: set[tuple], rounds: int = 3) -> Choice:
+    """Time a merge of :data:`ROWS` rows shaped as ``model``'s KV cache (its layer count,
+    the first float32 attention shape of ``shapes``: ``(query heads, KV heads, head size,
+    dtype)``) on one stream and on two, set the faster (:func:`scheduler.generator.spread_merges`)
+    and return the choice (logged). The first model of a process decides for it."""
+    if _decided:
+        return _decided[0]
+    floats = sorted(s for s in shapes if s[3] == mx.float32)
+    layers = len(getattr(model, "layers", None) or ())
+    if not floats or not layers:
+        return Choice("batch merges (CPU streams)", "one stream", reason="no float32 attention to merge").log()
+    _, hk, d, dtype = floats[0]
+    half = TOKENS // 2
+    pages = [mx.ones((1, hk, half, d), dtype=dtype), mx.full((1, hk, TOKENS - half, d), 2.0, dtype=dtype)]
+    mx.eval(pages)
+
+    def merge(extra: tuple):
+        rows = [[PagedKVCache(list(pages), list(pages)) for _ in range(layers)] for _ in range(ROWS)]
+        return [(c.keys, c.values) for c in merge_with_room(rows, streams=extra)]
+
+    times = race({name: (lambda e=extra_streams(n): merge(e)) for name, n in CANDIDATES.items()}, rounds,
+                 sync=mx.eval)
+    chosen = pick(times, "one stream")
+    spread_merges(CANDIDATES[chosen])
+    _decided.append(Choice("batch merges (CPU streams)", chosen, times).log())
+    return _decided[0]

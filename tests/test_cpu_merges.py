@@ -1,0 +1,133 @@
+"""A decode batch's merge of row caches spread over two streams (gateway/cpu/merges.py,
+scheduler.generator.spread_merges): the same batch as on one, the same tokens as mlx-lm,
+and the choice made by the measurement."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import KVCache
+
+from cache.pages import PagedKVCache
+from conftest import assert_same_tokens, model_path, prefilled
+from gateway.cpu import merges
+from gateway.cpu.measure import Choice
+from scheduler import generator
+from scheduler.generator import JoiningBatchGenerator, extend_with_rows, extra_streams, merge_with_room
+from test_generator import run
+
+
+def rows(n_layers: int, lengths: list[int]) -> list[list]:
+    """Per row, its layer caches: paged (two pages) for even rows, plain for odd ones."""
+    out = []
+    for i, n in enumerate(lengths):
+        layers = []
+        for layer in range(n_layers):
+            k = mx.random.normal((1, 2, n, 8), key=mx.random.key(100 * i + layer))
+            v = k + 1
+            if i % 2 == 0:
+                layers.append(PagedKVCache([k[..., : n // 2, :], k[..., n // 2:, :]],
+                                           [v[..., : n // 2, :], v[..., n // 2:, :]]))
+            else:
+                plain = KVCache()
+                plain.update_and_fetch(k, v)
+                layers.append(plain)
+        out.append(layers)
+    return out
+
+
+def same_batches(a: list, b: list) -> None:
+    for x, y in zip(a, b):
+        assert x._idx == y._idx and x.left_padding.tolist() == y.left_padding.tolist()
+        assert x.offset.tolist() == y.offset.tolist()
+        assert mx.array_equal(x.keys, y.keys) and mx.array_equal(x.values, y.values)
+
+
+def test_merging_on_two_streams_gives_the_one_stream_batch():
+    one = merge_with_room(rows(5, [7, 12, 3]), streams=())
+    two = merge_with_room(rows(5, [7, 12, 3]), streams=extra_streams(2))
+    same_batches(one, two)
+    batch_one = merge_with_room(rows(5, [9, 4]), streams=())
+    batch_two = merge_with_room(rows(5, [9, 4]), streams=())
+    generator.spread_merges(2)
+    try:
+        assert generator.merge_streams() == 2
+        joined_two = extend_with_rows(batch_two, rows(5, [20, 6]))
+    finally:
+        generator.spread_merges(1)
+    assert generator.merge_streams() == 1
+    same_batches(extend_with_rows(batch_one, rows(5, [20, 6])), joined_two)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_the_generator_on_two_streams_gives_mlx_lm_tokens(arch):
+    model, _ = mlx_lm.load(str(model_path(arch)))
+    base = [(5 * i + 2) % 200 + 10 for i in range(48)]
+    warm = prefilled(model, base[:40])
+    batch_rows = [
+        ([base[:25]], None, [], 6),
+        ([[base[40]]], warm, base[:40], 6),  # warm rows join the decoding ones
+        ([base[40:44], [base[44]]], warm, base[:40], 4),
+        ([[base[40]]], warm, base[:40], 5),
+    ]
+    want = run(BatchGenerator, model, batch_rows, prefill_batch=2, decode_batch=4)
+    generator.spread_merges(2)
+    try:
+        got = run(JoiningBatchGenerator, model, batch_rows, prefill_batch=2, decode_batch=4)
+    finally:
+        generator.spread_merges(1)
+    assert got[1] == want[1]
+    for i, (g, w) in enumerate(zip(got[0], want[0])):
+        assert_same_tokens(g, w, f"{arch} row {i}")
+
+
+@pytest.mark.parametrize("times,want", [({"one stream": 0.060, "two streams": 0.040}, 2),
+                                        ({"one stream": 0.060, "two streams": 0.058}, 1),  # within the margin
+                                        ({"one stream": 0.040, "two streams": 0.060}, 1)])
+def test_the_choice_follows_the_measurement(monkeypatch, times, want):
+    model, _ = mlx_lm.load(str(model_path("qwen3")))
+    raced = []
+    monkeypatch.setattr(merges, "race", lambda candidates, *a, **k: raced.append(set(candidates)) or dict(times))
+    monkeypatch.setattr(merges, "_decided", [])
+    try:
+        choice = merges.choose(model, {(4, 2, 16, mx.float32)})
+        assert isinstance(choice, Choice) and choice.seconds == times
+        assert generator.merge_streams() == want
+        assert merges.choose(model, {(4, 2, 16, mx.float32)}) is choice  # the first model decides
+        assert raced == [set(merges.CANDIDATES)]
+    finally:
+        generator.spread_merges(1)
+
+
+def test_a_model_without_float32_attention_is_not_measured(monkeypatch):
+    model, _ = mlx_lm.load(str(model_path("qwen3")))
+    monkeypatch.setattr(merges, "_decided", [])
+    choice = merges.choose(model, {(4, 2, 16, mx.bfloat16)})
+    assert choice.chosen == "one stream" and choice.reason and generator.merge_streams() == 1
+
+
+def test_a_thread_other_than_the_chooser_merges_on_its_own_streams():
+    """The load chooses on its thread, the engine thread merges: MLX refuses a stream made
+    on another thread, so each thread merges on streams of its own."""
+    import threading
+
+    want = merge_with_room(rows(4, [5, 9]), streams=())
+    got = {}
+    generator.spread_merges(2)
+    try:
+        merge_with_room(rows(4, [3, 4]))  # this thread's streams made first
+
+        def engine_thread():
+            batch = merge_with_room(rows(4, [5, 9]))
+            mx.eval([(c.keys, c.values, c.offset, c.left_padding) for c in batch])
+            got["batch"] = batch
+
+        worker = threading.Thread(target=engine_thread)
+        worker.start()
+        worker.join(60)
+    finally:
+        generator.spread_merges(1)
+    assert "batch" in got
+    same_batches(want, got["batch"])
