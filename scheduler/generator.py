@@ -21,101 +21,16 @@ architecture).
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch, _extend_cache, _merge_caches
-from mlx_lm.models.cache import KVCache, TokenBuffer
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch, _extend_cache
+from mlx_lm.models.cache import TokenBuffer
 
-from cache.pages import PagedKVCache
-from cache.quantized import BatchQuantizedKVCache, QuantizedKVRow
 from cache.restore import layer_bytes
-
-
-_spread = 1  # streams a batch merge spreads its layers over (spread_merges)
-_here = threading.local()  # this thread's extra streams: MLX streams belong to the thread that made them
-
-
-def spread_merges(streams: int) -> None:
-    """Let :func:`merge_with_room` and :func:`extend_with_rows` spread their layers' copies
-    over ``streams`` streams of the default device (1: the calling stream alone). MLX's CPU
-    backend runs each stream's work on its own thread, and a merge is copies only, so on
-    two cores two streams merge about twice as fast (six rows of 900 tokens of SmolLM2-135M,
-    30 layers: 58 against 102 ms on a 2-core machine). Chosen by a measurement at load
-    (:mod:`gateway.cpu.merges`); each thread that merges makes its own streams (MLX
-    refuses a stream made on another thread)."""
-    global _spread
-    _spread = max(1, streams)
-
-
-def extra_streams(streams: int) -> tuple:
-    """``streams - 1`` new streams of the default device, for the calling thread (what
-    :func:`merge_with_room` takes besides the calling stream)."""
-    return tuple(mx.new_stream(mx.default_device()) for _ in range(max(0, streams - 1)))
-
-
-def merge_streams() -> int:
-    """How many streams a batch merge spreads its layers over."""
-    return _spread
-
-
-def _extra_here() -> tuple:
-    extra = getattr(_here, "streams", ())
-    if len(extra) != _spread - 1:
-        extra = _here.streams = extra_streams(_spread)
-    return extra
-
-
-def _layer_stream(layer: int, extra: tuple):
-    k = layer % (len(extra) + 1)
-    return mx.stream(extra[k - 1]) if k else contextlib.nullcontext()
-
-
-def merge_with_room(caches: list[list], streams: Optional[tuple] = None) -> list:
-    """Per layer, one batch cache of the per-sequence ``caches`` (``B`` lists, one cache
-    per layer each), like mlx-lm's ``_merge_caches``, except that ``KVCache`` layers
-    (plain or paged) become a ``BatchKVCache`` ``[B, H, T, D]`` (quantized rows a
-    ``BatchQuantizedKVCache``) with room for the next token, so the decode step that
-    follows writes in place instead of reallocating it. Layers take turns on the calling
-    stream and ``streams`` (default: those of :func:`spread_merges`)."""
-    extra = _extra_here() if streams is None else streams
-    merged = []
-    for layer in range(len(caches[0])):
-        per_row = [c[layer] for c in caches]
-        with _layer_stream(layer, extra):
-            if all(isinstance(c, KVCache) for c in per_row):
-                merged.append(PagedKVCache.merge(per_row, room=1))
-            elif all(isinstance(c, QuantizedKVRow) for c in per_row):
-                merged.append(BatchQuantizedKVCache.merge(per_row, room=1))
-            else:
-                merged.append(_merge_caches([[c] for c in per_row])[0])
-    return merged
-
-
-def extend_with_rows(batch: list, caches: list[list]) -> list:
-    """Per layer, the decode batch's layer caches ``batch`` followed by the rows of
-    ``caches`` (``B`` lists, one cache per layer each), with room for the next token: what
-    mlx-lm's ``_extend_cache(batch, merge_with_room(caches))`` gives, except that a float
-    ``BatchKVCache`` layer and its new float rows are written into one new buffer
-    (:meth:`cache.pages.PagedKVCache.merge` with ``into``), each token copied once.
-    Other layers are merged and extended in place, as mlx-lm does. Layers take turns on
-    the streams of :func:`spread_merges`."""
-    if not batch:
-        return merge_with_room(caches)
-    out, extra = [], _extra_here()
-    for layer, current in enumerate(batch):
-        per_row = [c[layer] for c in caches]
-        if PagedKVCache.can_merge_into(current, per_row):
-            with _layer_stream(layer, extra):
-                out.append(PagedKVCache.merge(per_row, room=1, into=current))
-        else:
-            current.extend(merge_with_room([[c] for c in per_row], streams=())[0])
-            out.append(current)
-    return out
+from scheduler.batch_merge import extend_with_rows, merge_with_room
 
 
 @dataclass

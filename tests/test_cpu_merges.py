@@ -1,5 +1,5 @@
 """A decode batch's merge of row caches spread over two streams (gateway/cpu/merges.py,
-scheduler.generator.spread_merges): the same batch as on one, the same tokens as mlx-lm,
+scheduler.batch_merge.spread_merges): the same batch as on one, the same tokens as mlx-lm,
 and the choice made by the measurement."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from cache.pages import PagedKVCache
 from conftest import assert_same_tokens, model_path, prefilled
 from gateway.cpu import merges
 from gateway.cpu.measure import Choice
-from scheduler import generator
-from scheduler.generator import JoiningBatchGenerator, extend_with_rows, extra_streams, merge_with_room
+from scheduler import batch_merge
+from scheduler.batch_merge import extend_with_rows, extra_streams, merge_with_room
+from scheduler.generator import JoiningBatchGenerator
 from test_generator import run
 
 
@@ -51,13 +52,13 @@ def test_merging_on_two_streams_gives_the_one_stream_batch():
     same_batches(one, two)
     batch_one = merge_with_room(rows(5, [9, 4]), streams=())
     batch_two = merge_with_room(rows(5, [9, 4]), streams=())
-    generator.spread_merges(2)
+    batch_merge.spread_merges(2)
     try:
-        assert generator.merge_streams() == 2
+        assert batch_merge.merge_streams() == 2
         joined_two = extend_with_rows(batch_two, rows(5, [20, 6]))
     finally:
-        generator.spread_merges(1)
-    assert generator.merge_streams() == 1
+        batch_merge.spread_merges(1)
+    assert batch_merge.merge_streams() == 1
     same_batches(extend_with_rows(batch_one, rows(5, [20, 6])), joined_two)
 
 
@@ -73,11 +74,11 @@ def test_the_generator_on_two_streams_gives_mlx_lm_tokens(arch):
         ([[base[40]]], warm, base[:40], 5),
     ]
     want = run(BatchGenerator, model, batch_rows, prefill_batch=2, decode_batch=4)
-    generator.spread_merges(2)
+    batch_merge.spread_merges(2)
     try:
         got = run(JoiningBatchGenerator, model, batch_rows, prefill_batch=2, decode_batch=4)
     finally:
-        generator.spread_merges(1)
+        batch_merge.spread_merges(1)
     assert got[1] == want[1]
     for i, (g, w) in enumerate(zip(got[0], want[0])):
         assert_same_tokens(g, w, f"{arch} row {i}")
@@ -94,18 +95,18 @@ def test_the_choice_follows_the_measurement(monkeypatch, times, want):
     try:
         choice = merges.choose(model, {(4, 2, 16, mx.float32)})
         assert isinstance(choice, Choice) and choice.seconds == times
-        assert generator.merge_streams() == want
+        assert batch_merge.merge_streams() == want
         assert merges.choose(model, {(4, 2, 16, mx.float32)}) is choice  # the first model decides
         assert raced == [set(merges.CANDIDATES)]
     finally:
-        generator.spread_merges(1)
+        batch_merge.spread_merges(1)
 
 
 def test_a_model_without_float32_attention_is_not_measured(monkeypatch):
     model, _ = mlx_lm.load(str(model_path("qwen3")))
     monkeypatch.setattr(merges, "_decided", [])
     choice = merges.choose(model, {(4, 2, 16, mx.bfloat16)})
-    assert choice.chosen == "one stream" and choice.reason and generator.merge_streams() == 1
+    assert choice.chosen == "one stream" and choice.reason and batch_merge.merge_streams() == 1
 
 
 def test_a_thread_other_than_the_chooser_merges_on_its_own_streams():
@@ -115,7 +116,7 @@ def test_a_thread_other_than_the_chooser_merges_on_its_own_streams():
 
     want = merge_with_room(rows(4, [5, 9]), streams=())
     got = {}
-    generator.spread_merges(2)
+    batch_merge.spread_merges(2)
     try:
         merge_with_room(rows(4, [3, 4]))  # this thread's streams made first
 
@@ -128,6 +129,6 @@ def test_a_thread_other_than_the_chooser_merges_on_its_own_streams():
         worker.start()
         worker.join(60)
     finally:
-        generator.spread_merges(1)
+        batch_merge.spread_merges(1)
     assert "batch" in got
     same_batches(want, got["batch"])

@@ -2,7 +2,7 @@
 chosen by a short measurement at load (:mod:`gateway.cpu.measure`).
 
 A row joining the decode batch has its cached prefix copied into the batch's buffer, every
-layer's keys and values (:func:`scheduler.generator.merge_with_room`): for six rows of 900
+layer's keys and values (:func:`scheduler.batch_merge.merge_with_room`): for six rows of 900
 tokens of SmolLM2-135M that is 250 MB, about 100 ms on a 2-core machine, most of a warm
 request's time to first token. MLX's CPU backend runs one stream's work on one thread, so
 the copies use one core; spread over two streams (layers taking turns) they took 58 ms
@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from cache.pages import PagedKVCache
 from gateway.cpu.measure import Choice, pick, race
-from scheduler.generator import extra_streams, merge_with_room, spread_merges
+from scheduler.batch_merge import extra_streams, merge_with_room, spread_merges
 
 ROWS = 4  # rows of the timed merge
 TOKENS = 384  # cached tokens of each, in two pages
@@ -35,7 +35,7 @@ def decided():
 def choose(model, shapes: set[tuple], rounds: int = 3) -> Choice:
     """Time a merge of :data:`ROWS` rows shaped as ``model``'s KV cache (its layer count,
     the first float32 attention shape of ``shapes``: ``(query heads, KV heads, head size,
-    dtype)``) on one stream and on two, set the faster (:func:`scheduler.generator.spread_merges`)
+    dtype)``) on one stream and on two, set the faster (:func:`scheduler.batch_merge.spread_merges`)
     and return the choice (logged). The first model of a process decides for it."""
     if _decided:
         return _decided[0]
