@@ -209,7 +209,7 @@ SLACK = 0.06  # seconds
 def test_a_load_does_not_stall_the_other_models_decoding():
     """While model A decodes, model B is loaded: the largest gap between A's tokens, as the
     engine emits them, stays under twice its usual step (the 90th percentile of its gaps
-    without a load) plus :data:`SLACK`, in the best of three tries. Measured at the engine: over HTTP this
+    without a load) plus :data:`SLACK`, in the best of five tries. Measured at the engine: over HTTP this
     process is also the client, and its own event loops share the GIL with the load."""
     cfg = config()
     with serving(start_gateway(cfg, [spec("a", medium_qwen3(), preload=True), spec("b", second_qwen3())]),
@@ -235,7 +235,7 @@ def test_a_load_does_not_stall_the_other_models_decoding():
 
         gaps(20)  # warm
         tries = []
-        for attempt in range(3):  # this machine's own noise can make one gap long: the best of three
+        for attempt in range(5):  # this machine's own noise can make one gap long: the best of five
             if attempt:
                 s.gateway.models.unload(b)
                 loader._kept.clear()  # a first load again: tokenizer and grammar index too
