@@ -145,6 +145,17 @@ def _hides_future(mask: Mask, Tq: int, Tk: int) -> bool:
 
 
 # ----------------------------------------------------------------------------- kernels
+def _masked(scores: mx.array, m: mx.array, hk: int, rep: int) -> mx.array:
+    """``scores`` ``[B, Hk, rep, Tq, Tk]`` under mask ``m``: 2-D ``[Tq, Tk]``, or 4-D
+    ``[B or 1, 1 or Hq, Tq, Tk]`` (query head ``h`` is ``(h // rep, h % rep)``); a boolean
+    mask hides with :data:`_MASKED`, another is added."""
+    if m.ndim == 4:
+        m = m[:, :, None] if m.shape[1] == 1 else m.reshape(m.shape[0], hk, rep, *m.shape[2:])
+    if m.dtype == mx.bool_:
+        return mx.where(m, scores, mx.array(_MASKED, scores.dtype))
+    return scores + m.astype(scores.dtype)
+
+
 def _blocks(Tq: int, Tk: int, block: int, causal: bool) -> Iterator[tuple[int, int, int]]:
     """``(start, end, keys)`` per block of queries: the keys it needs are ``[0, keys)``."""
     for s in range(0, Tq, block):
@@ -180,11 +191,7 @@ def _compiled_blocks(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: 
                 m = mx.arange(n - rows, n)[:, None] >= mx.arange(n)[None]
             else:
                 m = mask[..., s:e, :n]
-                m = m[:, :, None] if m.shape[1] == 1 else m.reshape(m.shape[0], Hk, rep, rows, n)
-            if m.dtype == mx.bool_:
-                scores = mx.where(m, scores, mx.array(_MASKED, scores.dtype))
-            else:
-                scores = scores + m.astype(scores.dtype)
+            scores = _masked(scores, m, Hk, rep)
         p = _exp_shifted(scores, mx.max(scores, axis=-1, keepdims=True))
         o = p.reshape(B, Hk, rep * rows, n) @ v1[..., :n, :]
         outs.append((o[..., :D] / o[..., D:]).reshape(B, Hk, rep, rows, D))
@@ -207,12 +214,7 @@ def _compiled_decode(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: 
             raise ValueError(f"[scaled_dot_product_attention] Invalid mask_mode {mask}")
         mask = mx.arange(Tk - Tq, Tk)[:, None] >= mx.arange(Tk)[None] if Tq > 1 else None
     if mask is not None:
-        m = _mask_4d(mask)
-        m = m[:, :, None] if m.shape[1] == 1 else m.reshape(m.shape[0], Hk, rep, *m.shape[2:])
-        if m.dtype == mx.bool_:
-            scores = mx.where(m, scores, mx.array(_MASKED, scores.dtype))
-        else:
-            scores = scores + m.astype(scores.dtype)
+        scores = _masked(scores, mask if mask.ndim == 2 else _mask_4d(mask), Hk, rep)
     p = _exp_shifted(scores, mx.max(scores, axis=-1, keepdims=True)).reshape(B, Hk, rep * Tq, Tk)
     out = (p @ v) / mx.sum(p, axis=-1, keepdims=True)
     return out.reshape(B, Hq, Tq, D)
