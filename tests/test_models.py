@@ -201,8 +201,10 @@ def medium_qwen3():
 # A 2-core machine's scheduler hands a busy thread back after a few milliseconds; the
 # loader thread's CPU work (tokenizer, grammar index, probes, and the timed forwards and
 # kernels that choose the new model's CPU paths and chunk floor) competes for those cores:
-# on 2 cores the largest gap while B loads measured 45-61 ms against a 16 ms step. A load
-# that held the engine would stop A for the whole load (0.7 s or more here).
+# on 2 cores the largest gap while B loads measured 41-65 ms against a 16-20 ms step (67-80
+# ms with a busy-loop process beside, the step then 32-67 ms). A load that held the engine
+# would stop A for the whole load (0.7 s or more here); a load thread at nice 19, starved
+# while holding the GIL, stopped it 131-184 ms with the busy process beside.
 SLACK = 0.06  # seconds
 
 
