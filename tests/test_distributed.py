@@ -283,8 +283,10 @@ def test_a_decoding_row_paused_for_a_better_class_resumes_on_every_rank(tmp_path
     def run(server: Server) -> dict:
         server.wait_ready()
         out, first = {}, threading.Event()
+        # long enough (about 1.5 s alone here) that the standard request comes while it
+        # decodes even on a loaded machine: 64 tokens (0.2 s) once ended before it came
         t = threading.Thread(target=lambda: out.update(stream=server.chat_stream(
-            "tell me a long story about cats", 64, first, priority="batch")))
+            "tell me a long story about cats", 400, first, priority="batch")))
         t.start()
         assert first.wait(30)
         out["standard"] = server.chat("a quick one", 8)
