@@ -15,16 +15,16 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 
 from conftest import assert_same_tokens, model_path, prefilled
-from gateway.cpu import attention, cpu_backend
+from gateway.cpu import attention, attention_kernels, cpu_backend
 from scheduler.generator import JoiningBatchGenerator
 from test_generator import run
 
 
 def test_exp_matches_mlx_exp():
     x = mx.concatenate([-mx.random.uniform(0, 87, (50_000,), key=mx.random.key(0)), mx.array([0.0, -1e-9])])
-    rel = mx.abs(attention.exp_nonpositive(x) - mx.exp(x)) / mx.exp(x)
+    rel = mx.abs(attention_kernels.exp_nonpositive(x) - mx.exp(x)) / mx.exp(x)
     assert float(mx.max(rel)) < 1e-6
-    tiny = attention.exp_nonpositive(mx.array([-90.0, -1000.0, -float("inf")]))
+    tiny = attention_kernels.exp_nonpositive(mx.array([-90.0, -1000.0, -float("inf")]))
     assert float(mx.max(tiny)) < 2e-38  # clamped at 2**-126 where exp underflows to 0
 
 
@@ -67,7 +67,7 @@ def padded_causal(b, tq, tk):
 def test_every_kernel_matches_mlx_attention(kernel, mask, heads, tq, tk):
     q, k, v = qkv(2, heads[0], heads[1], tq, tk, mx.float32, seed=tq * tk)
     m = padded_causal(2, tq, tk) if mask == "padded causal" else make_mask(mask, 2, heads[0], tq, tk, mx.float32)
-    want = attention._mlx_attention(q, k, v, scale=0.3, mask=m)
+    want = attention_kernels.mlx_attention(q, k, v, scale=0.3, mask=m)
     got = attention.KERNELS[kernel](q, k, v, 0.3, m)
     assert got.shape == want.shape and got.dtype == want.dtype
     seen = rows_that_see_a_key(m, 2, heads[0], tq, tk)[..., None]
@@ -78,15 +78,15 @@ def test_only_keys_a_block_can_see_are_read_under_a_causal_mask():
     """A causal or padded-causal mask lets each block stop at its last query's key; a mask
     that shows a later key does not (the block then reads every key)."""
     tq, tk = 4, 10
-    assert attention._hides_future("causal", tq, tk)
-    assert attention._hides_future(padded_causal(2, tq, tk), tq, tk)
-    assert not attention._hides_future(None, tq, tk)
+    assert attention_kernels.hides_future("causal", tq, tk)
+    assert attention_kernels.hides_future(padded_causal(2, tq, tk), tq, tk)
+    assert not attention_kernels.hides_future(None, tq, tk)
     shows_later = mx.ones((tq, tk), dtype=mx.bool_)
-    assert not attention._hides_future(shows_later, tq, tk)
-    assert not attention._hides_future(mx.zeros((tq, tk)), tq, tk)  # additive: not checked, not assumed
-    blocks = list(attention._blocks(70, 100, 32, causal=True))
+    assert not attention_kernels.hides_future(shows_later, tq, tk)
+    assert not attention_kernels.hides_future(mx.zeros((tq, tk)), tq, tk)  # additive: not checked, not assumed
+    blocks = list(attention_kernels.blocks(70, 100, 32, causal=True))
     assert blocks == [(0, 32, 62), (32, 64, 94), (64, 70, 100)]
-    assert [n for *_, n in attention._blocks(70, 100, 32, causal=False)] == [100, 100, 100]
+    assert [n for *_, n in attention_kernels.blocks(70, 100, 32, causal=False)] == [100, 100, 100]
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
@@ -95,17 +95,17 @@ def test_half_precision_and_mixed_dtypes_go_to_mlx(dtype):
     with attention.installed("compiled-blocks", "compiled-blocks", [(4, 2, 16, mx.float32), (4, 2, 16, dtype)]):
         q16 = q.astype(dtype)
         assert mx.array_equal(attention.attention(q16, k, v, scale=0.3, mask="causal"),
-                              attention._mlx_attention(q16, k, v, scale=0.3, mask="causal"))
+                              attention_kernels.mlx_attention(q16, k, v, scale=0.3, mask="causal"))
         q16, k16, v16 = (a.astype(dtype) for a in (q, k, v))
         assert mx.array_equal(attention.attention(q16, k16, v16, scale=0.3, mask="causal"),
-                              attention._mlx_attention(q16, k16, v16, scale=0.3, mask="causal"))
+                              attention_kernels.mlx_attention(q16, k16, v16, scale=0.3, mask="causal"))
 
 
 def test_sinks_go_to_mlx_and_bad_mask_mode_is_refused():
     q, k, v = qkv(1, 4, 2, 3, 6, mx.float32, seed=1)
     sinks = mx.array([0.5, -1.0, 0.0, 2.0])
     with attention.installed("compiled-blocks", "compiled-blocks", [(4, 2, 16, mx.float32)]):
-        want = attention._mlx_attention(q, k, v, scale=0.3, mask="causal", sinks=sinks)
+        want = attention_kernels.mlx_attention(q, k, v, scale=0.3, mask="causal", sinks=sinks)
         got = attention.attention(q, k, v, scale=0.3, mask="causal", sinks=sinks)
         assert mx.array_equal(got, want)
         with pytest.raises(ValueError, match="mask_mode"):
@@ -176,7 +176,7 @@ def test_serving_generator_with_it_matches_mlx_lm_with_mlx_attention(arch, kerne
     """The batched, joining generator on these kernels gives mlx-lm's generator's tokens
     (logprobs within 1e-4) on MLX's attention: cold rows of different lengths (left
     padding, array masks), warm rows, a sliding window (gemma3_text) and hybrids."""
-    monkeypatch.setattr(attention, "COMPILED_BLOCK", 8)
+    monkeypatch.setattr(attention_kernels, "COMPILED_BLOCK", 8)
     model, _ = mlx_lm.load(str(model_path(arch)))
     base = [(11 * i + 5) % 200 + 10 for i in range(48)]
     warm = prefilled(model, base[:40])
