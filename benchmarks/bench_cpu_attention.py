@@ -30,9 +30,10 @@ sys.path.insert(0, str(ROOT))
 
 SHAPES = [("prefill 2048 from 0", 1, 2048, 2048), ("chunk 512 over 3000", 1, 512, 3512),
           ("turn 95 over 2000", 1, 95, 2095), ("load-time 256 over 768", 1, 256, 1024),
-          ("decode 6 x 900", 6, 1, 900), ("decode 1 x 2000", 1, 1, 2000), ("decode 1 x 8000", 1, 1, 8000)]
+          ("load-time wide 64 over 4096", 1, 64, 4096), ("6 rows 292 over 872", 6, 292, 872),
+          ("chunk 512 over 8704", 1, 512, 8704), ("decode 6 x 900", 6, 1, 900), ("decode 1 x 2000", 1, 1, 2000), ("decode 1 x 8000", 1, 1, 8000)]
 
-KERNEL_NAMES = ("mlx", "compiled-blocks", "compiled-decode")
+KERNEL_NAMES = ("mlx", "compiled-blocks", "compiled-blocks-16", "compiled-blocks-8", "compiled-decode")
 
 
 def measure(heads: tuple[int, int, int], rounds: int) -> dict:

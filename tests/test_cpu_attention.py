@@ -121,44 +121,53 @@ def test_installed_replaces_mx_fast_attention_and_restores_it():
 
 def test_the_planned_kernel_runs_for_its_shape_and_regime(monkeypatch):
     """Prefill calls (more than FEW_QUERIES queries a row) go to the prefill kernel planned
-    for their shape, decode calls (one, or a verify step's few) to the decode one of their
-    context's bucket; an unplanned shape runs MLX's own."""
+    for their shape and their rows x keys' bucket, decode calls (one, or a verify step's
+    few) to the decode one of their context's bucket; an unplanned shape runs MLX's own."""
     calls = []
     for name in attention.KERNELS:
         monkeypatch.setitem(attention.KERNELS, name, lambda q, k, v, s, m, name=name: calls.append(name) or q)
     q, k, v = qkv(1, 4, 2, attention.FEW_QUERIES + 1, 40, mx.float32, seed=3)
     (_, short), (medium, _), (long, _) = attention.DECODE_BUCKETS
     decode = ("mlx", "compiled-decode", "compiled-blocks")
-    with attention.installed("compiled-blocks", decode, [(4, 2, 16, mx.float32)]):
+    (_, *_), (wide, *_) = attention.PREFILL_BUCKETS
+    with attention.installed(("compiled-blocks", "compiled-blocks-8"), decode, [(4, 2, 16, mx.float32)]):
         attention.attention(q, k, v, scale=0.3, mask="causal")
+        for rows, keys in ((1, wide - 1), (1, wide), (2, wide // 2 - 1), (2, wide // 2)):  # rows x keys' edges
+            kv = mx.zeros((rows, 2, keys, 16))
+            attention.attention(mx.concatenate([q] * rows), kv, kv, scale=0.3, mask="causal")
         attention.attention(q[:, :, :1], k, v, scale=0.3)
         attention.attention(q[:, :, :5], k, v, scale=0.3, mask="causal")  # verifying four drafts
         for keys in (medium - 1, medium, long - 1, long, 2 * long):  # the buckets' edges
             kv = mx.zeros((1, 2, keys, 16))
             attention.attention(q[:, :, :1], kv, kv, scale=0.3)
         other = attention.attention(*qkv(1, 6, 2, 3, 6, mx.float32, seed=3), scale=0.3)  # not planned
-    assert calls == ["compiled-blocks", "mlx", "mlx", "mlx", "compiled-decode", "compiled-decode",
-                     "compiled-blocks", "compiled-blocks"]
+    assert calls == ["compiled-blocks", "compiled-blocks", "compiled-blocks-8", "compiled-blocks", "compiled-blocks-8",
+                     "mlx", "mlx", "mlx", "compiled-decode", "compiled-decode", "compiled-blocks", "compiled-blocks"]
     assert other.shape == (1, 6, 3, 16)
 
 
-@pytest.mark.parametrize("prefill,decodes,want", [
-    ({"mlx": 0.040, "compiled-blocks": 0.020},
+WIDE = {"mlx": 0.090, "compiled-blocks": 0.030, "compiled-blocks-16": 0.024, "compiled-blocks-8": 0.021}
+
+
+@pytest.mark.parametrize("prefills,decodes,want", [
+    ([{"mlx": 0.040, "compiled-blocks": 0.020}, WIDE],
      [{"mlx": 0.0010, "compiled-decode": 0.0015}, {"mlx": 0.0030, "compiled-decode": 0.0015},
-      {"mlx": 0.0072, "compiled-decode": 0.0036}], ("compiled-blocks", "mlx", "compiled-decode", "compiled-decode")),
-    ({"mlx": 0.020, "compiled-blocks": 0.080},
+      {"mlx": 0.0072, "compiled-decode": 0.0036}],
+     ("compiled-blocks", "compiled-blocks-8", "mlx", "compiled-decode", "compiled-decode")),
+    ([{"mlx": 0.020, "compiled-blocks": 0.080}, {**WIDE, "mlx": 0.022}],  # within the margin
      [{"mlx": 0.0020, "compiled-decode": 0.0010}, {"mlx": 0.0030, "compiled-decode": 0.0029},
-      {"mlx": 0.0070, "compiled-decode": 0.0069}], ("mlx", "compiled-decode", "mlx", "mlx")),  # within the margin
-    ({"mlx": 0.020}, [{"mlx": 0.0010}, {"mlx": 0.0030}, {"mlx": 0.0070}], ("mlx",) * 4),  # no g++: MLX's own only
+      {"mlx": 0.0070, "compiled-decode": 0.0069}], ("mlx", "mlx", "compiled-decode", "mlx", "mlx")),
+    ([{"mlx": 0.020}, {"mlx": 0.090}], [{"mlx": 0.0010}, {"mlx": 0.0030}, {"mlx": 0.0070}],
+     ("mlx",) * 5),  # no g++: MLX's own only
 ])
-def test_the_choice_follows_the_measurement(prefill, decodes, want):
+def test_the_choice_follows_the_measurement(prefills, decodes, want):
     with attention.installed():
-        choices = attention.choose(9, 3, 64, mx.float32, prefill, *decodes)
+        choices = attention.choose(9, 3, 64, mx.float32, *prefills, *decodes)
         assert attention.planned(9, 3, 64, mx.float32) == want
         with pytest.raises(ValueError, match="buckets"):
-            attention.choose(9, 3, 64, mx.float32, prefill, *decodes[:2])
+            attention.choose(9, 3, 64, mx.float32, *prefills, *decodes[:2])
     assert [c.chosen for c in choices] == list(want)
-    assert all(f"{1e3 * s:.2f} ms" in c.describe() for c, figures in zip(choices, (prefill, *decodes))
+    assert all(f"{1e3 * s:.2f} ms" in c.describe() for c, figures in zip(choices, (*prefills, *decodes))
                for s in figures.values())
     assert attention.planned(9, 3, 64, mx.float32) is None  # installed() put the plans back
 
@@ -258,14 +267,16 @@ def test_models_kernels_are_measured_and_planned_unless_turned_off(monkeypatch):
             assert [c.reason for c in choices] == ["MLX runs on a GPU"]
             return
         (_, short), (medium, _), (long, _) = attention.DECODE_BUCKETS
+        (_, *_), (wide, *_) = attention.PREFILL_BUCKETS
         assert [c.what.split(" [")[0] for c in choices] == [
-            "attention, prefill", f"attention, decode over 0-{medium - 1} keys",
+            f"attention, prefill over 0-{wide - 1} rows x keys", f"attention, prefill over {wide}+ rows x keys",
+            f"attention, decode over 0-{medium - 1} keys",
             f"attention, decode over {medium}-{long - 1} keys", f"attention, decode over {long}+ keys"]
         assert attention.planned(*shape) == tuple(c.chosen for c in choices)
-        assert set(choices[0].seconds) == set(attention.PREFILL_KERNELS) - (
-            set() if shutil.which("g++") else {"compiled-blocks"})
-        assert all(set(c.seconds) == set(attention.DECODE_KERNELS) - (
-            set() if shutil.which("g++") else {"compiled-decode"}) for c in choices[1:])
+        compiled = set() if shutil.which("g++") else {k for k in attention.KERNELS if k.startswith("compiled-")}
+        assert set(choices[0].seconds) == set(attention.PREFILL_KERNELS) - compiled
+        assert set(choices[1].seconds) == set(attention.WIDE_PREFILL_KERNELS) - compiled
+        assert all(set(c.seconds) == set(attention.DECODE_KERNELS) - compiled for c in choices[2:])
         assert mx.fast.scaled_dot_product_attention is attention.attention
     finally:
         attention.uninstall()

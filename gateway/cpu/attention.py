@@ -10,11 +10,14 @@ layer in attention, 20 s of a chunk whose matmuls take 4: the ``[Tq, Tk]`` score
 38 M elements per layer, half of them masked.
 
 The kernels are in :mod:`gateway.cpu.attention_kernels` (``mlx``, MLX's own;
-``compiled-blocks`` for prefill; ``compiled-decode`` for a few queries a row).
+``compiled-blocks`` in blocks of 32, 16 or 8 queries for prefill; ``compiled-decode`` for
+a few queries a row).
 
 Which one runs is decided per model at load (:func:`choose_for_model`): each kernel is
-timed on the model's own head counts, head size and dtype, on a prefill shape (a chunk of
-:data:`PREFILL_SHAPES`: queries over keys; candidates :data:`PREFILL_KERNELS`) and a
+timed on the model's own head counts, head size and dtype, on two prefill chunks (one of
+each of :data:`PREFILL_BUCKETS`: one row of 256 queries over 1,024 keys, candidates
+:data:`PREFILL_KERNELS`; four rows of 64 over 1,024, for calls of at least 4,096 rows times
+keys, where narrower blocks may win: candidates :data:`WIDE_PREFILL_KERNELS`) and a
 decode step over a short, a medium and a long context (:data:`DECODE_BUCKETS`;
 candidates :data:`DECODE_KERNELS`: around 1,000 keys MLX's own and the compiled one are
 even, beyond it the compiled one pulls ahead), and the fastest is used for each (MLX's own
@@ -49,48 +52,67 @@ from gateway.cpu.measure import Choice, pick, race
 
 log = logging.getLogger("mlx_gateway")
 
-# (queries, keys) of the prefill timings at load: a chunk over earlier context (a fresh chunk's
-# figure is dominated by per-call costs that long prompts, where attention matters, do not pay)
-PREFILL_SHAPES = ((256, 1024),)
+# (fewest rows x keys, rows, queries and keys timed) per prefill bucket: a prefill call of B
+# rows over k keys takes the kernel timed for the last bucket whose fewest is <= B * k; the
+# timings at load are of chunks over earlier context (a fresh chunk's figure is dominated by
+# per-call costs that long prompts, where attention matters, do not pay): one row's, and a
+# batch's of rows joining over a shared prefix
+PREFILL_BUCKETS = ((0, 1, 256, 1024), (4096, 4, 64, 1024))
 FEW_QUERIES = 16  # calls with at most this many queries a row (decode, verifying drafts) take the decode kernel
 # (fewest keys, keys timed) per decode bucket: a decode call over k keys takes the kernel
 # timed for the last bucket whose fewest is <= k (a short, a medium and a long context)
 DECODE_BUCKETS = ((0, 1024), (1536, 2048), (4096, 8192))
 PREFILL_KERNELS = ("mlx", "compiled-blocks")  # the candidates timed for prefill calls
+# and for prefill calls of many rows times many keys, where narrower blocks may keep scores in the cache
+WIDE_PREFILL_KERNELS = PREFILL_KERNELS + ("compiled-blocks-16", "compiled-blocks-8")
 DECODE_KERNELS = ("mlx", "compiled-decode")  # and for decode calls (compiled-blocks, one block there, is
 # compiled-decode plus a copy of the values)
 
-# (query heads, KV heads, head size, dtype) -> (prefill kernel, one decode kernel per DECODE_BUCKETS)
+# (query heads, KV heads, head size, dtype) -> (one prefill kernel per PREFILL_BUCKETS, one
+# decode kernel per DECODE_BUCKETS)
 _plans: dict[tuple, tuple[str, ...]] = {}
 
 
-def plan(hq: int, hk: int, d: int, dtype, prefill: str, decode: Union[str, tuple[str, ...]]) -> None:
+def plan(hq: int, hk: int, d: int, dtype, prefill: Union[str, tuple[str, ...]],
+         decode: Union[str, tuple[str, ...]]) -> None:
     """Use kernel ``prefill`` for calls with more than :data:`FEW_QUERIES` queries per row
     and ``decode`` for the others (a decode step's one, a verify step's few), on attention
-    of that shape (names from :data:`KERNELS`). ``decode`` is one name for every context
-    length or one per :data:`DECODE_BUCKETS`.
+    of that shape (names from :data:`KERNELS`). ``prefill`` is one name for every call or
+    one per :data:`PREFILL_BUCKETS`; ``decode`` one for every context length or one per
+    :data:`DECODE_BUCKETS`.
 
     Raises:
         KeyError: an unknown kernel name.
-        ValueError: a tuple of decode kernels not one per bucket.
+        ValueError: a tuple of kernels not one per bucket.
     """
-    decode = (decode,) * len(DECODE_BUCKETS) if isinstance(decode, str) else tuple(decode)
-    if len(decode) != len(DECODE_BUCKETS):
-        raise ValueError(f"{len(decode)} decode kernels for {len(DECODE_BUCKETS)} buckets")
-    for name in (prefill, *decode):
+    prefill = _per_bucket(prefill, PREFILL_BUCKETS, "prefill")
+    decode = _per_bucket(decode, DECODE_BUCKETS, "decode")
+    for name in (*prefill, *decode):
         KERNELS[name]  # noqa: B018 (raises KeyError)
-    _plans[(hq, hk, d, dtype)] = (prefill, *decode)
+    _plans[(hq, hk, d, dtype)] = (*prefill, *decode)
+
+
+def _per_bucket(names: Union[str, tuple[str, ...]], buckets: tuple, what: str) -> tuple[str, ...]:
+    names = (names,) * len(buckets) if isinstance(names, str) else tuple(names)
+    if len(names) != len(buckets):
+        raise ValueError(f"{len(names)} {what} kernels for {len(buckets)} buckets")
+    return names
 
 
 def planned(hq: int, hk: int, d: int, dtype) -> Optional[tuple[str, ...]]:
-    """The kernels used for that shape, ``(prefill, decode per DECODE_BUCKETS...)``, or
-    None (MLX's own)."""
+    """The kernels used for that shape, ``(prefill per PREFILL_BUCKETS..., decode per
+    DECODE_BUCKETS...)``, or None (MLX's own)."""
     return _plans.get((hq, hk, d, dtype))
 
 
 def _bucket(keys: int) -> int:
     """The index in :data:`DECODE_BUCKETS` of a decode call over ``keys`` keys."""
     return max(i for i, (fewest, _) in enumerate(DECODE_BUCKETS) if fewest <= keys)
+
+
+def _prefill_bucket(rows_by_keys: int) -> int:
+    """The index in :data:`PREFILL_BUCKETS` of a prefill call of ``rows x keys``."""
+    return max(i for i, (fewest, *_) in enumerate(PREFILL_BUCKETS) if fewest <= rows_by_keys)
 
 
 def forget_plans() -> None:
@@ -123,8 +145,8 @@ def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Mask
     if kernels is None:
         return mlx_attention(q, k, v, scale=scale, mask=mask)
     if q.shape[2] > FEW_QUERIES:
-        return KERNELS[kernels[0]](q, k, v, scale, mask)
-    return KERNELS[kernels[1 + _bucket(k.shape[2])]](q, k, v, scale, mask)
+        return KERNELS[kernels[_prefill_bucket(q.shape[0] * k.shape[2])]](q, k, v, scale, mask)
+    return KERNELS[kernels[len(PREFILL_BUCKETS) + _bucket(k.shape[2])]](q, k, v, scale, mask)
 
 
 def install() -> None:
@@ -194,15 +216,15 @@ def _can_compile() -> bool:
 
 def measure_shape(hq: int, hk: int, d: int, dtype, rounds: int = 4) -> tuple[dict[str, float], ...]:
     """Seconds of each candidate kernel (fastest of ``rounds``, after two warm-up calls) on
-    attention of that shape: :data:`PREFILL_KERNELS` on the :data:`PREFILL_SHAPES` chunks
-    with a causal boolean mask (as mlx-lm's batch caches give; a kernel's figure is their
-    sum), and :data:`DECODE_KERNELS` on one query over each of :data:`DECODE_BUCKETS`' keys
-    with a boolean mask showing every key (what a batch cache gives a row without padding).
-    Returns ``(prefill, decode per bucket...)``."""
+    attention of that shape: :data:`PREFILL_KERNELS`, then :data:`WIDE_PREFILL_KERNELS`, on
+    each of :data:`PREFILL_BUCKETS`' chunks with a causal boolean mask (as mlx-lm's batch
+    caches give), and :data:`DECODE_KERNELS` on one query over each of
+    :data:`DECODE_BUCKETS`' keys with a boolean mask showing every key (what a batch cache
+    gives a row without padding). Returns ``(prefill per bucket..., decode per bucket...)``."""
     chunks = []
-    for i, (tq, tk) in enumerate(PREFILL_SHAPES):
+    for i, (_, b, tq, tk) in enumerate(PREFILL_BUCKETS):
         q, k, v = (mx.random.normal(shape, key=kk).astype(dtype) for shape, kk in
-                   zip(((1, hq, tq, d), (1, hk, tk, d), (1, hk, tk, d)), mx.random.split(mx.random.key(2 + i), 3)))
+                   zip(((b, hq, tq, d), (b, hk, tk, d), (b, hk, tk, d)), mx.random.split(mx.random.key(2 + i), 3)))
         chunks.append((q, k, v, (mx.arange(tk - tq, tk)[:, None] >= mx.arange(tk)[None])[None, None]))
     steps = []
     for i, (_, keys) in enumerate(DECODE_BUCKETS):
@@ -211,37 +233,42 @@ def measure_shape(hq: int, hk: int, d: int, dtype, rounds: int = 4) -> tuple[dic
         steps.append((q, k, v, mx.ones((1, 1, 1, keys), dtype=mx.bool_)))
     mx.eval(chunks, steps)
     scale = d ** -0.5
-    prefill = race({n: (lambda f=KERNELS[n]: [f(q, k, v, scale, m) for q, k, v, m in chunks])
-                    for n in _candidates(PREFILL_KERNELS)}, rounds, sync=mx.eval, warmup=2)
-    decodes = tuple(race({n: (lambda f=KERNELS[n], a=a: f(*a[:3], scale, a[3])) for n in _candidates(DECODE_KERNELS)},
-                         rounds, sync=mx.eval, warmup=2) for a in steps)
-    return (prefill, *decodes)
+    calls = [(a, PREFILL_KERNELS if i == 0 else WIDE_PREFILL_KERNELS) for i, a in enumerate(chunks)]
+    calls += [(a, DECODE_KERNELS) for a in steps]
+    return tuple(race({n: (lambda f=KERNELS[n], a=a: f(*a[:3], scale, a[3])) for n in _candidates(names)},
+                      rounds, sync=mx.eval, warmup=2) for a, names in calls)
 
 
-def _decode_label(i: int) -> str:
-    fewest = DECODE_BUCKETS[i][0]
-    if i + 1 == len(DECODE_BUCKETS):
-        return f"over {fewest}+ keys"
-    return f"over {fewest}-{DECODE_BUCKETS[i + 1][0] - 1} keys"
+def _label(fewests: list[int], i: int, unit: str) -> str:
+    if i + 1 == len(fewests):
+        return f"over {fewests[i]}+ {unit}"
+    return f"over {fewests[i]}-{fewests[i + 1] - 1} {unit}"
 
 
-def choose(hq: int, hk: int, d: int, dtype, prefill: dict[str, float], *decodes: dict[str, float]) -> list[Choice]:
+def labels() -> list[str]:
+    """What each planned kernel is for, in :func:`planned`'s order (as the log names them)."""
+    prefill = [b[0] for b in PREFILL_BUCKETS]
+    decode = [b[0] for b in DECODE_BUCKETS]
+    return ([f"prefill {_label(prefill, i, 'rows x keys')}" for i in range(len(prefill))]
+            + [f"decode {_label(decode, i, 'keys')}" for i in range(len(decode))])
+
+
+def choose(hq: int, hk: int, d: int, dtype, *timings: dict[str, float]) -> list[Choice]:
     """Plan the fastest kernels for that shape from their timings (:func:`pick`: MLX's
-    own unless another beats it by the margin): ``prefill``'s and one per
-    :data:`DECODE_BUCKETS` (``decodes``, in that order); returns the choices.
+    own unless another beats it by the margin): one per :data:`PREFILL_BUCKETS`, then one
+    per :data:`DECODE_BUCKETS` (``timings``, in that order); returns the choices.
 
     Raises:
-        ValueError: not one decode timing per bucket.
+        ValueError: not one timing per bucket.
     """
-    if len(decodes) != len(DECODE_BUCKETS):
-        raise ValueError(f"{len(decodes)} decode timings for {len(DECODE_BUCKETS)} buckets")
+    if len(timings) != len(PREFILL_BUCKETS) + len(DECODE_BUCKETS):
+        raise ValueError(f"{len(timings)} timings for {len(PREFILL_BUCKETS)} prefill and "
+                         f"{len(DECODE_BUCKETS)} decode buckets")
     shape = f"[{hq} query / {hk} KV heads of {d}]"
-    p = pick(prefill, "mlx")
-    dd = tuple(pick(t, "mlx") for t in decodes)
-    plan(hq, hk, d, dtype, p, dd)
-    return [Choice(f"attention, prefill {shape}", p, dict(prefill))] + [
-        Choice(f"attention, decode {_decode_label(i)} {shape}", name, dict(t))
-        for i, (name, t) in enumerate(zip(dd, decodes))]
+    chosen = [pick(t, "mlx") for t in timings]
+    plan(hq, hk, d, dtype, tuple(chosen[:len(PREFILL_BUCKETS)]), tuple(chosen[len(PREFILL_BUCKETS):]))
+    return [Choice(f"attention, {label} {shape}", name, dict(t))
+            for label, name, t in zip(labels(), chosen, timings)]
 
 
 def choose_for_model(model, rounds: int = 4) -> list[Choice]:

@@ -9,6 +9,14 @@ The kernels (:data:`KERNELS`):
   the CPU's cache), the softmax's ``exp`` written as array ops (the same polynomial) and
   fused by ``mx.compile`` into kernels the compiler vectorizes, and the normalizer taken
   by the ``@ v`` matmul itself (``v`` gets a column of ones).
+* ``compiled-blocks-16``, ``compiled-blocks-8``: the same in blocks of 16 or 8 queries,
+  for calls whose scores are many rows times many keys (a batch of rows over a shared
+  prefix, a chunk of a long prompt), where 32 queries' scores no longer stay in the cache:
+  on the 2-core machine of ``benchmarks/bench_cpu_attention.py``, a 512-wide 8-layer qwen3
+  (8 query heads of 32) prefilling 512 tokens over 8,192 cached took 1,693 ms in blocks of
+  32, 1,490 in 16, 1,332 in 8; six rows of 292 over 580 cached, 817 / 611 / 613 ms; one
+  fresh 2,048-token prompt 777 / 785 ms. SmolLM2 (9 heads of 64): six rows 8.0 / 7.0 /
+  8.1 s, one fresh prompt 9.0 / 9.6 s.
 * ``compiled-decode``: for a few queries a row (a decode step, a verify step): the same
   compiled ``exp`` over all of a row's scores at once, the normalizer summed over them
   (a column of ones would copy every value for a single query). Over 2,000 keys MLX's
@@ -23,8 +31,9 @@ and the compiled kernel beat it wherever that one could be built.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 import mlx.core as mx
 
@@ -36,6 +45,7 @@ POLY = (1.535336188319500e-4, 1.339887440266574e-3, 9.618437357674640e-3, 5.5503
 ROUND = 12582912.0  # 1.5 * 2**23: (y + ROUND) - ROUND rounds a float32 |y| < 2**22 to an integer
 
 COMPILED_BLOCK = 32  # queries per block of the compiled-blocks kernel: [rep * 32, Tk] scores stay in cache
+NARROW_BLOCKS = (16, 8)  # the narrower blocks of compiled-blocks-16 and -8, for many rows times many keys
 _MASKED = -3.0e38  # a score that exp turns into 0 (finite: a fully masked row stays finite, as in MLX)
 
 mlx_attention = mx.fast.scaled_dot_product_attention  # MLX's own, taken before attention.install() replaces it
@@ -118,8 +128,9 @@ def blocks(Tq: int, Tk: int, block: int, causal: bool) -> Iterator[tuple[int, in
         yield s, e, (Tk - Tq + e) if causal else Tk
 
 
-def compiled_blocks(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask) -> mx.array:
-    """Attention in blocks of :data:`COMPILED_BLOCK` queries, float32: per block and KV
+def compiled_blocks(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask,
+                    block: Optional[int] = None) -> mx.array:
+    """Attention in blocks of ``block`` queries (default :data:`COMPILED_BLOCK`), float32: per block and KV
     head, the ``rep`` query heads that share it are one ``[rep * n, D]`` matmul against
     the keys the block sees; the softmax's ``exp`` is :func:`_exp_shifted`; ``@ [v, 1]``
     gives the weighted values and their normalizer at once. Grouped-query heads: query
@@ -137,7 +148,7 @@ def compiled_blocks(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: M
     kT = k.swapaxes(-1, -2)
     v1 = mx.concatenate([v, mx.ones((B, Hk, Tk, 1), v.dtype)], axis=-1)  # [.., D + 1]: the last column sums p
     outs = []
-    for s, e, n in blocks(Tq, Tk, COMPILED_BLOCK, causal):
+    for s, e, n in blocks(Tq, Tk, block or COMPILED_BLOCK, causal):
         rows = e - s
         qb = q[..., s:e, :].reshape(B, Hk, rep * rows, D)
         scores = (qb @ kT[..., :n]).reshape(B, Hk, rep, rows, n)
@@ -181,4 +192,5 @@ def _mlx(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask) -> mx.
 
 KERNELS: dict[str, Callable[[mx.array, mx.array, mx.array, float, Mask], mx.array]] = {
     "mlx": _mlx, "compiled-blocks": compiled_blocks, "compiled-decode": compiled_decode,
+    **{f"compiled-blocks-{n}": functools.partial(compiled_blocks, block=n) for n in NARROW_BLOCKS},
 }
