@@ -1,12 +1,13 @@
-"""The CPU attention kernels of gateway/cpu/attention.py (MLX's own, the compiled-exp
-blocks, the compiled-exp decode kernel) on the default model's shapes, with glibc's malloc and
+"""The CPU attention kernels of gateway/cpu/attention_kernels.py (MLX's own, the compiled-exp
+blocks of 32, 16 and 8 queries, the compiled-exp decode kernel) on the default model's shapes, with glibc's malloc and
 with gateway/cpu/allocator.py's setting; prints milliseconds (fastest of interleaved
 runs), asserts nothing.
 
 Shapes (``[B, Tq, Tk]``, 9 query and 3 KV heads of 64, SmolLM2-135M's): a 2,048-token
 prefill chunk from an empty cache, a 512-token chunk over 3,000 cached tokens, a 95-token
-chat turn over 2,000, the load-time measurement's 256 over 1,024, six decode rows over
-900, one over 2,000 and one over 8,000. Prefill shapes get the causal boolean mask mlx-lm's batch
+chat turn over 2,000, the load-time measurements' 256 over 1,024 and four rows of 64 over
+1,024, six rows of 292 over 872 (a burst joining over a shared prefix), a 512-token chunk
+over 8,704, six decode rows over 900, one over 2,000 and one over 8,000. Prefill shapes get the causal boolean mask mlx-lm's batch
 caches give. Each allocator setting runs in its own process, and the kernels take turns
 within it. ``--heads HQ,HK,D`` measures other shapes.
 
@@ -30,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 SHAPES = [("prefill 2048 from 0", 1, 2048, 2048), ("chunk 512 over 3000", 1, 512, 3512),
           ("turn 95 over 2000", 1, 95, 2095), ("load-time 256 over 768", 1, 256, 1024),
-          ("load-time wide 64 over 4096", 1, 64, 4096), ("6 rows 292 over 872", 6, 292, 872),
+          ("load-time wide 4 x 64 over 1024", 4, 64, 1024), ("6 rows 292 over 872", 6, 292, 872),
           ("chunk 512 over 8704", 1, 512, 8704), ("decode 6 x 900", 6, 1, 900), ("decode 1 x 2000", 1, 1, 2000), ("decode 1 x 8000", 1, 1, 8000)]
 
 KERNEL_NAMES = ("mlx", "compiled-blocks", "compiled-blocks-16", "compiled-blocks-8", "compiled-decode")

@@ -180,12 +180,18 @@ def test_attention_shapes_are_traced_from_the_model():
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3_text", "qwen3_5", "nemotron_h"])
-@pytest.mark.parametrize("kernels", [("compiled-blocks", "compiled-decode"), ("compiled-blocks", "mlx")])
+@pytest.mark.parametrize("kernels", [("compiled-blocks", "compiled-decode"), ("compiled-blocks", "mlx"),
+                                     (("compiled-blocks", "compiled-blocks-8"), "compiled-decode")])
 def test_serving_generator_with_it_matches_mlx_lm_with_mlx_attention(arch, kernels, monkeypatch):
     """The batched, joining generator on these kernels gives mlx-lm's generator's tokens
     (logprobs within 1e-4) on MLX's attention: cold rows of different lengths (left
-    padding, array masks), warm rows, a sliding window (gemma3_text) and hybrids."""
+    padding, array masks), warm rows, a sliding window (gemma3_text) and hybrids. With two
+    prefill kernels, the wide bucket starts at 32 rows x keys, so that these small batches
+    reach it."""
     monkeypatch.setattr(attention_kernels, "COMPILED_BLOCK", 8)
+    if not isinstance(kernels[0], str):
+        (_, *narrow), (_, *wide) = attention.PREFILL_BUCKETS
+        monkeypatch.setattr(attention, "PREFILL_BUCKETS", ((0, *narrow), (32, *wide)))
     model, _ = mlx_lm.load(str(model_path(arch)))
     base = [(11 * i + 5) % 200 + 10 for i in range(48)]
     warm = prefilled(model, base[:40])

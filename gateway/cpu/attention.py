@@ -160,7 +160,7 @@ def uninstall() -> None:
 
 
 @contextlib.contextmanager
-def installed(prefill: Optional[str] = None, decode: Union[None, str, tuple[str, ...]] = None,
+def installed(prefill: Union[None, str, tuple[str, ...]] = None, decode: Union[None, str, tuple[str, ...]] = None,
               shapes=()) -> Iterator[None]:
     """:func:`install` for the duration of a ``with`` block; with ``prefill`` and
     ``decode`` (as :func:`plan` takes them), those kernels planned for each

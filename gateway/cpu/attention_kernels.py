@@ -1,6 +1,9 @@
 """The CPU attention kernels among which :mod:`gateway.cpu.attention` chooses by
-measurement at load; each computes ``softmax(scale * q @ k^T + mask) @ v`` with MLX's
-outputs to about 1e-6 in float32 (``tests/test_cpu_attention.py``).
+measurement at load. Each is called ``kernel(q, k, v, scale, mask)`` with queries
+``[B, Hq, Tq, D]``, keys and values ``[B, Hk, Tk, D]`` (float32, ``Hq`` a multiple of
+``Hk``) and a mask as ``mx.fast.scaled_dot_product_attention`` takes it, and returns
+``softmax(scale * q @ k^T + mask) @ v`` ``[B, Hq, Tq, D]``, MLX's outputs to about 1e-6
+(``tests/test_cpu_attention.py``).
 
 The kernels (:data:`KERNELS`):
 
@@ -15,8 +18,8 @@ The kernels (:data:`KERNELS`):
   on the 2-core machine of ``benchmarks/bench_cpu_attention.py``, a 512-wide 8-layer qwen3
   (8 query heads of 32) prefilling 512 tokens over 8,192 cached took 1,693 ms in blocks of
   32, 1,490 in 16, 1,332 in 8; six rows of 292 over 580 cached, 817 / 611 / 613 ms; one
-  fresh 2,048-token prompt 777 / 785 ms. SmolLM2 (9 heads of 64): six rows 8.0 / 7.0 /
-  8.1 s, one fresh prompt 9.0 / 9.6 s.
+  fresh 2,048-token prompt 777 ms in 32, 785 in 16. SmolLM2 (9 heads of 64): six rows
+  8.0 / 7.0 / 8.1 s, one fresh prompt 9.0 s in 32, 9.6 in 16.
 * ``compiled-decode``: for a few queries a row (a decode step, a verify step): the same
   compiled ``exp`` over all of a row's scores at once, the normalizer summed over them
   (a column of ones would copy every value for a single query). Over 2,000 keys MLX's
@@ -148,7 +151,7 @@ def compiled_blocks(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: M
     kT = k.swapaxes(-1, -2)
     v1 = mx.concatenate([v, mx.ones((B, Hk, Tk, 1), v.dtype)], axis=-1)  # [.., D + 1]: the last column sums p
     outs = []
-    for s, e, n in blocks(Tq, Tk, block or COMPILED_BLOCK, causal):
+    for s, e, n in blocks(Tq, Tk, COMPILED_BLOCK if block is None else block, causal):
         rows = e - s
         qb = q[..., s:e, :].reshape(B, Hk, rep * rows, D)
         scores = (qb @ kT[..., :n]).reshape(B, Hk, rep, rows, n)

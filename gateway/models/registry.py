@@ -52,7 +52,7 @@ _loads = [0, 0.005]  # loads running, the switch interval before the first
 
 
 @contextlib.contextmanager
-def load_priority() -> Iterator[None]:
+def load_switch_interval() -> Iterator[None]:
     """Let a model's load (on the calling thread) hand the GIL back to the engine loop
     quickly: while any load runs, Python's thread switch interval is
     :data:`LOAD_SWITCH_INTERVAL`, so the engine thread waits at most that long for the
@@ -280,7 +280,7 @@ class ModelRegistry:
         started = time.monotonic()
         log.info("loading model %s from %s", slot.name, slot.spec.path)
         try:
-            with load_priority():
+            with load_switch_interval():
                 handle = self._loader(slot.spec, registry, lambda need: self._reserve(slot, need, evict))
         except NoRoom as e:
             self._failed(slot, future, ModelUnavailable(str(e), code="insufficient_memory"))
