@@ -65,6 +65,7 @@ DECODE_BUCKETS = ((0, 1024), (1536, 2048), (4096, 8192))
 PREFILL_KERNELS = ("mlx", "compiled-blocks")  # the candidates timed for prefill calls
 # and for prefill calls of many rows times many keys, where narrower blocks may keep scores in the cache
 WIDE_PREFILL_KERNELS = PREFILL_KERNELS + ("compiled-blocks-16", "compiled-blocks-8")
+PREFILL_CANDIDATES = (PREFILL_KERNELS, WIDE_PREFILL_KERNELS)  # per PREFILL_BUCKETS
 DECODE_KERNELS = ("mlx", "compiled-decode")  # and for decode calls (compiled-blocks, one block there, is
 # compiled-decode plus a copy of the values)
 
@@ -105,14 +106,10 @@ def planned(hq: int, hk: int, d: int, dtype) -> Optional[tuple[str, ...]]:
     return _plans.get((hq, hk, d, dtype))
 
 
-def _bucket(keys: int) -> int:
-    """The index in :data:`DECODE_BUCKETS` of a decode call over ``keys`` keys."""
-    return max(i for i, (fewest, _) in enumerate(DECODE_BUCKETS) if fewest <= keys)
-
-
-def _prefill_bucket(rows_by_keys: int) -> int:
-    """The index in :data:`PREFILL_BUCKETS` of a prefill call of ``rows x keys``."""
-    return max(i for i, (fewest, *_) in enumerate(PREFILL_BUCKETS) if fewest <= rows_by_keys)
+def _bucket(buckets: tuple, size: int) -> int:
+    """The index in ``buckets`` (:data:`PREFILL_BUCKETS`: ``size`` is rows x keys;
+    :data:`DECODE_BUCKETS`: keys) of the last bucket whose fewest is <= ``size``."""
+    return max(i for i, (fewest, *_) in enumerate(buckets) if fewest <= size)
 
 
 def forget_plans() -> None:
@@ -145,8 +142,8 @@ def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Mask
     if kernels is None:
         return mlx_attention(q, k, v, scale=scale, mask=mask)
     if q.shape[2] > FEW_QUERIES:
-        return KERNELS[kernels[_prefill_bucket(q.shape[0] * k.shape[2])]](q, k, v, scale, mask)
-    return KERNELS[kernels[len(PREFILL_BUCKETS) + _bucket(k.shape[2])]](q, k, v, scale, mask)
+        return KERNELS[kernels[_bucket(PREFILL_BUCKETS, q.shape[0] * k.shape[2])]](q, k, v, scale, mask)
+    return KERNELS[kernels[len(PREFILL_BUCKETS) + _bucket(DECODE_BUCKETS, k.shape[2])]](q, k, v, scale, mask)
 
 
 def install() -> None:
@@ -233,8 +230,7 @@ def measure_shape(hq: int, hk: int, d: int, dtype, rounds: int = 4) -> tuple[dic
         steps.append((q, k, v, mx.ones((1, 1, 1, keys), dtype=mx.bool_)))
     mx.eval(chunks, steps)
     scale = d ** -0.5
-    calls = [(a, PREFILL_KERNELS if i == 0 else WIDE_PREFILL_KERNELS) for i, a in enumerate(chunks)]
-    calls += [(a, DECODE_KERNELS) for a in steps]
+    calls = [*zip(chunks, PREFILL_CANDIDATES), *((a, DECODE_KERNELS) for a in steps)]
     return tuple(race({n: (lambda f=KERNELS[n], a=a: f(*a[:3], scale, a[3])) for n in _candidates(names)},
                       rounds, sync=mx.eval, warmup=2) for a, names in calls)
 
