@@ -71,3 +71,38 @@ def test_reasoning_content_over_http():
             msg = c.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
         assert msg["reasoning_content"] == "<think>" * 3
         assert msg["content"] == ""
+
+
+def byte_token(tokenizer, byte: int) -> int:
+    """The id of the byte-level BPE token for one raw byte (GPT-2's byte map)."""
+    from mlx_lm.tokenizer_utils import _byte_decoder
+
+    char = next(c for c, b in _byte_decoder().items() if b == byte)
+    return tokenizer.convert_tokens_to_ids(char)
+
+
+def test_bytes_that_can_never_be_valid_utf8_are_released_at_once(qwen3):
+    # What a random-weight model emits: an invalid lead byte, a word, then lone
+    # continuation bytes. Each piece is released with its token (U+FFFD for each invalid
+    # byte), not held to the end of the answer, and together they are the whole decode.
+    word = qwen3.encode(" word", add_special_tokens=False)
+    toks = [byte_token(qwen3, 0xC0), *word] + [byte_token(qwen3, 0x86)] * 4
+    content, _, pieces = run(TextAssembler(qwen3), toks)
+    assert pieces == ["\ufffd", " word", "\ufffd", "\ufffd", "\ufffd", "\ufffd"]
+    assert content == qwen3.decode(toks) == "\ufffd word\ufffd\ufffd\ufffd\ufffd"
+
+
+def test_an_incomplete_character_is_held_until_it_completes(qwen3):
+    # "中" is e4 b8 ad: its first two bytes wait for the third, after an invalid byte too.
+    zhong = [byte_token(qwen3, b) for b in "中".encode()]
+    content, _, pieces = run(TextAssembler(qwen3), zhong + [byte_token(qwen3, 0x86)] + zhong)
+    assert pieces == ["", "", "中", "\ufffd", "", "", "中"]
+    assert content == "中\ufffd中"
+
+
+def test_invalid_bytes_are_released_past_the_think_and_stop_filters(qwen3):
+    # With a reasoning split and stop strings, as chat requests have them.
+    toks = [byte_token(qwen3, 0x86)] * 3
+    asm = TextAssembler(qwen3, think=("<think>", "</think>"), stop=["STOP"])
+    _, _, pieces = run(asm, toks)
+    assert pieces == ["\ufffd"] * 3

@@ -3,12 +3,20 @@
 Runs on the async side, one :class:`TextAssembler` per request. Text that might be the
 start of a stop string or of a ``<think>``/``</think>`` tag is held back until it is
 known not to be one, so no client ever sees half a stop string.
+
+Bytes that end in an incomplete UTF-8 character are held until it completes (mlx-lm's
+streaming detokenizer holds whatever decodes to a trailing U+FFFD). Bytes that can never
+become valid UTF-8 (a lone continuation byte, ``0xC0``) are released at once as U+FFFD,
+as decoding the whole answer shows them; mlx-lm's detokenizer would hold them, and all
+text after them, until a token that decodes cleanly, which in an answer of such bytes is
+its end.
 """
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 
 def holdback(text: str, needles: list[str]) -> int:
@@ -20,6 +28,30 @@ def holdback(text: str, needles: list[str]) -> int:
                 best = k
                 break
     return best
+
+
+def _token_bytes(detok) -> Optional[Callable[[int], bytes]]:
+    """``token id -> bytes`` for mlx-lm's byte-level BPE detokenizer (GPT-2's byte map,
+    read from its ``tokenmap``), else None (other detokenizers keep their own holding)."""
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, _byte_decoder
+
+    if not isinstance(detok, BPEStreamingDetokenizer):
+        return None
+    table, tokenmap = _byte_decoder(), detok.tokenmap
+
+    def token_bytes(token: int) -> bytes:
+        piece = tokenmap[token] if token < len(tokenmap) else "!"  # mlx-lm's fallback
+        return b"".join(bytes([table[c]]) if c in table else c.encode() for c in piece)
+
+    return token_bytes
+
+
+def undecided_tail(raw: bytes) -> bool:
+    """``raw`` ends in an incomplete UTF-8 character that more bytes could complete;
+    invalid bytes (which no later byte makes valid) do not count."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(raw, final=False)
+    return bool(decoder.getstate()[0])
 
 
 @dataclass
@@ -59,13 +91,32 @@ class TextAssembler:
         self._split = ""  # text not yet released past the reasoning splitter
         self._seen_content = False
         self._after_reasoning = False
+        self._token_bytes = _token_bytes(self._detok)
+        self._held: list[int] = []  # tokens the detokenizer holds (their text not released)
 
     def feed(self, token: int) -> Delta:
         """Add one token; returns the text that can be released now."""
         if self.stopped or token in self.skip_ids:
             return Delta()
         self._detok.add_token(token)
-        return self._push(self._detok.last_segment, final=False)
+        text = self._detok.last_segment
+        if text or self._token_bytes is None:
+            self._held.clear()
+        else:
+            self._held.append(token)
+            text = self._release_invalid()
+        return self._push(text, final=False)
+
+    def _release_invalid(self) -> str:
+        """The held tokens' text when it is held only for bytes that can never become
+        valid UTF-8 (U+FFFD in their place, as the detokenizer's ``finalize`` writes
+        them), else ""."""
+        raw = b"".join(self._token_bytes(t) for t in self._held)
+        if not raw.decode("utf-8", "replace").endswith("\ufffd") or undecided_tail(raw):
+            return ""  # a lone space the detokenizer may trim, or a character to complete
+        self._detok.finalize()  # flushes its held bytes; it goes on decoding after this
+        self._held.clear()
+        return self._detok.last_segment
 
     def finish(self) -> Delta:
         """Flush everything held back (call once, at the end)."""
