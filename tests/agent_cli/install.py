@@ -29,6 +29,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
@@ -82,9 +83,11 @@ def _major(version_text: str) -> int:
 
 
 @contextlib.contextmanager
-def _locked(cache: Path) -> Iterator[None]:
+def _locked(cache: Path, what: str) -> Iterator[None]:
+    """Hold ``<cache>/.install-<what>.lock`` (one lock per installer, so that npm's and
+    pip's installs run side by side while two test runs never install the same one)."""
     cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / ".install.lock", "w") as lock:
+    with open(cache / f".install-{what}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
@@ -110,7 +113,7 @@ def _npm_install(cache: Path, specs: list[str]) -> tuple[Optional[Path], str]:
     final = cache / f"npm-{key}"
     if (final / ".complete").exists():
         return final / "node_modules", ""
-    with _locked(cache):
+    with _locked(cache, "npm"):
         if (final / ".complete").exists():
             return final / "node_modules", ""
         tmp = cache / f".npm-{key}.tmp{os.getpid()}"
@@ -139,7 +142,7 @@ def _aider_install(cache: Path) -> tuple[Optional[Path], str]:
     exe = venv / "bin" / "aider"
     if (venv / ".complete").exists():
         return exe, ""
-    with _locked(cache):
+    with _locked(cache, "aider"):
         if (venv / ".complete").exists():
             return exe, ""
         shutil.rmtree(venv, ignore_errors=True)
@@ -183,12 +186,18 @@ def _locate(modules: Path, node: str, plat: str) -> tuple[dict[str, list[str]], 
 def _check_versions(box: Toolbox) -> None:
     """Move a CLI whose ``--version`` fails or names another release to ``missing``."""
     pins = {**{k: v for k, (_, v) in NPM_PINS.items()}, "aider": AIDER_PIN[1]}
-    for name, argv in list(box.argv.items()):
+
+    def version(argv: list[str]) -> tuple[Optional[subprocess.CompletedProcess], str]:
         try:
             r = _run([*argv, "--version"], timeout=120, stdin=subprocess.DEVNULL)
-            out = (r.stdout + r.stderr).strip()
+            return r, (r.stdout + r.stderr).strip()
         except (OSError, subprocess.TimeoutExpired) as e:
-            out, r = str(e), None
+            return None, str(e)
+
+    with ThreadPoolExecutor(max_workers=len(box.argv) or 1) as pool:  # each one starts a runtime
+        answers = dict(zip(box.argv, pool.map(version, box.argv.values())))
+    for name, argv in list(box.argv.items()):
+        r, out = answers[name]
         if r is None or r.returncode != 0 or pins[name] not in out:
             box.missing[name] = f"`{' '.join(argv)} --version` did not print {pins[name]}: {_tail(out, 300)}"
             del box.argv[name]
@@ -208,7 +217,10 @@ def install(cache: Path = CACHE) -> Toolbox:
     own_node = system_major < NODE_MAJOR and plat in NODE_PLATFORMS
     if own_node:
         specs.append(f"node-{plat}@{NODE_PIN}")
-    modules, why = _npm_install(cache, specs)
+    with ThreadPoolExecutor(max_workers=2) as pool:  # npm and pip download side by side
+        npm = pool.submit(_npm_install, cache, specs)
+        aider = pool.submit(_aider_install, cache)
+        (modules, why), (exe, aider_why) = npm.result(), aider.result()
     if modules is None:
         box.missing.update({name: why for name in NPM_PINS})
     else:
@@ -220,9 +232,8 @@ def install(cache: Path = CACHE) -> Toolbox:
         argv, missing = _locate(modules, node, plat)
         box.argv.update(argv)
         box.missing.update(missing)
-    exe, why = _aider_install(cache)
     if exe is None:
-        box.missing["aider"] = why
+        box.missing["aider"] = aider_why
     else:
         box.argv["aider"] = [str(exe)]
     _check_versions(box)
