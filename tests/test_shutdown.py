@@ -7,9 +7,9 @@ it ends get their protocol's final error event (OpenAI chat and completions, Ant
 Messages, Responses) and one without streaming a 503, a WARNING naming each, and
 ``finish_reason: "error"`` in their request records; then the process exits with status 0.
 
-The grace period is the default 30 s, and the stream that finishes in it is sized to 10 s
-at the decoding rate measured in the test (with the other streams in the batch); it takes
-about 15 s, since decoding slows as the sequences grow. The streams that outlive it are
+The grace period is set to 12 s (``--shutdown-grace``; the default is 30 s), and the stream
+that finishes in it is sized to 4 s at the decoding rate measured in the test (with the
+other streams in the batch); it takes about 6 s, since decoding slows as the sequences grow. The streams that outlive it are
 unbounded for the test's purposes (tens of thousands of tokens, end of sequence suppressed).
 """
 
@@ -32,8 +32,8 @@ from conftest import free_port, model_path
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="POSIX signals")
 
 CLI = [sys.executable, "-m", "gateway.cli"]
-GRACE = 30.0  # the default --shutdown-grace
-SHORT_SECONDS = 10.0  # at the measured rate; about 15 s in fact, as decoding slows with length
+GRACE = 12.0  # --shutdown-grace of the drain test
+SHORT_SECONDS = 4.0  # at the measured rate; about 6 s in fact, as decoding slows with length
 LONG = 30_000  # tokens: minutes of decoding
 EOS = "2"  # the end-of-sequence token of the tiny qwen3 model's own tokenizer
 REASON = "server shutting down: the grace period ended"
@@ -171,7 +171,7 @@ def check_final_error(api: str, events: list[str]) -> None:
 
 def test_sigterm_lets_short_streams_finish_and_cuts_long_ones_with_a_final_error_event(tmp_path):
     started = time.monotonic()
-    server = Server(tmp_path, "--max-tokens-limit", "100000")
+    server = Server(tmp_path, "--max-tokens-limit", "100000", "--shutdown-grace", str(GRACE))
     try:
         with httpx.Client(base_url=server.url, timeout=60) as c:
             server.wait_ready(c)
