@@ -121,8 +121,9 @@ def test_installed_replaces_mx_fast_attention_and_restores_it():
 
 def test_the_planned_kernel_runs_for_its_shape_and_regime(monkeypatch):
     """Prefill calls (more than FEW_QUERIES queries a row) go to the prefill kernel planned
-    for their shape and their rows x keys' bucket, decode calls (one, or a verify step's
-    few) to the decode one of their context's bucket; an unplanned shape runs MLX's own."""
+    for their shape and their rows x keys' bucket, decode calls (one query) to the decode
+    one of their context's bucket, verify calls (2 to FEW_QUERIES) to the verify one of
+    theirs; an unplanned shape runs MLX's own."""
     calls = []
     for name in attention.KERNELS:
         monkeypatch.setitem(attention.KERNELS, name, lambda q, k, v, s, m, name=name: calls.append(name) or q)
@@ -130,7 +131,8 @@ def test_the_planned_kernel_runs_for_its_shape_and_regime(monkeypatch):
     (_, short), (medium, _), (long, _) = attention.DECODE_BUCKETS
     decode = ("mlx", "compiled-decode", "compiled-blocks")
     (_, *_), (wide, *_) = attention.PREFILL_BUCKETS
-    with attention.installed(("compiled-blocks", "compiled-blocks-8"), decode, [(4, 2, 16, mx.float32)]):
+    verify = ("compiled-decode", "compiled-blocks-16", "compiled-blocks-8")
+    with attention.installed(("compiled-blocks", "compiled-blocks-8"), decode, [(4, 2, 16, mx.float32)], verify):
         attention.attention(q, k, v, scale=0.3, mask="causal")
         for rows, keys in ((1, wide - 1), (1, wide), (2, wide // 2 - 1), (2, wide // 2)):  # rows x keys' edges
             kv = mx.zeros((rows, 2, keys, 16))
@@ -140,9 +142,14 @@ def test_the_planned_kernel_runs_for_its_shape_and_regime(monkeypatch):
         for keys in (medium - 1, medium, long - 1, long, 2 * long):  # the buckets' edges
             kv = mx.zeros((1, 2, keys, 16))
             attention.attention(q[:, :, :1], kv, kv, scale=0.3)
+            attention.attention(q[:, :, :2], kv, kv, scale=0.3, mask="causal")  # a verify step's
+        attention.attention(q[:, :, :attention.FEW_QUERIES], k, v, scale=0.3, mask="causal")  # the most a verify has
         other = attention.attention(*qkv(1, 6, 2, 3, 6, mx.float32, seed=3), scale=0.3)  # not planned
     assert calls == ["compiled-blocks", "compiled-blocks", "compiled-blocks-8", "compiled-blocks", "compiled-blocks-8",
-                     "mlx", "mlx", "mlx", "compiled-decode", "compiled-decode", "compiled-blocks", "compiled-blocks"]
+                     "mlx", "compiled-decode",
+                     "mlx", "compiled-decode", "compiled-decode", "compiled-blocks-16",
+                     "compiled-decode", "compiled-blocks-16", "compiled-blocks", "compiled-blocks-8",
+                     "compiled-blocks", "compiled-blocks-8", "compiled-decode"]
     assert other.shape == (1, 6, 3, 16)
 
 
@@ -152,13 +159,18 @@ WIDE = {"mlx": 0.090, "compiled-blocks": 0.030, "compiled-blocks-16": 0.024, "co
 @pytest.mark.parametrize("prefills,decodes,want", [
     ([{"mlx": 0.040, "compiled-blocks": 0.020}, WIDE],
      [{"mlx": 0.0010, "compiled-decode": 0.0015}, {"mlx": 0.0030, "compiled-decode": 0.0015},
-      {"mlx": 0.0072, "compiled-decode": 0.0036}],
-     ("compiled-blocks", "compiled-blocks-8", "mlx", "compiled-decode", "compiled-decode")),
+      {"mlx": 0.0072, "compiled-decode": 0.0036},  # then the verify steps'
+      {"mlx": 0.0020, "compiled-decode": 0.0010}, {"mlx": 0.0060, "compiled-decode": 0.0030},
+      {"mlx": 0.0090, "compiled-decode": 0.0095}],
+     ("compiled-blocks", "compiled-blocks-8", "mlx", "compiled-decode", "compiled-decode",
+      "compiled-decode", "compiled-decode", "mlx")),
     ([{"mlx": 0.020, "compiled-blocks": 0.080}, {**WIDE, "mlx": 0.022}],  # within the margin
      [{"mlx": 0.0020, "compiled-decode": 0.0010}, {"mlx": 0.0030, "compiled-decode": 0.0029},
-      {"mlx": 0.0070, "compiled-decode": 0.0069}], ("mlx", "mlx", "compiled-decode", "mlx", "mlx")),
-    ([{"mlx": 0.020}, {"mlx": 0.090}], [{"mlx": 0.0010}, {"mlx": 0.0030}, {"mlx": 0.0070}],
-     ("mlx",) * 5),  # no g++: MLX's own only
+      {"mlx": 0.0070, "compiled-decode": 0.0069}, {"mlx": 0.0020, "compiled-decode": 0.0019},
+      {"mlx": 0.0030, "compiled-decode": 0.0029}, {"mlx": 0.0070, "compiled-decode": 0.0069}],
+     ("mlx", "mlx", "compiled-decode", "mlx", "mlx", "mlx", "mlx", "mlx")),
+    ([{"mlx": 0.020}, {"mlx": 0.090}], [{"mlx": 0.0010}, {"mlx": 0.0030}, {"mlx": 0.0070}] * 2,
+     ("mlx",) * 8),  # no g++: MLX's own only
 ])
 def test_the_choice_follows_the_measurement(prefills, decodes, want):
     with attention.installed():
@@ -277,7 +289,9 @@ def test_models_kernels_are_measured_and_planned_unless_turned_off(monkeypatch):
         assert [c.what.split(" [")[0] for c in choices] == [
             f"attention, prefill over 0-{wide - 1} rows x keys", f"attention, prefill over {wide}+ rows x keys",
             f"attention, decode over 0-{medium - 1} keys",
-            f"attention, decode over {medium}-{long - 1} keys", f"attention, decode over {long}+ keys"]
+            f"attention, decode over {medium}-{long - 1} keys", f"attention, decode over {long}+ keys",
+            f"attention, verify over 0-{medium - 1} keys",
+            f"attention, verify over {medium}-{long - 1} keys", f"attention, verify over {long}+ keys"]
         assert attention.planned(*shape) == tuple(c.chosen for c in choices)
         compiled = set() if shutil.which("g++") else {k for k in attention.KERNELS if k.startswith("compiled-")}
         assert set(choices[0].seconds) == set(attention.PREFILL_KERNELS) - compiled

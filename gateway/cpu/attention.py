@@ -17,12 +17,15 @@ Which one runs is decided per model at load (:func:`choose_for_model`): each ker
 timed on the model's own head counts, head size and dtype, on two prefill chunks (one of
 each of :data:`PREFILL_BUCKETS`: one row of 256 queries over 1,024 keys, candidates
 :data:`PREFILL_KERNELS`; four rows of 64 over 1,024, for calls of at least 4,096 rows times
-keys, where narrower blocks may win: candidates :data:`WIDE_PREFILL_KERNELS`) and a
-decode step over a short, a medium and a long context (:data:`DECODE_BUCKETS`;
-candidates :data:`DECODE_KERNELS`: around 1,000 keys MLX's own and the compiled one are
-even, beyond it the compiled one pulls ahead), and the fastest is used for each (MLX's own
-unless another wins by :data:`gateway.cpu.measure.MARGIN`); the log says what was chosen
-with the figures. Shapes no model was measured for run MLX's own.
+keys, where narrower blocks may win: candidates :data:`WIDE_PREFILL_KERNELS`), a decode
+step over a short, a medium and a long context (:data:`DECODE_BUCKETS`; candidates
+:data:`DECODE_KERNELS`: around 1,000 keys MLX's own and the compiled one are even, beyond
+it the compiled one pulls ahead) and a verify step of :data:`VERIFY_QUERIES` queries over
+the same three contexts (speculative decoding's drafts: MLX's own costs about twice the
+compiled one there, 1.57 against 0.73 ms for 6 queries over 1,500 keys on SmolLM2's
+heads, where one query costs 0.62 against 0.27), and the fastest is used for each (MLX's
+own unless another wins by :data:`gateway.cpu.measure.MARGIN`); the log says what was
+chosen with the figures. Shapes no model was measured for run MLX's own.
 
 :func:`attention` is what :func:`install` puts in place of
 ``mx.fast.scaled_dot_product_attention`` for the whole process, which is how mlx-lm's
@@ -58,10 +61,13 @@ log = logging.getLogger("mlx_gateway")
 # per-call costs that long prompts, where attention matters, do not pay): one row's, and a
 # batch's of rows joining over a shared prefix
 PREFILL_BUCKETS = ((0, 1, 256, 1024), (4096, 4, 64, 1024))
-FEW_QUERIES = 16  # calls with at most this many queries a row (decode, verifying drafts) take the decode kernel
+FEW_QUERIES = 16  # calls with at most this many queries a row (decode, verifying drafts) take a decode kernel
 # (fewest keys, keys timed) per decode bucket: a decode call over k keys takes the kernel
-# timed for the last bucket whose fewest is <= k (a short, a medium and a long context)
+# timed for the last bucket whose fewest is <= k (a short, a medium and a long context);
+# calls of one query take the decode step's kernel, calls of 2 to FEW_QUERIES the verify
+# step's, timed on VERIFY_QUERIES queries over the same keys
 DECODE_BUCKETS = ((0, 1024), (1536, 2048), (4096, 8192))
+VERIFY_QUERIES = 6  # queries a row of the timed verify step (5 drafts and the input token)
 PREFILL_KERNELS = ("mlx", "compiled-blocks")  # the candidates timed for prefill calls
 # and for prefill calls of many rows times many keys, where narrower blocks may keep scores in the cache
 WIDE_PREFILL_KERNELS = PREFILL_KERNELS + ("compiled-blocks-16", "compiled-blocks-8")
@@ -70,17 +76,18 @@ DECODE_KERNELS = ("mlx", "compiled-decode")  # and for decode calls (compiled-bl
 # compiled-decode plus a copy of the values)
 
 # (query heads, KV heads, head size, dtype) -> (one prefill kernel per PREFILL_BUCKETS, one
-# decode kernel per DECODE_BUCKETS)
+# decode kernel per DECODE_BUCKETS, one verify kernel per DECODE_BUCKETS)
 _plans: dict[tuple, tuple[str, ...]] = {}
 
 
 def plan(hq: int, hk: int, d: int, dtype, prefill: Union[str, tuple[str, ...]],
-         decode: Union[str, tuple[str, ...]]) -> None:
-    """Use kernel ``prefill`` for calls with more than :data:`FEW_QUERIES` queries per row
-    and ``decode`` for the others (a decode step's one, a verify step's few), on attention
-    of that shape (names from :data:`KERNELS`). ``prefill`` is one name for every call or
-    one per :data:`PREFILL_BUCKETS`; ``decode`` one for every context length or one per
-    :data:`DECODE_BUCKETS`.
+         decode: Union[str, tuple[str, ...]], verify: Union[None, str, tuple[str, ...]] = None) -> None:
+    """Use kernel ``prefill`` for calls with more than :data:`FEW_QUERIES` queries per row,
+    ``decode`` for calls of one (a decode step) and ``verify`` (default: ``decode``) for
+    the others (a verify step's few), on attention of that shape (names from
+    :data:`KERNELS`). ``prefill`` is one name for every call or one per
+    :data:`PREFILL_BUCKETS`; ``decode`` and ``verify`` one for every context length or one
+    per :data:`DECODE_BUCKETS`.
 
     Raises:
         KeyError: an unknown kernel name.
@@ -88,9 +95,10 @@ def plan(hq: int, hk: int, d: int, dtype, prefill: Union[str, tuple[str, ...]],
     """
     prefill = _per_bucket(prefill, PREFILL_BUCKETS, "prefill")
     decode = _per_bucket(decode, DECODE_BUCKETS, "decode")
-    for name in (*prefill, *decode):
+    verify = decode if verify is None else _per_bucket(verify, DECODE_BUCKETS, "verify")
+    for name in (*prefill, *decode, *verify):
         KERNELS[name]  # noqa: B018 (raises KeyError)
-    _plans[(hq, hk, d, dtype)] = (*prefill, *decode)
+    _plans[(hq, hk, d, dtype)] = (*prefill, *decode, *verify)
 
 
 def _per_bucket(names: Union[str, tuple[str, ...]], buckets: tuple, what: str) -> tuple[str, ...]:
@@ -102,7 +110,7 @@ def _per_bucket(names: Union[str, tuple[str, ...]], buckets: tuple, what: str) -
 
 def planned(hq: int, hk: int, d: int, dtype) -> Optional[tuple[str, ...]]:
     """The kernels used for that shape, ``(prefill per PREFILL_BUCKETS..., decode per
-    DECODE_BUCKETS...)``, or None (MLX's own)."""
+    DECODE_BUCKETS..., verify per DECODE_BUCKETS...)``, or None (MLX's own)."""
     return _plans.get((hq, hk, d, dtype))
 
 
@@ -143,7 +151,8 @@ def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Mask
         return mlx_attention(q, k, v, scale=scale, mask=mask)
     if q.shape[2] > FEW_QUERIES:
         return KERNELS[kernels[_bucket(PREFILL_BUCKETS, q.shape[0] * k.shape[2])]](q, k, v, scale, mask)
-    return KERNELS[kernels[len(PREFILL_BUCKETS) + _bucket(DECODE_BUCKETS, k.shape[2])]](q, k, v, scale, mask)
+    regime = len(PREFILL_BUCKETS) + (0 if q.shape[2] == 1 else len(DECODE_BUCKETS))  # decode, or verify
+    return KERNELS[kernels[regime + _bucket(DECODE_BUCKETS, k.shape[2])]](q, k, v, scale, mask)
 
 
 def install() -> None:
@@ -158,13 +167,13 @@ def uninstall() -> None:
 
 @contextlib.contextmanager
 def installed(prefill: Union[None, str, tuple[str, ...]] = None, decode: Union[None, str, tuple[str, ...]] = None,
-              shapes=()) -> Iterator[None]:
-    """:func:`install` for the duration of a ``with`` block; with ``prefill`` and
-    ``decode`` (as :func:`plan` takes them), those kernels planned for each
+              shapes=(), verify: Union[None, str, tuple[str, ...]] = None) -> Iterator[None]:
+    """:func:`install` for the duration of a ``with`` block; with ``prefill``, ``decode``
+    and ``verify`` (as :func:`plan` takes them), those kernels planned for each
     ``(hq, hk, d, dtype)`` of ``shapes`` meanwhile."""
     saved = dict(_plans)
     for shape in shapes:
-        plan(*shape, prefill, decode)
+        plan(*shape, prefill, decode, verify)
     install()
     try:
         yield
@@ -215,19 +224,22 @@ def measure_shape(hq: int, hk: int, d: int, dtype, rounds: int = 4) -> tuple[dic
     """Seconds of each candidate kernel (fastest of ``rounds``, after two warm-up calls) on
     attention of that shape: :data:`PREFILL_KERNELS`, then :data:`WIDE_PREFILL_KERNELS`, on
     each of :data:`PREFILL_BUCKETS`' chunks with a causal boolean mask (as mlx-lm's batch
-    caches give), and :data:`DECODE_KERNELS` on one query over each of
-    :data:`DECODE_BUCKETS`' keys with a boolean mask showing every key (what a batch cache
-    gives a row without padding). Returns ``(prefill per bucket..., decode per bucket...)``."""
+    caches give), and :data:`DECODE_KERNELS` on one query, then on :data:`VERIFY_QUERIES`,
+    over each of :data:`DECODE_BUCKETS`' keys with a boolean mask showing every key to the
+    first query and one more to each next (what a batch cache gives a row without
+    padding). Returns ``(prefill per bucket..., decode per bucket..., verify per bucket...)``."""
     chunks = []
     for i, (_, b, tq, tk) in enumerate(PREFILL_BUCKETS):
         q, k, v = (mx.random.normal(shape, key=kk).astype(dtype) for shape, kk in
                    zip(((b, hq, tq, d), (b, hk, tk, d), (b, hk, tk, d)), mx.random.split(mx.random.key(2 + i), 3)))
         chunks.append((q, k, v, (mx.arange(tk - tq, tk)[:, None] >= mx.arange(tk)[None])[None, None]))
     steps = []
-    for i, (_, keys) in enumerate(DECODE_BUCKETS):
-        q, k, v = (mx.random.normal(shape, key=kk).astype(dtype) for shape, kk in
-                   zip(((1, hq, 1, d), (1, hk, keys, d), (1, hk, keys, d)), mx.random.split(mx.random.key(10 + i), 3)))
-        steps.append((q, k, v, mx.ones((1, 1, 1, keys), dtype=mx.bool_)))
+    for tq in (1, VERIFY_QUERIES):
+        for i, (_, keys) in enumerate(DECODE_BUCKETS):
+            q, k, v = (mx.random.normal(shape, key=kk).astype(dtype) for shape, kk in
+                       zip(((1, hq, tq, d), (1, hk, keys, d), (1, hk, keys, d)),
+                           mx.random.split(mx.random.key(10 + i), 3)))
+            steps.append((q, k, v, (mx.arange(keys - tq, keys)[:, None] >= mx.arange(keys)[None])[None, None]))
     mx.eval(chunks, steps)
     scale = d ** -0.5
     calls = [*zip(chunks, PREFILL_CANDIDATES), *((a, DECODE_KERNELS) for a in steps)]
@@ -246,23 +258,25 @@ def labels() -> list[str]:
     prefill = [b[0] for b in PREFILL_BUCKETS]
     decode = [b[0] for b in DECODE_BUCKETS]
     return ([f"prefill {_label(prefill, i, 'rows x keys')}" for i in range(len(prefill))]
-            + [f"decode {_label(decode, i, 'keys')}" for i in range(len(decode))])
+            + [f"decode {_label(decode, i, 'keys')}" for i in range(len(decode))]
+            + [f"verify {_label(decode, i, 'keys')}" for i in range(len(decode))])
 
 
 def choose(hq: int, hk: int, d: int, dtype, *timings: dict[str, float]) -> list[Choice]:
     """Plan the fastest kernels for that shape from their timings (:func:`pick`: MLX's
     own unless another beats it by the margin): one per :data:`PREFILL_BUCKETS`, then one
-    per :data:`DECODE_BUCKETS` (``timings``, in that order); returns the choices.
+    per :data:`DECODE_BUCKETS` for decode steps and one per :data:`DECODE_BUCKETS` for
+    verify steps (``timings``, in that order); returns the choices.
 
     Raises:
         ValueError: not one timing per bucket.
     """
-    if len(timings) != len(PREFILL_BUCKETS) + len(DECODE_BUCKETS):
-        raise ValueError(f"{len(timings)} timings for {len(PREFILL_BUCKETS)} prefill and "
-                         f"{len(DECODE_BUCKETS)} decode buckets")
+    p, n = len(PREFILL_BUCKETS), len(DECODE_BUCKETS)
+    if len(timings) != p + 2 * n:
+        raise ValueError(f"{len(timings)} timings for {p} prefill, {n} decode and {n} verify buckets")
     shape = f"[{hq} query / {hk} KV heads of {d}]"
     chosen = [pick(t, "mlx") for t in timings]
-    plan(hq, hk, d, dtype, tuple(chosen[:len(PREFILL_BUCKETS)]), tuple(chosen[len(PREFILL_BUCKETS):]))
+    plan(hq, hk, d, dtype, tuple(chosen[:p]), tuple(chosen[p:p + n]), tuple(chosen[p + n:]))
     return [Choice(f"attention, {label} {shape}", name, dict(t))
             for label, name, t in zip(labels(), chosen, timings)]
 
