@@ -177,9 +177,9 @@ class Speculator:
         inputs = batch._next_tokens.tolist()
         drafts = self._drafts(batch, candidates, inputs, k)
         width = best_width([len(d) for d in drafts], rows, lambda w: self.cost.relative(size, w))
-        if width == 1:
+        if width == 1:  # no draft pays: a plain step, its forward not waited for unless sampled
             self.drafter.settle(batch.uids, [0] * len(inputs))
-            return self._plain(batch, timed=True)
+            return self._plain(batch, timed=self.stats.plain_steps % PLAIN_SAMPLE == 0)
         tic = time.perf_counter()
         batch.prompt_cache = holed(batch.prompt_cache)
         responses = self._verify(batch, inputs, [d[: width - 1] for d in drafts], width)
