@@ -106,3 +106,17 @@ def test_invalid_bytes_are_released_past_the_think_and_stop_filters(qwen3):
     asm = TextAssembler(qwen3, think=("<think>", "</think>"), stop=["STOP"])
     _, _, pieces = run(asm, toks)
     assert pieces == ["\ufffd"] * 3
+
+
+def test_a_held_added_token_outside_the_byte_map_stays_held(qwen3):
+    # An added token whose own characters are not byte-map characters (here U+FFFD
+    # itself) is left to the detokenizer, which holds it as before, instead of failing.
+    from gateway.conversation import textout
+
+    asm = TextAssembler(qwen3)
+    odd = byte_token(qwen3, 0x86)
+    asm._detok.tokenmap = list(asm._detok.tokenmap)  # this assembler's own copy, changed
+    asm._detok.tokenmap[odd] = "\ufffd"
+    asm._token_bytes = textout._token_bytes(asm._detok)
+    _, _, pieces = run(asm, [odd, *qwen3.encode(" word", add_special_tokens=False)])
+    assert pieces == ["", "\ufffd word"]

@@ -6,8 +6,8 @@ known not to be one, so no client ever sees half a stop string.
 
 Bytes that end in an incomplete UTF-8 character are held until it completes (mlx-lm's
 streaming detokenizer holds whatever decodes to a trailing U+FFFD). Bytes that can never
-become valid UTF-8 (a lone continuation byte, ``0xC0``) are released at once as U+FFFD,
-as decoding the whole answer shows them; mlx-lm's detokenizer would hold them, and all
+become valid UTF-8 (a lone continuation byte, ``0xC0``) are released as U+FFFD as soon as
+no incomplete character follows them, as decoding the whole answer shows them; mlx-lm's detokenizer would hold them, and all
 text after them, until a token that decodes cleanly, which in an answer of such bytes is
 its end.
 """
@@ -30,18 +30,22 @@ def holdback(text: str, needles: list[str]) -> int:
     return best
 
 
-def _token_bytes(detok) -> Optional[Callable[[int], bytes]]:
+def _token_bytes(detok) -> Optional[Callable[[int], Optional[bytes]]]:
     """``token id -> bytes`` for mlx-lm's byte-level BPE detokenizer (GPT-2's byte map,
-    read from its ``tokenmap``), else None (other detokenizers keep their own holding)."""
+    read from its ``tokenmap``; None for a token with a character outside that map, which
+    the detokenizer's ``finalize`` cannot decode), else None (other detokenizers keep
+    their own holding)."""
     from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, _byte_decoder
 
     if not isinstance(detok, BPEStreamingDetokenizer):
         return None
     table, tokenmap = _byte_decoder(), detok.tokenmap
 
-    def token_bytes(token: int) -> bytes:
+    def token_bytes(token: int) -> Optional[bytes]:
         piece = tokenmap[token] if token < len(tokenmap) else "!"  # mlx-lm's fallback
-        return b"".join(bytes([table[c]]) if c in table else c.encode() for c in piece)
+        if not all(c in table for c in piece):
+            return None
+        return bytes(table[c] for c in piece)
 
     return token_bytes
 
@@ -111,7 +115,10 @@ class TextAssembler:
         """The held tokens' text when it is held only for bytes that can never become
         valid UTF-8 (U+FFFD in their place, as the detokenizer's ``finalize`` writes
         them), else ""."""
-        raw = b"".join(self._token_bytes(t) for t in self._held)
+        pieces = [self._token_bytes(t) for t in self._held]
+        if any(p is None for p in pieces):
+            return ""  # an added token's own characters: left to the detokenizer, as before
+        raw = b"".join(pieces)
         if not raw.decode("utf-8", "replace").endswith("\ufffd") or undecided_tail(raw):
             return ""  # a lone space the detokenizer may trim, or a character to complete
         self._detok.finalize()  # flushes its held bytes; it goes on decoding after this

@@ -225,9 +225,8 @@ def measure_shape(hq: int, hk: int, d: int, dtype, rounds: int = 4) -> tuple[dic
     attention of that shape: :data:`PREFILL_KERNELS`, then :data:`WIDE_PREFILL_KERNELS`, on
     each of :data:`PREFILL_BUCKETS`' chunks with a causal boolean mask (as mlx-lm's batch
     caches give), and :data:`DECODE_KERNELS` on one query, then on :data:`VERIFY_QUERIES`,
-    over each of :data:`DECODE_BUCKETS`' keys with a boolean mask showing every key to the
-    first query and one more to each next (what a batch cache gives a row without
-    padding). Returns ``(prefill per bucket..., decode per bucket..., verify per bucket...)``."""
+    over each of :data:`DECODE_BUCKETS`' keys with a causal boolean mask, each query seeing
+    the keys up to its own position (what a batch cache gives a row without padding). Returns ``(prefill per bucket..., decode per bucket..., verify per bucket...)``."""
     chunks = []
     for i, (_, b, tq, tk) in enumerate(PREFILL_BUCKETS):
         q, k, v = (mx.random.normal(shape, key=kk).astype(dtype) for shape, kk in

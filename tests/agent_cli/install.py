@@ -14,8 +14,8 @@
 
 The cache is ``$MLX_GATEWAY_TEST_AGENTS``, else ``.test-agents/`` at the repository root
 (git ignores it). A finished install carries a ``.complete`` stamp and is reused; an
-interrupted one is removed and redone. Installs are serialized by a lock file, so parallel
-test runs share one cache. About 1.5 GB (npm, with Node.js) and 0.7 GB (aider); 30-60 s each.
+interrupted one is removed and redone. Each installer holds its own lock file (npm's and
+pip's installs run side by side), so parallel test runs share one cache. About 1.5 GB (npm, with Node.js) and 0.7 GB (aider); 30-60 s each.
 """
 
 from __future__ import annotations
