@@ -50,12 +50,13 @@ def _token_bytes(detok) -> Optional[Callable[[int], Optional[bytes]]]:
     return token_bytes
 
 
-def undecided_tail(raw: bytes) -> bool:
-    """``raw`` ends in an incomplete UTF-8 character that more bytes could complete;
-    invalid bytes (which no later byte makes valid) do not count."""
+def ends_in_invalid_bytes(raw: bytes) -> bool:
+    """``raw`` decodes to text ending in U+FFFD for bytes that no later byte can make
+    valid, with no incomplete UTF-8 character after them (one incremental decode: its
+    pending bytes are such a character)."""
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    decoder.decode(raw, final=False)
-    return bool(decoder.getstate()[0])
+    text = decoder.decode(raw, final=False)
+    return text.endswith("\ufffd") and not decoder.getstate()[0]
 
 
 @dataclass
@@ -119,7 +120,7 @@ class TextAssembler:
         if any(p is None for p in pieces):
             return ""  # an added token's own characters: left to the detokenizer, as before
         raw = b"".join(pieces)
-        if not raw.decode("utf-8", "replace").endswith("\ufffd") or undecided_tail(raw):
+        if not ends_in_invalid_bytes(raw):
             return ""  # a lone space the detokenizer may trim, or a character to complete
         self._detok.finalize()  # flushes its held bytes; it goes on decoding after this
         self._held.clear()
