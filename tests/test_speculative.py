@@ -126,8 +126,8 @@ def test_wide_steps_are_costed_from_the_widths_measured(monkeypatch):
 
 def test_a_batch_size_whose_verify_steps_deliver_less_than_plain_ones_goes_plain(monkeypatch):
     """Four rows: plain steps give 4 tokens in 0.1 s (40/s), verify steps 5 tokens in 0.2 s
-    (25/s): once three verify steps are measured the size pauses, for 32 steps, then 64
-    after it loses again; one row, whose verify steps pay (3 tokens in 0.12 s), keeps
+    (25/s): each loses 0.07 s, so after three (more than two plain steps' time) the size
+    pauses, for 32 steps, then 64 after it loses again; one row, whose verify steps pay (3 tokens in 0.12 s), keeps
     speculating."""
     monkeypatch.undo()
     import scheduler.speculative.acceptance as acc
@@ -150,6 +150,29 @@ def test_a_batch_size_whose_verify_steps_deliver_less_than_plain_ones_goes_plain
         r.record("verify", 1, 3, 0.12)
         assert not r.paused(1)
     assert r.rate("verify", 1) == pytest.approx(25.0) and r.rate("plain", 1) == pytest.approx(12.5)
+
+
+def test_a_few_slow_verify_steps_do_not_pause_a_batch_size_but_a_steady_loss_does(monkeypatch):
+    """Four rows, plain steps 4 tokens in 0.1 s. Two verify steps that lose (4 tokens in
+    0.15 s: rows that just joined) followed by ones that pay (10 tokens in 0.15 s) never
+    pause; verify steps a tenth slower than plain ones (4.5 tokens in 0.125 s) pause the
+    size once they have lost two plain steps' time, some 20 steps in, not before."""
+    monkeypatch.undo()
+    import scheduler.speculative.acceptance as acc
+
+    r = RealizedRate()
+    r.record("plain", 4, 4, 0.1)
+    for seconds, tokens in [(0.15, 4), (0.15, 4)] + [(0.15, 10)] * 30:
+        r.record("verify", 4, tokens, seconds)
+        assert not r.paused(4)
+    assert r.lost(4) == 0.0
+    steps = 0
+    while not r.paused(4):
+        r.record("verify", 4, 4.5, 0.125)
+        steps += 1
+    loss = 0.125 - 4.5 / (40 * (1 - acc.LOSS_MARGIN))  # seconds lost per step
+    assert steps == int(acc.LOSS_STEPS * 0.1 / loss) + 1
+    assert 15 <= steps <= 30
 
 
 def test_plain_steps_are_measured_again_while_every_row_drafts(monkeypatch):

@@ -213,10 +213,12 @@ def best_width(drafts: list[int], rows: list[RowAcceptance], beta) -> int:
     return best
 
 
-MIN_STEPS = 3  # verify steps of a batch size measured before their rate is judged
+MIN_STEPS = 3  # verify steps of a batch size before their rate is given, and before a gain resets the backoff
 DECAY_RATE = 0.9  # weight of the past in a rate, per step
-BACKOFF_STEPS = 32  # decode steps a batch size stays plain after its verify steps lost (doubles, up to 1024)
+BACKOFF_STEPS = 32  # decode steps a batch size stays plain after its verify steps lost (doubles while they do)
+MAX_BACKOFF_STEPS = 256  # the longest pause: a re-measurement that loses again costs under 1 % of it
 LOSS_MARGIN = 0.03  # verify steps lose when their tokens/s is below plain steps' by more than this
+LOSS_STEPS = 2.0  # plain steps' time the verify steps of a batch size may lose (CUSUM) before it pauses
 PROBE_EVERY = 64  # verify steps of a batch size after which plain steps are measured again
 
 
@@ -226,10 +228,18 @@ class RealizedRate:
 
     Each step is timed as it runs in the engine (no extra wait): a plain step from its call
     to its return (mlx-lm's pipelining makes that about one forward in steady state), a
-    verify step likewise (its forward is waited for). When, at some batch size, verify
-    steps deliver fewer tokens per second than plain steps by :data:`LOSS_MARGIN`, that size
-    stays plain for :data:`BACKOFF_STEPS` steps (doubling while it keeps losing), then
-    measures again from scratch.
+    verify step likewise (its forward is waited for).
+
+    A loss is judged by Page's CUSUM ("Continuous Inspection Schemes", Biometrika, 1954)
+    over the verify steps of a batch size: each adds the seconds it took beyond what plain
+    steps, at their measured rate less :data:`LOSS_MARGIN`, would have needed for the
+    tokens it delivered (negative when it gained), the sum never below zero. When the sum
+    passes :data:`LOSS_STEPS` plain steps' time, that size stays plain for
+    :data:`BACKOFF_STEPS` steps (doubling while it keeps losing, up to
+    :data:`MAX_BACKOFF_STEPS`), then measures again from scratch. A few slow verify steps
+    (the first drafts of rows that just joined) thus cost what they cost and no more; a
+    steady loss of 10 % pauses after about 20 steps, a verify step taking twice a plain
+    one's time for the same tokens after 3.
 
     While every row drafts, no plain step runs to compare with: so when a batch size has no
     plain figure, or :data:`PROBE_EVERY` verify steps ran since its last one, two plain
@@ -238,6 +248,7 @@ class RealizedRate:
 
     def __init__(self) -> None:
         self._sums: dict[tuple[str, int], list[float]] = {}  # (kind, batch) -> [tokens, seconds, steps]
+        self._lost: dict[int, float] = {}  # batch size -> CUSUM of seconds lost by verify steps
         self._pause: dict[int, int] = {}  # batch size -> plain steps left
         self._backoff: dict[int, int] = {}
         self._since_plain: dict[int, int] = {}  # batch size -> verify steps since its last timed plain step
@@ -250,15 +261,21 @@ class RealizedRate:
         s[0], s[1], s[2] = DECAY_RATE * s[0] + tokens, DECAY_RATE * s[1] + seconds, s[2] + 1
         if kind == "plain":
             self._since_plain[batch] = 0
-        else:
-            self._since_plain[batch] = self._since_plain.get(batch, PROBE_EVERY) + 1
-        if kind == "verify" and self.losing(batch):
+            return
+        self._since_plain[batch] = self._since_plain.get(batch, PROBE_EVERY) + 1
+        plain = self.rate("plain", batch)
+        if plain is None:
+            return
+        lost = max(0.0, self._lost.get(batch, 0.0) + seconds - tokens / (plain * (1.0 - LOSS_MARGIN)))
+        self._lost[batch] = lost
+        if lost > LOSS_STEPS * batch / plain:
             wait = self._backoff.get(batch, BACKOFF_STEPS)
             self._pause[batch] = wait
-            self._backoff[batch] = min(1024, 2 * wait)
+            self._backoff[batch] = min(MAX_BACKOFF_STEPS, 2 * wait)
+            self._lost[batch] = 0.0
             del self._sums[("verify", batch)]  # measured afresh after the pause
-        elif kind == "verify" and s[2] >= MIN_STEPS and not self.losing(batch):
-            self._backoff.pop(batch, None)
+        elif lost == 0.0 and s[2] >= MIN_STEPS:
+            self._backoff.pop(batch, None)  # paying again: the next loss pauses briefly
 
     def rate(self, kind: str, batch: int) -> Optional[float]:
         """Tokens/s of ``kind`` steps of ``batch`` rows (recent steps weighing most); None
@@ -268,10 +285,10 @@ class RealizedRate:
             return None
         return s[0] / s[1]
 
-    def losing(self, batch: int) -> bool:
-        """Verify steps of ``batch`` rows delivered less than plain ones (both measured)."""
-        plain, verify = self.rate("plain", batch), self.rate("verify", batch)
-        return plain is not None and verify is not None and verify < plain * (1.0 - LOSS_MARGIN)
+    def lost(self, batch: int) -> float:
+        """Seconds the verify steps of ``batch`` rows lost against plain steps, as the
+        CUSUM stands (0: none, or they gained since)."""
+        return self._lost.get(batch, 0.0)
 
     def probe(self, batch: int) -> Optional[bool]:
         """None: no probe now; else this step of ``batch`` rows is a plain one, timed
