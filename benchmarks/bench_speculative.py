@@ -15,7 +15,9 @@ fresh ``mlx-gateway serve`` subprocess; the workloads, streamed over the chat AP
   what a real model gets.
 * ``no-repetition``: fresh random words, sampled at temperature 1, unseeded (a seeded row
   does not draft); the output never repeats, so drafts are rare: what speculation costs
-  when it does not help. Its outputs are random draws, so they are not compared.
+  when it does not help. Its outputs are random draws, so they are not compared; each
+  stream writes ``--answer`` tokens (``ignore_eos``), so that an end token drawn early in
+  one setting does not leave it a smaller batch to decode than the other.
 
 Each at every count of concurrent streams in ``--streams`` (default ``1,4``; a single
 number ``N`` means ``1,N``); ``--code-chars`` sets the source file's size (6,000
@@ -168,12 +170,13 @@ CODE_CHARS = [6000]  # --code-chars
 
 async def workload(url: str, model: str, kind: str, streams: int, answer: int) -> dict:
     if kind == "code-edit":
-        bodies = [(code_prompt(CODE_CHARS[0] - 40 * i), 0) for i in range(streams)]
-    else:
-        bodies = [([{"role": "user", "content": words(60, 900 + i)}], 1.0) for i in range(streams)]
+        bodies = [(code_prompt(CODE_CHARS[0] - 40 * i), {"temperature": 0}) for i in range(streams)]
+    else:  # every stream writes ``answer`` tokens, so both settings decode the same batch sizes
+        bodies = [([{"role": "user", "content": words(60, 900 + i)}], {"temperature": 1.0, "ignore_eos": True})
+                  for i in range(streams)]
     async with httpx.AsyncClient(base_url=url, timeout=3600) as c:
         before = (await c.get("/metrics")).text
-        rs = await asyncio.gather(*(stream_chat(c, messages, answer, model, temperature=t) for messages, t in bodies))
+        rs = await asyncio.gather(*(stream_chat(c, messages, answer, model, **extra) for messages, extra in bodies))
         after = (await c.get("/metrics")).text
     delta = {s: metric(after, s) - metric(before, s) for s in SERIES}
     drafted, accepted = delta[SERIES[0]], delta[SERIES[1]]

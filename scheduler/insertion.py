@@ -77,7 +77,7 @@ class RowInsertion:
             all_tokens=[tokens],
             samplers=[fault.sampler(make_sampler(r.params))],
             logits_processors=[fault.processors(processors)],
-            stop_sequences=[StopSequences([[t] for t in sorted(self.eos_token_ids)])],
+            stop_sequences=[StopSequences([] if r.params.ignore_eos else [[t] for t in sorted(self.eos_token_ids)])],
         )
         return uid
 

@@ -15,6 +15,8 @@ class SamplingParams:
     ``max_tokens`` counts generated tokens. ``top_logprobs`` is how many alternatives
     to report per token (0-20) when ``logprobs`` is set. Penalties of 0 are off; they
     and ``logit_bias`` ((token id, bias) pairs) become mlx-lm logits processors.
+    ``ignore_eos``: the model's end tokens do not end the generation (``max_tokens`` and
+    the request's stop strings still do).
     """
 
     max_tokens: int = 256
@@ -29,6 +31,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    ignore_eos: bool = False
 
 
 @dataclass

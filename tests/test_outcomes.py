@@ -128,6 +128,24 @@ def test_stop_at_the_end_of_sequence(server, log, stream):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_ignore_eos_runs_to_max_tokens(server, log, stream):
+    """vLLM's ``ignore_eos``: an answer made to pick the end token at every step still
+    runs to ``max_tokens``, with no end token in its text."""
+    before = Books(server, log)
+    text, finish = ask(server, stream, max_tokens=6, logit_bias=no_eos(server, 100), ignore_eos=True)
+    line, after = settle(server, log, before)
+    assert finish == "length" and line["completion_tokens"] == 6
+    assert text == ""  # end tokens are not text
+    check_books(line, before, after, "length", 200)
+
+
+def test_ignore_eos_must_be_a_boolean(server):
+    with server.client() as c:
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "ignore_eos": "yes"})
+    assert r.status_code == 400 and "ignore_eos" in r.text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_length(server, log, stream):
     before = Books(server, log)
     _, finish = ask(server, stream, max_tokens=5, logit_bias=no_eos(server))

@@ -124,6 +124,7 @@ class Sampling:
     logit_bias: Optional[dict[str, float]] = None
     logprobs: bool = False
     top_logprobs: int = 0
+    ignore_eos: bool = False
 
 
 @dataclass

@@ -55,6 +55,7 @@ def sampling_params(model: ModelHandle, tenant: Tenant, s: Sampling) -> Sampling
         frequency_penalty=s.frequency_penalty or 0.0,
         repetition_penalty=s.repetition_penalty or 0.0,
         logit_bias=tuple((int(k), v) for k, v in bias.items()),
+        ignore_eos=s.ignore_eos,
     )
 
 

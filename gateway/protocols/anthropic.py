@@ -225,7 +225,7 @@ def to_conversation(req: CountTokensRequest) -> tuple[Conversation, list[str]]:
             max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             min_p=req.min_p, seed=req.seed, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-            logit_bias=req.logit_bias)
+            logit_bias=req.logit_bias, ignore_eos=req.ignore_eos)
         conv.stop = [s for s in req.stop_sequences or [] if s]
         conv.stream = req.stream
     return conv, omitted

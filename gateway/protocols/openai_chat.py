@@ -46,7 +46,8 @@ def to_conversation(req: ChatRequest) -> Conversation:
         max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature, top_p=req.top_p,
         top_k=req.top_k, min_p=req.min_p, seed=req.seed, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-        logit_bias=req.logit_bias, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
+        logit_bias=req.logit_bias, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
+        ignore_eos=req.ignore_eos)
     strict = fmt is not None and fmt.json_schema is not None and fmt.json_schema.strict is True
     return Conversation(
         turns, sampling, tools, choice, forced, req.parallel_tool_calls is not False, schema,

@@ -35,7 +35,7 @@ async def completions(request: Request) -> Response:
         max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
         seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias, logprobs=want_lp,
-        top_logprobs=req.logprobs or 0)
+        top_logprobs=req.logprobs or 0, ignore_eos=req.ignore_eos)
 
     async def start(model: ModelHandle) -> Run:
         params = sampling_params(model, call.tenant, sampling)

@@ -157,7 +157,9 @@ class StreamOptions(BaseModel):
 class SamplingExtras(BaseModel):
     """Sampling settings beyond OpenAI's own, taken by every generating route as plain body
     fields (SDKs send them through ``extra_body``): ``top_k``, ``min_p``, ``seed``, the
-    penalties and ``logit_bias``."""
+    penalties, ``logit_bias`` and ``ignore_eos`` (vLLM's and SGLang's: the model's end
+    token does not end the answer, only ``max_tokens`` and stop strings do; benchmarks
+    use it for answers of a fixed length)."""
 
     top_k: Optional[int] = Field(default=None, ge=-1)
     min_p: Optional[float] = Field(default=None, ge=0, le=1)
@@ -169,6 +171,7 @@ class SamplingExtras(BaseModel):
     logit_bias: Optional[dict[str, float]] = Field(default=None, json_schema_extra=_document(
         "object", propertyNames={"pattern": "^[0-9]{1,10}$"},
         additionalProperties={"type": "number", "minimum": -100, "maximum": 100}))
+    ignore_eos: bool = False
 
     @field_validator("seed")
     @classmethod

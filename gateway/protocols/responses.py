@@ -133,7 +133,7 @@ def to_conversation(req: ResponsesRequest, items: list,
     sampling = Sampling(max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
                         top_k=req.top_k, min_p=req.min_p, seed=req.seed, presence_penalty=req.presence_penalty,
                         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                        logit_bias=req.logit_bias)
+                        logit_bias=req.logit_bias, ignore_eos=req.ignore_eos)
     strict = fmt is not None and fmt.type == "json_schema" and getattr(fmt, "strict", None) is True
     conv = Conversation(turns, sampling, tools, choice, forced, req.parallel_tool_calls is not False, schema,
                         param, strict, template_kwargs=kwargs, model=req.model, stream=bool(req.stream),

@@ -184,8 +184,9 @@ class FollowerBatch(Batch):
         if self.prompt_cache.apply(op):
             return True
         if kind == "start":
-            (rid, tokens, max_tokens, checkpoints, namespace, keep), extra, background = op[1:]
-            r = EngineRequest(rid, tokens, SamplingParams(max_tokens=max_tokens), sink=lambda events: None,
+            (rid, tokens, max_tokens, ignore_eos, checkpoints, namespace, keep), extra, background = op[1:]
+            r = EngineRequest(rid, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
+                              sink=lambda events: None,
                               checkpoints=checkpoints, namespace=namespace, keep=keep)
             a = self.start_row(r, extra, background)
             if a is not None and background:

@@ -110,7 +110,8 @@ class LeaderBatch(Batch):
                                prefill_batch_size=self.prompt_concurrency, prefill_step_size=self.prefill_step_size)
 
     def start_row(self, r, extra_checkpoints=(), background: bool = False):
-        spec = (r.id, list(r.tokens), r.params.max_tokens, list(r.checkpoints), r.namespace, dict(r.keep))
+        spec = (r.id, list(r.tokens), r.params.max_tokens, r.params.ignore_eos, list(r.checkpoints), r.namespace,
+                dict(r.keep))
         self.recorder.record("start", spec, tuple(extra_checkpoints), background)
         a = super().start_row(r, extra_checkpoints, background)
         self.recorder.record("check", "start", r.id, None if a is None else a.cached)
