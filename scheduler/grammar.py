@@ -140,6 +140,9 @@ class Grammars:
         return found
 
 
+ROLLBACK_DEPTH = 64  # tokens a TokenMask can take back (a draft is at most 16)
+
+
 class TokenMask:
     """The logits processor of one constrained request: ``(tokens, logits [1, V]) ->
     logits [1, V]`` with every token the grammar forbids set to ``-inf``.
@@ -158,6 +161,11 @@ class TokenMask:
         self.n_vocab = n_vocab
         self.error: Optional[str] = None
         self._started = False
+        # per token fed, newest last: whether the matcher counted it. A stopped matcher
+        # (grammar complete) takes an end token without counting it, so rolling that
+        # token back must not take back the one before (llguidance 1.x rolls back counted
+        # tokens only: rollback(1) there undid the call's closing tag)
+        self._counted: list[bool] = []
         self._words = np.zeros((1, (n_vocab + 31) // 32), dtype=np.int32)
         self._eos_only: Optional[mx.array] = None
 
@@ -170,16 +178,25 @@ class TokenMask:
             return 0
 
     def rollback(self, n: int) -> None:
-        """Take back the last ``n`` tokens the matcher consumed (a rejected draft's)."""
-        if n > 0 and self.error is None and not self.matcher.rollback(n):
+        """Take back the last ``n`` tokens fed (a rejected draft's): those the matcher
+        counted (an end token fed to a complete grammar is not)."""
+        if n <= 0 or self.error is not None:
+            return
+        taken, self._counted = self._counted[-n:], self._counted[:-n]
+        counted = sum(taken)
+        if counted and not self.matcher.rollback(counted):
             self.error = f"the grammar could not take back {n} tokens: {self.matcher.get_error()}"
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         try:
             if self._started:
                 token = int(tokens[-1].item())
+                counts = not self.matcher.is_stopped()
                 if not self.matcher.consume_token(token):
                     raise RuntimeError(f"token {token} is outside the grammar: {self.matcher.get_error()}")
+                self._counted.append(counts)
+                if len(self._counted) > 4 * ROLLBACK_DEPTH:
+                    del self._counted[:-ROLLBACK_DEPTH]
             self._started = True
             self.matcher.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
             if self.matcher.is_error():

@@ -88,7 +88,7 @@ def test_no_precompute_while_streams_decode():
     with live_server(model_path("qwen3")) as server:
         reg, engine = server.registry, server.engine
         no_eos = {str(t): -100 for t in server.tokenizer.eos_token_ids}
-        body = {"model": "test-model", "messages": conversation(), "max_tokens": 300, "temperature": 0,
+        body = {"model": "test-model", "messages": conversation(), "max_tokens": 1000, "temperature": 0,
                 "stream": True, "logit_bias": no_eos}
         with server.client() as c, c.stream("POST", "/v1/chat/completions", json=body) as long_stream:
             lines = long_stream.iter_lines()
@@ -96,8 +96,9 @@ def test_no_precompute_while_streams_decode():
             chat(c, [{"role": "user", "content": "Short one."}], max_tokens=4)
             for _ in range(20):  # engine steps while the long stream decodes
                 assert not engine.call(lambda: any(a.precompute is not None for a in engine._batch.active.values()))
+            assert engine.call(lambda: len(engine._batch.active)) >= 1  # the long stream was still decoding
             assert sample(reg, "mlx_gateway_precompute_total", outcome="stored") == 0
-            assert sum(1 for line in lines if line.startswith("data: {")) > 100  # it was still decoding
+            assert sum(1 for line in lines if line.startswith("data: {")) > 0  # read to its end
         assert engine.wait_idle(60)
         outcomes = {o: sample(reg, "mlx_gateway_precompute_total", outcome=o) for o in ("stored", "cached", "failed", "dropped", "preempted")}
         assert outcomes["stored"] == 2, str(outcomes)

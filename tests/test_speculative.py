@@ -161,6 +161,10 @@ def test_a_few_slow_verify_steps_do_not_pause_a_batch_size_but_a_steady_loss_doe
     import scheduler.speculative.acceptance as acc
 
     r = RealizedRate()
+    r.record("plain", 4, 0, 0.1)  # a plain step that delivered nothing (its rows ended) is no yardstick
+    r.record("verify", 4, 4, 0.15)
+    assert r.lost(4) == 0.0
+    r = RealizedRate()
     r.record("plain", 4, 4, 0.1)
     for seconds, tokens in [(0.15, 4), (0.15, 4)] + [(0.15, 10)] * 30:
         r.record("verify", 4, tokens, seconds)
@@ -449,6 +453,39 @@ def test_rows_with_penalties_and_logit_bias_draft_and_keep_their_tokens(arch):
     plain, spec, stats = _plain_and_ngram(arch, prompts, params)
     assert spec == plain
     assert stats.verify_steps > 0 and stats.accepted > 0, stats
+
+
+def test_a_rejected_end_token_after_a_complete_grammar_leaves_it_complete():
+    """A tool call's grammar is complete after its closing tag; a draft of the end token
+    is fed to it along the verify forward, then rejected and rolled back. The grammar
+    must stay complete (only the end token allowed), not lose the closing tag: the
+    matcher took the end token without counting it (before the fix, the next token was
+    refused and the request failed with "constrained decoding failed")."""
+    import llguidance
+
+    from scheduler.grammar import Grammars
+
+    model, tok = mlx_lm.load(str(model_path("qwen3")))
+    grammars = Grammars(tok._tokenizer, model.args.vocab_size, tok.eos_token_ids)
+    open_tag, close_tag = tok.encode("<tool_call>")[0], tok.encode("</tool_call>")[0]
+    (eos,) = tok.eos_token_ids
+    mask = grammars.mask(llguidance.LLMatcher.grammar_from_lark(
+        f'start: <[{open_tag}]> "\\n" "{{}}" "\\n" <[{close_tag}]>'), strict=False)
+    zeros = mx.zeros((1, model.args.vocab_size))
+    tokens = tok.encode("x")  # the prompt: the first call feeds nothing
+    mask(mx.array(tokens), zeros)
+    for t in [open_tag, *tok.encode("\n{}\n"), close_tag]:
+        tokens.append(t)
+        out = mask(mx.array(tokens), zeros)
+    assert mx.isfinite(out[0]).tolist().count(True) == 1 and mx.isfinite(out[0, eos]).item()
+    mask(mx.array(tokens + [eos]), zeros)  # a drafted end token, fed at the next position
+    mask.rollback(1)  # ... and rejected
+    assert mask.validate([close_tag]) == 0  # the closing tag is still in
+    mask(mx.array(tokens + [eos]), zeros)  # the end token, as the next step feeds it
+    assert mask.error is None
+    mask.rollback(1)
+    mask.rollback(1)  # the closing tag itself
+    assert mask.validate([close_tag]) == 1 and mask.error is None
 
 
 def test_grammar_rows_draft_within_their_grammar():

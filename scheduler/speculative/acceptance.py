@@ -264,7 +264,7 @@ class RealizedRate:
             return
         self._since_plain[batch] = self._since_plain.get(batch, PROBE_EVERY) + 1
         plain = self.rate("plain", batch)
-        if plain is None:
+        if not plain:  # none measured, or plain steps that delivered nothing (rows ending): no yardstick
             return
         lost = max(0.0, self._lost.get(batch, 0.0) + seconds - tokens / (plain * (1.0 - LOSS_MARGIN)))
         self._lost[batch] = lost
