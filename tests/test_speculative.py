@@ -386,6 +386,27 @@ def test_other_cache_kinds_do_not_speculate(caplog):
     assert not config.enabled and "ChunkedKVCache" in caplog.text
 
 
+def test_the_default_speculates_where_it_can_and_quietly_not_elsewhere(caplog):
+    """``auto``, the default: prompt lookup for a model that can take a draft back, and
+    for one that cannot, off with the reason at info level (a warning is for a setting
+    somebody asked for)."""
+    from gateway.config import ServeConfig
+    from gateway.models.loader import _speculation
+    from gateway.models.spec import ModelSpec, model_specs
+
+    (spec,) = model_specs(ServeConfig(model="demo"))
+    assert spec.speculative == "auto" and ModelSpec(name="m", path="p").speculative == "auto"
+    with caplog.at_level("INFO"):
+        config = _speculation(spec, None)
+    assert (config.method, config.num_draft_tokens) == ("ngram", spec.num_draft_tokens)
+    assert "speculative decoding: ngram" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        config = _speculation(spec, "it runs split across ranks")
+    assert not config.enabled and "split across ranks" in caplog.text
+    assert all(r.levelname == "INFO" for r in caplog.records)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_a_quantized_cache_speculates_with_the_same_tokens(bits):
     """With ``--kv-bits`` the decode batch's quantized cache takes rejected drafts back as

@@ -82,14 +82,19 @@ def resolve_path(spec: ModelSpec) -> str:
 
 def _speculation(spec: ModelSpec, refusal: Optional[str], draft: Optional[DraftModel] = None) -> SpeculationConfig:
     """The model's speculative decoding: off where ``refusal`` says why it cannot
-    speculate (logged), else ``spec``'s method with ``draft`` (read and checked) for
-    ``"draft"``; its rollback was checked at load."""
+    speculate (a warning when it was asked for, info for ``"auto"``), else ``spec``'s
+    method (``"ngram"`` for ``"auto"``) with ``draft`` (read and checked) for ``"draft"``;
+    its rollback was checked at load."""
     if spec.speculative == "off":
         return SpeculationConfig()
     if refusal is not None:
-        log.warning("%s: speculative decoding is off: %s", spec.name, refusal)
+        (log.info if spec.speculative == "auto" else log.warning)(
+            "%s: speculative decoding is off: %s", spec.name, refusal)
         return SpeculationConfig()
-    return SpeculationConfig(spec.speculative, spec.num_draft_tokens, draft=draft, rollback_checked=True)
+    method = "ngram" if spec.speculative == "auto" else spec.speculative
+    log.info("%s: speculative decoding: %s, up to %d draft tokens a row and step%s", spec.name, method,
+             spec.num_draft_tokens, " (the default; --speculative off turns it off)" if spec.speculative == "auto" else "")
+    return SpeculationConfig(method, spec.num_draft_tokens, draft=draft, rollback_checked=True)
 
 
 def context_length(model, tokenizer, default: int = 32768) -> int:

@@ -78,7 +78,9 @@ class ModelSpec:
         prompt_cache_bytes: this model's bound on its prefix cache (bytes).
         max_prompt_tokens: the longest prompt (tokens); None: the model's context.
         checkpoint_every: a prefix-cache snapshot every N prompt tokens of long prompts.
-        speculative: ``"ngram"``, ``"draft"`` or ``"off"`` (``scheduler.speculative``).
+        speculative: ``"ngram"``, ``"draft"`` or ``"off"`` (``scheduler.speculative``), or
+            ``"auto"``: ``"ngram"`` where the model can speculate, else ``"off"`` (logged at
+            info, not as a warning: nobody asked for it).
         num_draft_tokens: most tokens drafted per row and step.
         draft_model: the draft model's directory or hub id (``"draft"`` only).
         kv_bits, kv_group_size: a quantized KV cache (``cache.quantized``); None: float.
@@ -103,7 +105,7 @@ class ModelSpec:
     prompt_cache_bytes: int = 8 << 30
     max_prompt_tokens: Optional[int] = None
     checkpoint_every: int = 4096
-    speculative: str = "off"
+    speculative: str = "auto"
     num_draft_tokens: int = 8
     draft_model: Optional[str] = None
     kv_bits: Optional[int] = None
@@ -147,7 +149,8 @@ def defaults(cfg: ServeConfig) -> dict:
                 min_p=cfg.min_p, chat_template_args=dict(cfg.chat_template_args),
                 prompt_cache_bytes=cfg.prompt_cache_bytes, max_prompt_tokens=cfg.max_prompt_tokens,
                 checkpoint_every=cfg.checkpoint_every,
-                speculative=cfg.speculative or ("draft" if cfg.draft_model else "off"),
+                speculative=("draft" if cfg.draft_model else "auto") if cfg.speculative in (None, "auto")
+                else cfg.speculative,
                 num_draft_tokens=cfg.num_draft_tokens, draft_model=cfg.draft_model, kv_bits=cfg.kv_bits,
                 kv_group_size=cfg.kv_group_size)
 
@@ -271,14 +274,15 @@ def _spec(name: str, t, base: dict) -> ModelSpec:
             except ValueError as e:
                 raise ModelsFileError(f"{where}: {key} {e}") from e
     if "speculative" in t:
-        if t["speculative"] not in ("off", "ngram", "draft"):
-            raise ModelsFileError(f"{where}: speculative must be 'off', 'ngram' or 'draft', got {t['speculative']!r}")
+        if t["speculative"] not in ("auto", "off", "ngram", "draft"):
+            raise ModelsFileError(f"{where}: speculative must be 'auto', 'off', 'ngram' or 'draft', "
+                                  f"got {t['speculative']!r}")
         settings["speculative"] = t["speculative"]
     if "draft_model" in t:
         if not isinstance(t["draft_model"], str) or not t["draft_model"]:
             raise ModelsFileError(f"{where}: draft_model must be a directory or hub id")
         settings["draft_model"] = t["draft_model"]
-        if "speculative" not in t:
+        if t.get("speculative", "auto") == "auto":
             settings["speculative"] = "draft"
         elif t["speculative"] == "ngram":
             raise ModelsFileError(f"{where}: draft_model drafts with speculative = 'draft', not 'ngram'")
