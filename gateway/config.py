@@ -193,7 +193,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    "back, off for the others (split across ranks, reading images) without a warning")
     p.add_argument("--draft-model", metavar="PATH", default=d.draft_model,
                    help="a small model with the served model's tokenizer (directory or hub id) that drafts "
-                   "with --speculative draft (implied when --speculative is not given)")
+                   "with --speculative draft (implied when --speculative is not given, or auto)")
     p.add_argument("--num-draft-tokens", type=_draft_count, default=d.num_draft_tokens,
                    help="most tokens drafted per row and step with --speculative (default %(default)s)")
     p.add_argument("--kv-bits", type=int, choices=(4, 8), default=d.kv_bits,

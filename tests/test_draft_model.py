@@ -248,6 +248,10 @@ def test_draft_settings_are_checked(tmp_path):
     assert (a.speculative, a.draft_model, b.speculative) == ("draft", "small", "auto")
     (spec,) = model_specs(ServeConfig(model="demo", draft_model="small", speculative="auto"))
     assert spec.speculative == "draft"  # auto with a draft model drafts with it
+    inherited = tmp_path / "inherited.toml"
+    inherited.write_text('[models.a]\npath = "demo"\nspeculative = "auto"\n')
+    (a,) = load_models_file(inherited, defaults(ServeConfig(draft_model="small")))
+    assert (a.draft_model, a.speculation_method) == ("small", "draft")
     for bad in ('draft_model = 3', 'speculative = "draft"', 'speculative = "ngram"\ndraft_model = "small"'):
         f = tmp_path / "bad.toml"
         f.write_text(f'[models.a]\npath = "demo"\n{bad}\n')

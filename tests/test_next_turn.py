@@ -98,7 +98,8 @@ def test_no_precompute_while_streams_decode():
                 assert not engine.call(lambda: any(a.precompute is not None for a in engine._batch.active.values()))
             assert engine.call(lambda: len(engine._batch.active)) >= 1  # the long stream was still decoding
             assert sample(reg, "mlx_gateway_precompute_total", outcome="stored") == 0
-            assert sum(1 for line in lines if line.startswith("data: {")) > 0  # read to its end
+            for _ in lines:  # read to its end
+                pass
         assert engine.wait_idle(60)
         outcomes = {o: sample(reg, "mlx_gateway_precompute_total", outcome=o) for o in ("stored", "cached", "failed", "dropped", "preempted")}
         assert outcomes["stored"] == 2, str(outcomes)

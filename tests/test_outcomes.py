@@ -139,6 +139,23 @@ def test_ignore_eos_runs_to_max_tokens(server, log, stream):
     check_books(line, before, after, "length", 200)
 
 
+def test_ignore_eos_on_the_other_routes(server):
+    """Completions, Responses and Anthropic Messages take ``ignore_eos`` too."""
+    bias = no_eos(server, 100)
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"prompt": "The sea", "max_tokens": 5, "temperature": 0,
+                                            "logit_bias": bias, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+        assert r.json()["usage"]["completion_tokens"] == 5
+        r = c.post("/v1/responses", json={"input": "The sea", "max_output_tokens": 5, "temperature": 0,
+                                          "logit_bias": bias, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 5, r.text
+        r = c.post("/v1/messages", json={"messages": [{"role": "user", "content": "The sea"}], "max_tokens": 5,
+                                         "temperature": 0, "logit_bias": bias, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["stop_reason"] == "max_tokens", r.text
+        assert r.json()["usage"]["output_tokens"] == 5
+
+
 def test_ignore_eos_must_be_a_boolean(server):
     with server.client() as c:
         r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "ignore_eos": "yes"})

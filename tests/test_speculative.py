@@ -136,15 +136,21 @@ def test_a_batch_size_whose_verify_steps_deliver_less_than_plain_ones_goes_plain
     assert r.probe(4) is False and r.probe(4) is True  # no plain figure yet: two plain steps, the second timed
     r.record("plain", 4, 4, 0.1)
     assert r.probe(4) is None
-    for _ in range(acc.MIN_STEPS):
+    for _ in range(3):
         assert not r.paused(4)
         r.record("verify", 4, 5, 0.2)
     assert [r.paused(4) for _ in range(acc.BACKOFF_STEPS)] == [True] * acc.BACKOFF_STEPS
     assert not r.paused(4)
     assert r.rate("verify", 4) is None  # measured afresh after the pause
-    for _ in range(acc.MIN_STEPS):
+    for _ in range(3):
         r.record("verify", 4, 5, 0.2)
     assert sum(r.paused(4) for _ in range(3 * acc.BACKOFF_STEPS)) == 2 * acc.BACKOFF_STEPS
+    for _ in range(5):  # losing on and on: each pause twice the last, up to the cap
+        for _ in range(3):
+            r.record("verify", 4, 5, 0.2)
+        while r.paused(4):
+            pass
+    assert r._backoff[4] == acc.MAX_BACKOFF_STEPS
     r.record("plain", 1, 1, 0.08)
     for _ in range(10):
         r.record("verify", 1, 3, 0.12)
@@ -507,6 +513,16 @@ def test_a_rejected_end_token_after_a_complete_grammar_leaves_it_complete():
     mask.rollback(1)
     mask.rollback(1)  # the closing tag itself
     assert mask.validate([close_tag]) == 1 and mask.error is None
+
+    # a grammar that may end or go on (not stopped): the end token counts, and goes back alone
+    mask = grammars.mask(llguidance.LLMatcher.grammar_from_lark('start: "q" /[0-9]+/'), strict=False)
+    tokens = tok.encode("x")
+    mask(mx.array(tokens), zeros)
+    for t in [tok.encode("q")[0], tok.encode("7")[0], eos]:
+        tokens.append(t)
+        mask(mx.array(tokens), zeros)
+    mask.rollback(1)
+    assert mask.validate([eos]) == 1 and mask.error is None  # after "q7", not "q"
 
 
 def test_grammar_rows_draft_within_their_grammar():

@@ -83,15 +83,15 @@ def resolve_path(spec: ModelSpec) -> str:
 def _speculation(spec: ModelSpec, refusal: Optional[str], draft: Optional[DraftModel] = None) -> SpeculationConfig:
     """The model's speculative decoding: off where ``refusal`` says why it cannot
     speculate (a warning when it was asked for, info for ``"auto"``), else ``spec``'s
-    method (``"ngram"`` for ``"auto"``) with ``draft`` (read and checked) for ``"draft"``;
-    its rollback was checked at load."""
-    if spec.speculative == "off":
+    method (:attr:`~gateway.models.spec.ModelSpec.speculation_method`) with ``draft``
+    (read and checked) for ``"draft"``; its rollback was checked at load."""
+    method = spec.speculation_method
+    if method == "off":
         return SpeculationConfig()
     if refusal is not None:
         (log.info if spec.speculative == "auto" else log.warning)(
             "%s: speculative decoding is off: %s", spec.name, refusal)
         return SpeculationConfig()
-    method = "ngram" if spec.speculative == "auto" else spec.speculative
     log.info("%s: speculative decoding: %s, up to %d draft tokens a row and step%s", spec.name, method,
              spec.num_draft_tokens, " (the default; --speculative off turns it off)" if spec.speculative == "auto" else "")
     return SpeculationConfig(method, spec.num_draft_tokens, draft=draft, rollback_checked=True)
@@ -302,7 +302,7 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
     if vision is not None:  # drafts could copy image positions, which are no tokens
         refusal = refusal or "it reads images"
     draft = draft_path = None
-    if spec.speculative == "draft" and refusal is None:  # a bad path fails before any weight is read
+    if spec.speculation_method == "draft" and refusal is None:  # a bad path fails before any weight is read
         draft, draft_path = read_draft(spec.name, spec.draft_model)  # shapes only
     reserve(served_bytes(model))
     # Linux CPU: only float32 matmuls use BLAS (docs/deployment.md, "Weights in float32"),
@@ -314,7 +314,7 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
             quantize_kv(model, spec.kv_bits, spec.kv_group_size)
         except ValueError as e:
             raise ValueError(f"{spec.name}: --kv-bits {spec.kv_bits}: {e}") from None
-    if spec.speculative != "off" and refusal is None:
+    if spec.speculation_method != "off" and refusal is None:
         refusal = rollback_refusal(model)
     if refusal is not None:
         draft = None  # a refused model never reads its draft's weights, nor makes room for them

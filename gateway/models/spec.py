@@ -16,7 +16,7 @@ model, ``NAME`` the name clients send as ``model``::
     prompt_cache_bytes = "2G"      # this model's share of the prefix cache
     max_prompt_tokens = 8192       # longest prompt (default: the model's context)
     checkpoint_every = 4096        # snapshot every N tokens of long prompts
-    speculative = "ngram"          # speculative decoding: "ngram", "draft" or "off"
+    speculative = "ngram"          # speculative decoding: "auto" (the default), "ngram", "draft" or "off"
     draft_model = "path"           # the draft model of speculative = "draft"
     num_draft_tokens = 4           # most tokens drafted per row and step
     kv_bits = 8                    # quantized KV cache: 8 or 4 bits (default: float)
@@ -79,8 +79,9 @@ class ModelSpec:
         max_prompt_tokens: the longest prompt (tokens); None: the model's context.
         checkpoint_every: a prefix-cache snapshot every N prompt tokens of long prompts.
         speculative: ``"ngram"``, ``"draft"`` or ``"off"`` (``scheduler.speculative``), or
-            ``"auto"``: ``"ngram"`` where the model can speculate, else ``"off"`` (logged at
-            info, not as a warning: nobody asked for it).
+            ``"auto"``: ``"draft"`` with a draft model, else ``"ngram"``, where the model can
+            speculate, else ``"off"`` (logged at info, not as a warning: nobody asked for
+            it); see :attr:`speculation_method`.
         num_draft_tokens: most tokens drafted per row and step.
         draft_model: the draft model's directory or hub id (``"draft"`` only).
         kv_bits, kv_group_size: a quantized KV cache (``cache.quantized``); None: float.
@@ -116,6 +117,15 @@ class ModelSpec:
     def names(self) -> tuple[str, ...]:
         """The served name, then the aliases."""
         return (self.name, *self.aliases)
+
+    @property
+    def speculation_method(self) -> str:
+        """``"off"``, ``"ngram"`` or ``"draft"``: ``"auto"`` is ``"draft"`` with a draft
+        model, else ``"ngram"`` (the loader turns either off where the model cannot
+        speculate)."""
+        if self.speculative == "auto":
+            return "draft" if self.draft_model else "ngram"
+        return self.speculative
 
 
 def parse_keep_alive(value) -> Optional[float]:
