@@ -167,7 +167,6 @@ class TokenMask:
         # tokens only: rollback(1) there undid the call's closing tag)
         self._counted: list[bool] = []
         self._words = np.zeros((1, (n_vocab + 31) // 32), dtype=np.int32)
-        self._eos_only: Optional[mx.array] = None
 
     def validate(self, tokens: list[int]) -> int:
         """How many leading ``tokens`` the grammar accepts from its current state (the

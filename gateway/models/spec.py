@@ -159,8 +159,8 @@ def defaults(cfg: ServeConfig) -> dict:
                 min_p=cfg.min_p, chat_template_args=dict(cfg.chat_template_args),
                 prompt_cache_bytes=cfg.prompt_cache_bytes, max_prompt_tokens=cfg.max_prompt_tokens,
                 checkpoint_every=cfg.checkpoint_every,
-                speculative=("draft" if cfg.draft_model else (cfg.speculative or "off"))
-                if cfg.speculative in (None, "auto") else cfg.speculative,
+                speculative="draft" if cfg.draft_model and cfg.speculative in (None, "auto")
+                else cfg.speculative or "off",
                 num_draft_tokens=cfg.num_draft_tokens, draft_model=cfg.draft_model, kv_bits=cfg.kv_bits,
                 kv_group_size=cfg.kv_group_size)
 
