@@ -46,7 +46,7 @@ import logging
 import os
 import shutil
 from collections.abc import Iterator
-from typing import Optional, Union
+from typing import Iterable, Optional, Union
 
 import mlx.core as mx
 
@@ -120,9 +120,13 @@ def _bucket(buckets: tuple, size: int) -> int:
     return max(i for i, (fewest, *_) in enumerate(buckets) if fewest <= size)
 
 
-def forget_plans() -> None:
-    """Every shape back to MLX's own attention."""
-    _plans.clear()
+def forget_plans(shapes: Optional[Iterable[tuple]] = None) -> None:
+    """``shapes`` (``(query heads, KV heads, head size, dtype)`` each, as
+    :func:`attention_shapes` gives them), or every shape, back to MLX's own attention."""
+    if shapes is None:
+        _plans.clear()
+    for shape in shapes or ():
+        _plans.pop(tuple(shape), None)
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Mask = None, **kwargs) -> mx.array:
