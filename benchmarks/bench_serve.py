@@ -17,10 +17,11 @@ Each scenario runs against a fresh server process on loopback (``benchmarks/scen
 same run (``--repeat N``: N times, the servers taking turns, each figure the median), then
 prints the issue's goals as a table of ratios; ``--out DIR`` also writes ``results.json``,
 ``goals.md`` and ``compare.png`` (matplotlib: ``pip install -e '.[bench]'``). On Linux,
-preload the system OpenBLAS (``gateway/cpu/blas.py``) for both servers. With
-``--gateway-args="--speculative auto"`` the random model's greedy answers fall into loops
-that prompt lookup drafts, so its decode steps deliver several tokens, and the stall
-scenario's gap median means little then (one step's tokens arrive together).
+preload the system OpenBLAS (``gateway/cpu/blas.py``) for both servers. The gateway runs
+with its defaults, speculative decoding included: the random model's greedy answers fall
+into loops that prompt lookup drafts, so its decode steps deliver several tokens
+(``--gateway-args="--speculative off"`` for plain steps), and the stall scenario's gap
+median means little then (one step's tokens arrive together).
 
 Usage::
 

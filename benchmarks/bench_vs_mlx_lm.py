@@ -18,8 +18,9 @@ banned, ``--decode`` tokens:
   (the gateway's also as its request log times them, ``ttft_seconds`` to
   ``total_seconds``: the client's reading of the stream, on the same CPU, left out).
 
-The gateway runs with its defaults (speculative decoding off; ``--gateway-args="--speculative
-auto"`` turns it on: a greedy answer that repeats itself then decodes faster).
+The gateway runs with its defaults, speculative decoding by prompt lookup included (a
+greedy answer that repeats itself decodes faster for it); ``--gateway-args="--speculative
+off"`` compares the plain decode step.
 ``--repeat N`` runs each length N times, the two alternating; figures are medians, the
 ratio is of the medians. The gateway's request log gives its per-phase times (``phases``,
 medians). ``--out DIR`` writes ``vs_mlx_lm.json`` and ``vs_mlx_lm.md``.

@@ -72,7 +72,7 @@ class ServeConfig:
     batch_share: float = 0.05
     interactive_budget: float = 0.005
     precompute_next_turn: bool = True
-    speculative: Optional[str] = None  # None: not given (off, or draft with a draft model)
+    speculative: Optional[str] = None  # None: not given (auto, or draft with a draft model)
     num_draft_tokens: int = 8
     draft_model: Optional[str] = None
     kv_bits: Optional[int] = None
@@ -188,10 +188,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", choices=("auto", "off", "ngram", "draft"), default=d.speculative,
                    help="speculative decoding: 'ngram' drafts each decoding row's next tokens from its own "
                    "prompt and output (prompt lookup), 'draft' from --draft-model; the batch's forward verifies "
-                   "them; greedy output is unchanged, sampled output keeps its distribution. 'auto': ngram "
-                   "(draft with --draft-model) for every model that can take a rejected draft back, off for the "
-                   "others (split across ranks, reading images) without a warning (default: off, or draft with "
-                   "--draft-model)")
+                   "them; greedy output is unchanged, sampled output keeps its distribution. 'auto' (the "
+                   "default; draft with --draft-model): ngram for every model that can take a rejected draft "
+                   "back, off for the others (split across ranks, reading images) without a warning")
     p.add_argument("--draft-model", metavar="PATH", default=d.draft_model,
                    help="a small model with the served model's tokenizer (directory or hub id) that drafts "
                    "with --speculative draft (implied when --speculative is not given, or auto)")

@@ -239,7 +239,9 @@ def _check_against_one_process(tmp_path: Path, cluster: Server, model: Path, ext
                                pause: bool = False) -> float:
     """Run :func:`_workload` on ``cluster`` and on a one-process gateway, compare; the
     evictions rank 0's prefix cache made."""
-    single = Server(tmp_path, "single", model, 1, *extra)
+    # plain decoding, as the split model's (speculation is refused across ranks): this compares
+    # the split alone (tests/test_speculative*.py compare speculation with plain decoding)
+    single = Server(tmp_path, "single", model, 1, "--speculative", "off", *extra)
     try:
         cluster.wait_ready()
         single.wait_ready()

@@ -229,8 +229,8 @@ def test_new_rows_start_from_what_recent_rows_accepted():
 
 # ----------------------------------------------------------------------------- settings
 def test_draft_settings_are_checked(tmp_path):
-    """``--draft-model`` implies ``--speculative draft`` unless ``off`` is given (``auto`` is ``draft`` with a
-    draft model, else ``ngram`` where the model can); ``draft`` without a draft model and
+    """``--draft-model`` implies ``--speculative draft`` unless ``off`` is given (``auto``, the default, is
+    ``draft`` with a draft model, else ``ngram`` where the model can); ``draft`` without a draft model and
     a draft with ``ngram`` are refused, as are bad models-file values."""
     from gateway.config import ServeConfig
     from gateway.models.spec import ModelsFileError, defaults, load_models_file, model_specs
@@ -245,7 +245,7 @@ def test_draft_settings_are_checked(tmp_path):
     good = tmp_path / "good.toml"
     good.write_text('[models.a]\npath = "demo"\ndraft_model = "small"\n[models.b]\npath = "demo"\n')
     a, b = load_models_file(good, defaults(ServeConfig()))
-    assert (a.speculative, a.draft_model, b.speculative) == ("draft", "small", "off")
+    assert (a.speculative, a.draft_model, b.speculative) == ("draft", "small", "auto")
     (spec,) = model_specs(ServeConfig(model="demo", draft_model="small", speculative="auto"))
     assert spec.speculative == "draft"  # auto with a draft model drafts with it
     inherited = tmp_path / "inherited.toml"

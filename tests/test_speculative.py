@@ -392,18 +392,16 @@ def test_other_cache_kinds_do_not_speculate(caplog):
     assert not config.enabled and "ChunkedKVCache" in caplog.text
 
 
-def test_auto_speculates_where_it_can_and_quietly_not_elsewhere(caplog):
-    """``auto``: prompt lookup for a model that can take a draft back, and for one that
-    cannot, off with the reason at info level (a warning is for a setting somebody asked
-    for). The default stays off."""
+def test_the_default_speculates_where_it_can_and_quietly_not_elsewhere(caplog):
+    """``auto``, the default: prompt lookup for a model that can take a draft back, and
+    for one that cannot, off with the reason at info level (a warning is for a setting
+    somebody asked for)."""
     from gateway.config import ServeConfig
     from gateway.models.loader import _speculation
     from gateway.models.spec import ModelSpec, model_specs
 
-    (default,) = model_specs(ServeConfig(model="demo"))
-    assert default.speculation_method == "off" and ModelSpec(name="m", path="p").speculative == "off"
-    (spec,) = model_specs(ServeConfig(model="demo", speculative="auto"))
-    assert spec.speculative == "auto"
+    (spec,) = model_specs(ServeConfig(model="demo"))
+    assert spec.speculative == "auto" and ModelSpec(name="m", path="p").speculative == "auto"
     with caplog.at_level("INFO"):
         config = _speculation(spec, None)
     assert (config.method, config.num_draft_tokens) == ("ngram", spec.num_draft_tokens)

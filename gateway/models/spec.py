@@ -16,7 +16,7 @@ model, ``NAME`` the name clients send as ``model``::
     prompt_cache_bytes = "2G"      # this model's share of the prefix cache
     max_prompt_tokens = 8192       # longest prompt (default: the model's context)
     checkpoint_every = 4096        # snapshot every N tokens of long prompts
-    speculative = "ngram"          # speculative decoding: "off" (the default), "auto", "ngram" or "draft"
+    speculative = "ngram"          # speculative decoding: "auto" (the default), "ngram", "draft" or "off"
     draft_model = "path"           # the draft model of speculative = "draft"
     num_draft_tokens = 4           # most tokens drafted per row and step
     kv_bits = 8                    # quantized KV cache: 8 or 4 bits (default: float)
@@ -106,7 +106,7 @@ class ModelSpec:
     prompt_cache_bytes: int = 8 << 30
     max_prompt_tokens: Optional[int] = None
     checkpoint_every: int = 4096
-    speculative: str = "off"
+    speculative: str = "auto"
     num_draft_tokens: int = 8
     draft_model: Optional[str] = None
     kv_bits: Optional[int] = None
@@ -159,8 +159,8 @@ def defaults(cfg: ServeConfig) -> dict:
                 min_p=cfg.min_p, chat_template_args=dict(cfg.chat_template_args),
                 prompt_cache_bytes=cfg.prompt_cache_bytes, max_prompt_tokens=cfg.max_prompt_tokens,
                 checkpoint_every=cfg.checkpoint_every,
-                speculative="draft" if cfg.draft_model and cfg.speculative in (None, "auto")
-                else cfg.speculative or "off",
+                speculative=("draft" if cfg.draft_model else "auto") if cfg.speculative in (None, "auto")
+                else cfg.speculative,
                 num_draft_tokens=cfg.num_draft_tokens, draft_model=cfg.draft_model, kv_bits=cfg.kv_bits,
                 kv_group_size=cfg.kv_group_size)
 
