@@ -218,12 +218,14 @@ def test_a_load_does_not_stall_the_other_models_decoding():
     """While model A decodes, model B is loaded: A's largest gap between tokens, as the
     engine emits them, stays under :data:`GAP_MAX`, and A takes at least :data:`RATE_KEPT`
     of its usual steps (the median of its gaps without a load) during the load, in the best
-    of three tries; each try's load must last longer than :data:`GAP_MAX`, so a load that
+    of three tries; a passing try's load lasts longer than :data:`GAP_MAX`, so a load that
     held A's engine would fail both. Measured at the engine: over HTTP this process is also
     the client, and its own event loops share the GIL with the load."""
     cfg = config()
-    with serving(start_gateway(cfg, [spec("a", medium_qwen3(), preload=True), spec("b", second_qwen3())]),
-                 cfg.port) as s:
+    # plain decode steps: a token each (a random model's greedy loops are drafted, and a
+    # verify step's tokens arrive together: the median gap is then 0, the largest a step of 9)
+    a_spec = spec("a", medium_qwen3(), preload=True, speculative="off")
+    with serving(start_gateway(cfg, [a_spec, spec("b", second_qwen3())]), cfg.port) as s:
         a, b = s.handle("a"), s.gateway.models.find("b")
         no_eos = tuple((t, -100.0) for t in a.tokenizer.eos_token_ids)
 
@@ -264,8 +266,9 @@ def test_a_load_does_not_stall_the_other_models_decoding():
             kept = len(during) * step / (ended - began)
             tries.append({"load s": round(ended - began, 3), "gap max s": round(gap, 3), "step s": round(step, 4),
                           "rate kept": round(kept, 2)})
-            assert ended - began > GAP_MAX, f"this load is too short to tell a stall from a step: {tries}"
-            if gap < GAP_MAX and kept >= RATE_KEPT:
+            # a load shorter than the bound cannot tell a stall from a step (a first try can
+            # find B's kernels planned by an earlier test): the next try measures them again
+            if ended - began > GAP_MAX and gap < GAP_MAX and kept >= RATE_KEPT:
                 break
         else:
             raise AssertionError(f"A's decoding while B loads, in each try: {tries}")
