@@ -93,7 +93,7 @@ def _speculation(spec: ModelSpec, refusal: Optional[str], draft: Optional[DraftM
             "%s: speculative decoding is off: %s", spec.name, refusal)
         return SpeculationConfig()
     log.info("%s: speculative decoding: %s, up to %d draft tokens a row and step%s", spec.name, method,
-             spec.num_draft_tokens, " (the default; --speculative off turns it off)" if spec.speculative == "auto" else "")
+             spec.num_draft_tokens, " (auto; --speculative off turns it off)" if spec.speculative == "auto" else "")
     return SpeculationConfig(method, spec.num_draft_tokens, draft=draft, rollback_checked=True)
 
 
