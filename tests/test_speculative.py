@@ -348,6 +348,27 @@ def test_stop_inside_an_accepted_draft():
     assert stats.ended_inside_draft > 0, stats
 
 
+def test_drafts_not_verified_are_scored_so_a_row_drafts_again_when_its_text_repeats(monkeypatch):
+    """A row whose acceptance rate fell to where no width pays, yet not below the cool-down
+    rate, runs plain steps; the drafts it finds there are scored against the tokens it
+    decodes, so when its answer falls into a loop its rate rises and it drafts again.
+    Rows here start from a prior of 0.05 (no width pays; before the scoring they never
+    drafted at all)."""
+    import scheduler.speculative.step as step
+
+    model, _ = mlx_lm.load(str(model_path("qwen3")))
+    prompts, max_tokens = _workload(1)
+    stops = [[10 ** 6]] * len(prompts)
+    plain = _generate(model, prompts, max_tokens, stops)
+    monkeypatch.setattr(step, "RowAcceptance", lambda prior=0.5: RowAcceptance(0.05))
+    probe = RowAcceptance(0.05)
+    assert best_width([4], [probe], 0.05) == 1  # such a row alone would never verify
+    stats = SpeculationStats()
+    spec = _generate(model, prompts, max_tokens, stops, Speculator(NGRAM, stats))
+    assert spec == plain
+    assert stats.verify_steps > 0 and stats.accepted > 0, stats
+
+
 def test_snapshots_after_speculation_are_exact():
     """The prefix cache holds, for each finished answer, KV equal to a cold prefill of its
     tokens (a rolled-back row never leaves extra positions in a snapshot), so that a later

@@ -96,6 +96,9 @@ class Speculator:
             self.drafter = LookupDrafter(config.min_n, config.max_n)
         self._acceptance: dict[int, RowAcceptance] = {}
         self._overall = BatchAcceptance()
+        # drafts found but not verified (a plain step paid more): uid -> (index in the row's
+        # tokens where the draft would have gone, the draft), scored as the row goes on
+        self._unverified: dict[int, tuple[int, list[int]]] = {}
         # why the model's layers cannot roll back ("" if they can; None: not checked yet)
         self.refusal: Optional[str] = "" if config.rollback_checked else None
 
@@ -115,7 +118,40 @@ class Speculator:
             live = set(uids)
             for uid in [u for u in self._acceptance if u not in live]:
                 del self._acceptance[uid]
+        if len(self._unverified) > len(uids):
+            live = set(uids)
+            for uid in [u for u in self._unverified if u not in live]:
+                del self._unverified[uid]
         self.drafter.forget(uids)
+
+    def _hold_unverified(self, batch, drafts: list[list[int]]) -> None:
+        """Keep the drafts of a step that ran plain (no width paid) to score them later
+        (:meth:`_score_unverified`). A draft follows the row's pending input token, which
+        the step appends to ``batch.tokens[i]`` (the tokens in its cache), so it would
+        start one past the row's current length."""
+        for i, (uid, draft) in enumerate(zip(batch.uids, drafts)):
+            if draft and uid not in self._unverified:
+                self._unverified[uid] = (len(batch.tokens[i]) + 1, draft)
+
+    def _score_unverified(self, batch) -> None:
+        """Score held drafts against the tokens their rows went on to decode, once these
+        settle them (a token differs, or the whole draft was decoded), into the rows'
+        acceptance. For a greedy row this is exactly what verifying them would have
+        accepted (a draft token is accepted when it is the argmax, the token decoded); for
+        a sampled row its expectation (a fixed draft token is accepted with its
+        probability). It costs no forward; without it a row whose rate fell to where no
+        width pays, but not low enough to cool down, would never draft again, however
+        much its text came to repeat (a loop after a few wrong guesses)."""
+        for i, uid in enumerate(batch.uids):
+            held = self._unverified.get(uid)
+            if held is None:
+                continue
+            start, draft = held
+            decoded = batch.tokens[i][start:start + len(draft)]
+            right = next((j for j, (d, t) in enumerate(zip(draft, decoded)) if d != t), len(decoded))
+            if right < len(decoded) or len(decoded) == len(draft):
+                self._rate(uid).record(len(draft), right)
+                del self._unverified[uid]
 
     def _may_draft(self, batch, i: int) -> bool:
         """Row ``i`` may draft this step, and its drafter expects to find a draft."""
@@ -156,6 +192,8 @@ class Speculator:
         if not batch.uids:
             return []
         self.forget(batch.uids)
+        if self._unverified:
+            self._score_unverified(batch)
         start = time.perf_counter()
         size = len(batch.uids)
         candidates = [self._may_draft(batch, i) for i in range(size)]
@@ -179,6 +217,7 @@ class Speculator:
         width = best_width([len(d) for d in drafts], rows, lambda w: self.cost.relative(size, w))
         if width == 1:  # no draft pays: a plain step, its forward not waited for unless sampled
             self.drafter.settle(batch.uids, [0] * len(inputs))
+            self._hold_unverified(batch, drafts)
             return self._plain(batch, timed=self.stats.plain_steps % PLAIN_SAMPLE == 0)
         tic = time.perf_counter()
         batch.prompt_cache = holed(batch.prompt_cache)
