@@ -234,7 +234,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests that may wait for admission before new ones get 503 (default %(default)s)")
     p.add_argument("--served-model-name", dest="served_model_names", action="append", default=[],
                    help="another name the one --model answers to (repeatable)")
-    p.add_argument("--log-level", default=d.log_level,
+    p.add_argument("--log-level", default=d.log_level, type=str.upper,  # "info" as uvicorn's own flag takes it
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default %(default)s)")
     p.add_argument("--log-format", default=d.log_format, choices=["text", "json"],
                    help="log lines as text or one JSON object per line (default %(default)s)")

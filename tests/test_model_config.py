@@ -83,6 +83,13 @@ def test_a_bad_models_file_is_refused_naming_the_setting(tmp_path, text, says):
     assert says in str(e.value), str(e.value)
 
 
+def test_log_level_takes_any_case():
+    assert parse("--log-level", "info").log_level == "INFO"
+    assert parse("--log-level", "Debug").log_level == "DEBUG"
+    with pytest.raises(SystemExit):
+        parse("--log-level", "loud")
+
+
 def test_model_flags():
     assert [s.name for s in model_specs(parse())] == [DEFAULT_NAME]
     (one,) = model_specs(parse("--model", "demo", "--served-model-name", "x"))
