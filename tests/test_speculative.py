@@ -70,6 +70,22 @@ def test_prompt_lookup_continues_a_loop_past_the_end():
     assert lookup.propose(3, 4) == [3, 3, 3, 3]
 
 
+def test_a_prompt_indexed_at_once_drafts_as_one_indexed_token_by_token():
+    """``sync`` indexes many tokens at once (a row's prompt) in bulk: the same index, so
+    the same drafts, as appending them one at a time, whatever the cuts between syncs."""
+    rng = random.Random(0)
+    for _ in range(200):
+        tokens = [rng.randrange(6) for _ in range(rng.randrange(200))]
+        bulk = PromptLookup(rng.choice([1, 2]), rng.choice([2, 3, 4, 5]))
+        single = PromptLookup(bulk.min_n, bulk.max_n)
+        for cut in sorted(rng.sample(range(len(tokens) + 1), min(3, len(tokens) + 1))) + [len(tokens)]:
+            bulk.sync(tokens[:cut])
+            for t in tokens[len(single.tokens):cut]:
+                single.sync(single.tokens + [t])  # one new token: the token-by-token path
+            assert bulk.tokens == single.tokens and bulk._follow == single._follow
+            assert [bulk.propose(t, 5) for t in range(6)] == [single.propose(t, 5) for t in range(6)]
+
+
 def test_width_follows_the_expected_gain():
     good, bad = RowAcceptance(), RowAcceptance()
     for _ in range(10):

