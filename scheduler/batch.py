@@ -140,6 +140,13 @@ class Batch(RowInsertion):
         """Some row is a request (not a next-turn precompute)."""
         return any(a.precompute is None for a in self.active.values())
 
+    def _prefill_context(self, prefilling: int) -> Optional[float]:
+        """Tokens in the caches of the rows still prefilling (restored and prefilled), their
+        mean: what the next chunk attends to besides itself (None when none prefills)."""
+        if not prefilling:
+            return None
+        return sum(a.cached + a.processed for a in self.active.values() if not a.decoding) / prefilling
+
     def num_prefilling(self) -> int:
         """Rows still prefilling their prompt."""
         return sum(1 for a in self.active.values() if not a.decoding)
@@ -215,6 +222,7 @@ class Batch(RowInsertion):
         """
         classes = tuple(sorted({a.rank for a in self.active.values() if not a.decoding}))
         prefilling = self.num_prefilling()
+        context = self._prefill_context(prefilling)
         decoding = len(self.active) - prefilling
         hold = not decode_only and holds_decode(self.active.values(), self._held)
         if hold:
@@ -225,7 +233,7 @@ class Batch(RowInsertion):
               and all(a.precompute is not None for a in self.active.values())):
             chunk = self.chunks.idle_chunk(prefilling, classes)  # preemptible: a request waits one chunk
         else:
-            chunk = self.chunks.next_chunk(prefilling, decoding + decoding_elsewhere, cap, share, classes)
+            chunk = self.chunks.next_chunk(prefilling, decoding + decoding_elsewhere, cap, share, classes, context)
         if hold and not chunk:  # nothing to prefill this step (decode time owed elsewhere): decode
             hold = False
         self._held = self._held + 1 if hold else 0
@@ -251,7 +259,7 @@ class Batch(RowInsertion):
             a = self.active.get(pr.uid)
             if a is not None:
                 prefilled += self._on_prompt_progress(a, pr)
-        self.chunks.record(chunk, prefilled, decoding + decoding_elsewhere, seconds, classes)
+        self.chunks.record(chunk, prefilled, decoding + decoding_elsewhere, seconds, classes, context, prefilling)
         if hold:
             self.metrics.decode_holds.inc()
         self._fail_faulty_rows()

@@ -15,6 +15,15 @@ sequences decode, the planner instead:
   chunk of long agent prompts); sizes are multiples of :data:`ALIGN` tokens
   (:data:`CAP_ALIGN` under a latency-class cap), the first chunk is
   :data:`FIRST_CHUNK` tokens;
+* where the model's forward cost was measured at load, sizes the chunk instead from a
+  cost per token that grows with the context it attends to, ``a + b c`` seconds for a
+  token attending to ``c`` others (the prompt's position plus half the chunk), the
+  least-squares line through the last :data:`POINTS` chunks timed (with one, or
+  contexts too close together, through it and the load's figure at an empty context):
+  sized from the cost per token of the chunk before, a chunk of a 3,000-token prompt
+  beside four streams overshot the 0.2 s budget by 30-70 % on the medium benchmark
+  model (steps of 0.25-0.34 s: the streams' largest gaps), as it attends to more
+  context than the chunk it was sized from;
 * after each prefill chunk, runs decode-only steps (a prefill step size of 0, which
   makes ``next()`` advance only the decoding batch) until they have had
   :data:`DECODE_SHARE` of the chunk's time (:class:`DecodeShare`, shared by the models of
@@ -44,6 +53,7 @@ the time.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from scheduler.forward_cost import ForwardCost
@@ -54,6 +64,9 @@ ALIGN = 32  # chunk sizes are multiples of this many tokens
 CAP_ALIGN = 8
 FIRST_CHUNK = 128  # tokens per prompt before any chunk has been timed
 HEADROOM = 0.85  # aim this fraction of the budget, as the next chunk attends to more context
+FITTED_HEADROOM = 0.95  # ... and this fraction when the growth with context is fitted (_context_cost)
+POINTS = 6  # chunks of at least FIRST_CHUNK tokens a prompt whose cost-per-context line is fitted
+SPREAD = 512  # tokens of context those chunks must span for their own slope
 DECODE_SHARE = 0.1  # decode-only time owed after a prefill chunk, as a fraction of its time
 
 
@@ -108,12 +121,15 @@ class ChunkPlanner:
         self._per_token: dict[tuple, float] = {}
         # The marginal seconds per prompt token (the fixed part of a forward taken out), likewise.
         self._marginal: dict[tuple, float] = {}
+        # (tokens attended per prompt token, marginal seconds per prompt token) of the last
+        # POINTS chunks timed, by classes: the cost's growth with context (_context_cost).
+        self._points: dict[tuple, list[tuple[float, float]]] = {}
         self.decode_step = 0.0  # seconds of a step that only decodes (moving average)
         self.decode_only_steps = 0  # steps that advanced only the decoding batch
         self.budgeted_steps = 0  # prefill steps whose chunk the budget cut below step_size
 
     def next_chunk(self, prefilling: int, decoding: int, cap: Optional[float] = None, share: float = 1.0,
-                   classes: tuple = ()) -> int:
+                   classes: tuple = (), context: Optional[float] = None) -> int:
         """Tokens per prompt for the next step; 0 for a decode-only step.
 
         Args:
@@ -126,6 +142,8 @@ class ChunkPlanner:
                 prefill in the same step).
             classes: the latency classes of the prompts prefilling (sorted): the chunk is
                 sized from the cost per token last measured for the same classes.
+            context: tokens already in the prefilling prompts' caches (their mean): the
+                chunk attends to them (None: sized from the last chunk's cost per token).
         """
         capped = self.step_size if cap is None else self._sized(prefilling, cap * share, classes, CAP_ALIGN,
                                                                  floored=False)
@@ -136,7 +154,8 @@ class ChunkPlanner:
             return 0
         # A prompt waiting for its first token is a user waiting too: when more prompts
         # prefill than streams decode, the step may take proportionally longer.
-        return min(capped, self._sized(prefilling, share * self.budget * max(1.0, prefilling / decoding), classes))
+        return min(capped, self._sized(prefilling, share * self.budget * max(1.0, prefilling / decoding), classes,
+                                       context=context, decoding=True))
 
     def idle_chunk(self, prefilling: int, classes: tuple = ()) -> int:
         """Tokens per prompt for a step that prefills only preemptible work (next-turn
@@ -159,11 +178,15 @@ class ChunkPlanner:
         per_row = -(-total // prefilling)
         return min(self.step_size, max(ALIGN, -(-per_row // ALIGN) * ALIGN))
 
-    def _sized(self, prefilling: int, budget: float, classes: tuple, align: int = ALIGN, floored: bool = True) -> int:
+    def _sized(self, prefilling: int, budget: float, classes: tuple, align: int = ALIGN, floored: bool = True,
+               context: Optional[float] = None, decoding: bool = False) -> int:
         # Classes not timed yet: the costliest of those that were (a chunk too small, not too long).
         per_token = self._per_token.get(classes) or max(self._per_token.values(), default=0.0)
+        model = self._context_cost(classes) if context is not None else None
         if per_token <= 0:
             per_row = FIRST_CHUNK
+        elif model is not None:
+            per_row = self._fitting(prefilling, FITTED_HEADROOM * budget, context, *model, decoding)
         else:
             per_row = int(HEADROOM * budget / per_token) // prefilling
         per_row = max(align, per_row - per_row % align)
@@ -174,10 +197,12 @@ class ChunkPlanner:
             return per_row
         return self.step_size
 
-    def record(self, chunk: int, prefilled: int, decoding: int, seconds: float, classes: tuple = ()) -> None:
+    def record(self, chunk: int, prefilled: int, decoding: int, seconds: float, classes: tuple = (),
+               context: Optional[float] = None, prefilling: int = 1) -> None:
         """Account a finished step that took ``seconds``: planned with ``chunk`` tokens
-        per prompt, it prefilled ``prefilled`` prompt tokens in all (of prompts of the
-        latency ``classes``) while ``decoding`` sequences decoded."""
+        per prompt, it prefilled ``prefilled`` prompt tokens in all (of ``prefilling``
+        prompts of the latency ``classes``, ``context`` tokens in their caches before it,
+        on average) while ``decoding`` sequences decoded."""
         if not prefilled and decoding:
             self.decode_step = seconds if not self.decode_step else 0.8 * self.decode_step + 0.2 * seconds
         if chunk == 0:
@@ -192,3 +217,43 @@ class ChunkPlanner:
                 forward = seconds - (self.decode_step if decoding else 0.0) - self.cost.fixed
                 if forward > 0:
                     self._marginal[classes] = forward / prefilled
+                    if context is not None and prefilled >= FIRST_CHUNK * max(1, prefilling):
+                        # (smaller chunks: their fixed part, estimated, weighs too much)
+                        attended = context + prefilled / max(1, prefilling) / 2
+                        points = self._points.setdefault(classes, [])
+                        points.append((attended, forward / prefilled))
+                        del points[:-POINTS]
+
+    def _context_cost(self, classes: tuple) -> Optional[tuple[float, float]]:
+        """``(a, b)``: a prompt token attending to ``c`` tokens costs about ``a + b c``
+        seconds (marginal: the forward's fixed part and the decode step taken out): the
+        least-squares line through the last :data:`POINTS` chunks timed for ``classes``
+        (a slope of at least 0) when their contexts span :data:`SPREAD` tokens or more
+        (two chunks close together give a slope that is mostly noise), else the line
+        through the last one and the load's cost per token at an empty context; None
+        before any, or without a load-time cost."""
+        points = self._points.get(classes)
+        if not points or self.cost is None:
+            return None
+        cs, ms = [c for c, _ in points], [m for _, m in points]
+        mean_c, mean_m = sum(cs) / len(cs), sum(ms) / len(ms)
+        spread = sum((c - mean_c) ** 2 for c in cs)
+        if len(points) >= 2 and max(cs) - min(cs) >= SPREAD:
+            b = max(0.0, sum((c - mean_c) * (m - mean_m) for c, m in points) / spread)
+            return max(0.0, mean_m - b * mean_c), b
+        c, m = points[-1]
+        b = max(0.0, (m - self.cost.per_token) / c) if c > 0 else 0.0
+        return max(0.0, m - b * c), b
+
+    def _fitting(self, prefilling: int, seconds: float, context: float, a: float, b: float, decoding: bool) -> int:
+        """Tokens per prompt whose step takes about ``seconds``: the forward's fixed part
+        and, beside decoding rows, a decode step, plus ``prefilling`` prompts of ``n``
+        tokens at ``a + b (context + n / 2)`` each: the root of ``P b / 2 n^2 + P (a + b
+        context) n = seconds - fixed``."""
+        left = seconds - self.cost.fixed - (self.decode_step if decoding else 0.0)
+        if left <= 0:
+            return 0
+        quadratic, linear = prefilling * b / 2, prefilling * (a + b * context)
+        if quadratic <= 0:
+            return int(left / linear) if linear > 0 else self.step_size
+        return int((-linear + math.sqrt(linear * linear + 4 * quadratic * left)) / (2 * quadratic))

@@ -104,6 +104,37 @@ def test_chunks_beside_decoding_are_never_cut_below_the_floor():
     assert ChunkPlanner(2048, 0.2).floor(1) == ALIGN  # no measured cost: no floor
 
 
+def test_chunks_are_sized_for_a_cost_per_token_that_grows_with_the_context():
+    """A prompt token attending to ``c`` others costs ``a + b c`` (attention): chunks sized
+    from the cost per token of the chunk before (at a smaller context) overshoot the budget
+    more the further the prompt has got; with the context given, the planner fits the
+    line to the chunks it timed and every chunk's step stays within the budget."""
+    from scheduler.chunking import ChunkPlanner
+    from scheduler.forward_cost import ForwardCost
+
+    fixed, a, b, decode = 0.004, 6e-5, 1.2e-7, 0.008  # the medium benchmark model, roughly
+
+    def step(n: int, context: float) -> float:  # one chunk of n tokens beside decoding rows
+        return fixed + decode + n * (a + b * (context + n / 2))
+
+    def run(with_context: bool) -> list[float]:
+        p = ChunkPlanner(2048, 0.2, cost=ForwardCost(fixed=fixed, per_token=a))
+        p.record(0, 0, 4, decode)  # a decode-only step of the four streams
+        done, seconds = 0, []
+        while done < 6000:
+            p.share.clear()
+            n = min(p.next_chunk(1, 4, context=done if with_context else None), 6000 - done)
+            seconds.append(step(n, done))
+            p.record(n, n, 4, seconds[-1], (), done if with_context else None, 1)
+            done += n
+        return seconds
+
+    fitted, plain = run(True), run(False)
+    assert max(fitted[1:]) <= 0.2 * 1.02  # after the first (FIRST_CHUNK) chunk, none over the budget
+    assert max(plain) > 0.2 * 1.15  # as before: the cost per token of the chunk before undervalues the next
+    assert len(fitted) <= 1.3 * len(plain)  # and not by cutting chunks needlessly small
+
+
 def test_the_floor_follows_the_marginal_cost_measured_as_the_prompt_advances():
     from scheduler.chunking import ChunkPlanner
     from scheduler.forward_cost import ForwardCost
