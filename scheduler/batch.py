@@ -140,13 +140,6 @@ class Batch(RowInsertion):
         """Some row is a request (not a next-turn precompute)."""
         return any(a.precompute is None for a in self.active.values())
 
-    def _prefill_context(self, prefilling: int) -> Optional[float]:
-        """Tokens in the caches of the rows still prefilling (restored and prefilled), their
-        mean: what the next chunk attends to besides itself (None when none prefills)."""
-        if not prefilling:
-            return None
-        return sum(a.cached + a.processed for a in self.active.values() if not a.decoding) / prefilling
-
     def num_prefilling(self) -> int:
         """Rows still prefilling their prompt."""
         return sum(1 for a in self.active.values() if not a.decoding)
@@ -220,9 +213,11 @@ class Batch(RowInsertion):
             share: this engine's share of the loop's prefill budget this turn (other
                 models prefill in the same turn).
         """
-        classes = tuple(sorted({a.rank for a in self.active.values() if not a.decoding}))
-        prefilling = self.num_prefilling()
-        context = self._prefill_context(prefilling)
+        prefill_rows = [a for a in self.active.values() if not a.decoding]
+        classes = tuple(sorted({a.rank for a in prefill_rows}))
+        prefilling = len(prefill_rows)
+        # what the next chunk attends to besides itself: the tokens in those rows' caches, their mean
+        context = sum(a.cached + a.processed for a in prefill_rows) / prefilling if prefilling else None
         decoding = len(self.active) - prefilling
         hold = not decode_only and holds_decode(self.active.values(), self._held)
         if hold:

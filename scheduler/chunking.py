@@ -235,11 +235,10 @@ class ChunkPlanner:
         points = self._points.get(classes)
         if not points or self.cost is None:
             return None
-        cs, ms = [c for c, _ in points], [m for _, m in points]
-        mean_c, mean_m = sum(cs) / len(cs), sum(ms) / len(ms)
-        spread = sum((c - mean_c) ** 2 for c in cs)
-        if len(points) >= 2 and max(cs) - min(cs) >= SPREAD:
-            b = max(0.0, sum((c - mean_c) * (m - mean_m) for c, m in points) / spread)
+        cs = [c for c, _ in points]
+        if max(cs) - min(cs) >= SPREAD:
+            mean_c, mean_m = sum(cs) / len(cs), sum(m for _, m in points) / len(points)
+            b = max(0.0, sum((c - mean_c) * (m - mean_m) for c, m in points) / sum((c - mean_c) ** 2 for c in cs))
             return max(0.0, mean_m - b * mean_c), b
         c, m = points[-1]
         b = max(0.0, (m - self.cost.per_token) / c) if c > 0 else 0.0

@@ -114,14 +114,11 @@ class Speculator:
     def forget(self, uids: list[int]) -> None:
         """The batch's rows are now ``uids``: the others left (their draft rows, if any, are
         stored as they leave)."""
-        if len(self._acceptance) > len(uids):
-            live = set(uids)
-            for uid in [u for u in self._acceptance if u not in live]:
-                del self._acceptance[uid]
-        if len(self._unverified) > len(uids):
-            live = set(uids)
-            for uid in [u for u in self._unverified if u not in live]:
-                del self._unverified[uid]
+        for by_row in (self._acceptance, self._unverified):
+            if len(by_row) > len(uids):
+                live = set(uids)
+                for uid in [u for u in by_row if u not in live]:
+                    del by_row[uid]
         self.drafter.forget(uids)
 
     def _hold_unverified(self, batch, drafts: list[list[int]]) -> None:
