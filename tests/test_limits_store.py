@@ -313,10 +313,21 @@ def test_a_replicas_part_of_a_tenants_traffic():
     part = TrafficPart()
     assert part.share(peers=2) == 0.5
     level, now = 60.0, 0.0
-    for _ in range(10):  # each fall of the shared bucket is a request admitted here
+    part.saw(level, False, 60, 1.0, now)  # the anchor
+    level -= 1  # another replica took one: the first sample says nothing is here
+    part.saw(level, False, 60, 1.0, now)
+    for i in range(9):  # then each fall of the shared bucket is a request admitted here
         level -= 1
         part.saw(level, True, 60, 1.0, now)
-    assert part.part == 1.0 and part.share(peers=2) == 1.0
+        if i < 3:  # too few samples yet: an even share
+            assert part.share(peers=2) == 0.5
+    # the first ten samples are averaged (an average smoothed from the first sample alone
+    # would read 1 - 0.9 ** 9 = 0.61)
+    assert part.part == pytest.approx(0.9) and part.share(peers=2) == pytest.approx(0.9)
+    for _ in range(30):
+        level -= 1
+        part.saw(level, True, 60, 1.0, now)
+    assert part.part == pytest.approx(1.0, abs=0.01) and part.share(peers=2) == pytest.approx(1.0, abs=0.01)
     for _ in range(80):  # now another replica takes one for each one here, as the bucket refills
         now += 1.0
         level -= 1  # 2 taken, 1 refilled
