@@ -289,7 +289,8 @@ def plan_chat_checkpoints(
 
 # ---------------------------------------------------------------------- at admission
 def row_snapshots(n: int, cached: int, checkpoints: Iterable[int], extra: Iterable[int] = (),
-                  trimmable: bool = False, precompute: bool = False) -> tuple[list[int], list[int]]:
+                  trimmable: bool = False, precompute: bool = False,
+                  whole: bool = False) -> tuple[list[int], list[int]]:
     """Where a request starting its prefill cuts its prompt, and where it snapshots.
 
     Args:
@@ -300,6 +301,8 @@ def row_snapshots(n: int, cached: int, checkpoints: Iterable[int], extra: Iterab
         trimmable: the model's cache can be trimmed: the prompt + completion snapshot
             stored at the end serves ``len - 1`` and ``len``.
         precompute: a next-turn precompute, which exists for one snapshot: at ``n``.
+        whole: the logits after the prompt are kept (:mod:`scheduler.first_tokens`): an
+            untrimmable cache snapshots at ``n`` too, for an exact repeat to restore.
 
     Returns:
         ``(marks, snapshots)``: the offsets (tokens) where prefill segments end (a step
@@ -313,7 +316,7 @@ def row_snapshots(n: int, cached: int, checkpoints: Iterable[int], extra: Iterab
     if not trimmable:
         if n - 1 > cached:
             snapshots.add(n - 1)
-        if n in set(checkpoints) and n > cached:
+        if (whole or n in set(checkpoints)) and n > cached:
             snapshots.add(n)
     return marks, sorted(snapshots)
 

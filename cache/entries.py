@@ -103,7 +103,8 @@ class CacheHit:
     Attributes:
         cache: a private copy of the layer caches restored to exactly
             ``cached_tokens`` tokens, or None when nothing usable was found.
-        cached_tokens: tokens covered by ``cache`` (0 on a miss; ``<= len(tokens)-1``).
+        cached_tokens: tokens covered by ``cache`` (0 on a miss; ``<= len(tokens)-1``,
+            or ``len(tokens)`` for a ``whole`` fetch).
         lease: the lease to release when the request no longer needs the snapshot
             kept (None on a miss).
         timings: seconds per phase: ``lookup``, ``copy``, ``restore``.

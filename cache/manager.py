@@ -146,10 +146,17 @@ class PromptCacheManager(LRUEviction):
         return 0 if g is None else g.tokens
 
     # -- lookup ---------------------------------------------------------------
-    def _select(self, namespace: str, tokens: Sequence[int]) -> tuple[Entry, int] | None:
-        """The entry and restore length giving the most tokens (<= len-1), or None. Lock held."""
+    def _select(self, namespace: str, tokens: Sequence[int], whole: bool = False) -> tuple[Entry, int] | None:
+        """The entry and restore length giving the most tokens (<= len-1; with ``whole``,
+        all of ``tokens`` where an entry restores them, else as without), or None. Lock held."""
         group = self._groups.get(namespace)
-        return None if group is None else group.tree.best_restore(tokens, _BELOW_SEARCH_LIMIT)
+        if group is None:
+            return None
+        if whole:
+            sel = group.tree.best_restore(tokens, _BELOW_SEARCH_LIMIT, whole=True)
+            if sel is not None and sel[1] == len(tokens):
+                return sel
+        return group.tree.best_restore(tokens, _BELOW_SEARCH_LIMIT)
 
     def match_length(self, namespace: str, tokens: Sequence[int]) -> int:
         """Tokens :meth:`fetch` would restore now, without leasing, copying or refreshing recency."""
@@ -157,7 +164,7 @@ class PromptCacheManager(LRUEviction):
             sel = self._select(namespace, tokens)
         return 0 if sel is None else sel[1]
 
-    def fetch(self, namespace: str, tokens: Sequence[int], count: bool = True) -> CacheHit:
+    def fetch(self, namespace: str, tokens: Sequence[int], count: bool = True, whole: bool = False) -> CacheHit:
         """Find, lease, assemble and restore the best snapshot for ``tokens``.
 
         Args:
@@ -165,6 +172,9 @@ class PromptCacheManager(LRUEviction):
             tokens: the full prompt (token ids).
             count: count the lookup in the hit-rate metrics (False for the server's
                 own background work, e.g. next-turn precompute).
+            whole: the caller knows the logits after ``tokens`` (an exact repeat,
+                :mod:`scheduler.first_tokens`): restore all of them where an entry can,
+                else as without.
 
         With a disk tier, an entry on disk that restores more than memory would is read
         into memory first (``hit.source == "disk"``); that runs on the calling thread.
@@ -176,7 +186,7 @@ class PromptCacheManager(LRUEviction):
         t0 = time.perf_counter()
         from_disk = self._spills(namespace) and self._load_from_disk(namespace, tokens)
         with self._lock:
-            sel = self._select(namespace, tokens)
+            sel = self._select(namespace, tokens, whole)
             lease = None
             if sel is not None:
                 entry, _ = sel

@@ -123,16 +123,18 @@ class RadixTree:
             return node
         return None
 
-    def best_restore(self, tokens: Sequence[int], search_limit: int = 64) -> tuple[Any, int] | None:
+    def best_restore(self, tokens: Sequence[int], search_limit: int = 64,
+                     whole: bool = False) -> tuple[Any, int] | None:
         """The value whose restore gives the most of ``tokens``, capped at ``len(tokens) - 1``
-        (so at least one token is computed and logits exist), and that many tokens; or None.
+        (so at least one token is computed and logits exist; with ``whole``, at
+        ``len(tokens)``: the caller has the logits), and that many tokens; or None.
 
         Values must have ``can_restore(wanted_tokens) -> bool``. Candidates: values at or
         below the point where ``tokens`` leaves the tree (they share ``matched`` tokens;
         BFS, at most ``search_limit`` nodes), and values on the path, deepest first.
         O(matched tokens + search_limit).
         """
-        limit = len(tokens) - 1
+        limit = len(tokens) - (0 if whole else 1)
         if limit < 1:
             return None
         m = self.match(tokens)
