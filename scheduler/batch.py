@@ -15,9 +15,7 @@ The engine (:mod:`scheduler.engine`) decides what enters the batch and when;
 from __future__ import annotations
 
 import logging
-import os
 import time
-import traceback
 from typing import Callable, Optional
 
 import mlx.core as mx
@@ -25,8 +23,10 @@ import mlx.core as mx
 from cache import PromptCacheManager
 from scheduler.chunking import ChunkPlanner
 from scheduler.fairness import FairShare
+from scheduler.first_tokens import FirstTokenStore, eligible
 from scheduler.generator import JoiningBatchGenerator
 from scheduler.insertion import RowInsertion
+from scheduler.row_failures import RowFailures
 from scheduler.metrics import SchedulerMetrics
 from scheduler.precompute import PrecomputeBook
 from scheduler.request import DoneEvent, EngineRequest, ErrorEvent, Event, ProgressEvent, TokenEvent
@@ -37,7 +37,7 @@ from scheduler.speculative import DraftSnapshots, SpeculationConfig, speculator
 log = logging.getLogger("mlx_gateway.engine")
 
 
-class Batch(RowInsertion):
+class Batch(RowInsertion, RowFailures):
     """The ``BatchGenerator`` and its rows, by uid (:attr:`active`) and by request id
     (:attr:`by_id`); used on the engine thread only.
 
@@ -59,6 +59,8 @@ class Batch(RowInsertion):
         fair: charged one token per generated token of a row's tenant.
         send: delivers events to a request's sink.
         speculation: speculative decoding of the decode batch (:mod:`scheduler.speculative`).
+        first_tokens: where the first tokens of exact repeats come from, without a
+            forward (:mod:`scheduler.first_tokens`); None: not kept.
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class Batch(RowInsertion):
         fair: FairShare,
         send: Callable[[EngineRequest, list[Event]], None],
         speculation: SpeculationConfig = SpeculationConfig(),
+        first_tokens: Optional[FirstTokenStore] = None,
     ):
         self.model = model
         self.eos_token_ids = eos_token_ids
@@ -93,6 +96,7 @@ class Batch(RowInsertion):
         self.fair = fair
         self._send = send
         self.speculation = speculation
+        self.first_tokens = first_tokens
         self.gen: Optional[JoiningBatchGenerator] = None
         self.active: dict[int, Row] = {}
         self.by_id: dict[str, Row] = {}
@@ -167,6 +171,10 @@ class Batch(RowInsertion):
         a = self.by_id.get(request_id)
         if a is None:
             return False
+        if a.joining is not None:  # started from a kept first token, not in the generator yet
+            a.joining = None
+            self._finish(a, DoneEvent(reason))
+            return True
         # A complete answer is cached like any other; so is a cancelled one's prompt on a
         # trimmable cache, which keeps no len-1 snapshot (a client's regenerate is often a
         # cancel and the same prompt again).
@@ -213,6 +221,7 @@ class Batch(RowInsertion):
             share: this engine's share of the loop's prefill budget this turn (other
                 models prefill in the same turn).
         """
+        self.join_ready()
         prefill_rows = [a for a in self.active.values() if not a.decoding]
         classes = tuple(sorted({a.rank for a in prefill_rows}))
         prefilling = len(prefill_rows)
@@ -263,6 +272,8 @@ class Batch(RowInsertion):
             a = self.active.get(gr.uid)
             if a is None:
                 continue
+            if not a.generated and self.first_tokens is not None and eligible(a.request):
+                self.first_tokens.put(a.request, gr.logprobs)  # the logits after its prompt
             try:
                 events.setdefault(gr.uid, []).append(self._token_event(a, gr))
             except Exception as e:
@@ -278,28 +289,6 @@ class Batch(RowInsertion):
             a = self.active.get(uid)
             if a is not None:
                 self._send(a.request, evs)
-
-    def _fail_row(self, a: Row, message: str) -> None:
-        """Take ``a`` out of the batch and end it with a 500 ``message``; the other rows go on."""
-        self.gen.remove([a.uid])
-        self._count_failure(a)
-        self._finish(a, ErrorEvent(500, message))
-
-    def _count_failure(self, a: Row) -> None:
-        if a.precompute is not None:
-            self.precomputes.outcome("failed")
-        else:
-            self.stats.failed += 1
-
-    def _fail_faulty_rows(self) -> None:
-        """Fail, alone, each row whose sampler, processors or grammar raised this step;
-        its pending token (sampled by the broken callable) is never sent."""
-        for a in list(self.active.values()):
-            reason = a.error()
-            if reason is None:
-                continue
-            log.error("request %s failed: %s", a.request.id, reason)
-            self._fail_row(a, reason)
 
     def update_rates(self, idle: bool) -> None:
         """Publish prefill/decode tokens per second once a second of work has passed;
@@ -396,16 +385,3 @@ class Batch(RowInsertion):
                 a.stored = max(a.stored, min(len(tokens), len(a.request.tokens)))
         except Exception:
             log.exception("saving a snapshot for request %s failed", a.request.id)
-
-    def _fail_batch(self, error: Exception) -> None:
-        """A batch step raised: fail the requests in it, start a fresh batch, keep serving."""
-        log.error("engine step failed; failing %d requests:\n%s", len(self.active), traceback.format_exc())
-        self.metrics.engine_errors.inc()
-        for a in list(self.active.values()):
-            self._count_failure(a)
-            self._finish(a, ErrorEvent(500, f"engine step failed: {error}"))
-        self.close()
-        self.open()
-        # MLX's global PRNG key may now be an array of the failed graph, which would fail
-        # every later unseeded sample: start a fresh key.
-        mx.random.seed(int.from_bytes(os.urandom(4), "little"))

@@ -20,6 +20,7 @@ from scheduler.arrivals import Arrivals
 from scheduler.batch import Batch
 from scheduler.classes import LatencyClasses
 from scheduler.chunking import ChunkPlanner
+from scheduler.first_tokens import FirstTokenStore
 from scheduler.forward_cost import ForwardCost
 from scheduler.loop import EngineLoop
 from scheduler.metrics import SchedulerMetrics
@@ -72,7 +73,7 @@ class EngineCore(LatencyClasses):
             decode_concurrency=self.decode_concurrency, prefill_step_size=prefill_step_size,
             trimmable=self.trimmable, prompt_cache=prompt_cache, chunks=self.chunks, metrics=self.metrics,
             stats=self.stats, precomputes=self.precomputes, fair=loop.fair, send=self._send,
-            speculation=speculation,
+            speculation=speculation, first_tokens=FirstTokenStore(),
         )
         self._closed = False  # set on the loop thread when the engine leaves it
         self._idle = threading.Condition()

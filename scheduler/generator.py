@@ -134,25 +134,28 @@ class JoiningGenerationBatch(GenerationBatch):
         self.filter([j for j in range(len(self.uids)) if j != i])
         return state
 
-    def put(self, uid: int, state: DecodingState) -> None:
-        """Put a row taken by :meth:`take` back under ``uid``: its next step feeds its
-        pending token, as the step it missed would have."""
-        self.uids.append(uid)
-        self.prompt_cache = extend_with_rows(self.prompt_cache, [state.cache])
-        self.tokens.append(state.tokens)
-        self.samplers.append(state.sampler)
-        self.logits_processors.append(state.processors)
-        self.stop_sequences.append(state.stop)
-        self.max_tokens.append(state.max_tokens)
+    def put(self, uids: list[int], states: list[DecodingState]) -> None:
+        """Put rows taken by :meth:`take` (or made as such, :mod:`scheduler.first_tokens`)
+        back under ``uids``, their caches merged in one copy: each one's next step feeds
+        its pending token, as the step it missed would have."""
+        self.uids.extend(uids)
+        self.prompt_cache = extend_with_rows(self.prompt_cache, [s.cache for s in states])
         pending = self._next_tokens
-        self._next_tokens = (state.pending if pending is None or pending.size == 0
-                             else mx.concatenate([pending, state.pending.astype(pending.dtype)]))
-        self._next_logprobs.append(state.logprobs)
-        self._token_context.append(state.context)
-        self._num_tokens.append(state.num_tokens)
-        self._matchers.append(state.matcher)
-        self._fresh.append(state.fresh)
-        self._ahead.append(state.reported)
+        for state in states:
+            self.tokens.append(state.tokens)
+            self.samplers.append(state.sampler)
+            self.logits_processors.append(state.processors)
+            self.stop_sequences.append(state.stop)
+            self.max_tokens.append(state.max_tokens)
+            pending = (state.pending if pending is None or pending.size == 0
+                       else mx.concatenate([pending, state.pending.astype(pending.dtype)]))
+            self._next_logprobs.append(state.logprobs)
+            self._token_context.append(state.context)
+            self._num_tokens.append(state.num_tokens)
+            self._matchers.append(state.matcher)
+            self._fresh.append(state.fresh)
+            self._ahead.append(state.reported)
+        self._next_tokens = pending
 
     def filter(self, keep):
         super().filter(keep)
@@ -268,10 +271,15 @@ class JoiningBatchGenerator(BatchGenerator):
 
     def put_decoding(self, state: DecodingState) -> int:
         """Put a row taken by :meth:`take_decoding` back into the decode batch; its new uid."""
-        uid = self._uid_count
-        self._uid_count += 1
-        self._generation_batch.put(uid, state)
-        return uid
+        return self.put_decoding_all([state])[0]
+
+    def put_decoding_all(self, states: list[DecodingState]) -> list[int]:
+        """Put rows taken by :meth:`take_decoding` (or made as such) into the decode batch,
+        their caches merged in one copy; their new uids."""
+        uids = list(range(self._uid_count, self._uid_count + len(states)))
+        self._uid_count += len(states)
+        self._generation_batch.put(uids, states)
+        return uids
 
     def _next(self):
         prompt_responses: list = []

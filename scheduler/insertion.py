@@ -7,37 +7,52 @@ extracted at exactly its own boundary. A prefilling row can be taken out of the
 generator between two steps with its cache kept (:meth:`RowInsertion.pause`, for a
 request of a better latency class) and put back later to go on from there
 (:meth:`RowInsertion.resume`); so can a decoding row, when a better class needs its
-place in a full decode batch.
+place in a full decode batch. An exact repeat of a prompt whose first token's
+log-probabilities are kept (:mod:`scheduler.first_tokens`) starts decoding at once, its
+whole prompt restored (:meth:`RowInsertion.join_ready`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.generate import StopSequences
+from mlx_lm.models.cache import TokenBuffer
 
 from cache.checkpoints import row_snapshots
 from cache.entries import compact
 from scheduler.faults import RowFault
-from scheduler.request import EngineRequest, ErrorEvent
+from scheduler.first_tokens import eligible
+from scheduler.generator import DecodingState
+from scheduler.request import DoneEvent, EngineRequest, ErrorEvent
 from scheduler.rows import Row
 from scheduler.sampling import make_processors, make_sampler
 
 log = logging.getLogger("mlx_gateway.engine")
 
 
+class _First(NamedTuple):
+    """A first token sampled at admission, as a step's response gives it."""
+
+    token: int
+    logprobs: Any
+
+
 class RowInsertion:
     """How rows enter the generator: the base class of :class:`scheduler.batch.Batch`.
 
     Uses the batch's ``gen`` (a :class:`scheduler.generator.JoiningBatchGenerator`),
-    ``prompt_cache``, ``trimmable``, ``eos_token_ids``, ``active`` (rows by uid) and
-    ``by_id`` (rows by request id), and its ``_send`` and ``_count_failure``. Not usable
-    on its own.
+    ``prompt_cache``, ``trimmable``, ``eos_token_ids``, ``first_tokens`` (a
+    :class:`scheduler.first_tokens.FirstTokenStore`, or None), ``active`` (rows by uid)
+    and ``by_id`` (rows by request id), ``stats``, and its ``_send``, ``_finish``,
+    ``_token_event`` and ``_count_failure``. Not usable on its own.
     """
+
+    _joining_uid = 0  # rows started from a kept first token count down from -1 until they join
 
     def start_row(self, r: EngineRequest, extra_checkpoints=(), background: bool = False) -> Optional[Row]:
         """Fetch ``r``'s cached prefix and put its prompt into the batch, cut into segments
@@ -46,12 +61,16 @@ class RowInsertion:
         of the hit-rate metrics and it snapshots only at its end."""
         lease = None
         r.timings["engine_admitted"] = time.monotonic()
+        keeps = not background and self.first_tokens is not None and eligible(r)  # its first token's logits
+        known = self.first_tokens.get(r) if keeps else None
         try:
-            hit = self.prompt_cache.fetch(r.namespace, r.tokens, count=not background)
+            hit = self.prompt_cache.fetch(r.namespace, r.tokens, count=not background, whole=known is not None)
             r.timings["engine_restored"] = time.monotonic()
             lease, cached = hit.lease, hit.cached_tokens
+            if known is not None and cached == len(r.tokens):
+                return self._start_from_first_token(r, hit, known)
             marks, snapshots = row_snapshots(len(r.tokens), cached, r.checkpoints, extra_checkpoints,
-                                             self.trimmable, precompute=background)
+                                             self.trimmable, precompute=background, whole=keeps)
             fault = RowFault()
             uid = self._insert(r, cached, marks, hit.cache, list(r.tokens[:cached]), fault)
         except Exception as e:
@@ -63,6 +82,71 @@ class RowInsertion:
         self.active[uid] = active
         self.by_id[r.id] = active
         return active
+
+    def _start_from_first_token(self, r: EngineRequest, hit, logprobs) -> Row:
+        """``r`` repeats a prompt whose first token's log-probabilities ``[V]`` are kept
+        (:mod:`scheduler.first_tokens`) and ``hit`` restored all of it: sample its first
+        token now, and make it a decoding row whose pending input is that token; it joins
+        the decode batch, and its token is sent, at the next step's start
+        (:meth:`join_ready`)."""
+        self.prompt_cache.release(hit.lease)  # its cache is a private copy
+        fault = RowFault()
+        sampler = fault.sampler(make_sampler(r.params))
+        lp = mx.array(logprobs)
+        pending = sampler(lp[None])
+        mx.eval(pending)
+        stop = StopSequences([] if r.params.ignore_eos else [[t] for t in sorted(self.eos_token_ids)])
+        state = DecodingState(cache=hit.cache, tokens=list(r.tokens), pending=pending, logprobs=lp, reported=True,
+                              fresh=False, sampler=sampler, processors=[], stop=stop, matcher=stop.matcher(),
+                              context=TokenBuffer(list(r.tokens)), max_tokens=r.params.max_tokens, num_tokens=1)
+        self._joining_uid -= 1  # a uid of its own until it joins
+        a = Row(r, self._joining_uid, None, len(r.tokens), [], fault=fault, cache_source=hit.source,
+                decoding=True, joining=state)
+        self.first_tokens.hits += 1
+        self.active[a.uid] = a
+        self.by_id[r.id] = a
+        return a
+
+    def join_ready(self) -> None:
+        """Send the first token of each row started by :meth:`_start_from_first_token` and
+        put those that go on into the decode batch, in one merge (at a step's start, so
+        after the engine sent their prompt events)."""
+        ready = [a for a in self.active.values() if a.joining is not None]
+        if not ready:
+            return
+        now = time.monotonic()
+        going = []
+        for a in ready:
+            state, a.joining = a.joining, None
+            reason = a.error()
+            if reason is not None:
+                log.error("request %s failed: %s", a.request.id, reason)
+                self._count_failure(a)
+                self._finish(a, ErrorEvent(500, reason))
+                continue
+            a.request.timings["engine_prefilled"] = now
+            token = int(state.pending.item())
+            event = self._token_event(a, _First(token, state.logprobs))
+            if state.matcher.advance(token):  # its first token ends it
+                self.stats.finished += 1
+                self._finish(a, DoneEvent("stop"), [event])
+                continue
+            self._send(a.request, [event])
+            going.append((a, state))
+        if not going:
+            return
+        try:
+            uids = self.gen.put_decoding_all([state for _, state in going])
+        except Exception as e:
+            log.exception("joining %d repeated prompts to the decode batch failed", len(going))
+            for a, _ in going:
+                self._count_failure(a)
+                self._finish(a, ErrorEvent(500, f"could not start the request: {e}"))
+            return
+        for (a, _), uid in zip(going, uids):
+            del self.active[a.uid]
+            a.uid = uid
+            self.active[uid] = a
 
     def _insert(self, r: EngineRequest, start: int, marks: list[int], cache, tokens: list[int],
                 fault: RowFault) -> int:

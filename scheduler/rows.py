@@ -127,6 +127,9 @@ class Row:
     paused: Any = None
     progress_base: int = 0
     progress_sent: tuple = (0.0, 0)  # (monotonic seconds, tokens) of the last progress event
+    # Started from a kept first token (scheduler.first_tokens): its
+    # scheduler.generator.DecodingState until it joins the decode batch at the next step.
+    joining: Any = None
 
     def progress_due(self, total: int, now: float) -> bool:
         """A prefill progress event is due (and counted as sent): :data:`PROGRESS_SECONDS`

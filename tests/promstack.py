@@ -465,10 +465,10 @@ async def _chat(c: httpx.AsyncClient, system: str, user: str, key: Optional[str]
     return (await c.post("/v1/chat/completions", json=body, headers=headers)).status_code
 
 
-async def _workload(url: str, keys: list[Optional[str]], rounds: int, system_words: int) -> list[int]:
+async def _workload(url: str, keys: list[Optional[str]], rounds: range, system_words: int) -> list[int]:
     statuses: list[int] = []
     async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-        for r in range(rounds):
+        for r in rounds:
             for i, key in enumerate(keys):
                 system = f"You are assistant {i}. " + words(system_words, i)
                 # Cold or warm by round; then a concurrent burst that shares the system prompt.
@@ -491,10 +491,12 @@ async def _workload(url: str, keys: list[Optional[str]], rounds: int, system_wor
 
 
 def workload(url: str, keys: Optional[list[Optional[str]]] = None, rounds: int = 1,
-             system_words: int = 200) -> list[int]:
+             system_words: int = 200, first_round: int = 0) -> list[int]:
     """Send chat requests to the gateway at ``url``: per API key in ``keys`` (None: no
     key, the default tenant), one request then three concurrent ones (two streaming)
     sharing a ``system_words``-word system prompt, ``rounds`` times; plus, each round, three
     requests of the first key: one for an unknown model (404), one in the batch latency class,
-    one from :data:`FOREIGN_ORIGIN` (403 with :data:`TEST_TENANTS`). Returns the HTTP statuses."""
-    return asyncio.run(_workload(url, keys or [None], rounds, system_words))
+    one from :data:`FOREIGN_ORIGIN` (403 with :data:`TEST_TENANTS`). Round ``r``'s
+    concurrent questions and batch-class request are its own; its first request repeats
+    every round's (``first_round``: the first round's number). Returns the HTTP statuses."""
+    return asyncio.run(_workload(url, keys or [None], range(first_round, first_round + rounds), system_words))

@@ -48,8 +48,8 @@ class FollowerCache(PromptCacheManager):
         self.stream = stream
         self._leases: dict = {}
 
-    def fetch(self, namespace, tokens, count: bool = True):
-        hit = super().fetch(namespace, tokens, count)
+    def fetch(self, namespace, tokens, count: bool = True, whole: bool = False):
+        hit = super().fetch(namespace, tokens, count, whole)
         if hit.lease is not None:
             self._leases[hit.lease.id] = hit.lease
         return hit

@@ -103,6 +103,7 @@ class LeaderBatch(Batch):
     def _lead(self, cluster: Cluster, recorder: Recorder) -> None:
         self.cluster = cluster
         self.recorder = recorder
+        self.first_tokens = None  # the followers' rows start as theirs do, from a forward
 
     def _new_generator(self):
         return LeaderGenerator(self.model, self.recorder, self, max_tokens=1 << 30, sampler=greedy,

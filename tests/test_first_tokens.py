@@ -1,0 +1,97 @@
+"""Exact repeats take their first token from the logits kept after their prompt
+(``scheduler/first_tokens.py``): the same tokens as their first answer, per
+architecture, alone and as a burst joining the decode batch together; requests whose
+first token depends on more than the logits take the forward as before."""
+
+from __future__ import annotations
+
+import mlx_lm
+import numpy as np
+import pytest
+
+from cache import PromptCacheManager
+from conftest import engine_tokens, model_path
+from scheduler import Engine, EngineRequest, SamplingParams
+from scheduler.first_tokens import FirstTokenStore
+from scheduler.speculative import SpeculationConfig
+
+TEXTS = ["the model cache token prompt server batch request tenant prefix memory apple code agent " * 3,
+         "browser extension stream answer question system user assistant reason think water light " * 5,
+         "a short one about water and light"]
+
+
+def _engine(arch: str, speculation: SpeculationConfig = SpeculationConfig()):
+    model, tok = mlx_lm.load(str(model_path(arch)))
+    prompts = [tok.encode(t) for t in TEXTS]
+    engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
+                    decode_concurrency=8, gather_wait=30.0, speculation=speculation)
+    engine.start()
+    return engine, prompts
+
+
+@pytest.mark.parametrize("arch,speculation", [("qwen3", "off"), ("qwen3", "ngram"), ("gemma3_text", "off"),
+                                               ("qwen3_5", "off"), ("nemotron_h", "off")])
+def test_exact_repeats_give_the_tokens_of_their_first_answer(arch, speculation):
+    engine, prompts = _engine(arch, SpeculationConfig("ngram", 4) if speculation == "ngram" else SpeculationConfig())
+    store = engine._batch.first_tokens
+    n = 24 if speculation == "ngram" else 8  # long enough for the tiny model's answers to loop and be drafted
+    try:
+        cold = [engine_tokens(engine, [p], [n])[0] for p in prompts]  # one at a time, nothing cached
+        assert len(store) == len(prompts) and store.hits == 0
+        alone = [engine_tokens(engine, [p], [n])[0] for p in prompts]
+        burst = engine_tokens(engine, prompts, [n] * len(prompts))  # all three join in one merge
+        assert alone == cold and burst == cold
+        if speculation == "ngram":
+            assert engine.stats.speculation.verify_steps > 0, engine.stats.speculation
+        # every repeat restored its whole prompt: a trimmable cache from the prompt + answer
+        # entry, a hybrid or sliding-window one from the snapshot its first run took at the
+        # prompt's end (cache.checkpoints.row_snapshots, ``whole``)
+        assert store.hits == 2 * len(prompts)
+        assert engine.wait_idle(60) and engine.prompt_cache.num_leases == 0
+    finally:
+        engine.stop()
+
+
+def test_a_seeded_sampled_repeat_draws_what_its_first_run_drew():
+    engine, prompts = _engine("qwen3")
+    store = engine._batch.first_tokens
+    try:
+        params = SamplingParams(max_tokens=8, temperature=1.0, seed=7)
+        first = engine_tokens(engine, [prompts[1]], [params])[0]
+        again = engine_tokens(engine, [prompts[1]], [params])[0]
+        assert store.hits == 1 and again == first
+    finally:
+        engine.stop()
+
+
+def test_requests_whose_first_token_needs_more_than_the_logits_take_the_forward():
+    engine, prompts = _engine("qwen3")
+    store = engine._batch.first_tokens
+    try:
+        plain = engine_tokens(engine, [prompts[0]], [8])[0]
+        biased = SamplingParams(max_tokens=8, logit_bias=((plain[0], -100.0),))
+        got = engine_tokens(engine, [prompts[0]], [biased])[0]
+        assert store.hits == 0 and got[0] != plain[0]  # its bias applied to a forward's logits
+        one = engine_tokens(engine, [prompts[0]], [1])[0]  # one token: ends in the step that feeds it
+        assert store.hits == 0 and one == plain[:1]
+        assert engine.wait_idle(60) and engine.prompt_cache.num_leases == 0
+    finally:
+        engine.stop()
+
+
+def test_the_store_keeps_the_most_recent_prompts_within_its_bytes():
+    def request(n: int, namespace: str = "default") -> EngineRequest:
+        return EngineRequest(f"r{n}", list(range(n, n + 10)), SamplingParams(), lambda e: None, namespace=namespace)
+
+    lp = np.linspace(-5, 0, 100, dtype=np.float32)
+    per = lp.nbytes + 8 * 10
+    store = FirstTokenStore(max_bytes=3 * per)
+    for n in range(3):
+        store.put(request(n), lp)
+    assert store.get(request(0)) is not None  # now the most recent
+    store.put(request(3), lp)
+    assert store.get(request(1)) is None and store.get(request(0)) is not None and len(store) == 3
+    assert store.nbytes == 3 * per
+    assert store.get(request(0, "other")) is None  # namespaces never share
+    store.put(request(9), np.zeros(1, dtype=np.float32))  # not a distribution: ignored
+    assert store.get(request(9)) is None
