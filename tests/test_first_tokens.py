@@ -5,6 +5,8 @@ first token depends on more than the logits take the forward as before."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import mlx_lm
 import numpy as np
 import pytest
@@ -20,22 +22,26 @@ TEXTS = ["the model cache token prompt server batch request tenant prefix memory
          "a short one about water and light"]
 
 
+@contextmanager
 def _engine(arch: str, speculation: SpeculationConfig = SpeculationConfig()):
+    """A running engine on the tiny ``arch`` model, :data:`TEXTS` as token ids, and its
+    first-token store; the engine stops on exit."""
     model, tok = mlx_lm.load(str(model_path(arch)))
-    prompts = [tok.encode(t) for t in TEXTS]
     engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
                     decode_concurrency=8, gather_wait=30.0, speculation=speculation)
     engine.start()
-    return engine, prompts
+    try:
+        yield engine, [tok.encode(t) for t in TEXTS], engine._batch.first_tokens
+    finally:
+        engine.stop()
 
 
 @pytest.mark.parametrize("arch,speculation", [("qwen3", "off"), ("qwen3", "ngram"), ("gemma3_text", "off"),
                                                ("qwen3_5", "off"), ("nemotron_h", "off")])
 def test_exact_repeats_give_the_tokens_of_their_first_answer(arch, speculation):
-    engine, prompts = _engine(arch, SpeculationConfig("ngram", 4) if speculation == "ngram" else SpeculationConfig())
-    store = engine._batch.first_tokens
     n = 24 if speculation == "ngram" else 8  # long enough for the tiny model's answers to loop and be drafted
-    try:
+    with _engine(arch, SpeculationConfig("ngram", 4) if speculation == "ngram" else SpeculationConfig()) as (
+            engine, prompts, store):
         cold = [engine_tokens(engine, [p], [n])[0] for p in prompts]  # one at a time, nothing cached
         assert len(store) == len(prompts) and store.hits == 0
         alone = [engine_tokens(engine, [p], [n])[0] for p in prompts]
@@ -48,26 +54,18 @@ def test_exact_repeats_give_the_tokens_of_their_first_answer(arch, speculation):
         # prompt's end (cache.checkpoints.row_snapshots, ``whole``)
         assert store.hits == 2 * len(prompts)
         assert engine.wait_idle(60) and engine.prompt_cache.num_leases == 0
-    finally:
-        engine.stop()
 
 
 def test_a_seeded_sampled_repeat_draws_what_its_first_run_drew():
-    engine, prompts = _engine("qwen3")
-    store = engine._batch.first_tokens
-    try:
+    with _engine("qwen3") as (engine, prompts, store):
         params = SamplingParams(max_tokens=8, temperature=1.0, seed=7)
         first = engine_tokens(engine, [prompts[1]], [params])[0]
         again = engine_tokens(engine, [prompts[1]], [params])[0]
         assert store.hits == 1 and again == first
-    finally:
-        engine.stop()
 
 
 def test_requests_whose_first_token_needs_more_than_the_logits_take_the_forward():
-    engine, prompts = _engine("qwen3")
-    store = engine._batch.first_tokens
-    try:
+    with _engine("qwen3") as (engine, prompts, store):
         plain = engine_tokens(engine, [prompts[0]], [8])[0]
         biased = SamplingParams(max_tokens=8, logit_bias=((plain[0], -100.0),))
         got = engine_tokens(engine, [prompts[0]], [biased])[0]
@@ -75,8 +73,6 @@ def test_requests_whose_first_token_needs_more_than_the_logits_take_the_forward(
         one = engine_tokens(engine, [prompts[0]], [1])[0]  # one token: ends in the step that feeds it
         assert store.hits == 0 and one == plain[:1]
         assert engine.wait_idle(60) and engine.prompt_cache.num_leases == 0
-    finally:
-        engine.stop()
 
 
 def test_the_store_keeps_the_most_recent_prompts_within_its_bytes():
