@@ -273,7 +273,10 @@ class Batch(RowInsertion, RowFailures):
             if a is None:
                 continue
             if not a.generated and self.first_tokens is not None and eligible(a.request):
-                self.first_tokens.put(a.request, gr.logprobs)  # the logits after its prompt
+                try:
+                    self.first_tokens.put(a.request, gr.logprobs)  # the logits after its prompt
+                except Exception:  # a repeat then takes the forward; the row goes on
+                    log.exception("keeping the first-token logits of request %s failed", a.request.id)
             try:
                 events.setdefault(gr.uid, []).append(self._token_event(a, gr))
             except Exception as e:

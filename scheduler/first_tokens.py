@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Optional
 
+import mlx.core as mx
 import numpy as np
 
 from scheduler.request import EngineRequest
@@ -78,11 +79,14 @@ class FirstTokenStore:
         return found
 
     def put(self, r: EngineRequest, logprobs) -> None:
-        """Keep ``logprobs`` (``[V]``, an MLX or NumPy array; copied) for ``r``'s prompt."""
+        """Keep ``logprobs`` (``[V]``, an MLX array of any float type or a NumPy one; kept
+        as a float32 copy) for ``r``'s prompt."""
         key = self._key(r)
         if key in self._kept:
             self._kept.move_to_end(key)
             return
+        if isinstance(logprobs, mx.array):  # bfloat16 has no NumPy type: widen it first (exact)
+            logprobs = logprobs.astype(mx.float32)
         kept = np.array(logprobs, dtype=np.float32, copy=True)
         size = self._size(key, kept)
         if kept.ndim != 1 or kept.size < 2 or size > self.max_bytes:

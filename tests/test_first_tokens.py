@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
@@ -23,10 +24,13 @@ TEXTS = ["the model cache token prompt server batch request tenant prefix memory
 
 
 @contextmanager
-def _engine(arch: str, speculation: SpeculationConfig = SpeculationConfig()):
-    """A running engine on the tiny ``arch`` model, :data:`TEXTS` as token ids, and its
-    first-token store; the engine stops on exit."""
+def _engine(arch: str, speculation: SpeculationConfig = SpeculationConfig(), dtype=None):
+    """A running engine on the tiny ``arch`` model (its weights cast to ``dtype`` if given),
+    :data:`TEXTS` as token ids, and its first-token store; the engine stops on exit."""
     model, tok = mlx_lm.load(str(model_path(arch)))
+    if dtype is not None:
+        model.set_dtype(dtype)
+        mx.eval(model.parameters())  # here: the engine thread cannot run this thread's ops
     engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
                     decode_concurrency=8, gather_wait=30.0, speculation=speculation)
     engine.start()
@@ -36,12 +40,13 @@ def _engine(arch: str, speculation: SpeculationConfig = SpeculationConfig()):
         engine.stop()
 
 
-@pytest.mark.parametrize("arch,speculation", [("qwen3", "off"), ("qwen3", "ngram"), ("gemma3_text", "off"),
-                                               ("qwen3_5", "off"), ("nemotron_h", "off")])
+@pytest.mark.parametrize("arch,speculation", [("qwen3", "off"), ("qwen3", "ngram"), ("qwen3", "bfloat16"),
+                                               ("gemma3_text", "off"), ("qwen3_5", "off"), ("nemotron_h", "off")])
 def test_exact_repeats_give_the_tokens_of_their_first_answer(arch, speculation):
+    """``bfloat16``: the weights (so the logits) in the type most released MLX models use."""
     n = 24 if speculation == "ngram" else 8  # long enough for the tiny model's answers to loop and be drafted
-    with _engine(arch, SpeculationConfig("ngram", 4) if speculation == "ngram" else SpeculationConfig()) as (
-            engine, prompts, store):
+    with _engine(arch, SpeculationConfig("ngram", 4) if speculation == "ngram" else SpeculationConfig(),
+                 mx.bfloat16 if speculation == "bfloat16" else None) as (engine, prompts, store):
         cold = [engine_tokens(engine, [p], [n])[0] for p in prompts]  # one at a time, nothing cached
         assert len(store) == len(prompts) and store.hits == 0
         alone = [engine_tokens(engine, [p], [n])[0] for p in prompts]
@@ -91,3 +96,5 @@ def test_the_store_keeps_the_most_recent_prompts_within_its_bytes():
     assert store.get(request(0, "other")) is None  # namespaces never share
     store.put(request(9), np.zeros(1, dtype=np.float32))  # not a distribution: ignored
     assert store.get(request(9)) is None
+    store.put(request(5), mx.array(lp).astype(mx.bfloat16))  # a bfloat16 model's: kept widened
+    assert np.array_equal(store.get(request(5)), np.array(mx.array(lp).astype(mx.bfloat16).astype(mx.float32)))
