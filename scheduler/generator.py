@@ -138,8 +138,9 @@ class JoiningGenerationBatch(GenerationBatch):
         """Put rows taken by :meth:`take` (or made as such, :mod:`scheduler.first_tokens`)
         back under ``uids``, their caches merged in one copy: each one's next step feeds
         its pending token, as the step it missed would have."""
-        self.uids.extend(uids)
+        # the merge first: if it raises, the batch's lists are as they were
         self.prompt_cache = extend_with_rows(self.prompt_cache, [s.cache for s in states])
+        self.uids.extend(uids)
         pending = self._next_tokens
         for state in states:
             self.tokens.append(state.tokens)

@@ -89,7 +89,6 @@ class RowInsertion:
         token now, and make it a decoding row whose pending input is that token; it joins
         the decode batch, and its token is sent, at the next step's start
         (:meth:`join_ready`)."""
-        self.prompt_cache.release(hit.lease)  # its cache is a private copy
         fault = RowFault()
         sampler = fault.sampler(make_sampler(r.params))
         lp = mx.array(logprobs)
@@ -100,7 +99,8 @@ class RowInsertion:
                               fresh=False, sampler=sampler, processors=[], stop=stop, matcher=stop.matcher(),
                               context=TokenBuffer(list(r.tokens)), max_tokens=r.params.max_tokens, num_tokens=1)
         self._joining_uid -= 1  # a uid of its own until it joins
-        a = Row(r, self._joining_uid, None, len(r.tokens), [], fault=fault, cache_source=hit.source,
+        # its lease pins the restored pages until it joins (released then, or by _finish)
+        a = Row(r, self._joining_uid, hit.lease, len(r.tokens), [], fault=fault, cache_source=hit.source,
                 decoding=True, joining=state)
         self.first_tokens.hits += 1
         self.active[a.uid] = a
@@ -125,8 +125,14 @@ class RowInsertion:
                 self._finish(a, ErrorEvent(500, reason))
                 continue
             a.request.timings["engine_prefilled"] = now
-            token = int(state.pending.item())
-            event = self._token_event(a, _First(token, state.logprobs))
+            try:
+                token = int(state.pending.item())
+                event = self._token_event(a, _First(token, state.logprobs))
+            except Exception as e:  # this row alone
+                log.exception("request %s failed at its first token", a.request.id)
+                self._count_failure(a)
+                self._finish(a, ErrorEvent(500, f"decoding failed: {e}"))
+                continue
             if state.matcher.advance(token):  # its first token ends it
                 self.stats.finished += 1
                 self._finish(a, DoneEvent("stop"), [event])
@@ -147,6 +153,8 @@ class RowInsertion:
             del self.active[a.uid]
             a.uid = uid
             self.active[uid] = a
+            self.prompt_cache.release(a.lease)
+            a.lease = None
 
     def _insert(self, r: EngineRequest, start: int, marks: list[int], cache, tokens: list[int],
                 fault: RowFault) -> int:

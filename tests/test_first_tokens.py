@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from cache import PromptCacheManager
-from conftest import engine_tokens, model_path
+from conftest import EventSink, engine_tokens, model_path, wait_until
 from scheduler import Engine, EngineRequest, SamplingParams
 from scheduler.first_tokens import FirstTokenStore
+from scheduler.request import ErrorEvent
 from scheduler.speculative import SpeculationConfig
 
 TEXTS = ["the model cache token prompt server batch request tenant prefix memory apple code agent " * 3,
@@ -98,3 +99,28 @@ def test_the_store_keeps_the_most_recent_prompts_within_its_bytes():
     assert store.get(request(9)) is None
     store.put(request(5), mx.array(lp).astype(mx.bfloat16))  # a bfloat16 model's: kept widened
     assert np.array_equal(store.get(request(5)), np.array(mx.array(lp).astype(mx.bfloat16).astype(mx.float32)))
+
+
+def test_a_repeat_whose_merge_fails_fails_alone(monkeypatch):
+    """The merge that joins a repeat to the decode batch raises: the repeat ends with a 500,
+    the row already decoding keeps its exact tokens, and no lease is left."""
+    import scheduler.generator as generator
+
+    with _engine("qwen3") as (engine, prompts, store):
+        engine_tokens(engine, [prompts[0]], [8])  # kept: its repeat joins without a forward
+        solo = engine_tokens(engine, [prompts[1]], [40])[0]
+        running = EventSink()  # a repeat too: it joins before the merge breaks
+        engine.submit(EngineRequest("running", prompts[1], SamplingParams(max_tokens=40), running))
+        wait_until(lambda: len(running.tokens) >= 4, 60, "the first row to decode")
+
+        def broken(batch, caches):
+            raise RuntimeError("no memory for the merge")
+
+        monkeypatch.setattr(generator, "extend_with_rows", broken)
+        repeat = EventSink()
+        engine.submit(EngineRequest("repeat", prompts[0], SamplingParams(max_tokens=8), repeat))
+        assert repeat.done.wait(60)
+        monkeypatch.undo()
+        assert store.hits == 2 and isinstance(repeat.events[-1], ErrorEvent) and repeat.events[-1].status == 500
+        assert running.done.wait(60) and running.tokens == solo
+        assert engine.wait_idle(60) and engine.prompt_cache.num_leases == 0
