@@ -30,9 +30,9 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from scheduler.generator import INT32_LIMIT  # a vision model's image positions are ids at or above it
 from scheduler.request import EngineRequest
 
-INT32_LIMIT = 1 << 31  # a vision model's image positions are ids at or above it
 MAX_BYTES = 32 << 20  # bytes of kept log-probabilities and keys (about 54 prompts of a 150k vocabulary)
 
 

@@ -94,7 +94,7 @@ class RowInsertion:
         lp = mx.array(logprobs)
         pending = sampler(lp[None])
         mx.eval(pending)
-        stop = StopSequences([] if r.params.ignore_eos else [[t] for t in sorted(self.eos_token_ids)])
+        stop = self._stops(r)
         state = DecodingState(cache=hit.cache, tokens=list(r.tokens), pending=pending, logprobs=lp, reported=True,
                               fresh=False, sampler=sampler, processors=[], stop=stop, matcher=stop.matcher(),
                               context=TokenBuffer(list(r.tokens)), max_tokens=r.params.max_tokens, num_tokens=1)
@@ -156,6 +156,10 @@ class RowInsertion:
             self.prompt_cache.release(a.lease)
             a.lease = None
 
+    def _stops(self, r: EngineRequest) -> StopSequences:
+        """``r``'s stop matcher: an EOS token ends it, unless it ignores EOS."""
+        return StopSequences([] if r.params.ignore_eos else [[t] for t in sorted(self.eos_token_ids)])
+
     def _insert(self, r: EngineRequest, start: int, marks: list[int], cache, tokens: list[int],
                 fault: RowFault) -> int:
         """Put ``r``'s prompt from ``start`` on (tokens) into the generator over ``cache``
@@ -169,7 +173,7 @@ class RowInsertion:
             all_tokens=[tokens],
             samplers=[fault.sampler(make_sampler(r.params))],
             logits_processors=[fault.processors(processors)],
-            stop_sequences=[StopSequences([] if r.params.ignore_eos else [[t] for t in sorted(self.eos_token_ids)])],
+            stop_sequences=[self._stops(r)],
         )
         return uid
 
