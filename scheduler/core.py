@@ -73,7 +73,7 @@ class EngineCore(LatencyClasses):
             decode_concurrency=self.decode_concurrency, prefill_step_size=prefill_step_size,
             trimmable=self.trimmable, prompt_cache=prompt_cache, chunks=self.chunks, metrics=self.metrics,
             stats=self.stats, precomputes=self.precomputes, fair=loop.fair, send=self._send,
-            speculation=speculation, first_tokens=FirstTokenStore(),
+            speculation=speculation, first_tokens=FirstTokenStore(metrics=self.metrics),
         )
         self._closed = False  # set on the loop thread when the engine leaves it
         self._idle = threading.Condition()

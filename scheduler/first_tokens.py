@@ -51,13 +51,25 @@ class FirstTokenStore:
 
     Args:
         max_bytes: bytes kept at most (0: keep nothing).
+        metrics: the engine's :class:`scheduler.metrics.SchedulerMetrics`, whose
+            ``repeat_first_tokens`` counts :meth:`count_hit` and whose
+            ``first_token_store_bytes`` reads :attr:`nbytes`; None: no metrics.
     """
 
-    def __init__(self, max_bytes: int = MAX_BYTES):
+    def __init__(self, max_bytes: int = MAX_BYTES, metrics=None):
         self.max_bytes = max_bytes
         self.nbytes = 0
         self.hits = 0  # first tokens sampled from here
         self._kept: OrderedDict[tuple, np.ndarray] = OrderedDict()
+        self._hits_counter = metrics.repeat_first_tokens if metrics is not None else None
+        if metrics is not None:  # read at scrape time: an int, no MLX array
+            metrics.first_token_store_bytes.set_function(lambda: self.nbytes)
+
+    def count_hit(self) -> None:
+        """A first token was sampled from here (for :attr:`hits` and the metric)."""
+        self.hits += 1
+        if self._hits_counter is not None:
+            self._hits_counter.inc()
 
     def __len__(self) -> int:
         return len(self._kept)

@@ -102,7 +102,7 @@ class RowInsertion:
         # its lease pins the restored pages until it joins (released then, or by _finish)
         a = Row(r, self._joining_uid, hit.lease, len(r.tokens), [], fault=fault, cache_source=hit.source,
                 decoding=True, joining=state)
-        self.first_tokens.hits += 1
+        self.first_tokens.count_hit()
         self.active[a.uid] = a
         self.by_id[r.id] = a
         return a

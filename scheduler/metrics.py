@@ -124,6 +124,15 @@ class SchedulerMetrics:
         self.verify_steps = Counter(
             "mlx_gateway_speculative_verify_steps",
             "Decode steps that verified drafts (a [B, 1 + K] forward).", registry=registry)
+        self.repeat_first_tokens = Counter(
+            "mlx_gateway_repeat_first_tokens",
+            "Exact repeats of a recent prompt whose first token was sampled from the "
+            "log-probabilities kept after its earlier run, with no forward (scheduler.first_tokens).",
+            registry=registry)
+        self.first_token_store_bytes = Gauge(
+            "mlx_gateway_first_token_store_bytes",
+            "Bytes of log-probabilities kept for the first tokens of exact repeats (bounded at 32 MiB).",
+            registry=registry)
         self.engine_errors = Counter(
             "mlx_gateway_engine_step_errors",
             "Engine steps that raised; the requests in that step failed.",

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from cache import PromptCacheManager
-from conftest import EventSink, engine_tokens, model_path, wait_until
+from prometheus_client import CollectorRegistry
+
+from conftest import EventSink, engine_tokens, model_path, sample, wait_until
 from scheduler import Engine, EngineRequest, SamplingParams
 from scheduler.first_tokens import FirstTokenStore
 from scheduler.request import ErrorEvent
@@ -25,15 +27,16 @@ TEXTS = ["the model cache token prompt server batch request tenant prefix memory
 
 
 @contextmanager
-def _engine(arch: str, speculation: SpeculationConfig = SpeculationConfig(), dtype=None):
-    """A running engine on the tiny ``arch`` model (its weights cast to ``dtype`` if given),
-    :data:`TEXTS` as token ids, and its first-token store; the engine stops on exit."""
+def _engine(arch: str, speculation: SpeculationConfig = SpeculationConfig(), dtype=None, registry=None):
+    """A running engine on the tiny ``arch`` model (its weights cast to ``dtype`` if given,
+    its metrics on ``registry`` if given), :data:`TEXTS` as token ids, and its first-token
+    store; the engine stops on exit."""
     model, tok = mlx_lm.load(str(model_path(arch)))
     if dtype is not None:
         model.set_dtype(dtype)
         mx.eval(model.parameters())  # here: the engine thread cannot run this thread's ops
     engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
-                    decode_concurrency=8, gather_wait=30.0, speculation=speculation)
+                    decode_concurrency=8, gather_wait=30.0, speculation=speculation, registry=registry)
     engine.start()
     try:
         yield engine, [tok.encode(t) for t in TEXTS], engine._batch.first_tokens
@@ -63,11 +66,17 @@ def test_exact_repeats_give_the_tokens_of_their_first_answer(arch, speculation):
 
 
 def test_a_seeded_sampled_repeat_draws_what_its_first_run_drew():
-    with _engine("qwen3") as (engine, prompts, store):
+    registry = CollectorRegistry()
+    with _engine("qwen3", registry=registry) as (engine, prompts, store):
         params = SamplingParams(max_tokens=8, temperature=1.0, seed=7)
         first = engine_tokens(engine, [prompts[1]], [params])[0]
+        assert sample(registry, "mlx_gateway_repeat_first_tokens_total") == 0
         again = engine_tokens(engine, [prompts[1]], [params])[0]
         assert store.hits == 1 and again == first
+        # the metrics: one first token from the store, which holds one [V] float32 row
+        assert sample(registry, "mlx_gateway_repeat_first_tokens_total") == 1
+        kept = sample(registry, "mlx_gateway_first_token_store_bytes")
+        assert kept == store.nbytes and kept >= 4 * engine.model.args.vocab_size
 
 
 def test_requests_whose_first_token_needs_more_than_the_logits_take_the_forward():
