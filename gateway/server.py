@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Info, ProcessCollector
 from cache import CacheBudget
 from gateway.config import ServeConfig
 from gateway.conversation.calls import Front
+from gateway.conversation.prepare import warm_up
 from gateway.models.budget import default_budget, gib
 from gateway.models.loader import load_model
 from gateway.models.registry import ModelRegistry
@@ -107,7 +108,8 @@ def build_gateway(cfg: ServeConfig, tenants: Optional[TenantTable] = None,
 def _load(spec: ModelSpec, registry: CollectorRegistry, reserve, *, cfg: ServeConfig, loop: EngineLoop,
           cache_budget: CacheBudget, tenants):
     """:func:`load_model` with this server's settings, and the current tenants' cache
-    quotas and metric series applied before the engine starts."""
+    quotas and metric series applied before the engine starts; a chat model prepares one
+    small chat before it is reported loaded (:func:`gateway.conversation.prepare.warm_up`)."""
 
     def configure(engine) -> None:
         table = tenants()
@@ -115,7 +117,10 @@ def _load(spec: ModelSpec, registry: CollectorRegistry, reserve, *, cfg: ServeCo
             engine.prompt_cache.set_quotas(table.quotas())
         engine.prime_metrics([t.name for t in table.all()], {t.cache_group for t in table.all()})
 
-    return load_model(spec, cfg, loop, registry, reserve, cache_budget, configure)
+    handle = load_model(spec, cfg, loop, registry, reserve, cache_budget, configure)
+    if handle.kind != "embedding":
+        warm_up(handle)
+    return handle
 
 
 def fetch_default_model(specs: list[ModelSpec]) -> None:

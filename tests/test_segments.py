@@ -5,12 +5,15 @@ pieces do not add up is caught and tokenized whole."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from mlx_lm.utils import load_tokenizer
 
 from cache.checkpoints import encode_with_ends, render_text
-from conftest import TOKENIZERS, model_path, require_tokenizers
+from conftest import TOKENIZERS, live_server, model_path, require_tokenizers
+from gateway.conversation import segments
+from gateway.conversation.prepare import warm_up
 from gateway.conversation.segments import VERIFY_FIRST, SegmentEncoder
 
 WORDS = ("the model cache token prompt  server\nbatch request tenant prefix memory apple code agent "
@@ -111,3 +114,23 @@ def test_the_encoders_do_not_keep_a_tokenizer_alive():
     del tok
     gc.collect()
     assert len(segments._encoders) == before - 1
+
+
+def test_a_started_server_has_prepared_a_chat_before_any_request():
+    """The template, the tokenizer and its segment encoder (probes and a first check) are
+    ready before the first request (``gateway.conversation.prepare.warm_up``, run at load);
+    a template that rejects every chat, or none, makes the warm-up return False, not raise."""
+    with live_server(model_path("qwen3")) as server:
+        model = server.model
+        encoder = segments._encoders.get(model.tokenizer)
+        assert encoder is not None and encoder.exact and encoder.verified == 1
+
+        rejecting = _tokenizer(None)
+        rejecting.chat_template = "{{ raise_exception('no chat here') }}"
+        assert not warm_up(replace(model, tokenizer=rejecting))
+
+        class NoTemplate:
+            has_chat_template = False
+
+        assert not warm_up(replace(model, tokenizer=NoTemplate()))
+        assert warm_up(model)

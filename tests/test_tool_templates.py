@@ -13,7 +13,6 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from gateway.http.errors import APIError
 from gateway.conversation.prompts import render_chat
-from gateway.models.loader import warm_up
 from gateway.protocols.openai_chat import to_conversation
 from gateway.protocols.openai_schemas import ChatRequest
 from gateway.conversation.tool_stream import ToolCallStream
@@ -185,13 +184,3 @@ def test_bad_tools_are_refused_with_the_parameter_path(tokenizer, body, param):
     with pytest.raises(APIError) as e:
         plan_tools(conv(messages=LOOP[1:2], **body), tokenizer)
     assert e.value.status == 400 and e.value.param == param
-
-
-@pytest.mark.parametrize("tokenizer", ["qwen3", "llama3"], indirect=True)
-def test_start_up_warm_up_renders_a_chat_and_never_raises(tokenizer):
-    assert warm_up(tokenizer, {})
-
-    class NoTemplate:
-        has_chat_template = False
-
-    assert not warm_up(NoTemplate(), {})

@@ -30,7 +30,6 @@ from typing import Any, Callable, Optional
 from prometheus_client import CollectorRegistry
 
 from cache import CacheBudget, PromptCacheManager
-from cache.checkpoints import encode_with_ends, render_text
 from cache.quantized import quantize_kv
 from gateway.config import ServeConfig
 from gateway.models.draft import check_draft, read_draft
@@ -146,21 +145,6 @@ def open_disk_tier(cfg: ServeConfig, path: str, tokenizer, registry, loaded_as: 
     log.info("prompt-cache disk tier: %s (%d entries, %d bytes, bound %d bytes)",
              tier.dir, tier.num_entries, tier.nbytes, tier.max_bytes)
     return DiskLink(tier)
-
-
-def warm_up(tokenizer, template_kwargs: dict) -> bool:
-    """Render and tokenize a one-message chat once, so that compiling the chat template
-    (jinja) and the tokenizer's first call happen at load rather than in the first
-    request (about 13 ms on the serving benchmark's model). False when the template
-    rejects that chat or the model has none; nothing is raised."""
-    if not getattr(tokenizer, "has_chat_template", False):
-        return False
-    try:
-        encode_with_ends(tokenizer, render_text(tokenizer, [{"role": "user", "content": "Hello."}], True,
-                                                dict(template_kwargs)))
-        return True
-    except Exception:
-        return False
 
 
 def _files_key(model_path: Path) -> tuple:
@@ -369,7 +353,6 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
         distributed.lead(engine, cluster)
     if configure is not None:
         configure(engine)
-    warm_up(tokenizer, spec.chat_template_args)
     handle = ModelHandle(spec, tokenizer, engine, context_length(model, tokenizer), vocab, grammars,
                          weights + draft_weights, str(path), kind=kind, vision=vision)
     try:
