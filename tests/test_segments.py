@@ -5,6 +5,7 @@ pieces do not add up is caught and tokenized whole."""
 from __future__ import annotations
 
 import random
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -116,11 +117,13 @@ def test_the_encoders_do_not_keep_a_tokenizer_alive():
     assert len(segments._encoders) == before - 1
 
 
-def test_a_started_server_has_prepared_a_chat_before_any_request():
+def test_a_started_server_has_prepared_a_chat_before_any_request(tmp_path):
     """The template, the tokenizer and its segment encoder (probes and a first check) are
     ready before the first request (``gateway.conversation.prepare.warm_up``, run at load);
     a template that rejects every chat, or none, makes the warm-up return False, not raise."""
-    with live_server(model_path("qwen3")) as server:
+    # a copy: a tokenizer of its own (the loader reuses an earlier load's of the same files)
+    shutil.copytree(model_path("qwen3"), tmp_path / "qwen3")
+    with live_server(tmp_path / "qwen3") as server:
         model = server.model
         encoder = segments._encoders.get(model.tokenizer)
         assert encoder is not None and encoder.exact and encoder.verified == 1
