@@ -41,6 +41,20 @@ def test_prompt_opened_reasoning(qwen3):
     assert reasoning == "hmm, thinking" and content == "Done."
 
 
+def test_leading_whitespace_is_not_held_for_a_think_tag(qwen3):
+    """Only a think tag's possible start is held: a first token of whitespace goes out at
+    once (held, it waited for the next decode step), and a think block after it is still
+    split off."""
+    toks = qwen3.encode("\x0bly ly", add_special_tokens=False)
+    _, _, pieces = run(TextAssembler(qwen3, think=("<think>", "</think>")), toks)
+    assert pieces[0] == "\x0b"
+    toks = qwen3.encode("\n<think>\nLet me weigh it.\n</think>\n\nThe answer is 42.", add_special_tokens=False)
+    content, reasoning, pieces = run(TextAssembler(qwen3, think=("<think>", "</think>")), toks)
+    assert pieces[0] == "\n" and reasoning.strip() == "Let me weigh it." and content == "\nThe answer is 42."
+    _, _, pieces = run(TextAssembler(qwen3, think=("<think>", "</think>")), qwen3.encode("<thi", add_special_tokens=False))
+    assert pieces[0] == ""  # "<" could start the tag: held
+
+
 def test_no_think_block_is_all_content(qwen3):
     toks = qwen3.encode("Plain answer, no thinking.", add_special_tokens=False)
     content, reasoning, _ = run(TextAssembler(qwen3, think=("<think>", "</think>")), toks)

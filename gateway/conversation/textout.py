@@ -172,7 +172,15 @@ class TextAssembler:
                     self.in_reasoning = True
                     continue
                 if not final and (not stripped or start.startswith(stripped)):
-                    break  # could still become a think tag
+                    # could still become a think tag. Before any reasoning, only the tag's
+                    # possible start is held and whitespace before it goes out now, as
+                    # SGLang's reasoning parser does (held, a first token of whitespace
+                    # waited for the next decode step); after a think block, its blank
+                    # lines are held, to be dropped below as layout
+                    if not self._after_reasoning:
+                        delta.content += self._split[: len(self._split) - len(stripped)]
+                        self._split = stripped
+                    break
             self._seen_content = True
             if self._after_reasoning:  # the blank lines after </think> are layout
                 self._split = self._split.lstrip("\n")
