@@ -20,8 +20,8 @@ prints the issue's goals as a table of ratios; ``--out DIR`` also writes ``resul
 preload the system OpenBLAS (``gateway/cpu/blas.py``) for both servers. The gateway runs
 with its defaults, speculative decoding included: the random model's greedy answers fall
 into loops that prompt lookup drafts, so its decode steps deliver several tokens
-(``--gateway-args="--speculative off"`` for plain steps), and the stall scenario's gap
-median means little then (one step's tokens arrive together).
+(``--gateway-args="--speculative off"`` for plain steps); the stall scenario's gap
+medians are taken over the gaps between steps, since one step's tokens arrive together.
 
 Usage::
 
