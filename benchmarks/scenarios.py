@@ -263,10 +263,9 @@ SAME_STEP = 0.001
 async def stall(url: str, model: str, streams: int = 4, long_tokens: int = 3000, seed: int = 7) -> dict:
     """Decode stall: ``streams`` requests are decoding when a ``long_tokens``-token prompt
     arrives. Reports the decoding streams' inter-token gaps (seconds) before it arrived
-    (``gap_alone_p50``: from their 24th token to their 64th, when it is sent: their steady
-    state, in which a row whose answer loops is drafted) and from its arrival to its
-    first token (``gap_max``, ``gap_p50``; the medians over gaps between steps,
-    :data:`SAME_STEP`), the long prompt's TTFT, and the TTFT of another prompt of that length sent alone first, with
+    (``gap_alone_p50``) and from its arrival to its first token (``gap_max``,
+    ``gap_p50``; the medians over gaps between steps, :data:`SAME_STEP`), the long
+    prompt's TTFT, and the TTFT of another prompt of that length sent alone first, with
     nothing decoding (``long_alone_ttft``: their ratio is the long prompt's prefill
     throughput alone over beside the streams). EOS is banned so the streams outlast the
     prefill."""
@@ -281,7 +280,7 @@ async def stall(url: str, model: str, streams: int = 4, long_tokens: int = 3000,
             "model": model, "messages": [{"role": "user", "content": words(20, seed * 100 + i)}],
             "max_tokens": 4000, "temperature": 0, "stream": True, "logit_bias": no_eos}, times[i], texts[i]))
             for i in range(streams)]
-        while min(len(t) for t in times) < 64:  # all decoding, in their steady state
+        while min(len(t) for t in times) < 24:  # all decoding, past their first tokens
             await asyncio.sleep(0.01)
         t_long = time.monotonic()
         r = await stream_chat(c, [{"role": "user", "content": text}], 8, model)
@@ -289,7 +288,7 @@ async def stall(url: str, model: str, streams: int = 4, long_tokens: int = 3000,
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    alone = [b - a for ts in times for a, b in zip(ts[24:], ts[25:]) if b < t_long]
+    alone = [b - a for ts in times for a, b in zip(ts[8:], ts[9:]) if b < t_long]
     during = [b - a for ts in times for a, b in zip(ts, ts[1:]) if b > t_long and a < t_first]
     # the medians are of the gaps between steps: the tokens one speculative step delivers
     # arrive together (gaps well under a millisecond), and with them the median is 0
