@@ -292,15 +292,16 @@ async def stall(url: str, model: str, streams: int = 4, long_tokens: int = 3000,
     during = [b - a for ts in times for a, b in zip(ts, ts[1:]) if b > t_long and a < t_first]
     # the medians are of the gaps between steps: the tokens one speculative step delivers
     # arrive together (gaps well under a millisecond), and with them the median is 0
-    step_gaps = [g for g in alone if g >= SAME_STEP], [g for g in during if g >= SAME_STEP]
+    alone_steps = [g for g in alone if g >= SAME_STEP]
+    during_steps = [g for g in during if g >= SAME_STEP]
     if os.environ.get("BENCH_DEBUG"):
         worst = sorted(((ts[j + 1] - ts[j], ts[j] - t_long, k, texts[k][j + 1]) for k, ts in enumerate(times)
                         for j in range(len(ts) - 1) if ts[j + 1] > t_long and ts[j] < t_first), reverse=True)[:6]
         print("worst gaps (gap, start after arrival, stream, text after):",
               [(round(g, 3), round(s, 3), k, x) for g, s, k, x in worst], "first token at", round(t_first - t_long, 3))
-    return {"gap_alone_p50": statistics.median(step_gaps[0]) if step_gaps[0] else float("nan"),
+    return {"gap_alone_p50": statistics.median(alone_steps) if alone_steps else float("nan"),
             "gap_max": max(during, default=float("nan")),
-            "gap_p50": statistics.median(step_gaps[1]) if step_gaps[1] else float("nan"),
+            "gap_p50": statistics.median(during_steps) if during_steps else float("nan"),
             "long_ttft": r["ttft"], "long_prompt": r["prompt"], "long_alone_ttft": alone_ttft}
 
 

@@ -131,7 +131,8 @@ class SchedulerMetrics:
             registry=registry)
         self.first_token_store_bytes = Gauge(
             "mlx_gateway_first_token_store_bytes",
-            "Bytes of log-probabilities kept for the first tokens of exact repeats (bounded at 32 MiB).",
+            "Bytes of log-probabilities kept for the first tokens of exact repeats "
+            "(at most scheduler.first_tokens.MAX_BYTES).",
             registry=registry)
         self.engine_errors = Counter(
             "mlx_gateway_engine_step_errors",

@@ -11,10 +11,9 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
-
-from cache import PromptCacheManager
 from prometheus_client import CollectorRegistry
 
+from cache import PromptCacheManager
 from conftest import EventSink, engine_tokens, model_path, sample, wait_until
 from scheduler import Engine, EngineRequest, SamplingParams
 from scheduler.first_tokens import FirstTokenStore
