@@ -73,3 +73,42 @@ def test_turned_off_it_is_not_measured(monkeypatch):
     monkeypatch.setattr(allocator, "race", lambda *a, **k: pytest.fail("must not measure"))
     choice = allocator.choose(lambda: None, lambda _: None)
     assert (choice.chosen, choice.reason) == ("glibc", "MLX_GATEWAY_MALLOC_TUNE=0")
+
+
+SERVE_STATE = """
+import ctypes, json, sys
+sys.path.insert(0, {root!r})
+from gateway.cpu import allocator
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+
+def mmapped(n):  # glibc's chunk header, just before the block: bit 1 of its size is IS_MMAPPED
+    p = libc.malloc(n)
+    flag = bool(ctypes.c_size_t.from_address(p - ctypes.sizeof(ctypes.c_size_t)).value & 2)
+    libc.free(p)
+    return flag
+
+before = mmapped(8 << 20)
+allocator.as_it_will_serve()
+print(json.dumps([before, mmapped(8 << 20), allocator.decided(), allocator.keeping_freed_memory()]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _glibc_with_mallinfo2(),
+                    reason="glibc's malloc")
+@pytest.mark.skipif(not cpu_backend(), reason="the setting applies where MLX runs on the CPU")
+def test_measurements_at_load_see_the_heap_as_it_will_serve():
+    """A fresh process's glibc serves an 8 MiB block with its own mmap (the dynamic
+    threshold starts at 128 KiB), which page-faults afresh on every use; before the
+    measurements at load, the allocator is set as it will serve whatever it decides then
+    (blocks under 32 MiB from the heap), without deciding anything."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "MLX_GATEWAY_MALLOC_TUNE"}
+    here = os.path.dirname(__file__)
+    script = SERVE_STATE.format(root=os.path.dirname(here))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
+                         timeout=120).stdout.strip().splitlines()[-1]
+    assert json.loads(out) == [True, False, None, False]

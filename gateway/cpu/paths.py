@@ -70,6 +70,7 @@ def choose_cpu_paths(model, rounds: int = 4, measure: bool = True) -> list[Choic
 
 def _choose(model, rounds: int) -> list[Choice]:
     tic = time.perf_counter()
+    allocator.as_it_will_serve()  # the kernels timed with the heap as it will serve
     choices = attention.choose_for_model(model, rounds)
     if allocator.unavailable() is None and allocator.decided() is None:
         workload = prefill_workload(model, attention.attention_shapes(model))

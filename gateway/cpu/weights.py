@@ -43,6 +43,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
+from gateway.cpu import allocator
 from gateway.cpu.measure import Choice, MARGIN, race
 
 log = logging.getLogger("mlx_gateway")
@@ -260,6 +261,7 @@ def float32_weights_for_cpu_backend(model: nn.Module, rounds: int = 3, measure: 
     layer = _sample_layer(model)
     what = "weights (as stored, or float32)"
     if measure and setting != "1" and layer is not None:
+        allocator.as_it_will_serve()  # timed with the heap as it will serve
         mx.eval(layer.parameters())
         seconds = measure_layer(layer, rounds)
         if not decide(seconds):
