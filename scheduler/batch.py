@@ -227,6 +227,8 @@ class Batch(RowInsertion, RowFailures):
         prefilling = len(prefill_rows)
         # what the next chunk attends to besides itself: the tokens in those rows' caches, their mean
         context = sum(a.cached + a.processed for a in prefill_rows) / prefilling if prefilling else None
+        # the most tokens a prompt has to prefill before its last (fed as it joins the decoding rows)
+        left = max((len(a.request.tokens) - a.cached - a.processed - 1 for a in prefill_rows), default=None)
         decoding = len(self.active) - prefilling
         hold = not decode_only and holds_decode(self.active.values(), self._held)
         if hold:
@@ -237,7 +239,8 @@ class Batch(RowInsertion, RowFailures):
               and all(a.precompute is not None for a in self.active.values())):
             chunk = self.chunks.idle_chunk(prefilling, classes)  # preemptible: a request waits one chunk
         else:
-            chunk = self.chunks.next_chunk(prefilling, decoding + decoding_elsewhere, cap, share, classes, context)
+            chunk = self.chunks.next_chunk(prefilling, decoding + decoding_elsewhere, cap, share, classes, context,
+                                           left)
         if hold and not chunk:  # nothing to prefill this step (decode time owed elsewhere): decode
             hold = False
         self._held = self._held + 1 if hold else 0

@@ -104,6 +104,30 @@ def test_chunks_beside_decoding_are_never_cut_below_the_floor():
     assert ChunkPlanner(2048, 0.2).floor(1) == ALIGN  # no measured cost: no floor
 
 
+def test_a_prompt_joins_before_owed_decode_steps_and_its_last_chunk_takes_a_short_tail():
+    """After a chunk, decode-only steps are owed, unless all that is left of the prompt is
+    its last token: the step that moves it to the decoding rows decodes them too, so it
+    goes first. A chunk that would leave at most TAIL of itself for one more step takes
+    that tail; a longer rest waits for the next chunk."""
+    from scheduler.chunking import TAIL, ChunkPlanner
+
+    p = ChunkPlanner(2048, 0.2)
+    p.record(0, 0, 4, 0.01)  # a decode-only step of four rows
+    p.share.clear()
+    chunk = p.next_chunk(1, 4, left=3000)
+    assert 0 < chunk < 3000
+    p.record(chunk, chunk, 4, 0.2)  # the chunk beside them: it owes them decode-only steps
+    assert p.next_chunk(1, 4, left=100) == 0
+    assert p.next_chunk(1, 4, left=0) > 0  # only the join is left: it goes first
+    assert p.share.owed()  # ... and the steps are still owed after it
+    p.share.clear()
+    sized = p.next_chunk(1, 4, left=3000)
+    tail = int(TAIL * sized)
+    assert p.next_chunk(1, 4, left=sized + tail) == sized + tail
+    assert p.next_chunk(1, 4, left=sized + tail + 1) == sized
+    assert p.next_chunk(1, 4, left=sized // 2) == sized  # (the generator takes what is left)
+
+
 def test_chunks_are_sized_for_a_cost_per_token_that_grows_with_the_context():
     """A prompt token attending to ``c`` others costs ``a + b c`` (attention): chunks sized
     from the cost per token of the chunk before (at a smaller context) overshoot the budget
