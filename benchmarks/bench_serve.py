@@ -4,7 +4,8 @@ asserts nothing.
 Each scenario runs against a fresh server process on loopback (``benchmarks/scenarios.py``):
 
 * ``stall``: 4 streams decoding when a 3000-token prompt arrives: their inter-token gaps
-  (max, median, and median before it arrived) and the long prompt's TTFT.
+  (max, median, and median before it arrived), the long prompt's TTFT, and its TTFT
+  alone (the mean of two other such prompts, one before the streams and one after).
 * ``burst``: 6 concurrent chats sharing a ~600-token system prompt with different
   ~300-token user texts: the cold round's wall time, then TTFT of 2 fully cached rounds.
 * ``conversation``: a 20-turn chat where each turn sends the whole history.

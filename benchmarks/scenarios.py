@@ -265,13 +265,16 @@ async def stall(url: str, model: str, streams: int = 4, long_tokens: int = 3000,
     arrives. Reports the decoding streams' inter-token gaps (seconds) before it arrived
     (``gap_alone_p50``) and from its arrival to its first token (``gap_max``,
     ``gap_p50``; the medians over gaps between steps, :data:`SAME_STEP`), the long
-    prompt's TTFT, and the TTFT of another prompt of that length sent alone first, with
-    nothing decoding (``long_alone_ttft``: their ratio is the long prompt's prefill
-    throughput alone over beside the streams). EOS is banned so the streams outlast the
-    prefill."""
+    prompt's TTFT, and the TTFT of two other prompts of that length sent alone, with
+    nothing decoding, one before the streams start and one after they end
+    (``long_alone_before``, ``long_alone_after``; ``long_alone_ttft`` is their mean, and
+    the long prompt's TTFT over it is its prefill throughput alone over beside the
+    streams: taken on both sides, a slow minute of a noisy machine weighs on both).
+    EOS is banned so the streams outlast the prefill."""
     no_eos = steady_stream_bias(model)
     text = long_text(model, long_tokens, seed)
     alone_text = long_text(model, long_tokens, seed + 1)
+    after_text = long_text(model, long_tokens, seed + 2)
     times: list[list[float]] = [[] for _ in range(streams)]
     texts: list[list[str]] = [[] for _ in range(streams)]
     async with httpx.AsyncClient(base_url=url, timeout=600) as c:
@@ -288,6 +291,8 @@ async def stall(url: str, model: str, streams: int = 4, long_tokens: int = 3000,
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(0.2)  # the server sees the streams leave and ends them
+        after_ttft = (await stream_chat(c, [{"role": "user", "content": after_text}], 8, model))["ttft"]
     alone = [b - a for ts in times for a, b in zip(ts[8:], ts[9:]) if b < t_long]
     during = [b - a for ts in times for a, b in zip(ts, ts[1:]) if b > t_long and a < t_first]
     # the medians are of the gaps between steps: the tokens one speculative step delivers
@@ -302,7 +307,8 @@ async def stall(url: str, model: str, streams: int = 4, long_tokens: int = 3000,
     return {"gap_alone_p50": statistics.median(alone_steps) if alone_steps else float("nan"),
             "gap_max": max(during, default=float("nan")),
             "gap_p50": statistics.median(during_steps) if during_steps else float("nan"),
-            "long_ttft": r["ttft"], "long_prompt": r["prompt"], "long_alone_ttft": alone_ttft}
+            "long_ttft": r["ttft"], "long_prompt": r["prompt"], "long_alone_ttft": (alone_ttft + after_ttft) / 2,
+            "long_alone_before": alone_ttft, "long_alone_after": after_ttft}
 
 
 def distinct_prefix_tokens(sequences) -> int:
