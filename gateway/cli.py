@@ -82,6 +82,9 @@ def _serve_and_exit(ns: argparse.Namespace) -> None:
     import logging
     import os
 
+    from gateway.cpu.allocator import one_arena
+
+    one_arena()  # before MLX is imported and any thread starts
     from gateway.server import serve
 
     code = 0

@@ -112,3 +112,53 @@ def test_measurements_at_load_see_the_heap_as_it_will_serve():
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
                          timeout=120).stdout.strip().splitlines()[-1]
     assert json.loads(out) == [True, False, None, False]
+
+
+ARENAS = """
+import ctypes, sys, threading
+sys.path.insert(0, {root!r})
+from gateway.cpu import allocator
+if {one!r}:
+    assert allocator.one_arena() is None
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.fopen.restype = ctypes.c_void_p
+libc.fclose.argtypes = [ctypes.c_void_p]
+blocks, ready = [], threading.Barrier(5)
+
+def work():  # threads allocating at once, as MLX's stream threads and the engine's do
+    ready.wait()
+    blocks.append(libc.malloc(1 << 20))
+    ready.wait()
+
+threads = [threading.Thread(target=work) for _ in range(4)]
+for t in threads:
+    t.start()
+ready.wait()
+ready.wait()
+for t in threads:
+    t.join()
+f = libc.fopen({path!r}.encode(), b"w")
+libc.malloc_info(0, ctypes.c_void_p(f))
+libc.fclose(f)
+print(open({path!r}).read().count("<heap nr="))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _glibc_with_mallinfo2(),
+                    reason="glibc's malloc")
+def test_serve_keeps_every_thread_on_one_arena(tmp_path):
+    """glibc gives threads that allocate at once arenas of their own (malloc_info lists a
+    heap per arena); after one_arena, as `serve` calls it first thing, they share the
+    main one."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MLX_GATEWAY_MALLOC_TUNE", "MALLOC_ARENA_MAX")}
+    here = os.path.dirname(__file__)
+    counts = []
+    for one in (False, True):
+        script = ARENAS.format(root=os.path.dirname(here), one=one, path=str(tmp_path / f"info{one}.xml"))
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
+                             timeout=120).stdout.strip().splitlines()[-1]
+        counts.append(int(out))
+    assert counts[0] > 1 and counts[1] == 1, counts
