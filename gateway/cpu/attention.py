@@ -51,7 +51,7 @@ from typing import Iterable, Optional, Union
 import mlx.core as mx
 
 from gateway.cpu.attention_kernels import KERNELS, Mask, exp_nonpositive, mlx_attention
-from gateway.cpu.measure import Choice, pick, race
+from gateway.cpu.measure import Choice, confirmed_race, pick
 
 log = logging.getLogger("mlx_gateway")
 
@@ -225,7 +225,8 @@ def _can_compile() -> bool:
 
 
 def measure_shape(hq: int, hk: int, d: int, dtype, rounds: int = 4) -> tuple[dict[str, float], ...]:
-    """Seconds of each candidate kernel (fastest of ``rounds``, after two warm-up calls) on
+    """Seconds of each candidate kernel (fastest of ``rounds``, after two warm-up calls,
+    raced again where MLX's own wins: :func:`gateway.cpu.measure.confirmed_race`) on
     attention of that shape: :data:`PREFILL_KERNELS`, then :data:`WIDE_PREFILL_KERNELS`, on
     each of :data:`PREFILL_BUCKETS`' chunks with a causal boolean mask (as mlx-lm's batch
     caches give), and :data:`DECODE_KERNELS` on one query, then on :data:`VERIFY_QUERIES`,
@@ -246,8 +247,8 @@ def measure_shape(hq: int, hk: int, d: int, dtype, rounds: int = 4) -> tuple[dic
     mx.eval(chunks, steps)
     scale = d ** -0.5
     calls = [*zip(chunks, PREFILL_CANDIDATES), *((a, DECODE_KERNELS) for a in steps)]
-    return tuple(race({n: (lambda f=KERNELS[n], a=a: f(*a[:3], scale, a[3])) for n in _candidates(names)},
-                      rounds, sync=mx.eval, warmup=2) for a, names in calls)
+    return tuple(confirmed_race({n: (lambda f=KERNELS[n], a=a: f(*a[:3], scale, a[3])) for n in _candidates(names)},
+                                "mlx", rounds, sync=mx.eval, warmup=2) for a, names in calls)
 
 
 def _label(fewests: list[int], i: int, unit: str) -> str:
