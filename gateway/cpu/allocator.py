@@ -39,8 +39,8 @@ log = logging.getLogger("mlx_gateway")
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
-SETTINGS = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 1 << 30))
 M_ARENA_MAX = -8
+SETTINGS = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 1 << 30))
 # glibc's defaults after its dynamic mmap threshold reached its 64-bit ceiling
 # (DEFAULT_MMAP_THRESHOLD_MAX, 32 MiB; the trim threshold follows at twice that).
 GLIBC_LIKE = ((M_MMAP_MAX, 65536), (M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 64 << 20))
@@ -107,13 +107,13 @@ def one_arena() -> Optional[str]:
 
     Why: with glibc's default of an arena per thread (up to 8 per core), MLX's stream
     threads allocate from arenas of their own, made of heaps of at most 64 MiB. In some
-    fresh servers of the default model (1 in 3 or 4 here), ``compiled-blocks`` attention
-    then timed 1.7-2.5x slower at every timing of the load than in the others (23-31 ms
-    against 13-16 for a 256-query chunk over 1,024 keys), near MLX's own (34 ms), which the
-    measurement then keeps on a tie; that process's prefill of up to 4,096 tokens ran 3x
-    slower than mlx-lm's. With one arena, 10 fresh servers of 10 timed 13.7-15.7 ms
-    (``malloc_info`` showed 12 heaps without, 1 with). The threads' small allocations take
-    glibc's per-thread cache, not the arena's lock."""
+    fresh servers of the default model (3 of 9 in two sets here), ``compiled-blocks``
+    attention then timed 1.7-2.5x slower at every one of four timings spread over 2 s
+    (23-39 ms against 13-16 for a 256-query chunk over 1,024 keys), near MLX's own (34 ms),
+    which the measurement keeps on a tie; such a server prefilled 2,000 tokens at mlx-lm's
+    speed instead of 3x it. With one arena, 10 fresh servers of 10 timed 13.7-15.7 ms at
+    their best (``malloc_info`` showed 12 heaps without, 1 with). The threads' small
+    allocations take glibc's per-thread cache, not the arena's lock."""
     if os.environ.get("MLX_GATEWAY_MALLOC_TUNE", "") == "0":
         return "MLX_GATEWAY_MALLOC_TUNE=0"
     if not sys.platform.startswith("linux") or not _glibc():
