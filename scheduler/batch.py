@@ -228,7 +228,7 @@ class Batch(RowInsertion, RowFailures):
         # what the next chunk attends to besides itself: the tokens in those rows' caches, their mean
         context = sum(a.cached + a.processed for a in prefill_rows) / prefilling if prefilling else None
         # the most tokens a prompt has to prefill before its last (fed as it joins the decoding rows)
-        left = max((len(a.request.tokens) - a.cached - a.processed - 1 for a in prefill_rows), default=None)
+        left = max((a.prompt_left - 1 for a in prefill_rows), default=None)
         decoding = len(self.active) - prefilling
         hold = not decode_only and holds_decode(self.active.values(), self._held)
         if hold:

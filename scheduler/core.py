@@ -256,7 +256,7 @@ class EngineCore(LatencyClasses):
     def _notify_idle(self) -> None:
         # After every loop turn, so that a cancelled or failed prefill leaves the gauge too.
         self.metrics.prefill_remaining.set(sum(
-            len(a.request.tokens) - a.cached - a.processed for a in self._batch.active.values() if not a.decoding
+            a.prompt_left for a in self._batch.active.values() if not a.decoding
         ))
         self.metrics.running.set(len(self._batch.active))
         self.metrics.waiting.set(self._waiting_counts.total)

@@ -131,6 +131,12 @@ class Row:
     # scheduler.generator.DecodingState until it joins the decode batch at the next step.
     joining: Any = None
 
+    @property
+    def prompt_left(self) -> int:
+        """Prompt tokens not yet in its cache (the last one included, which is fed as the
+        row joins the decoding batch)."""
+        return len(self.request.tokens) - self.cached - self.processed
+
     def progress_due(self, total: int, now: float) -> bool:
         """A prefill progress event is due (and counted as sent): :data:`PROGRESS_SECONDS`
         since the last one, or :data:`PROGRESS_FRACTION` of the prompt more prefilled. Small
@@ -190,4 +196,4 @@ def holds_decode(rows: Iterable[Row], held: int = 0) -> bool:
     decoding = [a for a in rows if a.decoding]
     return (held < MAX_HOLDS and any(a.rank == 0 for a in prefilling) and bool(decoding)
             and all(a.rank > 0 for a in decoding)
-            and all(len(a.request.tokens) - a.cached - a.processed > 1 for a in prefilling))
+            and all(a.prompt_left > 1 for a in prefilling))

@@ -40,6 +40,19 @@ def _glibc_with_mallinfo2() -> bool:
         return False
 
 
+def _last_line_of_fresh_process(script: str, drop: tuple = ("MLX_GATEWAY_MALLOC_TUNE",)) -> str:
+    """Run ``script`` in a fresh Python (glibc's settings are the process's), without the
+    environment variables ``drop``; the last line it printed."""
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    here = os.path.dirname(__file__)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here])
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
+                          timeout=120).stdout.strip().splitlines()[-1]
+
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+
+
 @pytest.mark.parametrize("seconds,want", [({"glibc": 0.050, "keep freed": 0.030}, "keep freed"),
                                           ({"glibc": 0.030, "keep freed": 0.029}, "glibc"),
                                           ({"glibc": 0.030, "keep freed": 0.045}, "glibc")])
@@ -58,12 +71,7 @@ def test_the_setting_stays_only_where_it_measured_faster(timings, kept):
     model's load keeps the first decision."""
     import json
 
-    env = {k: v for k, v in os.environ.items() if k != "MLX_GATEWAY_MALLOC_TUNE"}
-    here = os.path.dirname(__file__)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here])
-    script = CHOOSE.format(root=os.path.dirname(here), timings=timings)
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
-                         timeout=120).stdout.strip().splitlines()[-1]
+    out = _last_line_of_fresh_process(CHOOSE.format(root=ROOT, timings=timings))
     chosen = "keep freed" if kept else "glibc"
     assert json.loads(out) == [chosen, kept, kept, chosen]
 
@@ -106,11 +114,7 @@ def test_measurements_at_load_see_the_heap_as_it_will_serve():
     (blocks under 32 MiB from the heap), without deciding anything."""
     import json
 
-    env = {k: v for k, v in os.environ.items() if k != "MLX_GATEWAY_MALLOC_TUNE"}
-    here = os.path.dirname(__file__)
-    script = SERVE_STATE.format(root=os.path.dirname(here))
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
-                         timeout=120).stdout.strip().splitlines()[-1]
+    out = _last_line_of_fresh_process(SERVE_STATE.format(root=ROOT))
     assert json.loads(out) == [True, False, None, False]
 
 
@@ -153,12 +157,7 @@ def test_serve_keeps_every_thread_on_one_arena(tmp_path):
     """glibc gives threads that allocate at once arenas of their own (malloc_info lists a
     heap per arena); after one_arena, as `serve` calls it first thing, they share the
     main one."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MLX_GATEWAY_MALLOC_TUNE", "MALLOC_ARENA_MAX")}
-    here = os.path.dirname(__file__)
-    counts = []
-    for one in (False, True):
-        script = ARENAS.format(root=os.path.dirname(here), one=one, path=str(tmp_path / f"info{one}.xml"))
-        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
-                             timeout=120).stdout.strip().splitlines()[-1]
-        counts.append(int(out))
+    counts = [int(_last_line_of_fresh_process(ARENAS.format(root=ROOT, one=one, path=str(tmp_path / f"info{one}.xml")),
+                                              drop=("MLX_GATEWAY_MALLOC_TUNE", "MALLOC_ARENA_MAX")))
+              for one in (False, True)]
     assert counts[0] > 1 and counts[1] == 1, counts

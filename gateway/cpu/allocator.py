@@ -55,15 +55,24 @@ def _glibc() -> bool:
         return False
 
 
+def _untunable() -> Optional[str]:
+    """Why glibc's malloc cannot be tuned here (``MLX_GATEWAY_MALLOC_TUNE=0``, not Linux
+    with glibc), or None; imports nothing (:func:`one_arena` runs before MLX does)."""
+    if os.environ.get("MLX_GATEWAY_MALLOC_TUNE", "") == "0":
+        return "MLX_GATEWAY_MALLOC_TUNE=0"
+    if not sys.platform.startswith("linux") or not _glibc():
+        return "not Linux with glibc"
+    return None
+
+
 def unavailable() -> Optional[str]:
     """Why the setting cannot apply here (``MLX_GATEWAY_MALLOC_TUNE=0``, not Linux with
     glibc, MLX on a GPU), or None."""
     from gateway.cpu import cpu_backend
 
-    if os.environ.get("MLX_GATEWAY_MALLOC_TUNE", "") == "0":
-        return "MLX_GATEWAY_MALLOC_TUNE=0"
-    if not sys.platform.startswith("linux") or not _glibc():
-        return "not Linux with glibc"
+    why = _untunable()
+    if why is not None:
+        return why
     if not cpu_backend():
         return "MLX runs on a GPU"
     return None
@@ -114,11 +123,7 @@ def one_arena() -> Optional[str]:
     speed instead of 3x it. With one arena, 10 fresh servers of 10 timed 13.7-15.7 ms at
     their best (``malloc_info`` showed 12 heaps without, 1 with). The threads' small
     allocations take glibc's per-thread cache, not the arena's lock."""
-    if os.environ.get("MLX_GATEWAY_MALLOC_TUNE", "") == "0":
-        return "MLX_GATEWAY_MALLOC_TUNE=0"
-    if not sys.platform.startswith("linux") or not _glibc():
-        return "not Linux with glibc"
-    return _mallopt(((M_ARENA_MAX, 1),))
+    return _untunable() or _mallopt(((M_ARENA_MAX, 1),))
 
 
 def as_it_will_serve() -> None:
