@@ -185,13 +185,14 @@ def test_sqlite_file_is_private_and_survives_reopening(tmp_path):
 
 
 def test_sqlite_reads_keep_their_recency_across_a_restart(tmp_path):
-    """A read writes nothing; its use time goes with the next write, or at close."""
+    """A read writes nothing; its use time goes with the next write, or at close. Uses in
+    one millisecond (a clock that stands still) keep their order."""
     path = tmp_path / "responses.sqlite3"
-    store = ResponseStore(SQLiteBackend(path, max_responses=2))
+    store = ResponseStore(SQLiteBackend(path, max_responses=2, clock=lambda: 1_000.0))
     assert put(store, "a", 0) and put(store, "a", 1)
     assert get(store, "a", "r0") is not None  # r0 is now the most recently used
     anyio.run(store.aclose)
-    store = ResponseStore(SQLiteBackend(path, max_responses=2))
+    store = ResponseStore(SQLiteBackend(path, max_responses=2, clock=lambda: 1_000.0))
     assert put(store, "a", 2) and present(store, "a", 3) == [True, False, True]
     anyio.run(store.aclose)
 

@@ -100,6 +100,7 @@ class SQLiteBackend:
         self.moved_aside: Optional[Path] = None
         self._lock = threading.Lock()
         self._touched: dict[tuple[str, str], int] = {}  # (tenant, id) -> a use not written yet
+        self._touched_top: dict[str, int] = {}  # tenant -> the latest of its uses not written yet
         prepare_file(self.path)
         try:
             self._conn = self._connect()
@@ -182,6 +183,7 @@ class SQLiteBackend:
                     pass  # the failed COMMIT already ended it
                 raise
             self._touched.clear()
+            self._touched_top.clear()
 
     def _now(self) -> int:
         return int(self.clock() * 1000)
@@ -190,11 +192,12 @@ class SQLiteBackend:
         if self.ttl is not None:
             c.execute("DELETE FROM responses WHERE tenant = ? AND used < ?", (tenant, now - int(self.ttl * 1000)))
 
-    @staticmethod
-    def _stamp(c: sqlite3.Connection, tenant: str, now: int) -> int:
-        """A use time after every other use of the tenant's entries."""
+    def _stamp(self, c: sqlite3.Connection, tenant: str, now: int) -> int:
+        """A use time after every other use of the tenant's entries, those read since the
+        last write included (two uses in one millisecond keep their order)."""
         ((top,),) = c.execute("SELECT max(used) FROM responses WHERE tenant = ?", (tenant,)).fetchall()
-        return now if top is None or top < now else top + 1
+        top = max(top if top is not None else -1, self._touched_top.get(tenant, -1))
+        return now if top < now else top + 1
 
     @staticmethod
     def _totals(c: sqlite3.Connection, tenant: str) -> tuple[int, int]:
@@ -239,7 +242,8 @@ class SQLiteBackend:
             expired = self.ttl is not None and used < now - int(self.ttl * 1000)
             torn = not expired and (len(body) != size or hashlib.sha256(body).digest() != digest)
             if not expired and not torn:
-                self._touched[(tenant, rid)] = now
+                stamp = self._touched[(tenant, rid)] = self._stamp(c, tenant, now)
+                self._touched_top[tenant] = stamp
                 return Outcome(True, *self._totals(c, tenant), body=bytes(body))
         if torn:
             log.warning("response store %s: entry %s of tenant %s is damaged: dropped", self.path, rid, tenant)
