@@ -30,6 +30,8 @@ import pytest
 
 from conftest import model_path
 
+# bytes written to mlx.launch's stdin: more than a rank's stdin pipe holds (64 KiB on Linux, 16-64 KiB on macOS)
+LAUNCH_STDIN_FILL = 1 << 18
 LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
 GATEWAY = shutil.which("mlx-gateway") or str(Path(sys.executable).parent / "mlx-gateway")
 
@@ -56,10 +58,23 @@ class Server:
         launch = [LAUNCH, "--backend", "ring", "--hosts", "127.0.0.1", "-n", str(ranks), "--"]
         cmd = [*launch, *serve] if ranks > 1 else serve
         self._log = open(self.log_path, "wb")
-        # stdin a pipe that stays open and empty: mlx.launch relays its stdin to the ranks
-        # and polls /dev/null (always readable) in a busy loop.
+        # stdin a pipe that stays open: mlx.launch relays its stdin to the ranks and polls
+        # /dev/null (always readable) in a busy loop
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
                                      start_new_session=True)
+        if ranks > 1:
+            # ... and it waits in select() for each rank's stdin pipe to be writable, which an
+            # empty pipe always is: a core and more of busy loop while the ranks idle, which
+            # slowed this module's other tests 2-3x. Filled with bytes the ranks never read,
+            # the pipes stop being writable (docs/cluster.md).
+            threading.Thread(target=self._fill_stdin, daemon=True).start()
+
+    def _fill_stdin(self) -> None:
+        try:
+            self.proc.stdin.write(bytes(LAUNCH_STDIN_FILL))
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            pass  # mlx.launch ended
 
     def wait_ready(self, timeout: float = 90.0) -> None:
         deadline = time.monotonic() + timeout
