@@ -25,13 +25,15 @@ sequences decode, the planner instead:
   model (steps of 0.25-0.34 s: the streams' largest gaps), as it attends to more
   context than the chunk it was sized from;
 * after each prefill chunk, runs decode-only steps (a prefill step size of 0, which
-  makes ``next()`` advance only the decoding batch) until they have had
-  :data:`DECODE_SHARE` of the chunk's time (:class:`DecodeShare`, shared by the models of
-  one engine loop), so most inter-token gaps stay those of decoding alone. (Stopping at
-  the whole number of steps nearest that share took 8.7 % of the chunks' time instead of
-  11.8 % on the medium benchmark model, but often one step a chunk: then half the
-  streams' gaps are the chunk's, and their median is no longer decoding's.) The step
-  that moves a finished prompt to the decoding rows decodes them too, so it goes first;
+  makes ``next()`` advance only the decoding batch) until the decoding rows have had
+  :data:`DECODE_SHARE` of the chunk step's time, the decode step inside the chunk step
+  counted (:class:`DecodeShare`, shared by the models of one engine loop), and at least
+  :data:`MEDIAN_STEPS` of them: two of every three of the streams' gaps then stay those
+  of decoding alone, and so does their median (with one, half their gaps are a chunk's).
+  Not counting the decode inside the chunk step, the medium benchmark model ran three
+  decode-only steps after most chunks instead of two: 11-12 % of the chunks' time, which
+  the long prompt waited for. The step that moves a finished prompt to the decoding
+  rows decodes them too, so it goes first;
 * lets a prompt's last chunk take its tail (up to :data:`TAIL` of the chunk more) rather
   than leave it to a step of its own, which would pay a forward's fixed part and a
   decode step for a few tokens.
@@ -74,36 +76,44 @@ HEADROOM = 0.85  # aim this fraction of the budget, as the next chunk attends to
 FITTED_HEADROOM = 0.95  # ... and this fraction when the growth with context is fitted (_context_cost)
 POINTS = 6  # chunks of at least FIRST_CHUNK tokens a prompt whose cost-per-context line is fitted
 SPREAD = 512  # tokens of context those chunks must span for their own slope
-DECODE_SHARE = 0.1  # decode-only time owed after a prefill chunk, as a fraction of its time
+DECODE_SHARE = 0.1  # the decoding rows' time owed after a prefill chunk, as a fraction of its step's time
+MEDIAN_STEPS = 2  # decode-only steps owed after a prefill chunk at least (the streams' median gap)
 TAIL = 0.25  # a prompt's last tokens, at most this fraction of a chunk, go with the chunk before them
 
 
 class DecodeShare:
-    """Seconds of decode-only steps owed to the decoding rows after a prefill chunk.
+    """Decode-only steps owed to the decoding rows after a prefill chunk: seconds of them,
+    and a number of turns of the engine loop.
 
     One per engine loop, shared by the planners of every model on it: a chunk of one
-    model owes the decoding rows of every model their share of time, and the decode-only
-    steps of every model pay it.
+    model owes the decoding rows of every model their share of time, the decode-only
+    steps of every model pay it, and each turn in which the prefilling model's planner
+    holds its chunk back pays one of the turns.
     """
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.turns = 0
 
     def owed(self) -> bool:
         """Decode-only steps are owed now."""
-        return self.seconds > 0
+        return self.seconds > 0 or self.turns > 0
 
-    def owe(self, seconds: float) -> None:
-        """Owe ``seconds`` of decode-only steps."""
-        self.seconds = seconds
+    def owe(self, seconds: float, turns: int = 0) -> None:
+        """Owe ``seconds`` of decode-only steps, and ``turns`` of them at least."""
+        self.seconds, self.turns = seconds, turns
 
     def pay(self, seconds: float) -> None:
         """A decode-only step took ``seconds``."""
         self.seconds -= seconds
 
+    def pay_turn(self) -> None:
+        """A turn of decode-only steps was given."""
+        self.turns -= 1
+
     def clear(self) -> None:
         """Nothing is owed (no prompt prefills beside decoding rows)."""
-        self.seconds = 0.0
+        self.seconds, self.turns = 0.0, 0
 
 
 class ChunkPlanner:
@@ -165,6 +175,7 @@ class ChunkPlanner:
             self.share.clear()
             return capped
         if self.share.owed() and left != 0:
+            self.share.pay_turn()
             return 0
         # A prompt waiting for its first token is a user waiting too: when more prompts
         # prefill than streams decode, the step may take proportionally longer.
@@ -226,8 +237,8 @@ class ChunkPlanner:
             self.decode_only_steps += 1
             self.share.pay(seconds)
             return
-        if prefilled and decoding and self.budget:
-            self.share.owe(DECODE_SHARE * seconds)
+        if prefilled and decoding and self.budget:  # (the step decoded them once: a decode step's time)
+            self.share.owe(DECODE_SHARE * seconds - self.decode_step, MEDIAN_STEPS)
         if prefilled >= CAP_ALIGN:
             self._per_token[classes] = seconds / prefilled
             if self.cost is not None and prefilled >= ALIGN:

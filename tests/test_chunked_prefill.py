@@ -128,6 +128,34 @@ def test_a_prompt_joins_before_owed_decode_steps_and_its_last_chunk_takes_a_shor
     assert p.next_chunk(1, 4, left=sized // 2) == sized  # (the generator takes what is left)
 
 
+def test_decode_only_steps_pay_the_share_net_of_the_chunks_own_decode_and_at_least_two():
+    """After a chunk, the decoding rows are owed DECODE_SHARE of the chunk step's time less
+    the decode step the chunk step ran for them, in decode-only steps, and never fewer than
+    MEDIAN_STEPS of them (so two of every three gaps of a stream stay decoding's)."""
+    from scheduler.chunking import DECODE_SHARE, MEDIAN_STEPS, ChunkPlanner
+
+    def owed_steps(decode: float, chunk_seconds: float) -> int:
+        p = ChunkPlanner(2048, 0.2)
+        p.record(0, 0, 4, decode)  # a decode-only step: its time is the in-chunk decode's too
+        p.share.clear()
+        n = p.next_chunk(1, 4, left=10_000)
+        p.record(n, n, 4, chunk_seconds)
+        steps = 0
+        while p.next_chunk(1, 4, left=10_000) == 0:
+            p.record(0, 0, 4, decode)
+            steps += 1
+            assert steps < 1000
+        return steps
+
+    # a 0.18 s chunk step beside decode steps of 7 ms: 18 ms owed less the 7 in the chunk
+    # step is two decode-only steps (three when the in-chunk decode was not counted)
+    assert owed_steps(0.007, 0.18) == 2
+    # decode steps too long for the share: still the two the median needs
+    assert owed_steps(0.05, 0.18) == MEDIAN_STEPS == 2
+    # fast decode steps: the share in time, net of the one in the chunk step
+    assert abs(owed_steps(0.001, 0.2) - (DECODE_SHARE * 0.2 - 0.001) / 0.001) <= 1
+
+
 def test_chunks_are_sized_for_a_cost_per_token_that_grows_with_the_context():
     """A prompt token attending to ``c`` others costs ``a + b c`` (attention): chunks sized
     from the cost per token of the chunk before (at a smaller context) overshoot the budget
