@@ -4,6 +4,7 @@ wins is run again, so that a spell of noise covering one race does not decide.""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 from gateway.cpu.measure import confirmed_race, pick
 
@@ -30,10 +31,16 @@ def test_a_replacement_slowed_through_one_race_wins_the_next():
     assert seconds["compiled"] < 0.005 <= 0.010 <= seconds["mlx"]
 
 
-def test_a_replacement_that_keeps_losing_is_raced_at_most_three_times_and_a_winner_once():
+def test_a_replacement_that_keeps_losing_is_raced_at_most_again_plus_one_times_and_a_winner_once(monkeypatch):
+    from gateway.cpu import measure
+
+    pauses: list[float] = []  # the module's pauses, recorded instead of slept
+    monkeypatch.setattr(measure, "time", SimpleNamespace(perf_counter=time.perf_counter, sleep=pauses.append))
     slow = _sleeper([0.012])
-    seconds = confirmed_race({"mlx": _sleeper([0.004]), "compiled": slow}, "mlx", rounds=2, again=2, pause=0.0)
-    assert pick(seconds, "mlx") == "mlx" and len(slow.calls) == 3 * 3
+    seconds = confirmed_race({"mlx": _sleeper([0.004]), "compiled": slow}, "mlx", rounds=2)
+    assert pick(seconds, "mlx") == "mlx" and len(slow.calls) == (measure.AGAIN + 1) * 3
+    assert pauses == [measure.PAUSE * 2 ** i for i in range(measure.AGAIN)]  # growing: a long spell of noise ends
+    monkeypatch.undo()
     quick = _sleeper([0.001])
     seconds = confirmed_race({"mlx": _sleeper([0.006]), "compiled": quick}, "mlx", rounds=2, pause=0.0)
     assert pick(seconds, "mlx") == "compiled" and len(quick.calls) == 3

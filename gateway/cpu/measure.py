@@ -107,15 +107,16 @@ def race(candidates: Mapping[str, Callable[[], object]], rounds: int = 3,
     return best
 
 
-AGAIN = 2  # races run again, at most, while the path replaced wins (confirmed_race)
-PAUSE = 0.1  # seconds between them
+AGAIN = 3  # races run again, at most, while the path replaced wins (confirmed_race)
+PAUSE = 0.1  # seconds before the first of them; each pause after is twice the one before
 
 
 def confirmed_race(candidates: Mapping[str, Callable[[], object]], default: str, rounds: int = 3,
                    sync: Optional[Callable[[object], None]] = None, warmup: int = 1,
                    again: int = AGAIN, pause: float = PAUSE) -> dict[str, float]:
-    """:func:`race`, run again (up to ``again`` times, ``pause`` seconds apart) while
-    :func:`pick` keeps ``default``, each candidate keeping its best figure over the races.
+    """:func:`race`, run again (up to ``again`` times, after pauses of ``pause``, then twice
+    and four times that, seconds) while :func:`pick` keeps ``default``, each candidate
+    keeping its best figure over the races.
 
     Why: a spell of noise on the machine of 100-200 ms can cover a whole race, and it
     slows a kernel of many small operations far more than one of a few large ones. In 16
@@ -125,13 +126,17 @@ def confirmed_race(candidates: Mapping[str, Callable[[], object]], default: str,
     The one race that decided, in 1 of 16 servers, kept MLX's own, and that server
     prefilled 3x slower for its whole life. Noise only slows, so the best figure over
     more races is the nearer one; a replacement that wins is not raced again (noise
-    would have had to slow the path it replaces alone).
+    would have had to slow the path it replaces alone). Two races 0.1 s apart were not
+    always enough: in 1 of 6 later fresh servers the compiled kernel took 34.8 ms at best
+    over three races (MLX's own 31.9), then 15.8 ms for the next shape timed right after,
+    so the pauses grow: the races span about a second and a half before the default is
+    kept.
     """
     seconds = race(candidates, rounds, sync=sync, warmup=warmup)
-    for _ in range(again):
+    for i in range(again):
         if default not in seconds or len(seconds) < 2 or pick(seconds, default) != default:
             break
-        time.sleep(pause)
+        time.sleep(pause * 2 ** i)
         more = race(candidates, rounds, sync=sync, warmup=warmup)
         seconds = {name: min(s, more.get(name, s)) for name, s in seconds.items()}
     return seconds
