@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch, _extend_cache
-from mlx_lm.models.cache import TokenBuffer
+from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 
 from cache.restore import layer_bytes
 from scheduler.batch_merge import extend_with_rows, merge_with_room
@@ -75,6 +75,26 @@ def context_tokens(model, tokens: list[int]) -> list[int]:
 def _last_token_only(segments: list[list[int]]) -> bool:
     """A row's remaining prompt segments are just its last token."""
     return len(segments) == 1 and len(segments[0]) == 1
+
+
+def make_room(caches: list, tokens: int) -> None:
+    """Let each plain KV layer cache of ``caches`` (mlx-lm's ``BatchKVCache``; other kinds
+    are left alone) take ``tokens`` more at its next growth, rounded up to its usual step.
+
+    mlx-lm grows a KV cache by 256 tokens' room at a time, copying what it holds into the
+    new buffer each time a chunk does not fit: a prompt prefilled in chunks beside decoding
+    rows copied its cache at nearly every chunk. Given its whole prompt's room at once it
+    copies it once. Measured on the 2-core CPU (cache updates alone, MLX's own timing):
+    the medium benchmark model's shapes (6 layers, 4 KV heads of 32), 3,000 tokens in
+    five chunks: 28-47 ms, 15 ms with room made; the default model's (30 layers, 3 KV
+    heads of 64), 30,000 tokens in 2,048-token chunks: 2.5-6.6 s, 0.4-0.8 s.
+    ``tokens`` of 0 gives the caches back their usual step (a decoding batch grows 256 at
+    a time again).
+    """
+    for c in caches:
+        if type(c) is BatchKVCache:
+            usual = BatchKVCache.step
+            c.step = max(usual, -(-tokens // usual) * usual)
 
 
 class JoiningGenerationBatch(GenerationBatch):
@@ -315,6 +335,7 @@ class JoiningBatchGenerator(BatchGenerator):
         if to_prompt:
             self._unprocessed_sequences.extendleft(reversed(to_prompt))
             self._prompt_batch.extend(self._make_batch(len(to_prompt)))
+            make_room(self._prompt_batch.prompt_cache, max(seq[2] - seq[1] for seq in self._currently_processing))
         if not direct:
             return []
         # (uid, segments, max_tokens, cache, tokens, sampler, processors, stop sequences)
@@ -342,6 +363,7 @@ class JoiningBatchGenerator(BatchGenerator):
         self._generation_batch.join(moving.uids, moving.prompt_cache, [seq[0][0][0] for seq in rows], moving.tokens,
                                     moving.samplers, moving.logits_processors, moving.stop_sequences,
                                     moving.max_tokens)
+        make_room(self._generation_batch.prompt_cache, 0)  # the prompt batch's caches may be the decode batch's now
         return [PromptProcessingBatch.Response(uid, (seq[2], seq[2]), True, True)
                 for uid, seq in zip(moving.uids, rows)]
 

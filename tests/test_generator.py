@@ -104,3 +104,29 @@ def test_warm_row_joins_the_decode_forward():
     gen.next()
     assert gen._prompt_batch.uids == [] and gen._generation_batch.uids == [uid]  # never in the prompt batch
     gen.close()
+
+
+def test_a_chunked_prompt_gets_its_whole_room_at_once_and_the_decode_batch_its_usual_step():
+    """A 600-token prompt prefilled 64 tokens a step: its plain KV caches grow once, at the
+    first chunk, to room for the whole prompt (mlx-lm grows 256 tokens at a time, copying
+    the cache each time); once it decodes, its caches grow 256 at a time again. The tokens
+    are mlx-lm's (test_same_tokens_as_mlx_lm)."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    model, _ = mlx_lm.load(str(model_path("qwen3")))
+    prompt = [(7 * i + 3) % 200 + 10 for i in range(600)]
+    gen = JoiningBatchGenerator(model, max_tokens=1 << 20, prefill_batch_size=1, completion_batch_size=1,
+                                prefill_step_size=64)
+    gen.insert([prompt], max_tokens=[4])
+    sizes = []
+    while not gen._generation_batch.uids:
+        gen.next()
+        layers = [c for c in gen._prompt_batch.prompt_cache if type(c) is BatchKVCache and c.keys is not None]
+        if layers:
+            sizes.append({c.keys.shape[2] for c in layers})
+    assert len(sizes) >= 9 and all(s == sizes[0] for s in sizes), sizes  # one growth, at the first chunk
+    (size,) = sizes[0]
+    assert len(prompt) - 1 <= size < len(prompt) + BatchKVCache.step
+    decoding = [c for c in gen._generation_batch.prompt_cache if type(c) is BatchKVCache]
+    assert decoding and all(c.step == BatchKVCache.step for c in decoding)
+    gen.close()
