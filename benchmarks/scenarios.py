@@ -112,7 +112,7 @@ async def stream_chat(c: httpx.AsyncClient, messages, max_tokens: int, model: st
                 use = chunk["usage"]
             for ch in chunk.get("choices", []):
                 d = ch.get("delta", {})
-                piece = (d.get("content") or "") + (d.get("reasoning_content") or "")
+                piece = (d.get("content") or "") + (d.get("reasoning_content") or d.get("reasoning") or "")
                 if piece:
                     first = first or time.monotonic()
                     n += 1
@@ -219,7 +219,8 @@ async def _timed_stream(c: httpx.AsyncClient, body: dict, times: list[float], te
             if not line.startswith("data: {"):
                 continue
             deltas = [ch.get("delta") or {} for ch in json.loads(line[6:]).get("choices", [])]
-            piece = "".join((d.get("content") or "") + (d.get("reasoning_content") or "") for d in deltas)
+            piece = "".join((d.get("content") or "") + (d.get("reasoning_content") or d.get("reasoning") or "")
+                            for d in deltas)
             if piece:
                 times.append(time.monotonic())
                 if texts is not None:
@@ -284,6 +285,13 @@ async def stall(url: str, model: str, streams: int = 4, long_tokens: int = 3000,
             "max_tokens": 4000, "temperature": 0, "stream": True, "logit_bias": no_eos}, times[i], texts[i]))
             for i in range(streams)]
         while min(len(t) for t in times) < 24:  # all decoding, past their first tokens
+            ended = [t for t in tasks if t.done()]
+            if ended:  # a stream that ended (or failed) early would be waited for forever
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise RuntimeError(f"stall: a stream ended after {min(len(t) for t in times)} content chunks, "
+                                   f"before the long prompt was sent: {ended[0].exception()!r}")
             await asyncio.sleep(0.01)
         t_long = time.monotonic()
         r = await stream_chat(c, [{"role": "user", "content": text}], 8, model)
