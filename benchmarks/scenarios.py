@@ -97,6 +97,12 @@ def start(cmd: list[str], port: int, env=None, timeout: float = 300, log=None) -
     raise RuntimeError("server did not start")
 
 
+def delta_text(delta: dict) -> str:
+    """A streamed chat chunk's text: its content and its reasoning (the gateway's
+    ``reasoning_content``, mlx_lm.server's ``reasoning``)."""
+    return (delta.get("content") or "") + (delta.get("reasoning_content") or delta.get("reasoning") or "")
+
+
 async def stream_chat(c: httpx.AsyncClient, messages, max_tokens: int, model: str, **extra) -> dict:
     t0 = time.monotonic()
     first, n, text, use = None, 0, "", {}
@@ -111,8 +117,7 @@ async def stream_chat(c: httpx.AsyncClient, messages, max_tokens: int, model: st
             if chunk.get("usage"):
                 use = chunk["usage"]
             for ch in chunk.get("choices", []):
-                d = ch.get("delta", {})
-                piece = (d.get("content") or "") + (d.get("reasoning_content") or d.get("reasoning") or "")
+                piece = delta_text(ch.get("delta") or {})
                 if piece:
                     first = first or time.monotonic()
                     n += 1
@@ -218,9 +223,7 @@ async def _timed_stream(c: httpx.AsyncClient, body: dict, times: list[float], te
         async for line in r.aiter_lines():
             if not line.startswith("data: {"):
                 continue
-            deltas = [ch.get("delta") or {} for ch in json.loads(line[6:]).get("choices", [])]
-            piece = "".join((d.get("content") or "") + (d.get("reasoning_content") or d.get("reasoning") or "")
-                            for d in deltas)
+            piece = "".join(delta_text(ch.get("delta") or {}) for ch in json.loads(line[6:]).get("choices", []))
             if piece:
                 times.append(time.monotonic())
                 if texts is not None:

@@ -40,17 +40,16 @@ def _glibc_with_mallinfo2() -> bool:
         return False
 
 
+ROOT = os.path.dirname(os.path.dirname(__file__))
+
+
 def _last_line_of_fresh_process(script: str, drop: tuple = ("MLX_GATEWAY_MALLOC_TUNE",)) -> str:
     """Run ``script`` in a fresh Python (glibc's settings are the process's), without the
     environment variables ``drop``; the last line it printed."""
     env = {k: v for k, v in os.environ.items() if k not in drop}
-    here = os.path.dirname(__file__)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here])
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.dirname(__file__)])
     return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
                           timeout=120).stdout.strip().splitlines()[-1]
-
-
-ROOT = os.path.dirname(os.path.dirname(__file__))
 
 
 @pytest.mark.parametrize("seconds,want", [({"glibc": 0.050, "keep freed": 0.030}, "keep freed"),
