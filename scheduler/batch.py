@@ -246,6 +246,8 @@ class Batch(RowInsertion, RowFailures):
         self._held = self._held + 1 if hold else 0
         self.gen.prefill_step_size = chunk
         self.gen.hold_decode = hold
+        # a request's prompt takes turns with the decoding rows: their steps verify no drafts
+        self.gen.prompts_waiting = not decode_only and any(a.precompute is None for a in prefill_rows)
         tic = time.perf_counter()
         try:
             prompt_responses, gen_responses = self.gen.next()

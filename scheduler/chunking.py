@@ -33,7 +33,10 @@ sequences decode, the planner instead:
   Not counting the decode inside the chunk step, the medium benchmark model ran three
   decode-only steps after most chunks instead of two: 11-12 % of the chunks' time, which
   the long prompt waited for. The step that moves a finished prompt to the decoding
-  rows decodes them too, so it goes first;
+  rows decodes them too, so it goes first. These steps, and the decode inside each
+  chunk step, verify no speculative drafts (:meth:`Speculator.next
+  <scheduler.speculative.step.Speculator.next>`): a verify step is wider than the decode
+  step the share counts on;
 * lets a prompt's last chunk take its tail (up to :data:`TAIL` of the chunk more) rather
   than leave it to a step of its own, which would pay a forward's fixed part and a
   decode step for a few tokens.

@@ -107,6 +107,7 @@ class JoiningGenerationBatch(GenerationBatch):
         self._fresh = [False] * len(self.uids)  # input is the last prompt token
         self._ahead = [False] * len(self.uids)  # input is a token already reported
         self.speculator = None  # a scheduler.speculative.step.Speculator: its steps may verify drafts
+        self.prompts_waiting = False  # a request's prompt prefills beside this batch: steps stay plain
 
     @classmethod
     def empty(cls, model, fallback_sampler) -> "JoiningGenerationBatch":
@@ -274,6 +275,9 @@ class JoiningBatchGenerator(BatchGenerator):
         self._generation_batch = self.generation_batch_class.empty(self.model, self.sampler)
         self._generation_batch.speculator = speculator
         self.hold_decode = False  # the next steps skip the decode forward (set per step by the batch)
+        # A request's prompt prefills in chunks beside the decode batch (set per step by the
+        # batch): decode steps verify no drafts, since a verify step's extra time is the prompt's.
+        self.prompts_waiting = False
 
     def kv_bytes(self) -> int:
         """Bytes of the prompt and decode batch caches, a draft model's included
@@ -310,6 +314,7 @@ class JoiningBatchGenerator(BatchGenerator):
             prompt_responses += self._admit()
             prompt_responses += self._join_finished_prompts()
         if len(gen) > 0 and not self.hold_decode:
+            gen.prompts_waiting = self.prompts_waiting
             tic = time.perf_counter()
             generation_responses = gen.next()
             self._counters.decode_time += time.perf_counter() - tic

@@ -7,11 +7,19 @@ hybrid with linear attention (qwen3_5), sliding window (gemma3_text) and a Mamba
 from __future__ import annotations
 
 import asyncio
+import random
+import time
+import uuid
 
 import httpx
+import mlx_lm
 import pytest
 
-from conftest import assert_same_tokens, live_server, model_path, stream_completion_logprobs
+from cache import PromptCacheManager
+from conftest import EventSink, assert_same_tokens, engine_tokens, live_server, model_path, stream_completion_logprobs
+from scheduler import Engine, EngineRequest, SamplingParams
+from scheduler.generator import JoiningBatchGenerator
+from scheduler.speculative import SpeculationConfig
 
 WORDS = "the model cache token prompt server batch request tenant prefix memory apple code agent".split()
 
@@ -196,3 +204,60 @@ def test_the_floor_follows_the_marginal_cost_measured_as_the_prompt_advances():
     p.record(512, 512, 0, 0.010 + 512 * 1e-3)  # attention over a long context: 10x the cost per token
     assert p._marginal[()] == pytest.approx(1e-3)
     assert p.floor(1) < early
+
+
+# ---------------------------------------------------------------------- beside speculative decoding
+
+def test_decoding_rows_verify_no_drafts_while_a_prompt_prefills_beside_them(monkeypatch):
+    """A stream whose answer loops verifies drafts; while a long prompt prefills in chunks
+    beside it, its steps are plain (a verify step's extra time would be the prompt's), and
+    once the prompt decodes too it verifies drafts again. Both get their solo tokens."""
+    model, tok = mlx_lm.load(str(model_path("qwen3")))
+    rng = random.Random(3)
+    stream = [rng.randrange(10, 500) for _ in range(12)] * 5  # the demo model's answer to it loops
+    long_prompt = [rng.randrange(10, 500) for _ in range(320)]
+    engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
+                    decode_concurrency=8, prefill_budget=1e-4, speculation=SpeculationConfig("ngram", 4))
+    engine.chunks.cost = None  # no efficiency floor: 32-token chunks, many steps beside the stream
+    steps = []  # per generator step: (a prompt waited in it, verify steps it ran)
+    plain_next = JoiningBatchGenerator._next
+
+    def spy(gen):
+        waited = len(gen._prompt_batch) > 0 or len(gen._unprocessed_sequences) > 0
+        verified = engine.stats.speculation.verify_steps
+        out = plain_next(gen)
+        steps.append((waited or len(gen._prompt_batch) > 0, engine.stats.speculation.verify_steps - verified))
+        return out
+
+    def submit(tokens, max_tokens):
+        sink = EventSink()
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        engine.submit(EngineRequest(f"t-{uuid.uuid4().hex[:12]}", tokens, params, sink))
+        return sink
+
+    plain = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=1,
+                   decode_concurrency=1)
+    plain.start()
+    try:
+        solo = [engine_tokens(plain, [p], [SamplingParams(max_tokens=n, ignore_eos=True)])[0]
+                for p, n in ((stream, 160), (long_prompt, 4))]
+    finally:
+        plain.stop()
+    engine.start()
+    try:
+        monkeypatch.setattr(JoiningBatchGenerator, "_next", spy)
+        first = submit(stream, 160)
+        deadline = time.monotonic() + 60
+        while engine.stats.speculation.verify_steps == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert engine.stats.speculation.verify_steps > 0, "the looping stream never verified drafts"
+        second = submit(long_prompt, 4)
+        assert first.done.wait(120) and second.done.wait(120)
+    finally:
+        engine.stop()
+    assert [first.tokens, second.tokens] == solo
+    beside = [v for waited, v in steps if waited]
+    last_wait = max(i for i, (waited, _) in enumerate(steps) if waited)
+    assert len(beside) >= 320 // 32, steps  # the prompt took turns with the stream, chunk by chunk
+    assert sum(beside) == 0, steps
+    assert sum(v for _, v in steps[last_wait + 1:]) > 0, steps  # drafts again after the prompt joined
