@@ -89,11 +89,13 @@ class JoinRecorder:
     runs (those on a row's own cache, not the draft batch's)."""
 
     def __init__(self, model):
-        self.model, self.joins = model, []
+        self.model, self.joins, self.batched = model, [], []
 
     def __call__(self, inputs, cache=None):
         if cache is not None and not isinstance(cache[0], BatchKVCache):
             self.joins.append(inputs.shape[1])
+        elif cache is not None:
+            self.batched.append(inputs.shape[1])  # the draft batch's: catch-ups and drafts
         return self.model(inputs, cache=cache)
 
     def __getattr__(self, name):
@@ -108,7 +110,10 @@ def test_the_draft_cache_holds_exactly_each_rows_tokens(which, chunk, tmp_path_f
     drafts mostly accepted (rows lag a token) and mostly rejected (rows cool down and lag
     by different numbers of tokens). With 16-token chunks, rows join over several steps
     (emitting tokens meanwhile), each step prefilling one chunk's tokens at most; with
-    512-token chunks, the two rows that start together join in one step."""
+    512-token chunks, the two rows that start together join in one step. For 20 steps
+    the rows decode plainly, as beside a prompt in prefill: with 16-token chunks they fall
+    more than a chunk behind, leave the draft batch and join again, so that no forward of
+    the draft batch feeds a row more than a chunk."""
     from scheduler.generator import JoiningBatchGenerator
     from scheduler.sampling import greedy
     from scheduler.speculative import Speculator, draft_model
@@ -120,19 +125,22 @@ def test_the_draft_cache_holds_exactly_each_rows_tokens(which, chunk, tmp_path_f
     spec = Speculator(_draft(model, other, k=3), SpeculationStats())
     gen = JoiningBatchGenerator(model, speculator=spec, max_tokens=1 << 20, prefill_batch_size=4,
                                 completion_batch_size=8, prefill_step_size=64, sampler=greedy)
-    uids = gen.insert(prompts[:2], max_tokens=max_tokens[:2])
+    uids = gen.insert(prompts[:2], max_tokens=[m + 40 for m in max_tokens[:2]])
     checked, ended, steps = 0, set(), 0
+    rejoining = 0  # steps after the plain ones that ended with a row joining again
     joining = 0  # steps that ended with a row still joining
     most = 0  # rows that joined in one step
     while len(ended) < len(uids):
         before = len(other.joins)
+        gen.prompts_waiting = 12 <= steps < 32
         ended |= {g.uid for g in gen.next()[1] if g.finish_reason}
         assert sum(other.joins[before:]) <= chunk  # joins prefill one chunk's tokens per step at most
         most = max(most, len(other.joins) - before)
         joining += bool(spec.drafter._joining)
+        rejoining += steps >= 32 and bool(spec.drafter._joining)
         steps += 1
         if steps in (5, 9):  # rows that join later lag, cool down and catch up out of step
-            uids += gen.insert(prompts[steps // 4: steps // 4 + 1], max_tokens=[40])
+            uids += gen.insert(prompts[steps // 4: steps // 4 + 1], max_tokens=[80])
         drafter, batch = spec.drafter, gen._generation_batch
         for j, uid in enumerate(drafter.uids):
             if uid not in batch.uids:
@@ -150,6 +158,8 @@ def test_the_draft_cache_holds_exactly_each_rows_tokens(which, chunk, tmp_path_f
     stats = spec.stats
     assert checked > 10 and stats.verify_steps > 0, stats
     assert joining >= (6 if chunk == 16 else 0), joining  # 60-75 token contexts: 4-5 chunks each
+    assert max(other.batched) <= chunk, other.batched  # a catch-up feeds a row a chunk at most
+    assert rejoining >= (1 if chunk == 16 else 0), rejoining  # 20 tokens behind: more than a chunk
     assert most >= (2 if chunk == 512 else 1), most  # rows that fit in one chunk join in one step
     assert (stats.accepted > 0.8 * stats.drafted) if which == "same" else (stats.accepted < 0.5 * stats.drafted)
 

@@ -14,8 +14,10 @@ per decoding row that has drafted, matched to the decode batch by uid.
   its tokens (it emits a few per step); then its cache is merged into the draft batch. A
   step where only joining rows want drafts runs no other draft forward.
 - **Catching up.** A row's draft cache may lag its tokens: by the plain steps it took
-  without drafting (cool-down, width 1, a step with no candidates), and by one token after
-  it accepted every draft (the last draft is never fed to the draft model). A drafting
+  without drafting (cool-down, width 1, a step with no candidates, steps beside a prompt
+  in prefill), and by one token after it accepted every draft (the last draft is never
+  fed to the draft model). A row more than :data:`PREFILL_CHUNK` tokens behind leaves the
+  draft batch with its cache and joins again, a chunk per step. A drafting
   step that finds rows behind starts with one forward ``[B_d, M]`` of every row's missing
   tokens, rows shorter than ``M`` filled at the end with positions that are then taken
   back as holes (they come after the row's real tokens, which never see them); only the
@@ -208,6 +210,7 @@ class ModelDrafter:
         if self.k <= 0:
             return [[] for _ in inputs]
         index = {u: i for i, u in enumerate(batch.uids)}
+        self._rejoin_far_behind(batch, index)
         known = set(self.uids) | set(self._joining)
         self._join(batch, index, [batch.uids[i] for i, c in enumerate(candidates) if c and batch.uids[i] not in known])
         if not any(candidates[index[u]] for u in self.uids):  # only joining rows want drafts
@@ -234,6 +237,28 @@ class ModelDrafter:
             if candidates[i]:
                 drafts[i] = out[j][: rooms[i]]
         return drafts
+
+    def _rejoin_far_behind(self, batch, index: dict[int, int]) -> None:
+        """Rows more than :data:`PREFILL_CHUNK` tokens behind leave the draft batch with their
+        draft caches and join again (:meth:`_join`: a chunk per step, drafting once
+        caught up), so that a catch-up forward never feeds a row more than a chunk. Rows
+        fall that far behind over plain steps: a long cool-down, or steps beside a prompt in
+        prefill (:meth:`Speculator.next <scheduler.speculative.step.Speculator.next>`), which
+        would otherwise end in one forward of every token decoded meanwhile."""
+        far = {j for j, (u, f) in enumerate(zip(self.uids, self.fed))
+               if len(batch.tokens[index[u]]) - f > PREFILL_CHUNK}
+        if not far:
+            return
+        for j in far:
+            self._joining[self.uids[j]] = ([c.extract(j) for c in self.cache], self.fed[j])
+        keep = [j for j in range(len(self.uids)) if j not in far]
+        if not keep:
+            self.uids, self.fed, self.cache = [], [], None
+            return
+        for c in self.cache:
+            c.filter(keep)
+        self.uids = [self.uids[j] for j in keep]
+        self.fed = [self.fed[j] for j in keep]
 
     def _catch_up(self, behind: list[list[int]]) -> None:
         """Feed each row the tokens it emitted since its draft cache last saw it (``behind``,
