@@ -118,6 +118,10 @@ class ModelDrafter:
         for j, u in enumerate(self.uids):
             if u not in live:
                 self._save(u, self.fed[j], lambda j=j: [c.extract(j) for c in self.cache])
+        self._keep(keep)
+
+    def _keep(self, keep: list[int]) -> None:
+        """Keep the draft batch's rows at indices ``keep`` (in order), dropping the others."""
         if not keep:
             self.uids, self.fed, self.cache = [], [], None
             return
@@ -251,14 +255,7 @@ class ModelDrafter:
             return
         for j in far:
             self._joining[self.uids[j]] = ([c.extract(j) for c in self.cache], self.fed[j])
-        keep = [j for j in range(len(self.uids)) if j not in far]
-        if not keep:
-            self.uids, self.fed, self.cache = [], [], None
-            return
-        for c in self.cache:
-            c.filter(keep)
-        self.uids = [self.uids[j] for j in keep]
-        self.fed = [self.fed[j] for j in keep]
+        self._keep([j for j in range(len(self.uids)) if j not in far])
 
     def _catch_up(self, behind: list[list[int]]) -> None:
         """Feed each row the tokens it emitted since its draft cache last saw it (``behind``,
