@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 import uuid
 
 import httpx
@@ -16,7 +15,8 @@ import mlx_lm
 import pytest
 
 from cache import PromptCacheManager
-from conftest import EventSink, assert_same_tokens, engine_tokens, live_server, model_path, stream_completion_logprobs
+from conftest import (EventSink, assert_same_tokens, engine_tokens, live_server, model_path,
+                      stream_completion_logprobs, wait_until)
 from scheduler import Engine, EngineRequest, SamplingParams
 from scheduler.generator import JoiningBatchGenerator
 from scheduler.speculative import SpeculationConfig
@@ -247,10 +247,8 @@ def test_decoding_rows_verify_no_drafts_while_a_prompt_prefills_beside_them(monk
     try:
         monkeypatch.setattr(JoiningBatchGenerator, "_next", spy)
         first = submit(stream, 160)
-        deadline = time.monotonic() + 60
-        while engine.stats.speculation.verify_steps == 0 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert engine.stats.speculation.verify_steps > 0, "the looping stream never verified drafts"
+        wait_until(lambda: engine.stats.speculation.verify_steps, 60, "the looping stream's first verify step",
+                   interval=0.005)
         second = submit(long_prompt, 4)
         assert first.done.wait(120) and second.done.wait(120)
     finally:
