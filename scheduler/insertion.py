@@ -27,7 +27,7 @@ from cache.checkpoints import row_snapshots
 from cache.entries import compact
 from scheduler.faults import RowFault
 from scheduler.first_tokens import eligible
-from scheduler.generator import DecodingState
+from scheduler.decode_batch import DecodingState
 from scheduler.request import DoneEvent, EngineRequest, ErrorEvent
 from scheduler.rows import Row
 from scheduler.sampling import make_processors, make_sampler
@@ -181,7 +181,7 @@ class RowInsertion:
         """Take the row ``a`` out of the generator between two steps, its cache kept (a
         compact copy), to be put back by :meth:`resume` and go on from there: a prefilling
         row keeps what it has prefilled (and its lease), a decoding row its whole state
-        (:class:`scheduler.generator.DecodingState`: its pending token, sampler, grammar).
+        (:class:`scheduler.decode_batch.DecodingState`: its pending token, sampler, grammar).
         False (``a`` left as it was) if it could not be taken out."""
         if a.decoding:
             return self._pause_decoding(a)

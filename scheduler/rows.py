@@ -123,12 +123,12 @@ class Row:
     cache_source: str = "memory"  # where its cached prefix came from: "memory" or "disk"
     marks: list[int] = field(default_factory=list)
     # While paused: (its cache, the tokens it covers) for a prefilling row, a
-    # scheduler.generator.DecodingState for a decoding one.
+    # scheduler.decode_batch.DecodingState for a decoding one.
     paused: Any = None
     progress_base: int = 0
     progress_sent: tuple = (0.0, 0)  # (monotonic seconds, tokens) of the last progress event
     # Started from a kept first token (scheduler.first_tokens): its
-    # scheduler.generator.DecodingState until it joins the decode batch at the next step.
+    # scheduler.decode_batch.DecodingState until it joins the decode batch at the next step.
     joining: Any = None
 
     @property

@@ -112,7 +112,7 @@ def test_the_store_keeps_the_most_recent_prompts_within_its_bytes():
 def test_a_repeat_whose_merge_fails_fails_alone(monkeypatch):
     """The merge that joins a repeat to the decode batch raises: the repeat ends with a 500,
     the row already decoding keeps its exact tokens, and no lease is left."""
-    import scheduler.generator as generator
+    import scheduler.decode_batch as decode_batch
 
     with _engine("qwen3") as (engine, prompts, store):
         engine_tokens(engine, [prompts[0]], [8])  # kept: its repeat joins without a forward
@@ -124,7 +124,7 @@ def test_a_repeat_whose_merge_fails_fails_alone(monkeypatch):
         def broken(batch, caches):
             raise RuntimeError("no memory for the merge")
 
-        monkeypatch.setattr(generator, "extend_with_rows", broken)
+        monkeypatch.setattr(decode_batch, "extend_with_rows", broken)
         repeat = EventSink()
         engine.submit(EngineRequest("repeat", prompts[0], SamplingParams(max_tokens=8), repeat))
         assert repeat.done.wait(60)

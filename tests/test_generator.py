@@ -14,9 +14,11 @@ from conftest import CountingModel, assert_same_tokens, model_path, prefilled
 from scheduler.generator import JoiningBatchGenerator
 
 
-def run(generator_cls, model, rows, *, prefill_batch: int, decode_batch: int, step: int = 16):
+def run(generator_cls, model, rows, *, prefill_batch: int, decode_batch: int, step: int = 16,
+        steps: list | None = None):
     """Insert ``rows`` (segments, cache or None, cached tokens, max tokens) and step until
-    every row finished; per row, its (token, logprob) pairs and finish reason."""
+    every row finished; per row, its (token, logprob) pairs and finish reason. ``steps``,
+    if given, gets per step the row indices whose prompt ended and those given a token."""
     gen = generator_cls(model, max_tokens=1 << 20, prefill_batch_size=prefill_batch,
                         completion_batch_size=decode_batch, prefill_step_size=step)
     uids = gen.insert_segments(
@@ -40,6 +42,9 @@ def run(generator_cls, model, rows, *, prefill_batch: int, decode_batch: int, st
             out[g.uid].append((g.token, g.logprobs[g.token].item()))
             if g.finish_reason:
                 finish[g.uid] = g.finish_reason
+        if steps is not None:
+            steps.append(({uids.index(p.uid) for p in prompt_responses if p.end_of_prompt},
+                          {uids.index(g.uid) for g in responses}))
     gen.close()
     return [out[u] for u in uids], [finish[u] for u in uids]
 
@@ -62,6 +67,33 @@ def test_same_tokens_as_mlx_lm(arch, sizes):
     assert got[1] == want[1]
     for i, (g, w) in enumerate(zip(got[0], want[0])):
         assert_same_tokens(g, w, f"row {i}")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text", "qwen3_5", "nemotron_h"])
+def test_a_long_prompt_joins_apart_with_its_first_token_from_its_own_forward(arch):
+    """A 90-token prompt finishes beside a row decoding with about a dozen tokens in its
+    cache (more than APART_WIDTH times fewer): the step that ends its prompt reports its
+    first token from a forward of its own, and the decoding row gets no token in that
+    step; both rows then decode together. Tokens and logprobs are mlx-lm's, and the
+    prompt's cache at its end is exactly its prompt (``run`` checks it)."""
+    from scheduler.generator import APART_WIDTH
+
+    model, _ = mlx_lm.load(str(model_path(arch)))
+    short = [(5 * i + 7) % 200 + 10 for i in range(6)]
+    long = [(7 * i + 3) % 200 + 10 for i in range(90)]
+    rows = [([short], None, [], 24), ([long], None, [], 6)]
+    want = run(BatchGenerator, model, rows, prefill_batch=1, decode_batch=2)
+    steps: list = []
+    got = run(JoiningBatchGenerator, model, rows, prefill_batch=1, decode_batch=2, steps=steps)
+    assert got[1] == want[1]
+    for i, (g, w) in enumerate(zip(got[0], want[0])):
+        assert_same_tokens(g, w, f"row {i}")
+    (joined,) = [i for i, (ended, _) in enumerate(steps) if 1 in ended]
+    decoded_before = sum(0 in tokens for _, tokens in steps[:joined])
+    assert len(long) - 1 >= APART_WIDTH * (len(short) + decoded_before)  # long enough to join apart
+    assert steps[joined][1] == {1}  # its first token; the decoding row waited
+    assert steps[joined + 1][1] == {0}  # then the decoding row's token (the new row's next one comes a step later)
+    assert {0, 1} <= steps[joined + 2][1]
 
 
 def join_step_calls(generator_cls, model, warm, base) -> tuple[int, list, int]:

@@ -113,6 +113,7 @@ class FollowerGenerator(JoiningBatchGenerator):
     """A follower's generator: rank 0's chunk for each step, rank 0's sampled tokens."""
 
     generation_batch_class = SyncedGenerationBatch
+    joins_apart = False  # every rank runs the same forwards, the tokens synced after each decode step
 
     def __init__(self, model, stream: Stream, batch: "FollowerBatch", **kwargs):
         super().__init__(model, **kwargs)

@@ -76,6 +76,7 @@ class LeaderGenerator(JoiningBatchGenerator):
     step, and its sampled tokens after each decode forward."""
 
     generation_batch_class = SyncedGenerationBatch
+    joins_apart = False  # every rank runs the same forwards, the tokens synced after each decode step
 
     def __init__(self, model, recorder: Recorder, batch: "LeaderBatch", **kwargs):
         super().__init__(model, **kwargs)

@@ -1,4 +1,4 @@
-"""The speculative decode step over :class:`scheduler.generator.JoiningGenerationBatch`.
+"""The speculative decode step over :class:`scheduler.decode_batch.JoiningGenerationBatch`.
 
 Each step (:meth:`Speculator.next`):
 

@@ -1,0 +1,197 @@
+"""The decode batch of :class:`scheduler.generator.JoiningBatchGenerator`: mlx-lm's
+``GenerationBatch`` with rows that join it with their last prompt token as their input
+(:meth:`JoiningGenerationBatch.join`), and rows taken out and put back between two steps
+with their state (:class:`DecodingState`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationBatch, _extend_cache
+from mlx_lm.models.cache import TokenBuffer
+
+from scheduler.batch_merge import extend_with_rows
+
+
+@dataclass
+class DecodingState:
+    """A decoding row taken out of the decode batch between two steps
+    (:meth:`scheduler.generator.JoiningBatchGenerator.take_decoding`), to be put back as it was
+    (:meth:`~scheduler.generator.JoiningBatchGenerator.put_decoding`): its cache (one per layer, covering
+    ``tokens``), its pending input (the token sampled last, ``[1]``, not fed yet; its last
+    prompt token if it has not decoded yet) with its logprobs and whether it was reported
+    already, and its sampler, processors, stop
+    matcher, token context and counts, which carry on unchanged (a seeded sampler's key
+    chain, a grammar's state)."""
+
+    cache: list
+    tokens: list[int]
+    pending: Any  # mx.array [1]
+    logprobs: Any
+    reported: bool
+    fresh: bool  # its pending input is its last prompt token (it has not decoded yet)
+    sampler: Any
+    processors: list
+    stop: Any
+    matcher: Any
+    context: Any
+    max_tokens: int
+    num_tokens: int
+
+
+INT32_LIMIT = 1 << 31
+
+
+def context_tokens(model, tokens: list[int]) -> list[int]:
+    """``tokens`` as the logits processors' context (int32, mlx-lm's ``TokenBuffer``): a
+    vision model's image positions (ids far above any vocabulary) become its image
+    placeholder token (``model.image_token_id``), as in the prompt its processor made."""
+    if not tokens or max(tokens) < INT32_LIMIT:
+        return tokens
+    placeholder = getattr(model, "image_token_id", 0)
+    return [t if t < INT32_LIMIT else placeholder for t in tokens]
+
+
+class JoiningGenerationBatch(GenerationBatch):
+    """mlx-lm's decode batch, plus :meth:`join`: rows whose pending input is their last
+    prompt token. The token such a row's first step samples is its first one, reported
+    at the end of that step (see :meth:`next`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._fresh = [False] * len(self.uids)  # input is the last prompt token
+        self._ahead = [False] * len(self.uids)  # input is a token already reported
+        self.speculator = None  # a scheduler.speculative.step.Speculator: its steps may verify drafts
+        self.prompts_waiting = False  # a request's prompt prefills beside this batch: steps stay plain
+
+    @classmethod
+    def empty(cls, model, fallback_sampler) -> "JoiningGenerationBatch":
+        return cls(model=model, fallback_sampler=fallback_sampler, uids=[], inputs=mx.array([], dtype=mx.uint32),
+                   prompt_cache=[], tokens=[], samplers=[], logits_processors=[], max_tokens=[], stop_sequences=[])
+
+    def join(self, uids, caches: list, last_tokens: list[int], tokens, samplers, logits_processors,
+             stop_sequences, max_tokens, rows: bool = False) -> None:
+        """Add rows decoding from their last prompt token.
+
+        Args:
+            caches: per layer, the rows' batch cache (their prompt minus its last token);
+                with ``rows``, per row, its list of layer caches instead
+                (:func:`extend_with_rows` puts them in).
+            last_tokens: each row's last prompt token, its input in the next step.
+            tokens: each row's tokens in its cache (the context of logits processors).
+            samplers, logits_processors, stop_sequences, max_tokens: per row, as in mlx-lm.
+        """
+        self.uids.extend(uids)
+        self.prompt_cache = (extend_with_rows(self.prompt_cache, caches) if rows
+                             else _extend_cache(self.prompt_cache, caches))
+        self.tokens.extend(tokens)
+        self.samplers.extend(samplers)
+        self.logits_processors.extend(logits_processors)
+        self.stop_sequences.extend(stop_sequences)
+        self.max_tokens.extend(max_tokens)
+        last = mx.array(last_tokens, dtype=mx.uint32)
+        pending = self._next_tokens
+        self._next_tokens = last if pending is None or pending.size == 0 else mx.concatenate([pending, last])
+        self._next_logprobs.extend(mx.zeros((1,)) for _ in uids)  # not reported
+        self._token_context.extend(TokenBuffer(context_tokens(self.model, t)) for t in tokens)
+        self._num_tokens.extend(0 for _ in uids)
+        self._matchers.extend(ss.matcher() for ss in stop_sequences)
+        self._fresh.extend(True for _ in uids)
+        self._ahead.extend(False for _ in uids)
+
+    def take(self, i: int) -> DecodingState:
+        """Take row ``i`` out of the batch (between two steps); see :class:`DecodingState`."""
+        state = DecodingState(
+            cache=self.extract_cache(i), tokens=list(self.tokens[i]), pending=self._next_tokens[i:i + 1],
+            logprobs=self._next_logprobs[i], reported=self._ahead[i], fresh=self._fresh[i],
+            sampler=self.samplers[i], processors=self.logits_processors[i], stop=self.stop_sequences[i],
+            matcher=self._matchers[i],
+            context=self._token_context[i], max_tokens=self.max_tokens[i], num_tokens=self._num_tokens[i])
+        self.filter([j for j in range(len(self.uids)) if j != i])
+        return state
+
+    def put(self, uids: list[int], states: list[DecodingState]) -> None:
+        """Put rows taken by :meth:`take` (or made as such, :mod:`scheduler.first_tokens`)
+        back under ``uids``, their caches merged in one copy: each one's next step feeds
+        its pending token, as the step it missed would have."""
+        # the merge first: if it raises, the batch's lists are as they were
+        self.prompt_cache = extend_with_rows(self.prompt_cache, [s.cache for s in states])
+        self.uids.extend(uids)
+        pending = self._next_tokens
+        for state in states:
+            self.tokens.append(state.tokens)
+            self.samplers.append(state.sampler)
+            self.logits_processors.append(state.processors)
+            self.stop_sequences.append(state.stop)
+            self.max_tokens.append(state.max_tokens)
+            pending = (state.pending if pending is None or pending.size == 0
+                       else mx.concatenate([pending, state.pending.astype(pending.dtype)]))
+            self._next_logprobs.append(state.logprobs)
+            self._token_context.append(state.context)
+            self._num_tokens.append(state.num_tokens)
+            self._matchers.append(state.matcher)
+            self._fresh.append(state.fresh)
+            self._ahead.append(state.reported)
+        self._next_tokens = pending
+
+    def filter(self, keep):
+        super().filter(keep)
+        self._fresh = [self._fresh[i] for i in keep]
+        self._ahead = [self._ahead[i] for i in keep]
+        if self.speculator is not None:  # a draft model's rows leave with theirs
+            self.speculator.forget(self.uids)
+
+    def next(self):
+        """One decode step: the speculator's when one is set, else :meth:`plain_next`."""
+        if self.speculator is not None:
+            return self.speculator.next(self)
+        return self.plain_next()
+
+    def plain_next(self):
+        """One decode step. A fresh row (its input was its last prompt token) gets its
+        first token reported at the end of this step, once the forward is done, rather than
+        in the next step as mlx-lm's pipelining would; the next step then skips it.
+
+        Returns:
+            ``GenerationBatch.Response`` per reported row, with the finish reason and, for
+            a finished row, its cache and tokens (the row leaves the batch). A row stopped
+            by its first token leaves with its prompt's cache and tokens.
+        """
+        if not self.uids:
+            return []
+        fresh, self._fresh = self._fresh, [False] * len(self.uids)
+        ahead, self._ahead = self._ahead, [False] * len(self.uids)
+        tokens, logprobs = self._step()
+        # Fresh rows with room for more than one token: wait for this step's forward and
+        # report their first token now. (A one-token row still ends in the next step, with
+        # its token in its cache, as in mlx-lm: precomputes rely on that.)
+        early = [f and self._num_tokens[i] + 1 < self.max_tokens[i] for i, f in enumerate(fresh)]
+        if any(early):
+            mx.eval(self._next_tokens, [lp for lp, e in zip(self._next_logprobs, early) if e])
+            tokens, logprobs = list(tokens), list(logprobs)
+            first = self._next_tokens.tolist()
+            for i in range(len(self.uids)):
+                if early[i]:
+                    tokens[i], logprobs[i] = first[i], self._next_logprobs[i]
+                    self._ahead[i] = True
+                    fresh[i] = False
+        keep, responses = [], []
+        for i, uid in enumerate(self.uids):
+            if ahead[i] or fresh[i]:  # reported already, or nothing to report yet
+                keep.append(i)
+                continue
+            self._num_tokens[i] += 1
+            finish = "length" if self._num_tokens[i] >= self.max_tokens[i] else None
+            if self._matchers[i].advance(tokens[i]):
+                finish = "stop"
+            if finish is None:
+                keep.append(i)
+                responses.append(self.Response(uid, tokens[i], logprobs[i], None, None, None))
+            else:
+                responses.append(self.Response(uid, tokens[i], logprobs[i], finish, self.extract_cache(i),
+                                               self.tokens[i]))
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
