@@ -30,11 +30,27 @@ def text(n: int, seed: int) -> str:
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "gemma3_text", "nemotron_h"])
 def test_long_prompt_chunked_between_decode_steps_matches_solo(arch):
+    """The long prompt, four times longer than the decoding rows or more at its end, also
+    joins them apart (``scheduler/generator.py``), beside prompt-lookup speculation where
+    the model allows it."""
+    chunked_beside_streams_matches_solo(arch)
+
+
+def test_long_prompt_chunked_beside_streams_matches_solo_with_a_draft_model():
+    """The same with a draft model: the long prompt joins apart, and the draft model's
+    batch takes it in through its joining path."""
+    chunked_beside_streams_matches_solo("qwen3", draft_model=str(model_path("qwen3")))
+
+
+def chunked_beside_streams_matches_solo(arch: str, **server_args) -> None:
+    """Three short requests decode while a ~300-token prompt prefills in 32-token chunks:
+    every request gets the tokens and logprobs of its solo run."""
     long_prompt = text(300, 1)
     shorts = [text(12 + 3 * i, 10 + i) for i in range(3)]
     # A budget far below one chunk's time: every prefill step under decode is one
     # 32-token chunk, and decode-only steps come between the chunks.
-    with live_server(model_path(arch), prefill_budget=1e-4, prompt_concurrency=4, decode_concurrency=8) as server:
+    with live_server(model_path(arch), prefill_budget=1e-4, prompt_concurrency=4, decode_concurrency=8,
+                     **server_args) as server:
         engine = server.engine
         engine.chunks.cost = None  # no efficiency floor (below): 32-token chunks, many steps to check
         no_eos = {str(t): -100 for t in server.tokenizer.eos_token_ids}
