@@ -44,7 +44,9 @@ def test_long_prompt_chunked_beside_streams_matches_solo_with_a_draft_model():
 
 def chunked_beside_streams_matches_solo(arch: str, **server_args) -> None:
     """Three short requests decode while a ~300-token prompt prefills in 32-token chunks:
-    every request gets the tokens and logprobs of its solo run."""
+    every request gets the tokens and logprobs of its solo run. Every request bans EOS with
+    ``logit_bias``, so each row runs logits processors, the long prompt's in the forward of
+    its own when it joins apart."""
     long_prompt = text(300, 1)
     shorts = [text(12 + 3 * i, 10 + i) for i in range(3)]
     # A budget far below one chunk's time: every prefill step under decode is one
@@ -57,7 +59,7 @@ def chunked_beside_streams_matches_solo(arch: str, **server_args) -> None:
 
         async def run():
             async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
-                solo_long = await stream_completion_logprobs(c, long_prompt, 6, {})
+                solo_long = await stream_completion_logprobs(c, long_prompt, 6, no_eos)
                 solo_short = [await stream_completion_logprobs(c, s, 60, no_eos) for s in shorts]
                 engine.call(engine.prompt_cache.flush)
                 before = engine.chunks.budgeted_steps
@@ -65,7 +67,7 @@ def chunked_beside_streams_matches_solo(arch: str, **server_args) -> None:
                 tasks = [asyncio.create_task(stream_completion_logprobs(c, s, 60, no_eos, e)) for s, e in zip(shorts, started)]
                 for e in started:
                     await e.wait()
-                together_long = await stream_completion_logprobs(c, long_prompt, 6, {})
+                together_long = await stream_completion_logprobs(c, long_prompt, 6, no_eos)
                 together_short = await asyncio.gather(*tasks)
                 return solo_long, solo_short, together_long, together_short, engine.chunks.budgeted_steps - before
 
