@@ -88,10 +88,10 @@ class JoiningBatchGenerator(BatchGenerator):
     into their batch, which widens every row's cache to the prompt's length, is left to
     the next step's forward. Its first token then waits for neither the merge nor a
     forward of the widened batch: on the medium benchmark model (2-core CPU) the step
-    joining a 3,000-token prompt beside four decoding streams took 21-51 ms, the prompt's
-    own last-token forward 7-9 ms. The other rows wait for that forward once. SGLang and
-    vLLM likewise sample a prompt's first token from its own last prefill forward, and
-    mlx-lm from a forward of the joining rows alone.
+    joining a 3,000-token prompt beside four decoding streams took 29-51 ms (five traced
+    runs), the prompt's own last-token forward 7-9 ms. The other rows wait for that forward
+    once. SGLang and vLLM likewise sample a prompt's first token from its own last prefill
+    forward, and mlx-lm from a forward of the joining rows alone.
 
     A chunk runs only when the decode batch has room, and a step starts with the batch it
     ended with, so a row whose prompt is done always joins at the next step's start: no
