@@ -17,7 +17,7 @@ from gateway.conversation.form import Conversation
 from gateway.conversation.structured import output_mask
 from scheduler import EngineRequest, SamplingParams
 from scheduler.request import ErrorEvent
-from test_tools_api import ADD, TOOLS, calls_of
+from test_tools_api import TOOLS, calls_of
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 10},
