@@ -13,24 +13,28 @@ replace what the client left to the gateway's defaults, and drops its
 origin, by default); and, run with ``--disable-retries`` so that a tenant's 429 is not sent
 again, it sends a request to a dead replica until its health checks notice.
 
-This front sends each request where it is served as sent:
+This front sends each request where it is served as sent, by the rule of its route in the
+gateway's route table (``gateway/routes/table.py``, ``cluster``):
 
-- ``POST /v1/chat/completions``, ``POST /v1/completions`` (and anything not below): to the
-  router, byte for byte (with an ``x-api-key`` copied into ``Authorization: Bearer``, which the
-  router forwards), its CORS headers left out; but a browser's request (``Origin``), one
-  that asks for a latency class (``x-priority``, a chat body's ``priority``) and one that
-  names its session (``prompt_cache_key``, ``safety_identifier``, ``user``) go straight to
-  a replica, as below;
-- ``/v1/messages``, ``/v1/messages/count_tokens``, ``/v1/responses`` (and
-  ``/v1/responses/{id}``), ``/v1/models``: straight to one replica: the one that served the
-  conversation before, else one chosen by rendezvous hashing of the client's session key
-  (``prompt_cache_key``, ``safety_identifier``, ``user``, Anthropic's ``metadata.user_id``)
-  or of the conversation's start (key, model, system prompt or instructions, first
-  message), so that every turn meets its prefix cache, and a replica that joins takes new
-  conversations without moving running ones; a ``previous_response_id`` (or a stored
-  response's id) goes to the replica that made it;
+- ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, the gateway's
+  ``/metrics``, ``/openapi.json`` and SGLang-style info routes, and any path the gateway
+  does not serve: to the router, byte for byte (with an ``x-api-key`` copied into
+  ``Authorization: Bearer``, which the router forwards), its CORS headers left out; but a
+  browser's request (``Origin``), one that asks for a latency class (``x-priority``, a chat
+  body's ``priority``) and one that names its session (``prompt_cache_key``,
+  ``safety_identifier``, ``user``) go straight to a replica, as below;
+- ``/v1/messages``, ``/v1/messages/count_tokens``, ``/v1/responses``: straight to one
+  replica: the one that served the conversation before, else one chosen by rendezvous
+  hashing of the client's session key (``prompt_cache_key``, ``safety_identifier``,
+  ``user``, Anthropic's ``metadata.user_id``) or of the conversation's start (key, model,
+  system prompt or instructions, first message), so that every turn meets its prefix
+  cache, and a replica that joins takes new conversations without moving running ones; a
+  ``previous_response_id`` goes to the replica that made it;
+- ``/v1/responses/{id}`` and ``/v1/responses/{id}/input_items``: the replica that made the
+  response, else each in turn until one has it (a 404 from all of them is the answer);
+- ``/v1/models``, ``/v1/models/{id}``: one replica, by the caller's key;
 - ``/v1/usage``: every replica, the counts added up; ``/admin/...``: every replica, their
-  answers listed.
+  answers listed; ``/health``: the front's own.
 
 The replicas are those the router holds as healthy (``GET /workers``, every ``--refresh``
 seconds), so a replica the router takes out (failed health checks, ``DELETE /workers``) is
@@ -56,6 +60,8 @@ import hashlib
 import json
 import logging
 import re
+import sys
+from pathlib import Path
 from typing import Optional
 
 import httpx
@@ -64,11 +70,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # the gateway's source tree, for its route table
+from gateway.routes.table import ANY, EVERY, FRONT, REPLICA, ROUTER, ROUTES, STORED, error_style  # noqa: E402
+
 # beside this script
-from front_replicas import Remembered, Replicas
-from front_rules import affinity_key, around_router, merge_usage, session_key
-from front_serve import serve
-from front_upstream import HOP_BY_HOP, CutOnLoss, Lost, NotSent, draining, open_upstream, relay, router_lost
+from front_replicas import Remembered, Replicas  # noqa: E402
+from front_rules import affinity_key, around_router, merge_usage, session_key  # noqa: E402
+from front_serve import serve  # noqa: E402
+from front_upstream import (HOP_BY_HOP, CutOnLoss, Lost, NotSent, draining, open_upstream, relay,  # noqa: E402
+                            router_lost)
 
 log = logging.getLogger("mlx_gateway.front")
 
@@ -97,7 +107,7 @@ class FrontApp:
 
     @staticmethod
     def error(path: str, status: int, message: str, code: str) -> JSONResponse:
-        if path.startswith("/v1/messages"):
+        if error_style(path) == "anthropic":
             kind = {502: "api_error", 503: "overloaded_error"}.get(status, "api_error")
             return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status)
         return JSONResponse({"error": {"message": message, "type": "server_error", "param": None, "code": code}},
@@ -289,19 +299,16 @@ class FrontApp:
                              "failovers": self.failovers}, status_code=200 if ok else 503)
 
     def app(self) -> Starlette:
-        methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
-        routes = [
-            Route("/health", self.health, methods=["GET"]),
-            Route("/v1/messages", self.conversation, methods=["POST", "OPTIONS"]),
-            Route("/v1/messages/count_tokens", self.conversation, methods=["POST", "OPTIONS"]),
-            Route("/v1/responses", self.conversation, methods=["POST", "OPTIONS"]),
-            Route("/v1/responses/{response_id}", self.stored_response, methods=["GET", "DELETE", "OPTIONS"]),
-            Route("/v1/models", self.any_replica, methods=["GET", "OPTIONS"]),
-            Route("/v1/models/{model_id:path}", self.any_replica, methods=["GET", "OPTIONS"]),
-            Route("/v1/usage", self.every_replica, methods=["GET", "OPTIONS"]),
-            Route("/admin/{rest:path}", self.every_replica, methods=methods),
-            Route("/{rest:path}", self.to_router, methods=methods),
-        ]
+        rules = {ROUTER: self.to_router, REPLICA: self.conversation, STORED: self.stored_response,
+                 ANY: self.any_replica, EVERY: self.every_replica, FRONT: self.health}
+        methods: dict[str, set] = {}
+        for r in ROUTES:  # the gateway's routes, each sent by its rule
+            methods.setdefault(r.path, {"OPTIONS"} if r.cluster != FRONT else set()).update(r.methods)
+        routes = [Route(path, rules[next(r.cluster for r in ROUTES if r.path == path)], methods=sorted(m))
+                  for path, m in methods.items()]
+        # anything else (SGLang's own routes, unknown paths) to the router
+        routes.append(Route("/{rest:path}", self.to_router,
+                            methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]))
 
         @contextlib.asynccontextmanager
         async def lifespan(app):

@@ -1,6 +1,6 @@
 """Errors in OpenAI's format, ``{"error": {"message", "type", "param", "code"}}``, or in
-Anthropic's, ``{"type": "error", "error": {"type", "message"}}`` (the ``/v1/messages``
-routes)."""
+Anthropic's, ``{"type": "error", "error": {"type", "message"}}`` (the routes that
+:func:`gateway.routes.table.error_style` names)."""
 
 from __future__ import annotations
 
@@ -53,11 +53,6 @@ def context_too_long(prompt: int, limit: int, param: str = "messages") -> APIErr
                     f"in {prompt} tokens. Please reduce the length of the messages.", param=param,
                     code="context_length_exceeded",
                     anthropic_message=f"prompt is too long: {prompt} tokens > {limit} maximum")
-
-
-def error_style(path: str) -> str:
-    """``anthropic`` for the Anthropic Messages routes, else ``openai``."""
-    return "anthropic" if path.startswith("/v1/messages") else "openai"
 
 
 class APIError(Exception):

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.http.errors import APIError, error_style
+from gateway.http.errors import APIError
 from gateway.http.hosts import HostPolicy
 
 log = logging.getLogger("mlx_gateway.app")
@@ -54,6 +54,8 @@ class GatewayMiddleware:
         metrics_key: the key ``/metrics`` requires (None: open).
         count: ``count(tenant, model, endpoint, status)`` for each answer counted.
         on_error: ``on_error(tenant, error)`` for each :class:`APIError` answered.
+        error_style: ``error_style(path)``, the shape of a path's errors (``openai`` or
+            ``anthropic``: :meth:`APIError.response`).
     """
 
     ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
@@ -67,12 +69,14 @@ class GatewayMiddleware:
 
     def __init__(self, app: ASGIApp, hosts: HostPolicy, max_header_bytes: int, metrics_key: Optional[str],
                  count: Callable[[str, str, str, str], None],
-                 on_error: Callable[[str, APIError], None] = lambda tenant, error: None) -> None:
+                 on_error: Callable[[str, APIError], None] = lambda tenant, error: None,
+                 error_style: Callable[[str], str] = lambda path: "openai") -> None:
         self.app = app
         self.hosts = hosts
         self.max_header_bytes = max_header_bytes
         self.metrics_key = metrics_key
         self.count = count
+        self.error_style = error_style
         self.on_error = on_error
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -111,13 +115,13 @@ class GatewayMiddleware:
             tenant = local.get("tenant")
             self.on_error(tenant.name if tenant is not None else "unauthenticated", e)
             if not status["started"]:
-                await e.response(error_style(scope.get("path", "")))(scope, receive, send_wrapper)
+                await e.response(self.error_style(scope.get("path", "")))(scope, receive, send_wrapper)
         except Exception as e:
             log.exception("unhandled error on %s", scope.get("path"))
             status["code"] = 500
             if not status["started"]:
                 error = APIError(500, f"internal error: {type(e).__name__}")
-                await error.response(error_style(scope.get("path", "")))(scope, receive, send)
+                await error.response(self.error_style(scope.get("path", "")))(scope, receive, send)
         finally:
             for close in local["on_close"]:
                 try:

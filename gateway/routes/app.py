@@ -1,4 +1,4 @@
-"""The Starlette application: every route, declared in one table.
+"""The Starlette application serving the routes of :mod:`gateway.routes.table`.
 
 The floors below it: :mod:`gateway.protocols` (one adapter per API),
 :mod:`gateway.conversation` (admitting a call, the internal request form and the
@@ -10,6 +10,7 @@ errors, SSE, bodies, hosts).
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
@@ -19,46 +20,17 @@ from starlette.routing import Route
 
 from gateway.conversation.calls import Front
 from gateway.http.cors import DynamicCORS
-from gateway.http.errors import APIError, error_style
+from gateway.http.errors import APIError
 from gateway.http.hosts import HostPolicy
 from gateway.http.middleware import GatewayMiddleware, metrics_key
-from gateway.protocols.anthropic import count_tokens, messages
-from gateway.protocols.embeddings import embeddings
-from gateway.protocols.openai_chat import chat_completions
-from gateway.protocols.openai_completions import completions
-from gateway.protocols.responses import create_response, delete_response, list_input_items, retrieve_response
 from gateway.protocols.reasoning_seal import LazySeal
 from gateway.protocols.responses_store_open import open_response_store
-from gateway.routes import admin, service
-from gateway.routes.openapi import openapi_json
+from gateway.routes.table import ROUTES, error_style
 
-# (method, path, endpoint): every route the gateway serves.
-ROUTES = [
-    ("POST", "/v1/chat/completions", chat_completions),
-    ("POST", "/v1/completions", completions),
-    ("POST", "/v1/embeddings", embeddings),
-    ("POST", "/v1/responses", create_response),
-    ("GET", "/v1/responses/{response_id}", retrieve_response),
-    ("DELETE", "/v1/responses/{response_id}", delete_response),
-    ("GET", "/v1/responses/{response_id}/input_items", list_input_items),
-    ("POST", "/v1/messages", messages),
-    ("POST", "/v1/messages/count_tokens", count_tokens),
-    ("GET", "/v1/models", service.models),
-    ("GET", "/v1/models/{model_id:path}", service.model),
-    ("GET", "/v1/usage", service.usage_report),
-    ("POST", "/admin/cache/flush", admin.flush_cache),
-    ("GET", "/admin/models", admin.list_models),
-    ("POST", "/admin/models/{name:path}/load", admin.load_model),
-    ("POST", "/admin/models/{name:path}/unload", admin.unload_model),
-    ("GET", "/health", service.health),
-    ("GET", "/metrics", service.metrics),
-    ("GET", "/server_info", service.server_info),
-    ("GET", "/get_server_info", service.server_info),
-    ("GET", "/model_info", service.model_info),
-    ("GET", "/get_model_info", service.model_info),
-    ("GET", "/get_load", service.get_load),
-    ("GET", "/openapi.json", openapi_json),
-]
+
+def _endpoint(handler: str):
+    module, _, name = handler.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def create_app(front: Front, registry: CollectorRegistry) -> Starlette:
@@ -71,7 +43,7 @@ def create_app(front: Front, registry: CollectorRegistry) -> Starlette:
         ValueError, OSError, sqlite3.Error: the response store cannot be opened.
     """
     cfg = front.config
-    routes = [Route(path, endpoint, methods=[method]) for method, path, endpoint in ROUTES]
+    routes = [Route(r.path, _endpoint(r.handler), methods=list(r.methods)) for r in ROUTES]
 
     async def not_found(request: Request, exc) -> Response:
         code = getattr(exc, "status_code", 404)
@@ -100,6 +72,6 @@ def create_app(front: Front, registry: CollectorRegistry) -> Starlette:
                        max_header_bytes=cfg.max_header_bytes, metrics_key=metrics_key(cfg.metrics_key),
                        count=lambda tenant, model, endpoint, code: m.requests.labels(tenant, model, endpoint,
                                                                                      code).inc(),
-                       on_error=refused)
+                       on_error=refused, error_style=error_style)
     app.add_middleware(DynamicCORS, allow_origins=cfg.allowed_origins, more=lambda: front.tenants.origins())
     return app

@@ -1,14 +1,11 @@
 """The app's OpenAPI 3.1 document (``GET /openapi.json``).
 
-It covers the public routes: ``POST /v1/chat/completions``, ``POST /v1/completions``,
-``POST /v1/messages``, ``POST /v1/messages/count_tokens`` and ``POST /v1/responses``
-(request bodies generated from the pydantic models in :mod:`gateway.protocols`, their
-``$defs`` moved to ``components/schemas``; a name two APIs share is prefixed with the
-API's, e.g. ``AnthropicTool``), ``GET``/``DELETE /v1/responses/{response_id}``,
-``GET /v1/models``, ``GET /v1/usage``, ``POST /admin/cache/flush`` (admin keys),
-``GET /health``, ``GET /metrics`` and ``GET /openapi.json`` itself. Every error answer is
+It covers the public routes: every entry of :data:`gateway.routes.table.ROUTES` with a
+:class:`~gateway.routes.table.Doc` (request bodies generated from the pydantic models it
+names, their ``$defs`` moved to ``components/schemas``; a name two APIs share is prefixed
+with the API's, e.g. ``AnthropicTool``). Every error answer is
 documented with OpenAI's body ``{"error": {"message", "type", "param", "code"}}`` (on the
-``/v1/messages`` routes Anthropic's, ``{"type": "error", "error": {"type", "message"}}``):
+routes whose errors are Anthropic's, ``{"type": "error", "error": {"type", "message"}}``):
 400 (bad JSON or field), 401 / 403 (missing / refused API key), 404 (unknown model), 408
 (body too slow), 413 (body too large), 415 (body not sent as ``application/json``), 421
 (Host not allowed), 429 (rate limited), 431 (headers too large) and 503 (model loading,
@@ -28,7 +25,9 @@ its other names).
 from __future__ import annotations
 
 import copy
+import importlib
 import json
+import re
 from functools import lru_cache
 from importlib.metadata import PackageNotFoundError, version
 from typing import Optional, Sequence, Union
@@ -38,9 +37,8 @@ from pydantic.json_schema import models_json_schema
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.protocols.anthropic_schemas import CountTokensRequest, MessagesRequest
-from gateway.protocols.openai_schemas import ChatRequest, CompletionRequest
-from gateway.protocols.responses_schemas import InputItem, ResponsesRequest
+from gateway.protocols.responses_schemas import InputItem
+from gateway.routes.table import CHUNKS, ROUTES, Route, openapi_path
 
 REF = "#/components/schemas/{model}"
 try:
@@ -119,9 +117,14 @@ RESPONSE_SCHEMAS: dict[str, dict] = {
     ), _CHAT_ANY_FINISH),
     "TextCompletion": _completion("text_completion", ["usage"], _TEXT_CHOICE, _FINISHED),
     "TextCompletionChunk": _completion("text_completion", [], _TEXT_CHOICE, _ANY_FINISH),
-    "ModelList": _obj(["object", "data"], object={"const": "list"}, data={
-        "type": "array", "items": _obj(["id", "object", "created", "owned_by"], id=_STR,
-                                       object={"const": "model"}, created=_INT, owned_by=_STR)}),
+    "Model": _obj(["id", "object", "created", "owned_by"], id=_STR, object={"const": "model"}, created=_INT,
+                  owned_by=_STR, loaded={"type": "boolean"}, kind={"enum": ["text", "vision", "embedding"]},
+                  context_length=_INT, max_output_tokens=_INT),
+    "ModelList": _obj(["object", "data"], object={"const": "list"}, data={"type": "array", "items": _ref("Model")}),
+    "EmbeddingList": _obj(["object", "data", "model", "usage"], object={"const": "list"}, model=_STR, data={
+        "type": "array", "items": _obj(["object", "index", "embedding"], object={"const": "embedding"}, index=_INT,
+                                       embedding={"anyOf": [{"type": "array", "items": _NUM}, _STR]})},
+        usage=_obj(["prompt_tokens", "total_tokens"], prompt_tokens=_INT, total_tokens=_INT)),
     "AnthropicError": _obj(["type", "error"], type={"const": "error"},
                            error=_obj(["type", "message"], type=_STR, message=_STR)),
     "AnthropicMessage": _obj(
@@ -171,14 +174,22 @@ SECURITY_SCHEMES = {
 
 
 class _ResponsesInput(BaseModel):
-    """``input`` of :class:`ResponsesRequest` as documented: its items are checked after
+    """``input`` of ``ResponsesRequest`` as documented: its items are checked after
     the request (:func:`gateway.protocols.responses_schemas.parse_items`)."""
 
     input: Union[str, list[InputItem], None] = None
 
 
-REQUEST_MODELS = (ChatRequest, CompletionRequest, MessagesRequest, CountTokensRequest, ResponsesRequest,
-                  _ResponsesInput)
+def _attribute(ref: str):
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _body_models() -> list[type[BaseModel]]:
+    """The pydantic request models of the documented routes, in table order."""
+    return [_attribute(r.doc.body) for r in ROUTES if r.doc is not None and isinstance(r.doc.body, str)]
+
+
 # pydantic names a model two modules define by its module path: named by its API here
 _API_PREFIXES = {"openai_schemas": "", "anthropic_schemas": "Anthropic", "responses_schemas": "Responses"}
 
@@ -188,7 +199,8 @@ def request_schemas() -> dict[str, dict]:
     """JSON schemas of the request bodies and every model they use, keyed by model name
     (``ChatRequest``, ``MessagesRequest``, ``Message``, ``AnthropicTool``, ...), with ``$ref``
     pointing into ``#/components/schemas``. Cached: treat the result as read-only."""
-    _, top = models_json_schema([(m, "validation") for m in REQUEST_MODELS], ref_template=REF)
+    models = [*_body_models(), _ResponsesInput]
+    _, top = models_json_schema([(m, "validation") for m in models], ref_template=REF)
     names = {}
     for name in top["$defs"]:
         *_, module, model = name.split("__") if "__" in name else ("", "", name)
@@ -212,9 +224,13 @@ _HEADERS = {
     "503": {"Retry-After": {"description": "seconds to wait before retrying (not always sent)",
                             "schema": _INT}},
 }
+POST_ERRORS = ("400", "401", "403", "404", "408", "413", "415", "421", "429", "431", "503")
+GET_ERRORS = ("401", "421", "431")
+OPEN_ERRORS = ("421", "431")
+_SECURITY = {"key": SECURED, "open": [], "metrics": [{"bearerAuth": []}, {}]}
 
 
-def _errors(*codes: str, body: str = "Error") -> dict:
+def _errors(codes: Sequence[str], body: str) -> dict:
     """Error responses for ``codes`` (strings), each with the error body ``body``
     (OpenAI's ``Error`` or ``AnthropicError``)."""
     out = {}
@@ -225,59 +241,44 @@ def _errors(*codes: str, body: str = "Error") -> dict:
     return out
 
 
-POST_ERRORS = ("400", "401", "403", "404", "408", "413", "415", "421", "429", "431", "503")
-GET_ERRORS = ("401", "421", "431")
-
-
-def _post_op(op_id: str, summary: str, body: str, ok: dict, error_body: str = "Error") -> dict:
-    return {
-        "operationId": op_id,
-        "summary": summary,
-        "security": SECURED,
-        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(body)}}},
-        "responses": {"200": ok, **_errors(*POST_ERRORS, body=error_body)},
-    }
-
-
-def _completion_op(op_id: str, summary: str, body: str, result: str) -> dict:
-    return _post_op(op_id, summary, body, {
-        "description": f"a `{result}` object, or with `stream: true` server-sent events: "
-                       f"`{result}Chunk` objects, then `data: [DONE]`",
-        "content": {"application/json": {"schema": _ref(result)},
-                    "text/event-stream": {"schema": _sse_event(f"{result}Chunk")}}})
-
-
-def _events_op(op_id: str, summary: str, body: str, result: str, events: str, error_body: str = "Error") -> dict:
-    return _post_op(op_id, summary, body, {
-        "description": f"a `{result}` object, or with `stream: true` server-sent events: {events}",
-        "content": {"application/json": {"schema": _ref(result)},
-                    "text/event-stream": {"schema": _named_sse_event()}}}, error_body)
-
-
-def _response_op(op_id: str, summary: str, result: str, description: str) -> dict:
-    return {"operationId": op_id, "summary": summary, "security": SECURED,
-            "parameters": [{"name": "response_id", "in": "path", "required": True, "schema": _STR}],
-            "responses": {"200": _json(result, description),
-                          "404": _json("Error", "no response with this id for this key"), **_errors(*GET_ERRORS)}}
-
-
-def _input_items_op() -> dict:
-    op = _response_op("listInputItems", "The input items of a stored response", "InputItemList",
-                      "a page of the items the response was generated from (its chain's, then its own input)")
-    op["parameters"] += [
-        {"name": "after", "in": "query", "required": False, "schema": _STR},
-        {"name": "limit", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 1,
-                                                                        "maximum": 100}},
-        {"name": "order", "in": "query", "required": False, "schema": {"enum": ["asc", "desc"]}}]
-    op["responses"]["400"] = _json("Error", "a query parameter out of range, or an unknown `after`")
+def _operation(route: Route) -> dict:
+    """The OpenAPI operation of ``route`` from its :class:`Doc`."""
+    doc = route.doc
+    schema = _ref(doc.result) if isinstance(doc.result, str) else doc.result
+    ok = {"description": doc.says, "content": {doc.media: {"schema": schema}}}
+    if doc.stream is not None:
+        events = f"`{doc.result}Chunk` objects, then `data: [DONE]`" if doc.stream == CHUNKS else doc.stream
+        ok["description"] = f"a `{doc.result}` object, or with `stream: true` server-sent events: {events}"
+        ok["content"]["text/event-stream"] = {
+            "schema": _sse_event(f"{doc.result}Chunk") if doc.stream == CHUNKS else _named_sse_event()}
+    op = {"operationId": doc.op, "summary": doc.summary, "security": _SECURITY[doc.security]}
+    if doc.tag:
+        op["tags"] = [doc.tag]
+    params = [{"name": name, "in": "path", "required": True, "schema": _STR}
+              for name in re.findall(r"{(\w+)", route.path)]
+    params += [{"name": name, "in": "query", "required": False, "schema": s} for name, s in doc.query]
+    if params:
+        op["parameters"] = params
+    if isinstance(doc.body, str):
+        op["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": _ref(_attribute(doc.body).__name__)}}}
+    elif doc.body is not None:
+        op["requestBody"] = {"required": False, "content": {"application/json": {"schema": doc.body}}}
+    codes = doc.errors or (POST_ERRORS if isinstance(doc.body, str) else
+                           GET_ERRORS if doc.security == "key" else OPEN_ERRORS)
+    op["responses"] = {"200": ok, **_errors(codes, "AnthropicError" if route.errors == "anthropic" else "Error")}
+    for code, description, name in doc.more:
+        op["responses"][code] = _json(name, description)
+        if code == "401":
+            op["responses"][code]["headers"] = _HEADERS["401"]
     return op
 
 
 def _restrict(schemas: dict[str, dict], models: Optional[Sequence[str]], max_tokens_limit: Optional[int]) -> None:
     """Write one server's facts into copies of the request schemas (in place)."""
-    for name in ("ChatRequest", "CompletionRequest", "MessagesRequest", "CountTokensRequest", "ResponsesRequest"):
-        props = schemas[name]["properties"]
-        if models:
+    for model in _body_models():
+        props = schemas[model.__name__]["properties"]
+        if models and "model" in props:
             props["model"] = {**props["model"], "anyOf": [{"enum": list(models)}, {"type": "null"}]}
         if max_tokens_limit is not None:
             for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
@@ -287,9 +288,10 @@ def _restrict(schemas: dict[str, dict], models: Optional[Sequence[str]], max_tok
 
 
 def openapi_document(models: Optional[Sequence[str]] = None, max_tokens_limit: Optional[int] = None) -> dict:
-    """The OpenAPI 3.1 document of the public routes, as a JSON-ready dict: the POST
-    routes of the three APIs with their request, response, stream-event and error schemas,
-    and ``/v1/models``, ``/health``, ``/metrics``, ``/openapi.json`` (see the module docstring).
+    """The OpenAPI 3.1 document of the public routes (those of
+    :data:`gateway.routes.table.ROUTES` with a :class:`~gateway.routes.table.Doc`), as a
+    JSON-ready dict, with their request, response, stream-event and error schemas (see
+    the module docstring).
 
     Args:
         models: names the server answers to; given, ``model`` is an enum of them.
@@ -301,69 +303,11 @@ def openapi_document(models: Optional[Sequence[str]] = None, max_tokens_limit: O
     schemas = copy.deepcopy(request_schemas())
     _restrict(schemas, models, max_tokens_limit)
     schemas.update(copy.deepcopy(RESPONSE_SCHEMAS))
-    open_get = {"security": []}
-    paths = {
-        "/v1/chat/completions": {"post": _completion_op(
-            "createChatCompletion", "Chat completion", "ChatRequest", "ChatCompletion")},
-        "/v1/completions": {"post": _completion_op(
-            "createCompletion", "Text completion", "CompletionRequest", "TextCompletion")},
-        "/v1/messages": {"post": _events_op(
-            "createMessage", "Anthropic Messages", "MessagesRequest", "AnthropicMessage",
-            "`message_start`, `content_block_start`/`delta`/`stop`, `ping`, `message_delta`, `message_stop` "
-            "(`error` when the request fails after the stream began)", "AnthropicError")},
-        "/v1/messages/count_tokens": {"post": _post_op(
-            "countMessageTokens", "Prompt tokens of a Messages request (nothing is generated)",
-            "CountTokensRequest", _json("AnthropicTokenCount", "`{input_tokens}`"), "AnthropicError")},
-        "/v1/responses": {"post": _events_op(
-            "createResponse", "OpenAI Responses", "ResponsesRequest", "Response",
-            "`response.created`, `response.in_progress`, item and part events, then `response.completed` "
-            "or `response.incomplete` (`response.failed` when the request fails after the stream began)")},
-        "/v1/responses/{response_id}": {
-            "get": _response_op("getResponse", "A stored response", "Response", "the stored response object"),
-            "delete": _response_op("deleteResponse", "Delete a stored response", "ResponseDeleted",
-                                   "`{id, object: response, deleted: true}`")},
-        "/v1/responses/{response_id}/input_items": {"get": _input_items_op()},
-        "/v1/models": {"get": {
-            "operationId": "listModels", "summary": "The served model names", "security": SECURED,
-            "responses": {"200": _json("ModelList", "the model names this server answers to"),
-                          **_errors(*GET_ERRORS)}}},
-        "/v1/usage": {"get": {
-            "operationId": "usage", "summary": "The caller's usage; every tenant's for an admin key",
-            "security": SECURED,
-            "responses": {"200": {"description": "`{object: usage, tenant, window: {start, seconds, requests, "
-                                                 "prompt_tokens, cached_tokens, completion_tokens}, total: {since, "
-                                                 "...}}`, or for an admin key `{object: list, data: [...]}`",
-                                  "content": {"application/json": {"schema": {"type": "object"}}}},
-                          **_errors(*GET_ERRORS)}}},
-        "/admin/cache/flush": {"post": {
-            "operationId": "flushCache", "summary": "Drop a cache group's unleased prefix-cache snapshots",
-            "security": SECURED,
-            "requestBody": {"required": False, "content": {"application/json": {"schema": _obj(
-                [], cache_group={"type": ["string", "null"], "description": "absent or null: every group"})}}},
-            "responses": {"200": {"description": "`{object: cache.flush, cache_group, dropped_snapshots}`",
-                                  "content": {"application/json": {"schema": _obj(
-                                      ["object", "cache_group", "dropped_snapshots"], object=_STR,
-                                      cache_group=_NULLABLE_STR, dropped_snapshots=_INT)}}},
-                          **_errors("400", "401", "403", "408", "413", "415", "421", "431", "503")}}},
-        "/health": {"get": {
-            "operationId": "health", "summary": "Liveness and queue sizes", **open_get,
-            "responses": {"200": _json("Health", "the engine is running"),
-                          "503": _json("Health", "the model is loading, failed to load, or the engine stopped"),
-                          **_errors("421", "431")}}},
-        "/metrics": {"get": {
-            "operationId": "metrics", "summary": "Prometheus metrics (with the server's metrics key, if it "
-                                                 "has one, as `Authorization: Bearer`)",
-            "security": [{"bearerAuth": []}, {}],
-            "responses": {"200": {"description": "Prometheus text exposition format",
-                                  "content": {"text/plain": {"schema": _STR}}},
-                          "401": {**_json("Error", "the server has a metrics key and it was not sent"),
-                                  "headers": _HEADERS["401"]}, **_errors("421", "431")}}},
-        "/openapi.json": {"get": {
-            "operationId": "openapi", "summary": "This document", **open_get,
-            "responses": {"200": {"description": "the OpenAPI 3.1 document",
-                                  "content": {"application/json": {"schema": {"type": "object"}}}},
-                          **_errors("421", "431")}}},
-    }
+    paths: dict[str, dict] = {}
+    for route in ROUTES:
+        if route.doc is not None:
+            for method in route.methods:
+                paths.setdefault(openapi_path(route.path), {})[method.lower()] = _operation(route)
     return {
         "openapi": "3.1.0",
         "info": {"title": "mlx-gateway", "version": VERSION,
