@@ -11,7 +11,9 @@ import pytest
 from starlette.routing import Route as StarletteRoute
 
 from conftest import live_server, model_path
-from gateway.routes.table import ANY, EVERY, FRONT, REPLICA, ROUTER, ROUTES, STORED, error_style, openapi_path
+from gateway.http.errors import APIError
+from gateway.routes.table import (ANY, EVERY, FRONT, REPLICA, ROUTER, ROUTES, STORED, error_style, metrics_label,
+                                 openapi_path)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy" / "cluster"))
 
@@ -42,7 +44,10 @@ def test_the_table_is_well_formed():
         for m in r.methods:
             assert (m, r.path) not in seen, f"{m} {r.path} is declared twice"
             seen.add((m, r.path))
-        assert r.cluster in FRONT_HANDLERS and r.errors in ("openai", "anthropic"), r
+        assert r.cluster in FRONT_HANDLERS, r
+        # an error shape APIError renders (any but OpenAI's own renders differently)
+        openai = APIError(400, "x").response().body
+        assert (APIError(400, "x").response(r.errors).body == openai) == (r.errors == "openai"), r
         assert {x.cluster for x in ROUTES if x.path == r.path} == {r.cluster}, f"{r.path}: one rule per path"
     ops = [r.doc.op for r in ROUTES if r.doc is not None]
     assert len(ops) == len(set(ops)), "operationIds are unique"
@@ -96,6 +101,14 @@ def test_the_cluster_front_serves_the_table_by_its_rules():
     rules = {r.path: r.cluster for r in ROUTES}
     assert {r.path: r.endpoint.__name__ for r in routes} == {p: FRONT_HANDLERS[c] for p, c in rules.items()}
     assert rules["/v1/responses/{response_id}/input_items"] == STORED and rules["/v1/embeddings"] == ROUTER
+
+
+def test_metrics_labels_are_one_per_route():
+    assert metrics_label("/v1/embeddings") == "/v1/embeddings"
+    assert metrics_label("/v1/models/org/name") == metrics_label("/v1/models/m") == "/v1/models/{id}"
+    assert metrics_label("/v1/responses/resp_1/input_items") == "/v1/responses/{id}"
+    assert metrics_label("/admin/models/m/load") == "/admin/models/{id}"
+    assert metrics_label("/v1/responses/a/b") == metrics_label("/nothing") == "other"
 
 
 def test_error_style_follows_the_table():

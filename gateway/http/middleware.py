@@ -56,13 +56,8 @@ class GatewayMiddleware:
         on_error: ``on_error(tenant, error)`` for each :class:`APIError` answered.
         error_style: ``error_style(path)``, the shape of a path's errors (``openai`` or
             ``anthropic``: :meth:`APIError.response`).
+        endpoint: ``endpoint(path)``, a path's ``endpoint`` label (one per route).
     """
-
-    ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
-                 "/v1/responses", "/v1/models", "/v1/usage", "/health", "/metrics", "/admin/cache/flush",
-                 "/admin/models", "/openapi.json"}
-    # Paths with an id, counted under one label each.
-    PREFIXES = ("/v1/models/", "/v1/responses/", "/admin/models/")
 
     # Scrapes and health checks are not client requests: counted only when they fail.
     UNCOUNTED = {"/metrics", "/health"}
@@ -70,13 +65,15 @@ class GatewayMiddleware:
     def __init__(self, app: ASGIApp, hosts: HostPolicy, max_header_bytes: int, metrics_key: Optional[str],
                  count: Callable[[str, str, str, str], None],
                  on_error: Callable[[str, APIError], None] = lambda tenant, error: None,
-                 error_style: Callable[[str], str] = lambda path: "openai") -> None:
+                 error_style: Callable[[str], str] = lambda path: "openai",
+                 endpoint: Callable[[str], str] = lambda path: "other") -> None:
         self.app = app
         self.hosts = hosts
         self.max_header_bytes = max_header_bytes
         self.metrics_key = metrics_key
         self.count = count
         self.error_style = error_style
+        self.endpoint = endpoint
         self.on_error = on_error
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -156,8 +153,7 @@ class GatewayMiddleware:
 
     def _account(self, scope: Scope, local: dict, code: int, seconds: float) -> None:
         path = scope.get("path", "")
-        prefix = next((p for p in self.PREFIXES if path.startswith(p)), None)
-        endpoint = path if path in self.ENDPOINTS else prefix + "{id}" if prefix else "other"
+        endpoint = self.endpoint(path)
         tenant = local.get("tenant")
         name = tenant.name if tenant is not None else "unauthenticated"
         record = local.get("record")

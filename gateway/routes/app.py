@@ -25,7 +25,7 @@ from gateway.http.hosts import HostPolicy
 from gateway.http.middleware import GatewayMiddleware, metrics_key
 from gateway.protocols.reasoning_seal import LazySeal
 from gateway.protocols.responses_store_open import open_response_store
-from gateway.routes.table import ROUTES, error_style
+from gateway.routes.table import ROUTES, error_style, metrics_label
 
 
 def _endpoint(handler: str):
@@ -72,6 +72,6 @@ def create_app(front: Front, registry: CollectorRegistry) -> Starlette:
                        max_header_bytes=cfg.max_header_bytes, metrics_key=metrics_key(cfg.metrics_key),
                        count=lambda tenant, model, endpoint, code: m.requests.labels(tenant, model, endpoint,
                                                                                      code).inc(),
-                       on_error=refused, error_style=error_style)
+                       on_error=refused, error_style=error_style, endpoint=metrics_label)
     app.add_middleware(DynamicCORS, allow_origins=cfg.allowed_origins, more=lambda: front.tenants.origins())
     return app

@@ -180,6 +180,23 @@ def error_style(path: str) -> str:
     return style
 
 
+def _pattern(path: str) -> re.Pattern:
+    return re.compile(re.sub(r"{\w+(:\w+)?}", lambda m: ".+" if m.group(1) == ":path" else "[^/]+", path) + "$")
+
+
+_PATTERNS = [(_pattern(r.path), r.path) for r in ROUTES]
+
+
+def metrics_label(path: str) -> str:
+    """The ``endpoint`` label of a request on ``path``: its route's path, any parameters
+    (and what follows them) as one ``{id}`` (``/v1/responses/{id}``); ``other`` when no
+    route serves ``path``."""
+    route = next((p for pattern, p in _PATTERNS if pattern.match(path)), None)
+    if route is None:
+        return "other"
+    return route if "{" not in route else _prefix(route) + "/{id}"
+
+
 def openapi_path(path: str) -> str:
     """``path`` as OpenAPI writes it: ``{model_id:path}`` becomes ``{model_id}``."""
     return re.sub(r"{(\w+):\w+}", r"{\1}", path)
