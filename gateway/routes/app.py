@@ -10,7 +10,6 @@ errors, SSE, bodies, hosts).
 from __future__ import annotations
 
 import contextlib
-import importlib
 
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
@@ -25,12 +24,7 @@ from gateway.http.hosts import HostPolicy
 from gateway.http.middleware import GatewayMiddleware, metrics_key
 from gateway.protocols.reasoning_seal import LazySeal
 from gateway.protocols.responses_store_open import open_response_store
-from gateway.routes.table import ROUTES, error_style, metrics_label
-
-
-def _endpoint(handler: str):
-    module, _, name = handler.partition(":")
-    return getattr(importlib.import_module(module), name)
+from gateway.routes.table import ROUTES, error_style, metrics_label, resolve
 
 
 def create_app(front: Front, registry: CollectorRegistry) -> Starlette:
@@ -43,7 +37,7 @@ def create_app(front: Front, registry: CollectorRegistry) -> Starlette:
         ValueError, OSError, sqlite3.Error: the response store cannot be opened.
     """
     cfg = front.config
-    routes = [Route(r.path, _endpoint(r.handler), methods=list(r.methods)) for r in ROUTES]
+    routes = [Route(r.path, resolve(r.handler), methods=list(r.methods)) for r in ROUTES]
 
     async def not_found(request: Request, exc) -> Response:
         code = getattr(exc, "status_code", 404)

@@ -25,7 +25,6 @@ its other names).
 from __future__ import annotations
 
 import copy
-import importlib
 import json
 import re
 from functools import lru_cache
@@ -38,7 +37,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.protocols.responses_schemas import InputItem
-from gateway.routes.table import CHUNKS, ROUTES, Route, openapi_path
+from gateway.routes.table import CHUNKS, ROUTES, Route, openapi_path, resolve
 
 REF = "#/components/schemas/{model}"
 try:
@@ -180,14 +179,9 @@ class _ResponsesInput(BaseModel):
     input: Union[str, list[InputItem], None] = None
 
 
-def _attribute(ref: str):
-    module, _, name = ref.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
 def _body_models() -> list[type[BaseModel]]:
     """The pydantic request models of the documented routes, in table order."""
-    return [_attribute(r.doc.body) for r in ROUTES if r.doc is not None and isinstance(r.doc.body, str)]
+    return [resolve(r.doc.body) for r in ROUTES if r.doc is not None and isinstance(r.doc.body, str)]
 
 
 # pydantic names a model two modules define by its module path: named by its API here
@@ -261,7 +255,7 @@ def _operation(route: Route) -> dict:
         op["parameters"] = params
     if isinstance(doc.body, str):
         op["requestBody"] = {"required": True, "content": {"application/json": {
-            "schema": _ref(_attribute(doc.body).__name__)}}}
+            "schema": _ref(resolve(doc.body).__name__)}}}
     elif doc.body is not None:
         op["requestBody"] = {"required": False, "content": {"application/json": {"schema": doc.body}}}
     codes = doc.errors or (POST_ERRORS if isinstance(doc.body, str) else

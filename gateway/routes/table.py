@@ -11,6 +11,7 @@ A new protocol is one module under :mod:`gateway.protocols` plus its entries her
 
 from __future__ import annotations
 
+import importlib
 import re
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -162,6 +163,16 @@ ROUTES: tuple[Route, ...] = (
     Route(("GET",), "/openapi.json", "gateway.routes.openapi:openapi_json", ROUTER, Doc(
         "openapi", "This document", "the OpenAPI 3.1 document", {"type": "object"}, security="open")),
 )
+
+
+def resolve(ref: str):
+    """The attribute ``"module:name"`` names (a handler, a request model), imported.
+
+    Raises:
+        ImportError, AttributeError: there is none.
+    """
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _prefix(path: str) -> str:
