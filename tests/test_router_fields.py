@@ -7,7 +7,9 @@ Measured here (and in docs/cluster.md): on ``/v1/responses`` the router adds
 ``top_p`` (1.0 unless given), ``top_k: -1``, ``min_p: 0.0``, ``repetition_penalty: 1.0``, and
 drops ``prompt_cache_key`` and ``safety_identifier``; on ``/v1/completions`` it forwards a
 client's integer ``priority`` and ``rid`` and adds SGLang's sampling flags; on chat it drops
-``priority``, ``rid``, ``user`` and the ``bootstrap_*`` fields, and adds its flags.
+``priority``, ``rid``, ``user`` and the ``bootstrap_*`` fields, and adds its flags; on
+``/v1/embeddings`` it adds nothing and drops ``priority``, ``return_hidden_states`` and the
+``bootstrap_*`` fields.
 An integer ``priority`` is a latency class: > 0 interactive, 0 the key's class, < 0 batch,
 never above the key's class.
 """
@@ -128,6 +130,19 @@ def test_every_route_answers_what_the_router_forwards(stack):
     assert all({"priority", "rid", "bootstrap_host"} <= set(dropped) for _, _, _, dropped in chats)
     # the router's priority 0 left each request in its key's class
     assert classes(replica, "responses", 2) == ["standard", "standard"]
+
+
+def test_embeddings_reach_the_replica_as_sent_but_priority(stack):
+    """The router forwards ``/v1/embeddings`` with nothing added, and without ``priority``,
+    ``return_hidden_states`` and the ``bootstrap_*`` fields; the replica's own answer comes
+    back (a 400 here: its model is not an embedding model)."""
+    replica, proxy, router = stack
+    body = {"model": replica.model, "input": ["embeddings marker-e1"], "user": "u1", **SGLANG}
+    status, text = send(router.url, KEY_STD, "/v1/embeddings", body)
+    assert status == 400 and "model_not_embedding" in text, text[:400]
+    sent = forwarded(proxy, "/v1/embeddings", "marker-e1")
+    dropped = {"priority", "return_hidden_states", "bootstrap_host", "bootstrap_port", "bootstrap_room"}
+    assert sent == {k: v for k, v in body.items() if k not in dropped}, sent
 
 
 def test_an_integer_priority_is_a_latency_class(stack):

@@ -1,5 +1,5 @@
 """The outermost layer of the app (inside CORS): header limits, the Host allow-list, the
-metrics key, errors in OpenAI's format, rate-limit headers, per-request metrics and the
+metrics key, errors in each route's shape, rate-limit headers, per-request metrics and the
 request log."""
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ class GatewayMiddleware:
       ``--host`` and ``config.allowed_hosts``).
     * With a metrics key (:func:`metrics_key`), answers ``/metrics`` without
       ``Authorization: Bearer <key>`` with 401 and ``WWW-Authenticate: Bearer``.
-    * Answers :class:`APIError` (and any other exception, as 500) in OpenAI's format.
+    * Answers :class:`APIError` (and any other exception, as 500) in the path's error
+      shape (``error_style``).
     * Adds the tenant's ``x-ratelimit-*`` headers to answers of admitted requests.
     * Runs the request's ``on_close`` callables once the answer (or stream) ends: they
       release its rate-limit ticket and the model it holds.
