@@ -20,7 +20,7 @@ class ServeConfig:
     keep_alive: str = "-1"
     host: str = "127.0.0.1"
     port: int = 8080
-    max_tokens: int = 512
+    max_tokens: Optional[int] = None  # None: until the model stops or the context ends
     max_tokens_limit: int = 32768
     temp: float = 0.0
     top_p: float = 1.0
@@ -149,7 +149,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=d.host, help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=d.port, help="port (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens,
-                   help="max_tokens when a request gives none (default %(default)s)")
+                   help="max_tokens when a request gives none (default: none, as OpenAI, vLLM and Ollama do: "
+                   "the answer runs until the model stops, the context ends or --max-tokens-limit)")
     p.add_argument("--max-tokens-limit", type=int, default=d.max_tokens_limit,
                    help="largest max_tokens a request may ask for; more is a 400 (default %(default)s)")
     p.add_argument("--temp", type=float, default=d.temp, help="default sampling temperature (0 = greedy)")
