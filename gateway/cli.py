@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.models.demo_model import all_archs
 
     demo_p.add_argument("--arch", default="qwen3", choices=all_archs(),
-                        help="architecture (gemma3: a vision-language model, needs mlx-vlm and a Gemma 3 tokenizer; "
+                        help="architecture (gemma3: a vision-language model, needs mlx-vlm and a Gemma 3 tokenizer (--tokenizer); "
                              "qwen3_embedding: an embedding model, needs mlx-embeddings and a Qwen3 tokenizer)")
     demo_p.add_argument("--tokenizer", help="copy this tokenizer directory instead of the built-in one")
     demo_p.add_argument("--vocab-size", type=int, help="embedding rows (default: the tokenizer's size)")
@@ -63,8 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         _serve_and_exit(ns)
     else:
         from gateway.models.demo_model import build_model_dir
+        from gateway.models.demo_multimodal import TokenizerNeeded
 
-        path = build_model_dir(ns.dir, ns.arch, ns.tokenizer, ns.vocab_size, ns.seed)
+        try:
+            path = build_model_dir(ns.dir, ns.arch, ns.tokenizer, ns.vocab_size, ns.seed)
+        except TokenizerNeeded as e:
+            demo_p.error(str(e))
         print(path)
     return 0
 

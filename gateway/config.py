@@ -20,7 +20,7 @@ class ServeConfig:
     keep_alive: str = "-1"
     host: str = "127.0.0.1"
     port: int = 8080
-    max_tokens: int = 512
+    max_tokens: Optional[int] = None  # None: until the model stops or the context ends
     max_tokens_limit: int = 32768
     temp: float = 0.0
     top_p: float = 1.0
@@ -52,7 +52,7 @@ class ServeConfig:
     advertise_url: Optional[str] = None
     api_key: Optional[str] = None
     allow_unauthenticated: bool = False
-    allowed_origins: list[str] = field(default_factory=list)
+    allowed_origins: Optional[list[str]] = None  # None: OLLAMA_ORIGINS when set, else none
     max_header_bytes: int = 16 << 10
     max_json_depth: int = 32
     max_prompt_tokens: Optional[int] = None
@@ -87,6 +87,15 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("must be a JSON object")
     return value
+
+
+def _origins(text: str) -> list[str]:
+    from gateway.http.origins import split_origins
+
+    try:
+        return split_origins(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
 
 
 def _draft_count(text: str) -> int:
@@ -149,7 +158,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=d.host, help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=d.port, help="port (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens,
-                   help="max_tokens when a request gives none (default %(default)s)")
+                   help="max_tokens when a request gives none (default: none, as OpenAI, vLLM and Ollama do: "
+                   "the answer runs until the model stops, the context ends or --max-tokens-limit)")
     p.add_argument("--max-tokens-limit", type=int, default=d.max_tokens_limit,
                    help="largest max_tokens a request may ask for; more is a 400 (default %(default)s)")
     p.add_argument("--temp", type=float, default=d.temp, help="default sampling temperature (0 = greedy)")
@@ -270,9 +280,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    "and those still running at the end get a final error event (default %(default)s)")
     p.add_argument("--allow-unauthenticated", action="store_true",
                    help="allow serving without any key on a non-loopback --host")
-    p.add_argument("--allowed-origins", type=lambda s: [o.strip() for o in s.split(",") if o.strip()],
-                   default=[], help="CORS allow-list, comma-separated, e.g. "
-                   "'chrome-extension://abcdef...,http://localhost:3000' (default: no CORS)")
+    p.add_argument("--allowed-origins", type=_origins, default=None,
+                   help="CORS allow-list of every API, comma-separated origins or Ollama's patterns with one '*', "
+                   "e.g. 'chrome-extension://*,http://localhost:3000' (default: $OLLAMA_ORIGINS when set, else "
+                   "none; Ollama's API, /api/..., also allows Ollama's local origins: http(s)://localhost, "
+                   "127.0.0.1 and 0.0.0.0 on any port, app://, file://, tauri://, vscode-webview://, vscode-file://)")
     p.add_argument("--max-header-bytes", type=parse_size, default=d.max_header_bytes,
                    help="largest total size of request headers; more is a 431 (default 16K)")
     p.add_argument("--max-json-depth", type=int, default=d.max_json_depth,

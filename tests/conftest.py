@@ -257,11 +257,30 @@ class LiveServer:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def start_gateway(cfg, specs=None, tenants=None, wait: bool = True):
+# ``max_tokens`` of a test gateway's requests that give none. ``serve`` itself has no such
+# default (an answer runs until the model stops or the context ends), and a random-weight
+# model rarely emits its end token: it would write to the end of its 32768-token context.
+TEST_MAX_TOKENS = 512
+# The same for ``mlx-gateway serve`` subprocesses.
+TEST_MAX_TOKENS_FLAGS = ["--max-tokens", str(TEST_MAX_TOKENS)]
+
+
+def start_gateway(cfg, specs=None, tenants=None, wait: bool = True,
+                  default_max_tokens: int | None = TEST_MAX_TOKENS):
     """Build and start a gateway for ``cfg`` (its models loading in the background); with
-    ``wait``, wait until the models to load at start are ready (AssertionError if one failed)."""
+    ``wait``, wait until the models to load at start are ready (AssertionError if one failed).
+
+    ``default_max_tokens``: the ``max_tokens`` of ``cfg`` and of each of ``specs`` that has
+    none (:data:`TEST_MAX_TOKENS`); None keeps the gateway's own (until the context ends)."""
+    from dataclasses import replace
+
     from gateway.server import build_gateway
 
+    if default_max_tokens is not None:
+        n = default_max_tokens
+        cfg = cfg if cfg.max_tokens is not None else replace(cfg, max_tokens=n)
+        specs = None if specs is None else [s if s.max_tokens is not None else replace(s, max_tokens=n)
+                                            for s in specs]
     gw = build_gateway(cfg, tenants, specs)
     gw.start()
     if wait:
@@ -297,9 +316,10 @@ def serving(gw, port: int, max_header_bytes: int = 16 << 10):
 
 
 @contextlib.contextmanager
-def live_server(model_dir, specs=None, **config):
+def live_server(model_dir, specs=None, default_max_tokens: int | None = TEST_MAX_TOKENS, **config):
     """Start a gateway serving ``model_dir`` as ``test-model`` (or the models ``specs``)
-    with ServeConfig overrides; stop it on exit."""
+    with ServeConfig overrides; stop it on exit. ``default_max_tokens``: as in
+    :func:`start_gateway` (a ``max_tokens`` override wins)."""
     from dataclasses import replace
 
     from gateway.config import ServeConfig
@@ -308,7 +328,7 @@ def live_server(model_dir, specs=None, **config):
     cfg = ServeConfig(model=str(model_dir), port=free_port(), **config)
     if specs is None:
         specs = [replace(s, name="test-model") for s in model_specs(cfg)]
-    gw = start_gateway(cfg, specs)
+    gw = start_gateway(cfg, specs, default_max_tokens=default_max_tokens)
     with serving(gw, cfg.port, cfg.max_header_bytes) as srv:
         yield srv
 

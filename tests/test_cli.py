@@ -1,6 +1,6 @@
 """The ``mlx-gateway`` command as users run it: keys, refusing an open public host or a
-response store it cannot use, and reloading the tenants file on SIGHUP without dropping a
-request in flight."""
+response store it cannot use, reloading the tenants file on SIGHUP without dropping a
+request in flight, and ``demo-model`` writing only models its server loads."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import threading
 import httpx
 import pytest
 
-from conftest import free_port, model_path, wait_until
+from conftest import TOKENIZERS, free_port, live_server, model_path, require_tokenizers, wait_until
 
 CLI = [sys.executable, "-m", "gateway.cli"]
 
@@ -45,6 +45,36 @@ def test_keys_new_prints_a_key_and_only_its_hash():
     assert key not in out[out.index("[tenants.browser]"):]
     again, _ = new_key("browser")
     assert again != key
+
+
+def test_demo_model_refuses_a_vision_model_without_its_tokenizer_and_serves_one_with_it(tmp_path):
+    require_tokenizers("gemma3", "qwen3")
+    out = tmp_path / "vlm"
+    # Without --tokenizer, the project's own tokenizer has no Gemma 3 image token: the model it
+    # would write (960 embedding rows) is one the gateway refuses to load. An error, nothing written.
+    r = subprocess.run([*CLI, "demo-model", str(out), "--arch", "gemma3"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "--tokenizer" in r.stderr and "Gemma 3" in r.stderr, r.stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    # Another family's tokenizer: refused too, naming the token it lacks.
+    r = subprocess.run([*CLI, "demo-model", str(out), "--arch", "gemma3", "--tokenizer", str(TOKENIZERS / "qwen3")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "<image_soft_token>" in r.stderr, r.stderr
+    assert list(tmp_path.iterdir()) == []
+    r = subprocess.run([*CLI, "demo-model", str(out), "--arch", "gemma3", "--tokenizer", str(TOKENIZERS / "gemma3"),
+                        "--vocab-size", "1024"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--vocab-size" in r.stderr, r.stderr
+    # With the Gemma 3 tokenizer, the model it writes is served.
+    r = subprocess.run([*CLI, "demo-model", str(out), "--arch", "gemma3", "--tokenizer", str(TOKENIZERS / "gemma3")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == str(out), r.stderr
+    with live_server(out) as s, s.client() as c:
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+    # The text architectures take the project's own tokenizer, as before.
+    r = subprocess.run([*CLI, "demo-model", str(tmp_path / "text"), "--arch", "gemma3_text"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
 
 
 def test_refuses_a_public_host_without_keys():

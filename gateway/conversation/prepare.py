@@ -25,13 +25,19 @@ from scheduler.thinking import ThinkingBudget
 def sampling_params(model: ModelHandle, tenant: Tenant, s: Sampling) -> SamplingParams:
     """The engine's settings for ``s``, with the model's defaults filled in.
 
+    A request that gives no ``max_tokens`` gets the model's ``max_tokens`` (``--max-tokens``)
+    or, without one, the largest it may ask for: as on OpenAI's and vLLM's chat APIs and
+    Ollama's (``num_predict: -1``), it runs until the model stops or the context ends
+    (:func:`fit_context` cuts it to the room the prompt leaves).
+
     Raises:
         APIError: 400 for ``max_tokens`` over the tenant's or the model's limit or a
             ``logit_bias`` token outside the vocabulary.
     """
     spec = model.spec
     limit = min(spec.max_tokens_limit, tenant.max_tokens or spec.max_tokens_limit)
-    wanted = s.max_tokens if s.max_tokens is not None else min(spec.max_tokens, limit)
+    default = limit if spec.max_tokens is None else min(spec.max_tokens, limit)
+    wanted = s.max_tokens if s.max_tokens is not None else default
     if wanted > limit:
         raise APIError(400, f"max_tokens {wanted} is over this key's limit of {limit}", param="max_tokens")
     top_k = s.top_k if s.top_k is not None else spec.top_k

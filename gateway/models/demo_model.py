@@ -262,14 +262,19 @@ def build_model_dir(
 
     Raises:
         ValueError: for an unknown architecture, or ``terse`` on one it is not defined for.
+        gateway.models.demo_multimodal.TokenizerNeeded: (a ValueError) for a vision
+            architecture without a tokenizer of its family (``gemma3``: Gemma 3's); nothing
+            is written.
     """
     import importlib
 
     import mlx.core as mx
     import mlx.utils
 
-    from gateway.models.demo_multimodal import EMBEDDING_CONFIGS, VISION_CONFIGS
+    from gateway.models.demo_multimodal import EMBEDDING_CONFIGS, VISION_CONFIGS, check_tokenizer
 
+    if tokenizer_dir is None:
+        check_tokenizer(arch, None, vocab_size or 0)
     if arch not in ARCH_CONFIGS and arch not in VISION_CONFIGS and arch not in EMBEDDING_CONFIGS:
         raise ValueError(f"unknown architecture {arch!r}; choose from {sorted(all_archs())}")
     if terse and arch not in TERSE_ARCHS:
@@ -294,6 +299,11 @@ def build_model_dir(
     if arch not in ARCH_CONFIGS:  # a vision-language or embedding model (gateway.models.demo_multimodal)
         from gateway.models.demo_multimodal import write_multimodal
 
+        try:
+            check_tokenizer(arch, tmp / "tokenizer.json", vocab)
+        except ValueError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         mx.random.seed(seed)
         write_multimodal(tmp, arch, vocab, overrides or {})
         (tmp / ".mlx-gateway-demo.json").write_text(json.dumps(stamp))

@@ -42,6 +42,45 @@ VISION_CONFIGS: dict[str, dict] = {
     },
 }
 
+# What a vision architecture needs of its tokenizer: the family, and the image token its
+# config names (``image_token_index``), which the project's own tokenizer and other
+# families lack; and the embedding rows mlx-lm's text model takes (its gemma3 ``ModelArgs``
+# has ``vocab_size`` 262208 and no other).
+TOKENIZER_NEEDS: dict[str, tuple[str, str, int]] = {"gemma3": ("Gemma 3", "<image_soft_token>", 262208)}
+
+
+class TokenizerNeeded(ValueError):
+    """An architecture that needs a tokenizer of its own family was given none, or
+    another one (the message says which; ``mlx-gateway demo-model --tokenizer DIR``)."""
+
+
+def check_tokenizer(arch: str, tokenizer_json, vocab: int) -> None:
+    """Check that the tokenizer at ``tokenizer_json`` (a ``tokenizer.json`` path; None:
+    the project's own) and ``vocab`` embedding rows make a model of ``arch`` that loads.
+
+    Raises:
+        TokenizerNeeded: no tokenizer, or one without the architecture's image token at
+            the id its config names, or other embedding rows than the architecture takes.
+    """
+    if arch not in TOKENIZER_NEEDS:
+        return
+    family, token, rows = TOKENIZER_NEEDS[arch]
+    want = VISION_CONFIGS[arch]["image_token_index"]
+    if tokenizer_json is None:
+        raise TokenizerNeeded(f"--arch {arch} needs a {family} tokenizer (its image token {token} is id {want}): "
+                              f"give a directory holding its tokenizer.json and tokenizer_config.json with "
+                              f"--tokenizer DIR")
+    from tokenizers import Tokenizer
+
+    got = Tokenizer.from_file(str(tokenizer_json)).token_to_id(token)
+    if got != want:
+        raise TokenizerNeeded(f"--arch {arch} needs a {family} tokenizer: the one given has "
+                              f"{'no ' + token if got is None else f'{token} at id {got}'}, its config wants id {want}")
+    if vocab != rows:
+        raise TokenizerNeeded(f"--arch {arch} takes {rows} embedding rows (mlx-lm's {arch} model reads no other), "
+                              f"not --vocab-size {vocab}")
+
+
 EMBEDDING_CONFIGS: dict[str, dict] = {
     "qwen3_embedding": {
         "architectures": ["Qwen3Model"], "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2,

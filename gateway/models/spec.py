@@ -71,7 +71,8 @@ class ModelSpec:
             request; None never (it is unloaded only when the memory budget needs room).
         preload: loaded at start (pinned models, and models given with ``--model``), when
             it fits without unloading another.
-        max_tokens: ``max_tokens`` when a request gives none.
+        max_tokens: ``max_tokens`` when a request gives none; None: the answer runs until
+            the model stops, the context ends or ``max_tokens_limit``.
         max_tokens_limit: the largest ``max_tokens`` a request may ask for.
         temp, top_p, top_k, min_p: default sampling settings.
         chat_template_args: passed to the chat template (a request's own win).
@@ -96,7 +97,7 @@ class ModelSpec:
     pin: bool = False
     keep_alive: Optional[float] = None
     preload: bool = False
-    max_tokens: int = 512
+    max_tokens: Optional[int] = None
     max_tokens_limit: int = 32768
     temp: float = 0.0
     top_p: float = 1.0

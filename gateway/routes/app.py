@@ -20,6 +20,7 @@ from starlette.routing import Route
 from gateway.conversation.calls import Front
 from gateway.http.cors import DynamicCORS
 from gateway.http.errors import APIError
+from gateway.http.origins import configured_origins
 from gateway.http.hosts import HostPolicy
 from gateway.http.middleware import GatewayMiddleware, metrics_key
 from gateway.protocols.reasoning_seal import LazySeal
@@ -29,12 +30,14 @@ from gateway.routes.table import ROUTES, error_style, metrics_label, resolve
 
 def create_app(front: Front, registry: CollectorRegistry) -> Starlette:
     """The ASGI app serving ``front``, with its metrics on ``registry``: routes inside
-    :class:`GatewayMiddleware`, inside CORS (``config.allowed_origins`` and the tenants'
-    ``origins``; ``chrome-extension://ID`` and ``moz-extension://ID`` origins are matched
-    like any other), and the stored responses of ``config.responses_store``.
+    :class:`GatewayMiddleware`, inside CORS (``config.allowed_origins``, else
+    ``OLLAMA_ORIGINS``, and the tenants' ``origins``, as Ollama's patterns; Ollama's local
+    origins on its API: :class:`gateway.http.cors.DynamicCORS`), and the stored responses of
+    ``config.responses_store``.
 
     Raises:
-        ValueError, OSError, sqlite3.Error: the response store cannot be opened.
+        ValueError, OSError, sqlite3.Error: the response store cannot be opened, or
+            ``OLLAMA_ORIGINS`` holds a bad pattern.
     """
     cfg = front.config
     routes = [Route(r.path, resolve(r.handler), methods=list(r.methods)) for r in ROUTES]
@@ -67,5 +70,6 @@ def create_app(front: Front, registry: CollectorRegistry) -> Starlette:
                        count=lambda tenant, model, endpoint, code: m.requests.labels(tenant, model, endpoint,
                                                                                      code).inc(),
                        on_error=refused, error_style=error_style, endpoint=metrics_label)
-    app.add_middleware(DynamicCORS, allow_origins=cfg.allowed_origins, more=lambda: front.tenants.origins())
+    app.add_middleware(DynamicCORS, allow_origins=configured_origins(cfg.allowed_origins),
+                       more=lambda: front.tenants.origins())
     return app

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Optional
 
 from gateway.config import parse_size
+from gateway.http.origins import check_pattern, patterns_of
 
 # A group's draft-model rows are kept under "<group>/draft" (scheduler.speculative.draft_snapshots.SUFFIX,
 # not imported here: that would load MLX), so no group may be named so.
@@ -83,7 +84,8 @@ class Tenant:
         priority: its latency class, one of :data:`PRIORITIES`; a request may ask for a
             lower one, never a higher one.
         origins: the browser origins (``Origin`` header values, e.g.
-            ``chrome-extension://<id>``) its keys are accepted from; None: any.
+            ``chrome-extension://<id>``, or Ollama's patterns with one ``*``:
+            :mod:`gateway.http.origins`) its keys are accepted from; None: any.
         allow_no_origin: with ``origins``, also accept requests that send no ``Origin``
             (programs other than browsers).
         admin: may read every tenant's usage and flush cache groups.
@@ -112,7 +114,7 @@ class Tenant:
         (None: the request sent none)."""
         if self.origins is None:
             return True
-        return self.allow_no_origin if origin is None else origin in self.origins
+        return self.allow_no_origin if origin is None else patterns_of(frozenset(self.origins)).match(origin)
 
     def may_use(self, name: str) -> bool:
         """Whether this tenant may use the model name ``name`` (a served name or an alias):
@@ -253,6 +255,10 @@ def _tenant(name: str, spec, admin_hashes: tuple[bytes, ...]) -> Tenant:
     origins = spec.get("origins")
     if origins is not None and (not isinstance(origins, list) or not all(isinstance(o, str) and o for o in origins)):
         raise TenantsFileError(f"{where}: origins must be a list of origins such as 'chrome-extension://<id>'")
+    try:
+        origins = None if origins is None else [check_pattern(o) for o in origins]
+    except ValueError as e:
+        raise TenantsFileError(f"{where}: origins: {e}") from e
     allow_no_origin = spec.get("allow_no_origin", False)
     if not isinstance(allow_no_origin, bool):
         raise TenantsFileError(f"{where}: allow_no_origin must be true or false")
