@@ -7,12 +7,13 @@ of dim 16, float32, ~1K vocabulary; ``tests/conftest.py``), run on whatever MLX
 backend is present. Absolute times are those of a toy model; the point is the ratio
 cold / hot and the size of the fetch overhead (lookup, copy, restore).
 
-Reports, per prefix length:
+Reports, per prefix length, through the engine (``scheduler.Engine``, from submit to
+the first token of a greedy one-token request):
   - cold TTFT: prefill of the whole prompt, no cache;
-  - exact-prefix hot TTFT: the same prompt again (snapshot restored to n-1 tokens);
+  - exact-prefix hot TTFT: the same prompt again (what the engine stored of it restored);
   - nearest-prefix hot TTFT: the stored prompt shares all but its last 128 tokens
     with the query (snapshot trimmed, 128 new tokens run);
-  - fetch overhead split into lookup / copy / restore (seconds).
+  - fetch overhead split into lookup / copy / restore (seconds, the manager's own fetch).
 Then: memory (mx.get_active_memory) and time to hand out a copy of a 100K-token
 snapshot, for the tiny model's layer shapes and for 4 layers of a Qwen3-0.6B-like
 shape (8 KV heads x 128 dims, float16), and the memory of the first write to it.
@@ -24,6 +25,7 @@ import argparse
 import statistics
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import mlx.core as mx
@@ -31,11 +33,10 @@ import mlx_lm
 from mlx_lm.models.cache import KVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cache import PrefillSession, PromptCacheManager, safe_copy  # noqa: E402
-from tests.conftest import model_path  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scenarios import timed  # noqa: E402
+from cache import PromptCacheManager  # noqa: E402
+from scheduler import Engine, EngineRequest, SamplingParams  # noqa: E402
+from scheduler.request import PromptEvent  # noqa: E402
+from tests.conftest import EventSink, model_path  # noqa: E402
 
 
 def prompt_tokens(tok, n: int, seed: int) -> list[int]:
@@ -49,35 +50,51 @@ def prompt_tokens(tok, n: int, seed: int) -> list[int]:
     return out[:n]
 
 
+def first_token(engine: Engine, tokens: list[int], namespace: str) -> tuple[float, int]:
+    """Seconds from submit to the end of a greedy one-token request for ``tokens``, and the
+    tokens its prompt reused from the prefix cache."""
+    sink = EventSink()
+    t = time.perf_counter()
+    engine.submit(EngineRequest(uuid.uuid4().hex, tokens, SamplingParams(max_tokens=1), sink, namespace=namespace))
+    assert sink.done.wait(600), "the request did not finish"
+    seconds = time.perf_counter() - t
+    return seconds, next(e.cached_tokens for e in sink.events if isinstance(e, PromptEvent))
+
+
 def bench_ttft(model, tok, n: int, reps: int) -> None:
     toks = prompt_tokens(tok, n, seed=n)
-    cold_s, cold = timed(lambda: PrefillSession(model, None).prefill(toks), reps)
     query = toks[: n - 128] + prompt_tokens(tok, 128, seed=n + 1)
     query[n - 128] = (toks[n - 128] + 1) % 900 + 5  # diverge exactly at n-128
 
     mgr = PromptCacheManager(max_bytes=8 << 30, max_entries=64)
-    hot_runs, near_runs = [], []
-    for i in range(max(reps, 3)):
-        # a fresh namespace per run holding only the cold run's final snapshot
-        for kind, q, runs in (("exact", toks, hot_runs), ("near", query, near_runs)):
-            ns = f"{kind}-{i}"
-            assert mgr.insert(ns, toks, safe_copy(cold.cache))
-            t = time.perf_counter()
-            r = PrefillSession(model, mgr, namespace=ns).prefill(q)
-            runs.append((time.perf_counter() - t, r))
+    engine = Engine(model, tok.eos_token_ids, mgr)
+    engine.start()
+    cold_runs, hot_runs, near_runs = [], [], []
+    try:
+        for i in range(max(reps, 3)):
+            # fresh namespaces per run, each holding only what the cold run stored
+            for kind, q, runs in (("exact", toks, hot_runs), ("near", query, near_runs)):
+                ns = f"{kind}-{i}"
+                cold_runs.append(first_token(engine, toks, ns))
+                runs.append(first_token(engine, q, ns))
+        hits = {kind: mgr.fetch(f"{kind}-0", q) for kind, q in (("exact", toks), ("near", query))}
+        for hit in hits.values():
+            mgr.release(hit.lease)
+    finally:
+        engine.stop()
+    cold_s = statistics.median(t for t, _ in cold_runs)
     hot_s = statistics.median(t for t, _ in hot_runs)
     near_s = statistics.median(t for t, _ in near_runs)
     hot, near = hot_runs[-1][1], near_runs[-1][1]
-    assert hot.cached_tokens == n - 1 and near.cached_tokens == n - 128
+    assert near == n - 128, near
 
     def fmt(t):
         return {k: f"{v * 1e3:.3f}ms" for k, v in t.items() if k != "prefill"}
 
     print(f"prefix {n:>6} tokens: cold TTFT {cold_s:.3f}s | exact hot {hot_s * 1e3:.1f}ms "
-          f"(reused {hot.cached_tokens}) | nearest hot {near_s * 1e3:.1f}ms (reused {near.cached_tokens}, "
-          f"ran {n - near.cached_tokens})")
-    print(f"    fetch overhead exact:   {fmt(hot.timings)}")
-    print(f"    fetch overhead nearest: {fmt(near.timings)}")
+          f"(reused {hot}) | nearest hot {near_s * 1e3:.1f}ms (reused {near}, ran {n - near})")
+    print(f"    fetch overhead exact:   {fmt(hits['exact'].timings)}")
+    print(f"    fetch overhead nearest: {fmt(hits['near'].timings)}")
 
 
 def snapshot(layers: int, heads: int, dim: int, n: int, dtype) -> list[KVCache]:
@@ -127,7 +144,6 @@ def main() -> None:
     args = ap.parse_args()
     print(f"mlx {mx.__version__}, device {mx.default_device()}")
     model, tok = mlx_lm.load(str(model_path("qwen3")))
-    PrefillSession(model, None).prefill(prompt_tokens(tok, 300, 0))  # warm up
     for n in args.lengths:
         bench_ttft(model, tok, n, reps=args.reps if n <= 4096 else 1)
     bench_copy("tiny qwen3 (2 layers x 2 KV heads x 16, fp32)", 2, 2, 16, mx.float32)

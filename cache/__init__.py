@@ -10,43 +10,29 @@ Public API::
     mgr.insert("tenant-a", tokens, cache)     # -> bool
 
 Modules: ``tree`` (radix tree), ``manager`` (leases, LRU, bounds), ``budget`` (one
-bound over several models' managers), ``restore``
-(what each cache type can be restored to), ``checkpoints`` (where to snapshot),
-``metrics`` (prometheus), ``session`` (library prefill with caching).
+bound over several models' managers), ``kinds`` (one row per layer-cache class),
+``restore`` (what each cache type can be restored to), ``checkpoints`` (where a starting
+request snapshots), ``metrics`` (prometheus). Prefill runs in the engine
+(``scheduler.Engine``), over this cache.
 """
 
 from .budget import CacheBudget
-from .checkpoints import (
-    DEFAULT_INTERVAL,
-    encode_with_ends,
-    periodic_checkpoints,
-    plan_chat_checkpoints,
-    plan_completion_checkpoints,
-    render_text,
-)
 from .entries import CacheHit, Lease
+from .kinds import KINDS, CacheKind, kind_of
 from .manager import PromptCacheManager
 from .metrics import CacheMetrics
-from .restore import RULES, can_restore, is_trimmable, safe_copy
-from .session import PrefillResult, PrefillSession, chunk_boundaries
+from .restore import can_restore, is_trimmable, safe_copy
 
 __all__ = [
     "CacheBudget",
     "CacheHit",
+    "CacheKind",
     "CacheMetrics",
-    "DEFAULT_INTERVAL",
+    "KINDS",
     "Lease",
-    "PrefillResult",
-    "PrefillSession",
     "PromptCacheManager",
-    "RULES",
     "can_restore",
-    "chunk_boundaries",
-    "encode_with_ends",
     "is_trimmable",
-    "periodic_checkpoints",
-    "plan_chat_checkpoints",
-    "plan_completion_checkpoints",
-    "render_text",
+    "kind_of",
     "safe_copy",
 ]

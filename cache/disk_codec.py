@@ -38,6 +38,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from .kinds import kind_of
+
 CODEC_VERSION = "1"
 
 # MLX dtypes numpy lacks -> the same-width unsigned type their bits are stored as.
@@ -55,12 +57,25 @@ def _mlx_cache() -> Any:
     return cache
 
 
-def _as_mlx_quantized(row: Any) -> Any:
-    """A :class:`cache.quantized.QuantizedKVRow` as mlx-lm's ``QuantizedKVCache`` (the
-    disk format names only mlx-lm's classes); :func:`decode_snapshot` turns it back."""
-    plain = _mlx_cache().QuantizedKVCache(row.group_size, row.bits)
-    plain.keys, plain.values, plain.offset = row.state[:3]  # cut to its tokens
-    return plain
+def _as_mlx(layer: Any) -> Any:
+    """``layer`` as the mlx-lm class its kind's ``disk`` column says it is written as (the
+    disk format names only mlx-lm's classes): ``quantized``, mlx-lm's ``QuantizedKVCache``
+    cut to its tokens (:func:`decode_snapshot` turns it back into a
+    :class:`cache.quantized.QuantizedKVRow`); ``kv``, mlx-lm's ``KVCache`` (pages joined);
+    ``state``, itself."""
+    disk = kind_of(layer).disk
+    if disk == "quantized":
+        from cache.quantized import QuantizedKVRow
+
+        row = QuantizedKVRow.of(layer)
+        plain = _mlx_cache().QuantizedKVCache(row.group_size, row.bits)
+        plain.keys, plain.values, plain.offset = row.state[:3]  # cut to its tokens
+        return plain
+    if disk == "kv":
+        plain = _mlx_cache().KVCache()
+        plain.state = layer.state  # keys and values cut to its tokens
+        return plain
+    return layer
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -103,8 +118,7 @@ def encode_snapshot(cache: Sequence[Any]) -> tuple[dict[str, np.ndarray], dict[s
     leaves: dict[str, mx.array] = {}
     layers = []
     for i, layer in enumerate(cache):
-        if type(layer).__name__ == "QuantizedKVRow":  # stored as mlx-lm's class (same state)
-            layer = _as_mlx_quantized(layer)
+        layer = _as_mlx(layer)
         name = type(layer).__name__
         if getattr(_mlx_cache(), name, None) is not type(layer):
             raise ValueError(f"layer {i}: {name} is not an mlx_lm.models.cache class")
@@ -212,7 +226,7 @@ def decode_snapshot(arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> 
             obj = cls.from_state(state) if meta is None else cls.from_state(state, meta)
         except Exception as e:  # a class rejecting its state is a malformed file
             raise ValueError(f"layer {i}: {layer['class']}.from_state failed: {e}") from None
-        if type(obj).__name__ == "QuantizedKVCache":
+        if kind_of(obj).disk == "quantized":
             from cache.quantized import QuantizedKVRow
 
             obj = QuantizedKVRow.of(obj)

@@ -17,10 +17,10 @@ anyway, and aligning pages to tree edges makes that a handful of copies instead 
 node; a node's pages are freed with the node when no stored snapshot is at or below
 it (:class:`cache.tree.RadixTree` prunes it), which happens exactly once.
 
-What is paged: full-attention layers, float (``KVCache``) or quantized
-(:class:`cache.quantized.QuantizedKVRow`, ``--kv-bits``: its keys and values are each a
-``(packed, scales, biases)`` triple, paged together). Everything else is kept whole per
-snapshot: recurrent state (``ArraysCache``), sliding windows (``RotatingKVCache``,
+What is paged: the kinds whose ``paged`` column says so (:mod:`cache.kinds`): full-attention
+layers, float (``KVCache``) or quantized (:class:`cache.quantized.QuantizedKVRow`,
+``--kv-bits``: its keys and values are each a ``(packed, scales, biases)`` triple, paged
+together). Everything else is kept whole per snapshot: recurrent state (``ArraysCache``), sliding windows (``RotatingKVCache``,
 bounded by the window), list caches.
 
 Edge operations (called by the tree, see ``RadixTree`` hooks):
@@ -38,11 +38,9 @@ from typing import Any, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from .kinds import kind_of
 from .quantized import QuantizedKVRow
 
-# Layer cache classes stored as pages (their keys and values are [1, H, >= offset, *]
-# arrays, or triples of them when quantized; they grow in 256-token steps).
-PAGED_CLASSES = frozenset({"KVCache", "PagedKVCache", "QuantizedKVRow"})
 PAGED_TYPE = "KVCache"  # the cache_type label of paged bytes (float or quantized) in the metrics
 
 
@@ -85,8 +83,10 @@ def _kind(layer: Any):
 
 
 def is_paged(layer: Any) -> bool:
-    """True if ``layer`` (one mlx-lm layer cache) is stored as pages."""
-    return type(layer).__name__ in PAGED_CLASSES and getattr(layer, "keys", None) is not None
+    """True if ``layer`` (one mlx-lm layer cache) is stored as pages: its kind is ``paged``
+    (:mod:`cache.kinds`; keys and values ``[1, H, >= offset, *]``, or triples of them when
+    quantized, grown in 256-token steps) and it holds tokens."""
+    return kind_of(layer).paged and getattr(layer, "keys", None) is not None
 
 
 def layout(cache: Sequence[Any]) -> tuple:
@@ -190,20 +190,6 @@ def assemble(private: Sequence[Any], path: Sequence[Page], tokens: int) -> list[
             row = QuantizedKVRow(*kind)
             row.keys, row.values, row.offset = joined[:3], joined[3:], tokens
             out[i] = row
-    return out
-
-
-def plain(cache: Sequence[Any]) -> list[Any]:
-    """``cache`` with every :class:`PagedKVCache` turned into a plain mlx-lm ``KVCache``
-    holding its concatenated keys and values (for code that knows only mlx-lm classes,
-    e.g. the disk codec)."""
-    out = []
-    for c in cache:
-        if isinstance(c, PagedKVCache):
-            kv = KVCache()
-            kv.state = (c.keys, c.values, c.offset)
-            c = kv
-        out.append(c)
     return out
 
 

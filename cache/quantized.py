@@ -30,7 +30,9 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_map, tree_reduce
-from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, dynamic_roll
+from mlx_lm.models.cache import BatchKVCache, QuantizedKVCache, dynamic_roll
+
+from .kinds import kind_of
 
 BITS = (4, 8)
 
@@ -71,16 +73,16 @@ def quantized_caches(model, bits: int, group_size: int) -> list[Any]:
     """One :class:`QuantizedKVRow` per layer of ``model``.
 
     Raises:
-        ValueError: ``bits`` is not 4 or 8, or a layer keeps a cache other than mlx-lm's
-            ``KVCache`` (sliding windows and recurrent state stay float; only full
-            attention is quantized).
+        ValueError: ``bits`` is not 4 or 8, or a layer keeps a cache whose kind does not
+            ``quantize`` (:mod:`cache.kinds`: only full attention, mlx-lm's ``KVCache``;
+            sliding windows and recurrent state stay float).
     """
     from mlx_lm.models.cache import make_prompt_cache
 
     if bits not in BITS:
         raise ValueError(f"kv_bits must be 4 or 8, not {bits}")
     layers = make_prompt_cache(model)
-    kinds = sorted({type(c).__name__ for c in layers if type(c) is not KVCache})
+    kinds = sorted({type(c).__name__ for c in layers if not kind_of(c).quantize})
     if kinds:
         raise ValueError(f"cannot quantize the KV cache of a model whose layers keep {', '.join(kinds)} caches "
                          "(only full-attention KVCache layers can be quantized)")

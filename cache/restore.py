@@ -2,25 +2,11 @@
 
 A *snapshot* is a list of mlx-lm layer caches (one per model layer) holding the
 state after exactly ``L`` tokens. A request that wants ``T`` tokens of it
-(``T <= L``) can use it only if every layer can be brought to exactly ``T``:
-
-=========================  ==========================================================
-layer cache class          restore to ``T`` tokens from a snapshot of ``L`` tokens
-=========================  ==========================================================
-``KVCache``                any ``T <= L`` (``trim(L - T)`` just lowers ``offset``)
-``QuantizedKVRow``         any ``T <= L`` (same; ``--kv-bits``, ``cache/quantized.py``)
-``ConcatenateKVCache``     any ``T <= L`` (same as ``KVCache``)
-``RotatingKVCache``        ``T == L``, or ``T < L`` only while nothing was rotated out:
-                           mlx-lm's ``is_trimmable()`` is ``offset < max_size``
-                           (sliding-window models such as Gemma 3; once the window
-                           has rotated the dropped keys cannot be brought back)
-``ArraysCache``            ``T == L`` only (recurrent / SSM state: Mamba 2, Qwen3.5,
-                           Nemotron-H; a state cannot be "un-run")
-``CacheList``              ``T == L``, or ``T < L`` if every member can be trimmed
-anything else              ``T == L`` only (``QuantizedKVCache``, ``ChunkedKVCache``,
-                           batch caches, unknown classes: mlx-lm marks some of them
-                           trimmable, but we do not rely on it)
-=========================  ==========================================================
+(``T <= L``) can use it only if every layer can be brought to exactly ``T``: the
+``restore`` column of each layer's row in :data:`cache.kinds.KINDS` says when (``KVCache``
+and quantized rows: any ``T <= L``; ``RotatingKVCache``: while nothing was rotated out;
+``ArraysCache``, recurrent state: ``T == L`` only; ``CacheList``: as its members; a class
+with no row: ``T == L`` only).
 
 Paged layers (float ``KVCache``, quantized ``QuantizedKVRow``) are handed out as new
 objects over the pages (``pages.py``: a ``PagedKVCache``, or a ``QuantizedKVRow`` of the
@@ -46,24 +32,12 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-# Class name -> rule. "any": trim to any shorter length; "window": trim only while
-# the layer's own is_trimmable() says so; "exact": no trimming; "members": CacheList.
-RULES: dict[str, str] = {
-    "KVCache": "any",
-    "PagedKVCache": "any",  # pages.py: a KVCache restored from pages
-    "ConcatenateKVCache": "any",
-    "RotatingKVCache": "window",
-    "ArraysCache": "exact",
-    "CacheList": "members",
-    "QuantizedKVCache": "exact",
-    "QuantizedKVRow": "any",  # cache/quantized.py: trim lowers offset, like KVCache
-    "ChunkedKVCache": "exact",
-}
+from .kinds import kind_of
 
 
 def layer_trimmable(layer: Any) -> bool:
-    """True if this one layer cache can be trimmed to any shorter prefix (see :data:`RULES`)."""
-    rule = RULES.get(type(layer).__name__, "exact")
+    """True if this one layer cache can be trimmed to any shorter prefix (its kind's ``restore``)."""
+    rule = kind_of(layer).restore
     if rule == "any":
         return True
     if rule == "window":
@@ -84,7 +58,7 @@ def always_trimmable(cache: Sequence[Any]) -> bool:
     any longer snapshot serves it. A sliding window is not (it stops being trimmable once
     it rotates), nor is recurrent state."""
     def rule_any(layer: Any) -> bool:
-        rule = RULES.get(type(layer).__name__, "exact")
+        rule = kind_of(layer).restore
         return rule == "any" or (rule == "members" and all(rule_any(c) for c in layer.caches))
 
     return all(rule_any(c) for c in cache)

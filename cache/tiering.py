@@ -27,7 +27,7 @@ from typing import Any
 from . import restore as rules
 from .disk import DiskTier
 from .disk_codec import decode_snapshot, encode_snapshot
-from .pages import Page, assemble, plain
+from .pages import Page, assemble
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class DiskLink:
             if self.covered(s.namespace, s.tokens):
                 continue
             try:
-                cache = plain(assemble(rules.safe_copy(s.private), s.pages, len(s.tokens)))
+                cache = assemble(rules.safe_copy(s.private), s.pages, len(s.tokens))
                 arrays, meta = encode_snapshot(cache)
             except Exception:
                 log.exception("encoding a %d-token snapshot for the disk tier failed", len(s.tokens))

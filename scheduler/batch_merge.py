@@ -13,10 +13,10 @@ from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.generate import _merge_caches
-from mlx_lm.models.cache import KVCache
 
+from cache.kinds import kind_of
 from cache.pages import PagedKVCache
-from cache.quantized import BatchQuantizedKVCache, QuantizedKVRow
+from cache.quantized import BatchQuantizedKVCache
 
 
 _spread = 1  # streams a batch merge spreads its layers over (spread_merges)
@@ -60,23 +60,28 @@ def _layer_stream(layer: int, extra: tuple):
 
 def merge_with_room(caches: list[list], streams: Optional[tuple] = None) -> list:
     """Per layer, one batch cache of the per-sequence ``caches`` (``B`` lists, one cache
-    per layer each), like mlx-lm's ``_merge_caches``, except that ``KVCache`` layers
-    (plain or paged) become a ``BatchKVCache`` ``[B, H, T, D]`` (quantized rows a
-    ``BatchQuantizedKVCache``) with room for the next token, so the decode step that
-    follows writes in place instead of reallocating it. Layers take turns on the calling
-    stream and ``streams`` (default: those of :func:`spread_merges`)."""
+    per layer each), as the rows' ``merge`` column says (:mod:`cache.kinds`; mixed rows
+    merge as ``mlx``): ``kv`` rows (``KVCache``, plain or paged) become a ``BatchKVCache``
+    ``[B, H, T, D]`` and ``quantized`` rows a ``BatchQuantizedKVCache``, each with room for
+    the next token, so the decode step that follows writes in place instead of
+    reallocating it; ``mlx`` rows are merged by mlx-lm's ``_merge_caches``. Layers take
+    turns on the calling stream and ``streams`` (default: those of :func:`spread_merges`)."""
     extra = _extra_here() if streams is None else streams
     merged = []
     for layer in range(len(caches[0])):
         per_row = [c[layer] for c in caches]
+        how = {kind_of(c).merge for c in per_row}
         with _layer_stream(layer, extra):
-            if all(isinstance(c, KVCache) for c in per_row):
-                merged.append(PagedKVCache.merge(per_row, room=1))
-            elif all(isinstance(c, QuantizedKVRow) for c in per_row):
-                merged.append(BatchQuantizedKVCache.merge(per_row, room=1))
-            else:
-                merged.append(_merge_caches([[c] for c in per_row])[0])
+            merge = _MERGES.get(how.pop()) if len(how) == 1 else None
+            merged.append(merge(per_row) if merge else _merge_caches([[c] for c in per_row])[0])
     return merged
+
+
+# The merge strategies of cache.kinds other than "mlx" (mlx-lm's own), each with room for one token.
+_MERGES = {
+    "kv": lambda rows: PagedKVCache.merge(rows, room=1),
+    "quantized": lambda rows: BatchQuantizedKVCache.merge(rows, room=1),
+}
 
 
 def extend_with_rows(batch: list, caches: list[list]) -> list:

@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from cache import periodic_checkpoints, plan_chat_checkpoints, plan_completion_checkpoints
-from cache.checkpoints import common_chars, common_prefix, encode_with_ends, render_text, thin_boundaries
+from cache.checkpoints import common_prefix
+from gateway.conversation.checkpoints import (periodic_checkpoints, plan_chat_checkpoints, plan_completion_checkpoints,
+                                              thin_boundaries)
+from gateway.conversation.templates import common_chars, encode_with_ends, render_text
 from conftest import TOKENIZERS, model_path
 
 SYSTEM = "You are a helpful assistant who answers briefly."

@@ -13,10 +13,11 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from cache import PrefillSession, PromptCacheManager
+from cache import PromptCacheManager
 from cache.entries import path_pages as _path_pages
 from cache.restore import cache_arrays
 from conftest import model_path
+from test_cache_differential import prefill
 
 THREADS = 8
 
@@ -56,7 +57,7 @@ def test_update_and_fetch_writes_do_not_leak():
     model, tok = mlx_lm.load(str(model_path("qwen3")))
     mgr = PromptCacheManager(max_bytes=1 << 28, max_entries=16)
     prompt = list(range(3, 103))
-    PrefillSession(model, mgr).prefill(prompt)
+    prefill(model, mgr, prompt, step=2048)
     before = frozen(stored(mgr, "default", prompt))
     query = prompt + [7]  # stored entry covers the whole prompt: restored as-is (100 tokens)
 
@@ -93,7 +94,7 @@ def test_concurrent_forwards_match_serial(arch):
     model, tok = mlx_lm.load(str(model_path(arch)))
     mgr = PromptCacheManager(max_bytes=1 << 28, max_entries=64)
     prompt = [int(t) for t in tok.encode("the cache token prompt server batch " * 12)][:80]
-    PrefillSession(model, mgr, prefill_step_size=32).prefill(prompt)
+    prefill(model, mgr, prompt, step=32)
     before = frozen(stored(mgr, "default", prompt))
     suffixes = [[int(t) for t in tok.encode(f" request {i} tenant {i * 7} water")] for i in range(THREADS)]
 

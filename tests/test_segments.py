@@ -11,11 +11,11 @@ from dataclasses import replace
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from cache.checkpoints import encode_with_ends, render_text
 from conftest import TOKENIZERS, live_server, model_path, require_tokenizers
 from gateway.conversation import segments
 from gateway.conversation.prepare import warm_up
 from gateway.conversation.segments import VERIFY_FIRST, SegmentEncoder
+from gateway.conversation.templates import encode_with_ends, render_text
 
 WORDS = ("the model cache token prompt  server\nbatch request tenant prefix memory apple code agent "
          "browser extension stream answer question system user assistant reason think water é ü 漢字 "

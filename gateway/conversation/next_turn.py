@@ -15,7 +15,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
-from cache.checkpoints import render_text, tokens_before
+from gateway.conversation.templates import render_text, tokens_before
 from gateway.conversation.segments import encode_chat
 from scheduler.precompute import Precompute
 

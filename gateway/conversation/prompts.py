@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from cache.checkpoints import (
+from gateway.conversation.checkpoints import (
     MARK_CLOSE, MARK_OPEN, marker_offsets, plan_chat_checkpoints, plan_completion_checkpoints,
-    render_text, tokens_before,
 )
+from gateway.conversation.templates import render_text, tokens_before
 from gateway.http.errors import APIError
 from gateway.conversation.form import Conversation
 from gateway.conversation.segments import encode_chat
@@ -44,7 +44,7 @@ def render_chat(
     tools: Optional[ToolPlan] = None, trimmable: bool = False,
 ) -> Prompt:
     """Apply the chat template (with ``tools`` as :mod:`gateway.conversation.tools` renders them),
-    tokenize, and plan the prompt's checkpoints (:mod:`cache.checkpoints`). A model whose
+    tokenize, and plan the prompt's checkpoints (:mod:`gateway.conversation.checkpoints`). A model whose
     cache can be trimmed (``trimmable``) needs only the system end and the periodic ones of
     long prompts: the prompt + completion snapshot saved when a request ends serves every
     shorter prefix.

@@ -28,7 +28,7 @@ import weakref
 from collections import OrderedDict
 from typing import Any, Optional
 
-from cache.checkpoints import encode_with_ends
+from gateway.conversation.templates import encode_with_ends
 
 log = logging.getLogger("mlx_gateway")
 
@@ -44,7 +44,7 @@ _encoders_lock = threading.Lock()
 
 def encode_chat(tokenizer: Any, text: str) -> tuple[list[int], Optional[list[int]]]:
     """The tokens of a rendered chat ``text`` and the end character of each, as
-    :func:`cache.checkpoints.encode_with_ends` gives them, from the tokenizer's
+    :func:`gateway.conversation.templates.encode_with_ends` gives them, from the tokenizer's
     :class:`SegmentEncoder` (made on first use)."""
     with _encoders_lock:
         enc = _encoders.get(tokenizer)

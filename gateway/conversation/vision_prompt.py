@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from cache.checkpoints import plan_completion_checkpoints, render_text
+from gateway.conversation.checkpoints import plan_completion_checkpoints
+from gateway.conversation.templates import render_text
 from gateway.conversation.form import IMAGE_MARK, Conversation
 from gateway.conversation.prompts import Prompt
 from gateway.conversation.tools import ToolPlan, template_messages

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from cache.kinds import kind_of
 from scheduler.speculative.draft_model import DraftModel
 
 METHODS = ("off", "ngram", "draft")
@@ -54,24 +55,22 @@ class SpeculationConfig:
 def speculation_refusal(model) -> Optional[str]:
     """Why ``model`` cannot speculate, or None if it can (as far as its cache types tell).
 
-    A rejected draft must be taken back out of every layer's cache:
+    A rejected draft must be taken back out of every layer's cache, as its kind's
+    ``rollback`` column says (:mod:`cache.kinds`):
 
-    - full-attention layers (mlx-lm's ``KVCache``, or quantized, ``--kv-bits``) mask the
-      rejected positions (:mod:`scheduler.speculative.holes`);
-    - recurrent layers (``ArraysCache``: gated delta nets, Mamba) and sliding windows
-      (``RotatingKVCache``) go back to their state before the step and take the kept
-      tokens again (:mod:`scheduler.speculative.rewind`). Whether the model's layers
-      honour the padding that needs is checked on the model itself (:func:`rollback_refusal`,
-      at load, or before an engine's first draft when it was not).
+    - ``mask``: full-attention layers (mlx-lm's ``KVCache``, or quantized, ``--kv-bits``)
+      mask the rejected positions (:mod:`scheduler.speculative.holes`);
+    - ``recurrent`` (``ArraysCache``: gated delta nets, Mamba) and ``window`` (sliding
+      windows, ``RotatingKVCache``): the layers go back to their state before the step and
+      take the kept tokens again (:mod:`scheduler.speculative.rewind`). Whether the model's
+      layers honour the padding that needs is checked on the model itself
+      (:func:`rollback_refusal`, at load, or before an engine's first draft when it was not).
 
-    Other cache types are refused.
+    Kinds with no ``rollback`` are refused.
     """
-    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+    from mlx_lm.models.cache import make_prompt_cache
 
-    from cache.quantized import QuantizedKVRow
-
-    kinds = {type(c).__name__ for c in make_prompt_cache(model)}
-    others = sorted(kinds - {t.__name__ for t in (ArraysCache, KVCache, QuantizedKVRow, RotatingKVCache)})
+    others = sorted({type(c).__name__ for c in make_prompt_cache(model) if kind_of(c).rollback is None})
     if others:
         return f"its layers keep {', '.join(others)} caches, which cannot roll back a rejected draft"
     return None
@@ -83,11 +82,11 @@ def rollback_refusal(model) -> Optional[str]:
     or it has none: the check that they honour right padding
     (:func:`~scheduler.speculative.rewind.right_padding_refusal`: a few small forwards,
     on a thread that may run the model). A check that raises refuses."""
-    from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
+    from mlx_lm.models.cache import make_prompt_cache
 
-    from scheduler.speculative.rewind import right_padding_refusal
+    from scheduler.speculative.rewind import REPLAYED, right_padding_refusal
 
-    if not any(isinstance(c, (ArraysCache, RotatingKVCache)) for c in make_prompt_cache(model)):
+    if not any(kind_of(c).rollback in REPLAYED for c in make_prompt_cache(model)):
         return None
     try:
         return right_padding_refusal(model)

@@ -33,9 +33,12 @@ from typing import Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
+from cache.kinds import batch_kind_of
 from scheduler.speculative.holes import HoledKVCache
+
+REPLAYED = ("recurrent", "window")  # the rollback strategies (cache.kinds) this module carries out
 
 # How far a padded forward may leave the next logits from an unpadded one, relative to
 # their largest magnitude: rounding (a [1, 3] and a [1, 1] forward add in other orders;
@@ -46,26 +49,32 @@ PROBE_TOLERANCE = 1e-2
 
 
 def holed(caches: list) -> list:
-    """``caches`` with every full-attention layer (``BatchKVCache``, float or quantized)
-    as a :class:`HoledKVCache` (sharing its arrays); other layers as they are."""
-    return [HoledKVCache.adopt(c) if isinstance(c, BatchKVCache) else c for c in caches]
+    """``caches`` with every layer whose kind rolls back by ``mask`` (full attention,
+    ``BatchKVCache`` float or quantized) as a :class:`HoledKVCache` (sharing its arrays);
+    other layers as they are."""
+    return [HoledKVCache.adopt(c) if _rollback(c) == "mask" else c for c in caches]
+
+
+def _rollback(layer) -> Optional[str]:
+    return batch_kind_of(layer).rollback
 
 
 class Rewind:
     """The decode batch's recurrent and sliding-window layers over one verify step.
 
     Args:
-        caches: the batch's cache, one per layer; only ``ArraysCache`` and
-            ``BatchRotatingKVCache`` layers are touched.
+        caches: the batch's cache, one per layer; only the layers whose kind rolls back by
+            ``recurrent`` (``ArraysCache``) or ``window`` (``BatchRotatingKVCache``) are
+            touched (:mod:`cache.kinds`).
 
     The state of those layers is saved when this is made (before the step's forward).
     """
 
     def __init__(self, caches: list):
-        self.layers = [c for c in caches if isinstance(c, (ArraysCache, BatchRotatingKVCache))]
+        self.layers = [c for c in caches if _rollback(c) in REPLAYED]
         # New handles: mlx-lm updates some of these arrays in place (``left_padding -= n``,
         # ``keys[..., i] = k``), which rewrites every holder of the same handle.
-        self._saved = [[_handle(a) for a in ((*c.cache, c.left_padding) if isinstance(c, ArraysCache) else c.state)]
+        self._saved = [[_handle(a) for a in ((*c.cache, c.left_padding) if _rollback(c) == "recurrent" else c.state)]
                        for c in self.layers]
 
     def __bool__(self) -> bool:
@@ -76,7 +85,7 @@ class Rewind:
         ``lengths[b]``, the rest padding these layers must not take in."""
         if width > 1:
             for c in self.layers:
-                if isinstance(c, BatchRotatingKVCache):
+                if _rollback(c) == "window":
                     # mlx-lm 0.32.2 builds a [B, N > 1] forward's window mask before the
                     # update puts a rotated cache back in temporal order (which drops one
                     # more left-padding position): a row still left-padded would lose a
@@ -85,7 +94,7 @@ class Rewind:
         if all(n == width for n in lengths):
             return
         for c in self.layers:
-            if isinstance(c, ArraysCache):
+            if _rollback(c) == "recurrent":
                 c.lengths = mx.array(lengths)  # one each: a layer's forward subtracts from it in place
             else:
                 c.prepare(lengths=lengths, right_padding=[width - k for k in lengths])
@@ -94,7 +103,7 @@ class Rewind:
         """After that forward: drop the padding (a rotating cache rolls it to the left,
         where it is masked as left padding)."""
         for c in self.layers:
-            if isinstance(c, ArraysCache):
+            if _rollback(c) == "recurrent":
                 c.lengths = None
             else:
                 c.finalize()
@@ -104,7 +113,7 @@ class Rewind:
         the saved state survives what the next forward writes in place)."""
         for c, saved in zip(self.layers, self._saved):
             fresh = [_handle(a) for a in saved]
-            if isinstance(c, ArraysCache):
+            if _rollback(c) == "recurrent":
                 c.cache, c.left_padding, c.lengths = fresh[:-1], fresh[-1], None
             else:
                 c.state = tuple(fresh)
@@ -153,7 +162,7 @@ def replay(model, caches: list, rewind: Rewind, rows: list[list[int]], width: in
 def held_arrays(cache) -> list:
     """The arrays one batch layer cache holds (to evaluate them without ``state``, which
     compacts a holed cache)."""
-    if isinstance(cache, ArraysCache):
+    if _rollback(cache) == "recurrent":
         return [a for a in cache.cache if a is not None]
     return [a for _, a in tree_flatten((cache.keys, cache.values)) if isinstance(a, mx.array)]
 
