@@ -53,10 +53,11 @@ def serve_follower(cfg: ServeConfig, spec: ModelSpec, cluster: distributed.Clust
     """
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import _download, load_tokenizer
+    from mlx_lm.utils import load_tokenizer
     from mlx_lm.utils import load_model as load_weights
 
     from cache.restore import always_trimmable
+    from compat.mlx_lm import download
     from gateway.cpu.paths import choose_cpu_paths
     from gateway.cpu.weights import float32_weights_for_cpu_backend
     from gateway.models.loader import logits_size, resolve_path
@@ -64,7 +65,7 @@ def serve_follower(cfg: ServeConfig, spec: ModelSpec, cluster: distributed.Clust
     from scheduler.equivalence import batch_is_exact
 
     # The same steps, and so the same collectives, as gateway.models.loader.load_model.
-    model_path = Path(_download(resolve_path(spec)))
+    model_path = Path(download(resolve_path(spec)))
     model, config = load_weights(model_path, lazy=True)
     try:
         cluster.shard(model)

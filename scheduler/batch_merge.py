@@ -12,11 +12,11 @@ import threading
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.generate import _merge_caches
 from mlx_lm.models.cache import KVCache
 
 from cache.pages import PagedKVCache
 from cache.quantized import BatchQuantizedKVCache, QuantizedKVRow
+from compat.mlx_lm import merge_caches
 
 
 _spread = 1  # streams a batch merge spreads its layers over (spread_merges)
@@ -75,7 +75,7 @@ def merge_with_room(caches: list[list], streams: Optional[tuple] = None) -> list
             elif all(isinstance(c, QuantizedKVRow) for c in per_row):
                 merged.append(BatchQuantizedKVCache.merge(per_row, room=1))
             else:
-                merged.append(_merge_caches([[c] for c in per_row])[0])
+                merged.append(merge_caches([[c] for c in per_row])[0])
     return merged
 
 

@@ -132,14 +132,14 @@ def open_disk_tier(cfg: ServeConfig, path: str, tokenizer, registry, loaded_as: 
         OSError: the directory cannot be created or used (another server holds it,
             another user owns it, no permission).
     """
-    from mlx_lm.utils import _download
+    from compat.mlx_lm import download
 
     from cache.disk import DiskTier
     from cache.disk_format import model_identity
     from cache.tiering import DiskLink
 
     template = getattr(tokenizer, "chat_template", None)
-    identity = model_identity(_download(path), template if isinstance(template, str) else None, loaded_as,
+    identity = model_identity(download(path), template if isinstance(template, str) else None, loaded_as,
                               served_as)
     tier = DiskTier(Path(cfg.prompt_cache_dir).expanduser(), cfg.prompt_cache_disk_bytes, identity, registry=registry)
     log.info("prompt-cache disk tier: %s (%d entries, %d bytes, bound %d bytes)",
@@ -255,7 +255,7 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.utils import _download
+    from compat.mlx_lm import download
     from mlx_lm.utils import load_model as load_weights
 
     from gateway.cpu.paths import choose_cpu_paths
@@ -265,7 +265,7 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
     from scheduler.forward_cost import measure_forward_cost
 
     path = resolve_path(spec)
-    model_path = Path(_download(path))
+    model_path = Path(download(path))
     kind = model_kind(spec, model_path)
     if kind == "embedding":
         return load_embedding(spec, cfg, loop, registry, reserve, configure, model_path, str(path))
