@@ -1,5 +1,6 @@
-"""Linux CPU backend tuning: what ``mlx-gateway serve`` sets up when MLX runs on the CPU
-(``mlx[cpu]``: Docker, CI, Linux servers). On a Mac MLX runs on Metal and none of it applies.
+"""The parts of the CPU backend's tuning (:class:`gateway.backend.CpuTuning`), for MLX on
+the CPU (``mlx[cpu]``: Docker, CI, Linux servers), each chosen by a measurement
+(:mod:`gateway.cpu.measure`):
 
 - :mod:`gateway.cpu.blas`: matmuls on the system OpenBLAS instead of the bundled
   reference BLAS.
@@ -11,14 +12,5 @@
   has been idle for a while.
 - :mod:`gateway.cpu.attention`: attention whose softmax ``exp`` runs as one compiled,
   vectorizable kernel instead of MLX's scalar CPU ``exp``.
+- :mod:`gateway.cpu.merges`: a decode batch's merge of row caches over two streams.
 """
-
-from __future__ import annotations
-
-
-def cpu_backend() -> bool:
-    """True when MLX computes on the CPU: neither Metal nor CUDA is available."""
-    import mlx.core as mx
-
-    cuda = getattr(mx, "cuda", None)
-    return not (mx.metal.is_available() or (cuda is not None and cuda.is_available()))
