@@ -5,16 +5,11 @@ imported here only, and ``tests/test_compat.py`` checks that each still behaves 
 callers rely on (arguments, what it returns), so a release that renames or changes one
 fails there, naming it, instead of deep in a request.
 
-- :func:`download`: a local directory or hub id -> the local model directory
-  (``mlx_lm.utils._download``).
-- :func:`get_classes`: a ``config.json`` dict -> ``(Model class, ModelArgs class)``
-  (``mlx_lm.utils._get_classes``).
-- :func:`merge_caches`: per sequence, its list of layer caches -> per layer, one batch
-  cache, left-padded (``mlx_lm.generate._merge_caches``).
-- :func:`extend_cache`: two per-layer batch caches -> the first with the second's rows
-  after its own (``mlx_lm.generate._extend_cache``).
-- :func:`byte_decoder`: GPT-2's byte-level BPE map, character -> byte value
-  (``mlx_lm.tokenizer_utils._byte_decoder``).
+Each under its public name: ``download`` (``mlx_lm.utils._download``: a directory or hub
+id -> the local directory), ``get_classes`` (``_get_classes``: a ``config.json`` dict ->
+``(Model, ModelArgs)``), ``merge_caches`` and ``extend_cache`` (``mlx_lm.generate``: rows'
+caches -> one left-padded batch cache per layer; a batch with another's rows after its
+own) and ``byte_decoder`` (``mlx_lm.tokenizer_utils``: GPT-2's byte map).
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ def test_metal_budget_is_the_recommended_working_set():
     assert tuning.memory_budget() == 22 * GiB != int(BUDGET_SHARE * 32 * GiB)
     assert tuning.budget_source == "Metal's recommended working set"
     assert tuning.merge_streams == 1 and not tuning.trims_idle
-    no_figure = tuning_for("metal", {"memory_size": 32 * GiB}, None)
-    assert no_figure.memory_budget() == int(BUDGET_SHARE * 32 * GiB)
+    no_figure = tuning_for("metal", {}, 32 * GiB)
+    assert no_figure.memory_budget() == int(BUDGET_SHARE * 32 * GiB) and "75%" in no_figure.budget_source
 
 
 def test_metal_wires_the_weights_up_to_the_working_set(monkeypatch):

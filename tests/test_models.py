@@ -257,7 +257,8 @@ def test_a_load_does_not_stall_the_other_models_decoding():
                 shapes = attention.attention_shapes(s.handle("b").engine.model) - a_shapes
                 s.gateway.models.unload(b)
                 loader._kept.clear()
-                backend().attention.forget(shapes)
+                if backend().kind == "cpu":  # the kernels measured again too
+                    backend().attention.forget(shapes)
             usual, _ = decode(100)
             times, (began, ended) = decode(400, load=True)
             assert b.state == "loaded"

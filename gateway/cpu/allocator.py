@@ -77,15 +77,10 @@ def one_arena() -> Optional[str]:
     the arenas it already made once the limit is set. Returns why it did not (not Linux
     with glibc, ``MLX_GATEWAY_MALLOC_TUNE=0``), or None.
 
-    Why: with glibc's default of an arena per thread (up to 8 per core), MLX's stream
-    threads allocate from arenas of their own, made of heaps of at most 64 MiB. In some
-    fresh servers of the default model (3 of 9 in two sets here), ``compiled-blocks``
-    attention then timed 1.7-2.5x slower at every one of four timings spread over 2 s
-    (23-39 ms against 13-16 for a 256-query chunk over 1,024 keys), near MLX's own (34 ms),
-    which the measurement keeps on a tie; such a server prefilled 2,000 tokens at mlx-lm's
-    speed instead of 3x it. With one arena, 10 fresh servers of 10 timed 13.7-15.7 ms at
-    their best (``malloc_info`` showed 12 heaps without, 1 with). The threads' small
-    allocations take glibc's per-thread cache, not the arena's lock."""
+    Why: with an arena per thread (glibc's default), MLX's stream threads allocate from
+    heaps of at most 64 MiB of their own, and in 3 of 9 fresh servers of the default model
+    the compiled attention kernel timed 1.7-2.5x slower; with one, 10 of 10 timed as fast
+    as it can (``malloc_info``: 12 heaps without, 1 with; docs/deployment.md)."""
     return unavailable() or _mallopt(((M_ARENA_MAX, 1),))
 
 
@@ -155,15 +150,10 @@ class Allocator:
     def as_it_will_serve(self) -> None:
         """Before the measurements at load, where :meth:`choose` has not decided yet: set
         :data:`GLIBC_LIKE`, which blocks under 32 MiB get whatever it decides, so that
-        every path is timed with the heap as it will serve.
-
-        Why: glibc's dynamic thresholds start at 128 KiB and grow only as the process frees
-        large blocks, so a fresh process's history decided whether a kernel's 1-4 MiB
-        temporaries page-faulted afresh on every call. Fresh servers of the medium benchmark
-        model timed ``compiled-blocks`` attention on a 256-query chunk over 1,024 keys at
-        10.4-11.1 ms in 9 of 12, 17-19 ms in the other 3; in 3 of 20 others at 37-47 ms, where
-        MLX's own (33-38 ms) won, and their 2,048-token prefill chunks then took 1.9-2.1 s
-        against 0.5. With this, 16 of 16 timed 10.4-11.8 ms."""
+        every path is timed with the heap as it will serve. Why: glibc's dynamic thresholds
+        grow only as a process frees large blocks, so a fresh process's history decided
+        whether a kernel's 1-4 MiB temporaries page-faulted on every call (the figures:
+        docs/deployment.md, "the allocator setting")."""
         if unavailable() is None and self.decided is None:
             self.give_back_freed_memory()
 

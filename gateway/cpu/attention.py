@@ -13,19 +13,13 @@ The kernels are in :mod:`gateway.cpu.attention_kernels` (``mlx``, MLX's own;
 ``compiled-blocks`` in blocks of 32, 16 or 8 queries for prefill; ``compiled-decode`` for
 a few queries a row).
 
-Which one runs is decided per model at load (:meth:`Plans.choose_for_model`): each kernel is
-timed on the model's own head counts, head size and dtype, on two prefill chunks (one of
-each of :data:`PREFILL_BUCKETS`: one row of 256 queries over 1,024 keys, candidates
-:data:`PREFILL_KERNELS`; four rows of 64 over 1,024, for calls of at least 4,096 rows times
-keys, where narrower blocks may win: candidates :data:`WIDE_PREFILL_KERNELS`), a decode
-step over a short, a medium and a long context (:data:`DECODE_BUCKETS`; candidates
-:data:`DECODE_KERNELS`: around 1,000 keys MLX's own and the compiled one are even, beyond
-it the compiled one pulls ahead) and a verify step of :data:`VERIFY_QUERIES` queries over
-the same three contexts (speculative decoding's drafts: MLX's own costs about twice the
-compiled one there, 1.57 against 0.73 ms for 6 queries over 1,500 keys on SmolLM2's
-heads, where one query costs 0.62 against 0.27), and the fastest is used for each (MLX's
-own unless another wins by :data:`gateway.cpu.measure.MARGIN`); the log says what was
-chosen with the figures. Shapes no model was measured for run MLX's own.
+Which one runs is decided per model at load (:meth:`Plans.choose_for_model`): each kernel
+is timed on the model's own head counts, head size and dtype, on the prefill chunks of
+:data:`PREFILL_BUCKETS`, the decode steps of :data:`DECODE_BUCKETS` and the verify steps
+of :data:`VERIFY_QUERIES` queries over the same keys (speculative decoding's drafts), and
+the fastest is used for each (MLX's own unless another wins by
+:data:`gateway.cpu.measure.MARGIN`); the log gives the figures, docs/deployment.md the
+ones measured here. Shapes no model was measured for run MLX's own.
 
 :meth:`Plans.attention` is what :meth:`Plans.install` puts in place of
 ``mx.fast.scaled_dot_product_attention`` for the whole process, which is how mlx-lm's

@@ -2,14 +2,12 @@
 chosen by a short measurement at load (:mod:`gateway.cpu.measure`).
 
 A row joining the decode batch has its cached prefix copied into the batch's buffer, every
-layer's keys and values (:func:`scheduler.batch_merge.merge_with_room`): for six rows of 900
-tokens of SmolLM2-135M that is 250 MB, about 100 ms on a 2-core machine, most of a warm
-request's time to first token. MLX's CPU backend runs one stream's work on one thread, so
-the copies use one core; spread over two streams (layers taking turns) they took 58 ms
-there. Whether a second stream pays depends on the machine's cores and memory bandwidth,
-so it is timed here on the model's own KV shape (a merge of :data:`ROWS` rows of
-:data:`TOKENS` tokens, in two pages each, over every layer) against one stream, and kept
-only if it wins by :data:`gateway.cpu.measure.MARGIN`.
+layer's keys and values (:func:`scheduler.batch_merge.merge_with_room`), on one core where
+MLX's CPU backend runs one stream; spread over two streams the copies took about half the
+time on a 2-core machine (:func:`scheduler.batch_merge.spread_merges`). Whether a second
+stream pays depends on the machine, so it is timed here on the model's own KV shape (a
+merge of :data:`ROWS` rows of :data:`TOKENS` tokens, in two pages each, over every layer)
+against one stream, and kept only if it wins by :data:`gateway.cpu.measure.MARGIN`.
 """
 
 from __future__ import annotations

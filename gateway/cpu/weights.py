@@ -10,9 +10,9 @@ decode step 168 ms on a 2-core Linux machine; with float32 weights (538 MB inste
 ``dequantize_model``) and casts every floating-point parameter to float32, when the
 float32 weights fit in :data:`MEMORY_SHARE` of the memory this process may use (physical
 memory, or a container's cgroup limit if lower); a 7B 4-bit model would need 28 GB and
-stays as it is, with a warning. ``mlx-gateway serve`` applies it on the CPU backend
-right after loading; ``MLX_GATEWAY_CPU_FLOAT32=0`` keeps the weights as stored. On Metal
-(macOS) none of this applies: quantized matmuls are fast there.
+stays as it is, with a warning (the CPU tuning applies it as a model is read,
+:meth:`gateway.backend.CpuTuning.prepare_weights`; ``MLX_GATEWAY_CPU_FLOAT32=0`` keeps the
+weights as stored).
 
 Dequantizing is exact. A model whose activations were float32 already (the default one:
 its norms are float32) gives the same outputs up to float32 rounding; a float16 or
