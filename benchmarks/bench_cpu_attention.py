@@ -67,9 +67,9 @@ def main() -> None:
     heads = tuple(int(x) for x in args.heads.split(","))
     if args.child:
         if args.child == "keep freed":
-            from gateway.cpu.allocator import keep_freed_memory
+            from gateway.cpu.allocator import Allocator
 
-            keep_freed_memory()
+            Allocator().keep_freed_memory()
         print(json.dumps(measure(heads, args.rounds)))
         return
     env = {k: v for k, v in os.environ.items() if k != "MLX_GATEWAY_MALLOC_TUNE"}

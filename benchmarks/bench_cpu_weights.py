@@ -29,7 +29,7 @@ import mlx_lm  # noqa: E402
 from mlx.utils import tree_flatten, tree_map  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from gateway.cpu.paths import choose_cpu_paths  # noqa: E402
+from gateway.backend import backend  # noqa: E402
 from gateway.cpu.weights import float32_weights  # noqa: E402
 from gateway.models import default_model  # noqa: E402
 
@@ -46,7 +46,7 @@ def measure(path: str, variant: str, n_prompt: int, reps: int) -> tuple[float, f
         float32_weights(model, limit_bytes=1 << 40)
         model.update(tree_map(lambda p: p.astype(mx.float16) if p.dtype == mx.float32 else p, model.parameters()))
     mx.eval(model.parameters())
-    choose_cpu_paths(model)  # the attention kernels and allocator serve would measure and take
+    backend().prepare(model)  # the attention kernels and allocator serve would measure and take
     mb = sum(p.nbytes for _, p in tree_flatten(model.parameters())) / 1e6
     prompt = mx.array([[(7 * i) % 900 + 10 for i in range(n_prompt)]])
     best, cache = float("inf"), None

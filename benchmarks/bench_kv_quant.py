@@ -76,14 +76,13 @@ def setting(model_dir: str, bits, prompts: list[list[int]], long_prompt: list[in
     from cache.quantized import quantize_kv
     from scheduler import Engine
 
-    from gateway.cpu.paths import choose_cpu_paths
-    from gateway.cpu.weights import float32_weights_for_cpu_backend
+    from gateway.backend import backend
 
     model, tok = mlx_lm.load(model_dir)
-    float32_weights_for_cpu_backend(model)  # the CPU paths serve would take on this machine
+    backend().prepare_weights(model)  # the paths serve would take on this machine
     if bits:
         quantize_kv(model, bits, 64)
-    choose_cpu_paths(model)
+    backend().prepare(model)
     manager = PromptCacheManager(8 << 30, 64)
     snap = make_prompt_cache(model)
     model(mx.array([long_prompt[:1000]]), cache=snap)

@@ -239,14 +239,13 @@ def verify_cost(model_dir: str, context: int = 1500) -> list[tuple]:
     import mlx.core as mx
     from mlx_lm import load
 
-    from gateway.cpu.paths import choose_cpu_paths
-    from gateway.cpu.weights import float32_weights_for_cpu_backend
+    from gateway.backend import backend
     from scheduler.speculative.holes import HoledKVCache
     from scheduler.speculative.rewind import Rewind, held_arrays, holed, replay
 
     model, _ = load(model_dir)
-    float32_weights_for_cpu_backend(model)  # the paths serve would take on this machine
-    choose_cpu_paths(model)
+    backend().prepare_weights(model)  # the paths serve would take on this machine
+    backend().prepare(model)
     rows = []
     for B in (1, 4):
         caches = holed(batch_cache(model, B))

@@ -51,33 +51,31 @@ def serve_follower(cfg: ServeConfig, spec: ModelSpec, cluster: distributed.Clust
     Raises:
         SystemExit: a lost rank or a divergence (status 1 with its message).
     """
-    import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import _download, load_tokenizer
     from mlx_lm.utils import load_model as load_weights
+    from mlx_lm.utils import load_tokenizer
 
     from cache.restore import always_trimmable
-    from gateway.cpu.paths import choose_cpu_paths
-    from gateway.cpu.weights import float32_weights_for_cpu_backend
+    from compat.mlx_lm import download
+    from gateway.backend import backend
     from gateway.models.loader import logits_size, resolve_path
     from cache.quantized import quantize_kv
     from scheduler.equivalence import batch_is_exact
 
     # The same steps, and so the same collectives, as gateway.models.loader.load_model.
-    model_path = Path(_download(resolve_path(spec)))
+    model_path = Path(download(resolve_path(spec)))
     model, config = load_weights(model_path, lazy=True)
     try:
         cluster.shard(model)
     except ValueError as e:  # rank 0 reports it too, as a failed load
         raise SystemExit(f"mlx-gateway: rank {cluster.rank}: {e}")
-    float32_weights_for_cpu_backend(model, measure=False)  # as rank 0: every rank decides alike
-    mx.eval(model.parameters())
+    backend().prepare_weights(model, measure=False)  # as rank 0: every rank decides alike
     if spec.kv_bits:
         try:
             quantize_kv(model, spec.kv_bits, spec.kv_group_size)
         except ValueError as e:  # rank 0 reports it too, as a failed load
             raise SystemExit(f"mlx-gateway: rank {cluster.rank}: {e}")
-    choose_cpu_paths(model, measure=False)  # as rank 0: MLX's own paths on every rank
+    backend().prepare(model, measure=False)  # as rank 0: MLX's own paths on every rank
     batch_is_exact(model)
     logits_size(model)
     tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id", None))

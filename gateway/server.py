@@ -17,7 +17,8 @@ from cache import CacheBudget
 from gateway.config import ServeConfig
 from gateway.conversation.calls import Front
 from gateway.conversation.prepare import warm_up
-from gateway.models.budget import default_budget, gib
+from gateway.backend import backend
+from gateway.models.budget import gib
 from gateway.models.loader import load_model
 from gateway.models.registry import ModelRegistry
 from gateway.models.spec import ModelSpec, model_specs
@@ -84,7 +85,7 @@ def build_gateway(cfg: ServeConfig, tenants: Optional[TenantTable] = None,
     ProcessCollector(namespace="mlx_gateway", registry=registry)
     metrics = GatewayMetrics(registry)
     model_metrics = ModelMetrics(registry, [s.name for s in specs])
-    budget = cfg.memory_budget if cfg.memory_budget is not None else default_budget()
+    budget = cfg.memory_budget if cfg.memory_budget is not None else backend().memory_budget()
     loop = EngineLoop(gather_wait=cfg.gather_wait, batch_share=cfg.batch_share,
                       interactive_budget=cfg.interactive_budget)
     cache_budget = CacheBudget(min(cfg.prompt_cache_bytes, budget))
@@ -101,7 +102,7 @@ def build_gateway(cfg: ServeConfig, tenants: Optional[TenantTable] = None,
     _build_info(registry, cfg, specs, budget)
     prime_metrics(front)
     log.info("memory budget of the loaded models: %s%s", gib(budget),
-             "" if cfg.memory_budget is not None else " (75% of this machine's memory; --memory-budget sets it)")
+             "" if cfg.memory_budget is not None else f" ({backend().budget_source}; --memory-budget sets it)")
     return Gateway(cfg, registry, loop, models, front, create_app(front, registry))
 
 
@@ -309,16 +310,14 @@ def serve(cfg: ServeConfig) -> None:
     from gateway.shutdown import UVICORN_GRACE, GatewayServer
 
     configure_logging(cfg.log_level, cfg.log_format)
-    from gateway.cpu import allocator
-    from gateway.cpu.blas import ensure_fast_blas, matmul_shape
     from gateway.cpu.idle_trim import IdleTrimmer, idle_seconds_setting
 
-    # Linux CPU: re-executes with OpenBLAS preloaded where it measures faster, or warns
-    # (before any thread). The other CPU paths (float32 weights, attention kernels, the
-    # allocator setting) are measured when a model loads (gateway.models.loader).
-    ensure_fast_blas(matmul_shape(_first_model_dir(cfg)))
+    # The backend, decided once (gateway/backend.py). The CPU: re-executes with OpenBLAS
+    # preloaded where it measures faster, or warns (before any thread); its other paths
+    # are measured as a model loads (gateway.models.loader).
+    backend().start(_first_model_dir(cfg))
     try:
-        trim_after = idle_seconds_setting() if allocator.unavailable() is None else 0.0
+        trim_after = idle_seconds_setting() if backend().trims_idle else 0.0
         # Refuse a bad models or tenants file, or an open non-loopback host, before any work,
         specs = model_specs(cfg)
         tenants = tenant_table(cfg)

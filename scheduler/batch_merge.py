@@ -1,7 +1,7 @@
 """How row caches enter a decode batch: merged into one ``BatchKVCache`` per layer with
 room for the next token (:func:`merge_with_room`), or written with the rows already there
 into one new buffer (:func:`extend_with_rows`); the layers' copies may take turns on two
-streams (:func:`spread_merges`, chosen at load by :mod:`gateway.cpu.merges`). Engine
+streams (:func:`spread_merges`, told each thread that merges). Engine
 thread (or the thread that merges) only: MLX streams belong to the thread that made them.
 """
 
@@ -12,27 +12,28 @@ import threading
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.generate import _merge_caches
 
 from cache.kinds import kind_of
 from cache.pages import PagedKVCache
 from cache.quantized import BatchQuantizedKVCache
+from compat.mlx_lm import merge_caches
 
 
-_spread = 1  # streams a batch merge spreads its layers over (spread_merges)
-_here = threading.local()  # this thread's extra streams: MLX streams belong to the thread that made them
+# per thread: how many streams its merges spread over, and its extra streams (MLX streams
+# belong to the thread that made them)
+_here = threading.local()
 
 
 def spread_merges(streams: int) -> None:
-    """Let :func:`merge_with_room` and :func:`extend_with_rows` spread their layers' copies
-    over ``streams`` streams of the default device (1: the calling stream alone). MLX's CPU
+    """Let :func:`merge_with_room` and :func:`extend_with_rows`, on the calling thread, spread
+    their layers' copies over ``streams`` streams of the default device (1, every thread's
+    default: the calling stream alone). MLX's CPU
     backend runs each stream's work on its own thread, and a merge is copies only, so on
     two cores two streams merge about twice as fast (six rows of 900 tokens of SmolLM2-135M,
     30 layers: 58 against 102 ms on a 2-core machine). Chosen by a measurement at load
-    (:mod:`gateway.cpu.merges`); each thread that merges makes its own streams (MLX
-    refuses a stream made on another thread)."""
-    global _spread
-    _spread = max(1, streams)
+    (the gateway's CPU tuning), which tells the engine thread; each thread merges on
+    streams of its own (MLX refuses a stream made on another thread)."""
+    _here.spread = max(1, streams)
 
 
 def extra_streams(streams: int) -> tuple:
@@ -42,14 +43,14 @@ def extra_streams(streams: int) -> tuple:
 
 
 def merge_streams() -> int:
-    """How many streams a batch merge spreads its layers over."""
-    return _spread
+    """How many streams a batch merge on the calling thread spreads its layers over."""
+    return getattr(_here, "spread", 1)
 
 
 def _extra_here() -> tuple:
     extra = getattr(_here, "streams", ())
-    if len(extra) != _spread - 1:
-        extra = _here.streams = extra_streams(_spread)
+    if len(extra) != merge_streams() - 1:
+        extra = _here.streams = extra_streams(merge_streams())
     return extra
 
 
@@ -64,7 +65,7 @@ def merge_with_room(caches: list[list], streams: Optional[tuple] = None) -> list
     merge as ``mlx``): ``kv`` rows (``KVCache``, plain or paged) become a ``BatchKVCache``
     ``[B, H, T, D]`` and ``quantized`` rows a ``BatchQuantizedKVCache``, each with room for
     the next token, so the decode step that follows writes in place instead of
-    reallocating it; ``mlx`` rows are merged by mlx-lm's ``_merge_caches``. Layers take
+    reallocating it; ``mlx`` rows are merged by mlx-lm's merge (``compat.mlx_lm.merge_caches``). Layers take
     turns on the calling stream and ``streams`` (default: those of :func:`spread_merges`)."""
     extra = _extra_here() if streams is None else streams
     merged = []
@@ -73,7 +74,7 @@ def merge_with_room(caches: list[list], streams: Optional[tuple] = None) -> list
         how = {kind_of(c).merge for c in per_row}
         with _layer_stream(layer, extra):
             merge = _MERGES.get(how.pop()) if len(how) == 1 else None
-            merged.append(merge(per_row) if merge else _merge_caches([[c] for c in per_row])[0])
+            merged.append(merge(per_row) if merge else merge_caches([[c] for c in per_row])[0])
     return merged
 
 

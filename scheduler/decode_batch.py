@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import GenerationBatch, _extend_cache
+from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import TokenBuffer
 
+from compat.mlx_lm import extend_cache
 from scheduler.batch_merge import extend_with_rows
 
 
@@ -85,7 +86,7 @@ class JoiningGenerationBatch(GenerationBatch):
         """
         self.uids.extend(uids)
         self.prompt_cache = (extend_with_rows(self.prompt_cache, caches) if rows
-                             else _extend_cache(self.prompt_cache, caches))
+                             else extend_cache(self.prompt_cache, caches))
         self.tokens.extend(tokens)
         self.samplers.extend(samplers)
         self.logits_processors.extend(logits_processors)

@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from gateway.cpu import allocator, cpu_backend
+from gateway.backend import backend
+from gateway.cpu import allocator
 
 CHOOSE = """
 import ctypes, json, sys
@@ -20,7 +21,8 @@ from gateway.cpu import allocator
 from test_cpu_attention import MallInfo2
 timings = {timings!r}
 allocator.race = lambda candidates, rounds, sync=None: {{name: timings[name] for name in candidates}}
-choice = allocator.choose(lambda: None, lambda _: None)
+setting = allocator.Allocator()
+choice = setting.choose(lambda: None, lambda _: None)
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
@@ -28,8 +30,8 @@ libc.mallinfo2.restype = MallInfo2
 p = libc.malloc(64 << 20)
 ctypes.memset(p, 1, 64 << 20)
 libc.free(p)
-print(json.dumps([choice.chosen, allocator.keeping_freed_memory(), libc.mallinfo2().fordblks >= 64 << 20,
-                  allocator.choose(lambda: None, lambda _: None).chosen]))
+print(json.dumps([choice.chosen, setting.kept, libc.mallinfo2().fordblks >= 64 << 20,
+                  setting.choose(lambda: None, lambda _: None).chosen]))
 """
 
 
@@ -61,7 +63,7 @@ def test_the_decision_follows_the_timings(seconds, want):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not _glibc_with_mallinfo2(),
                     reason="glibc's malloc (2.33 or later, for mallinfo2)")
-@pytest.mark.skipif(not cpu_backend(), reason="the setting applies where MLX runs on the CPU")
+@pytest.mark.skipif(backend().kind != "cpu", reason="the setting applies where MLX runs on the CPU")
 @pytest.mark.parametrize("timings,kept", [({"glibc": 0.050, "keep freed": 0.030}, True),
                                           ({"glibc": 0.030, "keep freed": 0.045}, False)])
 def test_the_setting_stays_only_where_it_measured_faster(timings, kept):
@@ -78,7 +80,7 @@ def test_the_setting_stays_only_where_it_measured_faster(timings, kept):
 def test_turned_off_it_is_not_measured(monkeypatch):
     monkeypatch.setenv("MLX_GATEWAY_MALLOC_TUNE", "0")
     monkeypatch.setattr(allocator, "race", lambda *a, **k: pytest.fail("must not measure"))
-    choice = allocator.choose(lambda: None, lambda _: None)
+    choice = allocator.Allocator().choose(lambda: None, lambda _: None)
     assert (choice.chosen, choice.reason) == ("glibc", "MLX_GATEWAY_MALLOC_TUNE=0")
 
 
@@ -98,14 +100,15 @@ def mmapped(n):  # glibc's chunk header, just before the block: bit 1 of its siz
     return flag
 
 before = mmapped(8 << 20)
-allocator.as_it_will_serve()
-print(json.dumps([before, mmapped(8 << 20), allocator.decided(), allocator.keeping_freed_memory()]))
+setting = allocator.Allocator()
+setting.as_it_will_serve()
+print(json.dumps([before, mmapped(8 << 20), setting.decided, setting.kept]))
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not _glibc_with_mallinfo2(),
                     reason="glibc's malloc")
-@pytest.mark.skipif(not cpu_backend(), reason="the setting applies where MLX runs on the CPU")
+@pytest.mark.skipif(backend().kind != "cpu", reason="the setting applies where MLX runs on the CPU")
 def test_measurements_at_load_see_the_heap_as_it_will_serve():
     """A fresh process's glibc serves an 8 MiB block with its own mmap (the dynamic
     threshold starts at 128 KiB), which page-faults afresh on every use; before the

@@ -15,9 +15,12 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 
 from conftest import assert_same_tokens, model_path, prefilled
-from gateway.cpu import attention, attention_kernels, cpu_backend
+from gateway.backend import backend
+from gateway.cpu import attention, attention_kernels
 from scheduler.generator import JoiningBatchGenerator
 from test_generator import run
+
+plans = attention.Plans()  # the kernels these tests plan, apart from any server's
 
 
 def test_exp_matches_mlx_exp():
@@ -92,30 +95,30 @@ def test_only_keys_a_block_can_see_are_read_under_a_causal_mask():
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_half_precision_and_mixed_dtypes_go_to_mlx(dtype):
     q, k, v = qkv(1, 4, 2, 3, 6, mx.float32, seed=2)
-    with attention.installed("compiled-blocks", "compiled-blocks", [(4, 2, 16, mx.float32), (4, 2, 16, dtype)]):
+    with plans.installed("compiled-blocks", "compiled-blocks", [(4, 2, 16, mx.float32), (4, 2, 16, dtype)]):
         q16 = q.astype(dtype)
-        assert mx.array_equal(attention.attention(q16, k, v, scale=0.3, mask="causal"),
+        assert mx.array_equal(plans.attention(q16, k, v, scale=0.3, mask="causal"),
                               attention_kernels.mlx_attention(q16, k, v, scale=0.3, mask="causal"))
         q16, k16, v16 = (a.astype(dtype) for a in (q, k, v))
-        assert mx.array_equal(attention.attention(q16, k16, v16, scale=0.3, mask="causal"),
+        assert mx.array_equal(plans.attention(q16, k16, v16, scale=0.3, mask="causal"),
                               attention_kernels.mlx_attention(q16, k16, v16, scale=0.3, mask="causal"))
 
 
 def test_sinks_go_to_mlx_and_bad_mask_mode_is_refused():
     q, k, v = qkv(1, 4, 2, 3, 6, mx.float32, seed=1)
     sinks = mx.array([0.5, -1.0, 0.0, 2.0])
-    with attention.installed("compiled-blocks", "compiled-blocks", [(4, 2, 16, mx.float32)]):
+    with plans.installed("compiled-blocks", "compiled-blocks", [(4, 2, 16, mx.float32)]):
         want = attention_kernels.mlx_attention(q, k, v, scale=0.3, mask="causal", sinks=sinks)
-        got = attention.attention(q, k, v, scale=0.3, mask="causal", sinks=sinks)
+        got = plans.attention(q, k, v, scale=0.3, mask="causal", sinks=sinks)
         assert mx.array_equal(got, want)
         with pytest.raises(ValueError, match="mask_mode"):
-            attention.attention(q, k, v, scale=0.3, mask="sideways")
+            plans.attention(q, k, v, scale=0.3, mask="sideways")
 
 
 def test_installed_replaces_mx_fast_attention_and_restores_it():
     original = mx.fast.scaled_dot_product_attention
-    with attention.installed():
-        assert mx.fast.scaled_dot_product_attention is attention.attention
+    with plans.installed():
+        assert mx.fast.scaled_dot_product_attention == plans.attention
     assert mx.fast.scaled_dot_product_attention is original
 
 
@@ -132,19 +135,19 @@ def test_the_planned_kernel_runs_for_its_shape_and_regime(monkeypatch):
     decode = ("mlx", "compiled-decode", "compiled-blocks")
     (_, *_), (wide, *_) = attention.PREFILL_BUCKETS
     verify = ("compiled-decode", "compiled-blocks-16", "compiled-blocks-8")
-    with attention.installed(("compiled-blocks", "compiled-blocks-8"), decode, [(4, 2, 16, mx.float32)], verify):
-        attention.attention(q, k, v, scale=0.3, mask="causal")
+    with plans.installed(("compiled-blocks", "compiled-blocks-8"), decode, [(4, 2, 16, mx.float32)], verify):
+        plans.attention(q, k, v, scale=0.3, mask="causal")
         for rows, keys in ((1, wide - 1), (1, wide), (2, wide // 2 - 1), (2, wide // 2)):  # rows x keys' edges
             kv = mx.zeros((rows, 2, keys, 16))
-            attention.attention(mx.concatenate([q] * rows), kv, kv, scale=0.3, mask="causal")
-        attention.attention(q[:, :, :1], k, v, scale=0.3)
-        attention.attention(q[:, :, :5], k, v, scale=0.3, mask="causal")  # verifying four drafts
+            plans.attention(mx.concatenate([q] * rows), kv, kv, scale=0.3, mask="causal")
+        plans.attention(q[:, :, :1], k, v, scale=0.3)
+        plans.attention(q[:, :, :5], k, v, scale=0.3, mask="causal")  # verifying four drafts
         for keys in (medium - 1, medium, long - 1, long, 2 * long):  # the buckets' edges
             kv = mx.zeros((1, 2, keys, 16))
-            attention.attention(q[:, :, :1], kv, kv, scale=0.3)
-            attention.attention(q[:, :, :2], kv, kv, scale=0.3, mask="causal")  # a verify step's
-        attention.attention(q[:, :, :attention.FEW_QUERIES], k, v, scale=0.3, mask="causal")  # the most a verify has
-        other = attention.attention(*qkv(1, 6, 2, 3, 6, mx.float32, seed=3), scale=0.3)  # not planned
+            plans.attention(q[:, :, :1], kv, kv, scale=0.3)
+            plans.attention(q[:, :, :2], kv, kv, scale=0.3, mask="causal")  # a verify step's
+        plans.attention(q[:, :, :attention.FEW_QUERIES], k, v, scale=0.3, mask="causal")  # the most a verify has
+        other = plans.attention(*qkv(1, 6, 2, 3, 6, mx.float32, seed=3), scale=0.3)  # not planned
     assert calls == ["compiled-blocks", "compiled-blocks", "compiled-blocks-8", "compiled-blocks", "compiled-blocks-8",
                      "mlx", "compiled-decode",
                      "mlx", "compiled-decode", "compiled-decode", "compiled-blocks-16",
@@ -173,15 +176,15 @@ WIDE = {"mlx": 0.090, "compiled-blocks": 0.030, "compiled-blocks-16": 0.024, "co
      ("mlx",) * 8),  # no g++: MLX's own only
 ])
 def test_the_choice_follows_the_measurement(prefills, decodes, want):
-    with attention.installed():
-        choices = attention.choose(9, 3, 64, mx.float32, *prefills, *decodes)
-        assert attention.planned(9, 3, 64, mx.float32) == want
+    with plans.installed():
+        choices = plans.choose(9, 3, 64, mx.float32, *prefills, *decodes)
+        assert plans.planned(9, 3, 64, mx.float32) == want
         with pytest.raises(ValueError, match="buckets"):
-            attention.choose(9, 3, 64, mx.float32, *prefills, *decodes[:2])
+            plans.choose(9, 3, 64, mx.float32, *prefills, *decodes[:2])
     assert [c.chosen for c in choices] == list(want)
     assert all(f"{1e3 * s:.2f} ms" in c.describe() for c, figures in zip(choices, (*prefills, *decodes))
                for s in figures.values())
-    assert attention.planned(9, 3, 64, mx.float32) is None  # installed() put the plans back
+    assert plans.planned(9, 3, 64, mx.float32) is None  # installed() put the plans back
 
 
 def test_attention_shapes_are_traced_from_the_model():
@@ -214,7 +217,7 @@ def test_serving_generator_with_it_matches_mlx_lm_with_mlx_attention(arch, kerne
         ([base[40:45], [base[45]]], warm, base[:40], 4),
     ]
     want = run(BatchGenerator, model, rows, prefill_batch=4, decode_batch=4)
-    with attention.installed(*kernels, attention.attention_shapes(model)):
+    with plans.installed(*kernels, attention.attention_shapes(model)):
         warm = prefilled(model, base[:40])
         rows[1], rows[3] = (rows[1][0], warm, *rows[1][2:]), (rows[3][0], warm, *rows[3][2:])
         got = run(JoiningBatchGenerator, model, rows, prefill_batch=4, decode_batch=4)
@@ -232,9 +235,9 @@ class MallInfo2(ctypes.Structure):
 FREED_STAYS = """
 import ctypes, sys
 sys.path.insert(0, {root!r})
-from gateway.cpu.allocator import keep_freed_memory
+from gateway.cpu.allocator import Allocator
 from test_cpu_attention import MallInfo2
-print(keep_freed_memory())
+print(Allocator().keep_freed_memory())
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
@@ -255,7 +258,7 @@ def _glibc_with_mallinfo2() -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not _glibc_with_mallinfo2(),
                     reason="glibc's malloc (2.33 or later, for mallinfo2)")
-@pytest.mark.skipif(not cpu_backend(), reason="the setting applies where MLX runs on the CPU")
+@pytest.mark.skipif(backend().kind != "cpu", reason="the setting applies where MLX runs on the CPU")
 @pytest.mark.parametrize("setting,want", [(None, ["None", "True"]), ("0", ["MLX_GATEWAY_MALLOC_TUNE=0", "False"])])
 def test_freed_memory_stays_for_reuse(setting, want):
     """With the setting, 64 MiB freed stays in the heap as free bytes (glibc's default
@@ -273,17 +276,14 @@ def test_freed_memory_stays_for_reuse(setting, want):
 def test_models_kernels_are_measured_and_planned_unless_turned_off(monkeypatch):
     model, _ = mlx_lm.load(str(model_path("qwen3")))
     (shape,) = attention.attention_shapes(model)
-    attention.forget_plans()  # a server started by an earlier test planned this shape
+    plans = attention.Plans()  # none planned yet
     monkeypatch.setenv("MLX_GATEWAY_CPU_ATTENTION", "0")
     try:
-        (choice,) = attention.choose_for_model(model, rounds=1)
+        (choice,) = plans.choose_for_model(model, rounds=1)
         assert choice.chosen == "mlx" and choice.reason == "MLX_GATEWAY_CPU_ATTENTION=0"
-        assert attention.planned(*shape) is None
+        assert plans.planned(*shape) is None
         monkeypatch.delenv("MLX_GATEWAY_CPU_ATTENTION")
-        choices = attention.choose_for_model(model, rounds=1)
-        if not cpu_backend():
-            assert [c.reason for c in choices] == ["MLX runs on a GPU"]
-            return
+        choices = plans.choose_for_model(model, rounds=1)
         (_, short), (medium, _), (long, _) = attention.DECODE_BUCKETS
         (_, *_), (wide, *_) = attention.PREFILL_BUCKETS
         assert [c.what.split(" [")[0] for c in choices] == [
@@ -292,12 +292,11 @@ def test_models_kernels_are_measured_and_planned_unless_turned_off(monkeypatch):
             f"attention, decode over {medium}-{long - 1} keys", f"attention, decode over {long}+ keys",
             f"attention, verify over 0-{medium - 1} keys",
             f"attention, verify over {medium}-{long - 1} keys", f"attention, verify over {long}+ keys"]
-        assert attention.planned(*shape) == tuple(c.chosen for c in choices)
+        assert plans.planned(*shape) == tuple(c.chosen for c in choices)
         compiled = set() if shutil.which("g++") else {k for k in attention.KERNELS if k.startswith("compiled-")}
         assert set(choices[0].seconds) == set(attention.PREFILL_KERNELS) - compiled
         assert set(choices[1].seconds) == set(attention.WIDE_PREFILL_KERNELS) - compiled
         assert all(set(c.seconds) == set(attention.DECODE_KERNELS) - compiled for c in choices[2:])
-        assert mx.fast.scaled_dot_product_attention is attention.attention
+        assert mx.fast.scaled_dot_product_attention == plans.attention
     finally:
         attention.uninstall()
-        attention.forget_plans()

@@ -1,6 +1,6 @@
 """A decode batch's merge of row caches spread over two streams (gateway/cpu/merges.py,
 scheduler.batch_merge.spread_merges): the same batch as on one, the same tokens as mlx-lm,
-and the choice made by the measurement."""
+the choice made by the measurement, and the engine thread told it."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from mlx_lm.models.cache import KVCache
 
 from cache.pages import PagedKVCache
 from conftest import assert_same_tokens, model_path, prefilled
+from gateway.backend import CpuTuning
 from gateway.cpu import merges
 from gateway.cpu.measure import Choice
 from scheduler import batch_merge
@@ -88,30 +89,31 @@ def test_the_generator_on_two_streams_gives_mlx_lm_tokens(arch):
                                         ({"one stream": 0.060, "two streams": 0.058}, 1),  # within the margin
                                         ({"one stream": 0.040, "two streams": 0.060}, 1)])
 def test_the_choice_follows_the_measurement(monkeypatch, times, want):
+    """The first model of a process decides (the CPU tuning keeps its choice)."""
     model, _ = mlx_lm.load(str(model_path("qwen3")))
     raced = []
     monkeypatch.setattr(merges, "race", lambda candidates, *a, **k: raced.append(set(candidates)) or dict(times))
-    monkeypatch.setattr(merges, "_decided", [])
-    try:
-        choice = merges.choose(model, {(4, 2, 16, mx.float32)})
-        assert isinstance(choice, Choice) and choice.seconds == times
-        assert batch_merge.merge_streams() == want
-        assert merges.choose(model, {(4, 2, 16, mx.float32)}) is choice  # the first model decides
-        assert raced == [set(merges.CANDIDATES)]
-    finally:
-        batch_merge.spread_merges(1)
+    monkeypatch.setenv("MLX_GATEWAY_CPU_ATTENTION", "0")  # the merges alone are timed
+    monkeypatch.setenv("MLX_GATEWAY_MALLOC_TUNE", "0")
+    tuning = CpuTuning()
+    tuning.prepare(model, rounds=1)
+    assert isinstance(tuning.merges, Choice) and tuning.merges.seconds == times
+    assert tuning.merge_streams == want
+    first = tuning.merges
+    tuning.prepare(model, rounds=1)
+    assert tuning.merges is first and raced == [set(merges.CANDIDATES)]
+    assert batch_merge.merge_streams() == 1  # only the thread told merges on two
 
 
-def test_a_model_without_float32_attention_is_not_measured(monkeypatch):
+def test_a_model_without_float32_attention_is_not_measured():
     model, _ = mlx_lm.load(str(model_path("qwen3")))
-    monkeypatch.setattr(merges, "_decided", [])
     choice = merges.choose(model, {(4, 2, 16, mx.bfloat16)})
-    assert choice.chosen == "one stream" and choice.reason and batch_merge.merge_streams() == 1
+    assert choice.chosen == "one stream" and choice.reason and not choice.seconds
 
 
-def test_a_thread_other_than_the_chooser_merges_on_its_own_streams():
-    """The load chooses on its thread, the engine thread merges: MLX refuses a stream made
-    on another thread, so each thread merges on streams of its own."""
+def test_each_thread_merges_on_the_streams_it_was_told_of():
+    """The load chooses on its thread, the engine thread merges: the choice is the engine
+    thread's (MLX refuses a stream made on another thread), each thread on streams of its own."""
     import threading
 
     want = merge_with_room(rows(4, [5, 9]), streams=())
@@ -120,15 +122,33 @@ def test_a_thread_other_than_the_chooser_merges_on_its_own_streams():
     try:
         merge_with_room(rows(4, [3, 4]))  # this thread's streams made first
 
-        def engine_thread():
+        def engine_thread(told: int):
+            if told:
+                batch_merge.spread_merges(told)
             batch = merge_with_room(rows(4, [5, 9]))
             mx.eval([(c.keys, c.values, c.offset, c.left_padding) for c in batch])
-            got["batch"] = batch
+            got[told] = (batch, batch_merge.merge_streams())
 
-        worker = threading.Thread(target=engine_thread)
-        worker.start()
-        worker.join(60)
+        for told in (0, 2):
+            worker = threading.Thread(target=engine_thread, args=(told,))
+            worker.start()
+            worker.join(60)
     finally:
         batch_merge.spread_merges(1)
-    assert "batch" in got
-    same_batches(want, got["batch"])
+    assert got[0][1] == 1 and got[2][1] == 2
+    same_batches(want, got[0][0])
+    same_batches(want, got[2][0])
+
+
+def test_a_served_model_s_engine_thread_merges_on_the_measured_streams(monkeypatch):
+    """The loader gives the engine loop's thread the streams the CPU tuning measured."""
+    from conftest import live_server
+    from gateway import backend as backend_module
+
+    monkeypatch.setattr(CpuTuning, "merge_streams", property(lambda self: 2))
+    if backend_module.backend().kind != "cpu":
+        pytest.skip("the merge streams are measured where MLX runs on the CPU")
+    with live_server(model_path("qwen3")) as server, server.client() as c:
+        assert server.engine.loop.call(batch_merge.merge_streams) == 2
+        r = c.post("/v1/completions", json={"model": "test-model", "prompt": "the sea", "max_tokens": 4})
+        assert r.status_code == 200, r.text

@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchLinear
 
 from conftest import live_server, model_path
-from gateway.cpu import cpu_backend
+from gateway.backend import backend
 from gateway.cpu.weights import decide, float32_bytes, float32_weights
 
 PROMPT = mx.array([[5, 17, 99, 300, 42, 7, 650, 12]])
@@ -120,7 +120,7 @@ def quantized_dir(tmp_path_factory):
     return out
 
 
-@pytest.mark.skipif(not cpu_backend(), reason="applies where MLX runs on the CPU")
+@pytest.mark.skipif(backend().kind != "cpu", reason="applies where MLX runs on the CPU")
 def test_a_quantized_model_is_served_in_float32(quantized_dir, tmp_path, monkeypatch):
     """Converted when set to (``=1``, unmeasured), not when turned off; the disk tier keeps
     the two kinds of snapshots apart."""
@@ -150,7 +150,7 @@ def test_the_conversion_follows_the_measurement(seconds, want):
     assert decide(seconds) is want
 
 
-@pytest.mark.skipif(not cpu_backend(), reason="applies where MLX runs on the CPU")
+@pytest.mark.skipif(backend().kind != "cpu", reason="applies where MLX runs on the CPU")
 @pytest.mark.parametrize("faster", ["float32", "as stored"])
 def test_the_model_is_converted_only_where_float32_measured_faster(quantized, monkeypatch, faster, caplog):
     import logging

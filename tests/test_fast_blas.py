@@ -17,8 +17,8 @@ from gateway.cpu import blas as fast_blas
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux CPU backend only")
 
 PROBE = ("import logging, sys; logging.basicConfig(level=logging.INFO, format='%(message)s'); "
-         "from gateway.cpu.blas import ensure_fast_blas, openblas_loaded; "
-         "ensure_fast_blas(); print(openblas_loaded(), sys.argv[1:])")
+         "from gateway.backend import backend; from gateway.cpu.blas import openblas_loaded; "
+         "backend().start(None); print(openblas_loaded(), sys.argv[1:])")
 CHOICE = re.compile(r"BLAS \[.*\]: (\w+) \(measured: bundled ([0-9.]+) ms, openblas ([0-9.]+) ms\)")
 
 

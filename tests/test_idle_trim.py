@@ -56,9 +56,9 @@ def test_setting(monkeypatch):
 TRIM = """
 import ctypes, sys
 sys.path.insert(0, {root!r})
-from gateway.cpu.allocator import keep_freed_memory
+from gateway.cpu.allocator import Allocator
 from gateway.cpu.idle_trim import release_free_memory, resident_bytes
-print(keep_freed_memory())
+print(Allocator().keep_freed_memory())
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]

@@ -2,7 +2,7 @@
 
 Every ``import`` is counted: at module level, inside functions, and under
 ``TYPE_CHECKING`` (a circle of type-only imports is still a circle a reader must untie).
-Floors, from the bottom: ``cache/``, ``scheduler/``, then ``gateway/``; inside the
+Floors, from the bottom: ``compat/`` (mlx-lm's private names), ``cache/``, ``scheduler/``, then ``gateway/``; inside the
 gateway, ``gateway/http/`` is a kit (bodies, errors, SSE, hosts, middleware) that imports
 nothing of the protocols, the conversation, the models or the routes, and the routes sit
 above the protocols.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("cache", "scheduler", "gateway")
+PACKAGES = ("compat", "cache", "scheduler", "gateway")
 
 
 def module_name(path: Path) -> str:
@@ -118,6 +118,7 @@ def test_no_import_cycles():
 
 
 @pytest.mark.parametrize("lower, upper", [
+    ("compat", ("cache", "scheduler", "gateway")),
     ("cache", ("scheduler", "gateway")),
     ("scheduler", ("gateway",)),
     ("gateway.http", ("gateway.protocols", "gateway.conversation", "gateway.models", "gateway.routes",

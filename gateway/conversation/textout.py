@@ -35,11 +35,13 @@ def _token_bytes(detok) -> Optional[Callable[[int], Optional[bytes]]]:
     read from its ``tokenmap``; None for a token with a character outside that map, which
     the detokenizer's ``finalize`` cannot decode), else None (other detokenizers keep
     their own holding)."""
-    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, _byte_decoder
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+
+    from compat.mlx_lm import byte_decoder
 
     if not isinstance(detok, BPEStreamingDetokenizer):
         return None
-    table, tokenmap = _byte_decoder(), detok.tokenmap
+    table, tokenmap = byte_decoder(), detok.tokenmap
 
     def token_bytes(token: int) -> Optional[bytes]:
         piece = tokenmap[token] if token < len(tokenmap) else "!"  # mlx-lm's fallback

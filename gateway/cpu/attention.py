@@ -13,21 +13,15 @@ The kernels are in :mod:`gateway.cpu.attention_kernels` (``mlx``, MLX's own;
 ``compiled-blocks`` in blocks of 32, 16 or 8 queries for prefill; ``compiled-decode`` for
 a few queries a row).
 
-Which one runs is decided per model at load (:func:`choose_for_model`): each kernel is
-timed on the model's own head counts, head size and dtype, on two prefill chunks (one of
-each of :data:`PREFILL_BUCKETS`: one row of 256 queries over 1,024 keys, candidates
-:data:`PREFILL_KERNELS`; four rows of 64 over 1,024, for calls of at least 4,096 rows times
-keys, where narrower blocks may win: candidates :data:`WIDE_PREFILL_KERNELS`), a decode
-step over a short, a medium and a long context (:data:`DECODE_BUCKETS`; candidates
-:data:`DECODE_KERNELS`: around 1,000 keys MLX's own and the compiled one are even, beyond
-it the compiled one pulls ahead) and a verify step of :data:`VERIFY_QUERIES` queries over
-the same three contexts (speculative decoding's drafts: MLX's own costs about twice the
-compiled one there, 1.57 against 0.73 ms for 6 queries over 1,500 keys on SmolLM2's
-heads, where one query costs 0.62 against 0.27), and the fastest is used for each (MLX's
-own unless another wins by :data:`gateway.cpu.measure.MARGIN`); the log says what was
-chosen with the figures. Shapes no model was measured for run MLX's own.
+Which one runs is decided per model at load (:meth:`Plans.choose_for_model`): each kernel
+is timed on the model's own head counts, head size and dtype, on the prefill chunks of
+:data:`PREFILL_BUCKETS`, the decode steps of :data:`DECODE_BUCKETS` and the verify steps
+of :data:`VERIFY_QUERIES` queries over the same keys (speculative decoding's drafts), and
+the fastest is used for each (MLX's own unless another wins by
+:data:`gateway.cpu.measure.MARGIN`); the log gives the figures, docs/deployment.md the
+ones measured here. Shapes no model was measured for run MLX's own.
 
-:func:`attention` is what :func:`install` puts in place of
+:meth:`Plans.attention` is what :meth:`Plans.install` puts in place of
 ``mx.fast.scaled_dot_product_attention`` for the whole process, which is how mlx-lm's
 models reach it (``mlx_lm.models.base``). Calls it does not cover (attention sinks, an
 explicit stream, ``force_fused``, float16 and bfloat16, inputs not of rank 4) go to MLX's
@@ -75,43 +69,11 @@ PREFILL_CANDIDATES = (PREFILL_KERNELS, WIDE_PREFILL_KERNELS)  # per PREFILL_BUCK
 DECODE_KERNELS = ("mlx", "compiled-decode")  # and for decode calls (compiled-blocks, one block there, is
 # compiled-decode plus a copy of the values)
 
-# (query heads, KV heads, head size, dtype) -> (one prefill kernel per PREFILL_BUCKETS, one
-# decode kernel per DECODE_BUCKETS, one verify kernel per DECODE_BUCKETS)
-_plans: dict[tuple, tuple[str, ...]] = {}
-
-
-def plan(hq: int, hk: int, d: int, dtype, prefill: Union[str, tuple[str, ...]],
-         decode: Union[str, tuple[str, ...]], verify: Union[None, str, tuple[str, ...]] = None) -> None:
-    """Use kernel ``prefill`` for calls with more than :data:`FEW_QUERIES` queries per row,
-    ``decode`` for calls of one (a decode step) and ``verify`` (default: ``decode``) for
-    the others (a verify step's few), on attention of that shape (names from
-    :data:`KERNELS`). ``prefill`` is one name for every call or one per
-    :data:`PREFILL_BUCKETS`; ``decode`` and ``verify`` one for every context length or one
-    per :data:`DECODE_BUCKETS`.
-
-    Raises:
-        KeyError: an unknown kernel name.
-        ValueError: a tuple of kernels not one per bucket.
-    """
-    prefill = _per_bucket(prefill, PREFILL_BUCKETS, "prefill")
-    decode = _per_bucket(decode, DECODE_BUCKETS, "decode")
-    verify = decode if verify is None else _per_bucket(verify, DECODE_BUCKETS, "verify")
-    for name in (*prefill, *decode, *verify):
-        KERNELS[name]  # noqa: B018 (raises KeyError)
-    _plans[(hq, hk, d, dtype)] = (*prefill, *decode, *verify)
-
-
 def _per_bucket(names: Union[str, tuple[str, ...]], buckets: tuple, what: str) -> tuple[str, ...]:
     names = (names,) * len(buckets) if isinstance(names, str) else tuple(names)
     if len(names) != len(buckets):
         raise ValueError(f"{len(names)} {what} kernels for {len(buckets)} buckets")
     return names
-
-
-def planned(hq: int, hk: int, d: int, dtype) -> Optional[tuple[str, ...]]:
-    """The kernels used for that shape, ``(prefill per PREFILL_BUCKETS..., decode per
-    DECODE_BUCKETS..., verify per DECODE_BUCKETS...)``, or None (MLX's own)."""
-    return _plans.get((hq, hk, d, dtype))
 
 
 def _bucket(buckets: tuple, size: int) -> int:
@@ -120,71 +82,142 @@ def _bucket(buckets: tuple, size: int) -> int:
     return max(i for i, (fewest, *_) in enumerate(buckets) if fewest <= size)
 
 
-def forget_plans(shapes: Optional[Iterable[tuple]] = None) -> None:
-    """``shapes`` (``(query heads, KV heads, head size, dtype)`` each, as
-    :func:`attention_shapes` gives them), or every shape, back to MLX's own attention."""
-    if shapes is None:
-        _plans.clear()
-    for shape in shapes or ():
-        _plans.pop(tuple(shape), None)
-
-
-def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Mask = None, **kwargs) -> mx.array:
-    """``softmax(scale * q @ k^T + mask) @ v``, as ``mx.fast.scaled_dot_product_attention``,
-    with the kernel planned for its shape (:func:`plan`; MLX's own where none is).
-
-    Args:
-        q: queries ``[B, Hq, Tq, D]``.
-        k, v: keys and values ``[B, Hk, Tk, D]`` (``Hq`` a multiple of ``Hk``: grouped-query).
-        scale: multiplies ``q``.
-        mask: None; ``"causal"`` (query ``i`` sees keys ``<= Tk - Tq + i``); a boolean
-            array (True: attend) or an additive one, broadcastable to ``[B, Hq, Tq, Tk]``.
-        kwargs: ``sinks``, ``stream``, ``force_fused``: given, MLX's own computes it.
-
-    Returns:
-        ``[B, Hq, Tq, D]`` in the inputs' dtype.
-
-    Raises:
-        ValueError: a mask mode other than ``"causal"``.
-    """
-    if (any(v_ is not None and v_ is not False for v_ in kwargs.values()) or q.ndim != 4
-            or not q.dtype == k.dtype == v.dtype == mx.float32):
-        return mlx_attention(q, k, v, scale=scale, mask=mask, **kwargs)
-    kernels = _plans.get((q.shape[1], k.shape[1], q.shape[3], q.dtype))
-    if kernels is None:
-        return mlx_attention(q, k, v, scale=scale, mask=mask)
-    if q.shape[2] > FEW_QUERIES:
-        return KERNELS[kernels[_bucket(PREFILL_BUCKETS, q.shape[0] * k.shape[2])]](q, k, v, scale, mask)
-    regime = len(PREFILL_BUCKETS) + (0 if q.shape[2] == 1 else len(DECODE_BUCKETS))  # decode, or verify
-    return KERNELS[kernels[regime + _bucket(DECODE_BUCKETS, k.shape[2])]](q, k, v, scale, mask)
-
-
-def install() -> None:
-    """Make ``mx.fast.scaled_dot_product_attention`` :func:`attention`, process-wide."""
-    mx.fast.scaled_dot_product_attention = attention
-
-
 def uninstall() -> None:
     """Give ``mx.fast.scaled_dot_product_attention`` back to MLX's own."""
     mx.fast.scaled_dot_product_attention = mlx_attention
 
 
-@contextlib.contextmanager
-def installed(prefill: Union[None, str, tuple[str, ...]] = None, decode: Union[None, str, tuple[str, ...]] = None,
-              shapes=(), verify: Union[None, str, tuple[str, ...]] = None) -> Iterator[None]:
-    """:func:`install` for the duration of a ``with`` block; with ``prefill``, ``decode``
-    and ``verify`` (as :func:`plan` takes them), those kernels planned for each
-    ``(hq, hk, d, dtype)`` of ``shapes`` meanwhile."""
-    saved = dict(_plans)
-    for shape in shapes:
-        plan(*shape, prefill, decode, verify)
-    install()
-    try:
-        yield
-    finally:
-        uninstall()
-        _plans.clear()
-        _plans.update(saved)
+class Plans:
+    """The kernels planned per attention shape in this process (the CPU tuning,
+    :class:`gateway.backend.CpuTuning`, holds the one that serves), and :meth:`attention`,
+    which runs them."""
+
+    def __init__(self):
+        # (query heads, KV heads, head size, dtype) -> (one prefill kernel per PREFILL_BUCKETS,
+        # one decode kernel per DECODE_BUCKETS, one verify kernel per DECODE_BUCKETS)
+        self._plans: dict[tuple, tuple[str, ...]] = {}
+
+    def plan(self, hq: int, hk: int, d: int, dtype, prefill: Union[str, tuple[str, ...]],
+             decode: Union[str, tuple[str, ...]], verify: Union[None, str, tuple[str, ...]] = None) -> None:
+        """Use kernel ``prefill`` for calls with more than :data:`FEW_QUERIES` queries per row,
+        ``decode`` for calls of one (a decode step) and ``verify`` (default: ``decode``) for
+        the others (a verify step's few), on attention of that shape (names from
+        :data:`KERNELS`). ``prefill`` is one name for every call or one per
+        :data:`PREFILL_BUCKETS`; ``decode`` and ``verify`` one for every context length or one
+        per :data:`DECODE_BUCKETS`.
+
+        Raises:
+            KeyError: an unknown kernel name.
+            ValueError: a tuple of kernels not one per bucket.
+        """
+        prefill = _per_bucket(prefill, PREFILL_BUCKETS, "prefill")
+        decode = _per_bucket(decode, DECODE_BUCKETS, "decode")
+        verify = decode if verify is None else _per_bucket(verify, DECODE_BUCKETS, "verify")
+        for name in (*prefill, *decode, *verify):
+            KERNELS[name]  # noqa: B018 (raises KeyError)
+        self._plans[(hq, hk, d, dtype)] = (*prefill, *decode, *verify)
+
+    def planned(self, hq: int, hk: int, d: int, dtype) -> Optional[tuple[str, ...]]:
+        """The kernels used for that shape, ``(prefill per PREFILL_BUCKETS..., decode per
+        DECODE_BUCKETS..., verify per DECODE_BUCKETS...)``, or None (MLX's own)."""
+        return self._plans.get((hq, hk, d, dtype))
+
+    def forget(self, shapes: Optional[Iterable[tuple]] = None) -> None:
+        """``shapes`` (``(query heads, KV heads, head size, dtype)`` each, as
+        :func:`attention_shapes` gives them), or every shape, back to MLX's own attention."""
+        if shapes is None:
+            self._plans.clear()
+        for shape in shapes or ():
+            self._plans.pop(tuple(shape), None)
+
+    def attention(self, q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Mask = None,
+                  **kwargs) -> mx.array:
+        """``softmax(scale * q @ k^T + mask) @ v``, as ``mx.fast.scaled_dot_product_attention``,
+        with the kernel planned for its shape (:meth:`plan`; MLX's own where none is).
+
+        Args:
+            q: queries ``[B, Hq, Tq, D]``.
+            k, v: keys and values ``[B, Hk, Tk, D]`` (``Hq`` a multiple of ``Hk``: grouped-query).
+            scale: multiplies ``q``.
+            mask: None; ``"causal"`` (query ``i`` sees keys ``<= Tk - Tq + i``); a boolean
+                array (True: attend) or an additive one, broadcastable to ``[B, Hq, Tq, Tk]``.
+            kwargs: ``sinks``, ``stream``, ``force_fused``: given, MLX's own computes it.
+
+        Returns:
+            ``[B, Hq, Tq, D]`` in the inputs' dtype.
+
+        Raises:
+            ValueError: a mask mode other than ``"causal"``.
+        """
+        if (any(v_ is not None and v_ is not False for v_ in kwargs.values()) or q.ndim != 4
+                or not q.dtype == k.dtype == v.dtype == mx.float32):
+            return mlx_attention(q, k, v, scale=scale, mask=mask, **kwargs)
+        kernels = self._plans.get((q.shape[1], k.shape[1], q.shape[3], q.dtype))
+        if kernels is None:
+            return mlx_attention(q, k, v, scale=scale, mask=mask)
+        if q.shape[2] > FEW_QUERIES:
+            return KERNELS[kernels[_bucket(PREFILL_BUCKETS, q.shape[0] * k.shape[2])]](q, k, v, scale, mask)
+        regime = len(PREFILL_BUCKETS) + (0 if q.shape[2] == 1 else len(DECODE_BUCKETS))  # decode, or verify
+        return KERNELS[kernels[regime + _bucket(DECODE_BUCKETS, k.shape[2])]](q, k, v, scale, mask)
+
+    def install(self) -> None:
+        """Make ``mx.fast.scaled_dot_product_attention`` :meth:`attention`, process-wide."""
+        mx.fast.scaled_dot_product_attention = self.attention
+
+    @contextlib.contextmanager
+    def installed(self, prefill: Union[None, str, tuple[str, ...]] = None,
+                  decode: Union[None, str, tuple[str, ...]] = None, shapes=(),
+                  verify: Union[None, str, tuple[str, ...]] = None) -> Iterator[None]:
+        """:meth:`install` for the duration of a ``with`` block; with ``prefill``, ``decode``
+        and ``verify`` (as :meth:`plan` takes them), those kernels planned for each
+        ``(hq, hk, d, dtype)`` of ``shapes`` meanwhile."""
+        saved = dict(self._plans)
+        for shape in shapes:
+            self.plan(*shape, prefill, decode, verify)
+        self.install()
+        try:
+            yield
+        finally:
+            uninstall()
+            self._plans.clear()
+            self._plans.update(saved)
+
+    def choose(self, hq: int, hk: int, d: int, dtype, *timings: dict[str, float]) -> list[Choice]:
+        """Plan the fastest kernels for that shape from their timings (:func:`pick`: MLX's
+        own unless another beats it by the margin): one per :data:`PREFILL_BUCKETS`, then one
+        per :data:`DECODE_BUCKETS` for decode steps and one per :data:`DECODE_BUCKETS` for
+        verify steps (``timings``, in that order); returns the choices.
+
+        Raises:
+            ValueError: not one timing per bucket.
+        """
+        p, n = len(PREFILL_BUCKETS), len(DECODE_BUCKETS)
+        if len(timings) != p + 2 * n:
+            raise ValueError(f"{len(timings)} timings for {p} prefill, {n} decode and {n} verify buckets")
+        shape = f"[{hq} query / {hk} KV heads of {d}]"
+        chosen = [pick(t, "mlx") for t in timings]
+        self.plan(hq, hk, d, dtype, tuple(chosen[:p]), tuple(chosen[p:p + n]), tuple(chosen[p + n:]))
+        return [Choice(f"attention, {label} {shape}", name, dict(t))
+                for label, name, t in zip(labels(), chosen, timings)]
+
+    def choose_for_model(self, model, rounds: int = 4) -> list[Choice]:
+        """Measure and plan the attention kernels for every attention shape of ``model``
+        (float32 ones; others keep MLX's own), unless ``MLX_GATEWAY_CPU_ATTENTION`` is 0;
+        installs :meth:`attention`. Logs and returns the choices (a reason instead of
+        figures where nothing was measured)."""
+        if os.environ.get("MLX_GATEWAY_CPU_ATTENTION", "1") == "0":
+            return [Choice("attention", "mlx", reason="MLX_GATEWAY_CPU_ATTENTION=0").log()]
+        choices = []
+        for hq, hk, d, dtype in sorted(attention_shapes(model), key=str):
+            if dtype != mx.float32:
+                choices.append(Choice(f"attention [{hq}/{hk} heads of {d}, {dtype}]", "mlx",
+                                      reason="not float32").log())
+                continue
+            if self.planned(hq, hk, d, dtype) is not None:
+                continue  # another model of the same shape measured it
+            choices += [c.log() for c in self.choose(hq, hk, d, dtype, *measure_shape(hq, hk, d, dtype, rounds))]
+        self.install()
+        return choices
 
 
 # ----------------------------------------------------------------------------- the choice
@@ -264,46 +297,3 @@ def labels() -> list[str]:
     return ([f"prefill {_label(prefill, i, 'rows x keys')}" for i in range(len(prefill))]
             + [f"decode {_label(decode, i, 'keys')}" for i in range(len(decode))]
             + [f"verify {_label(decode, i, 'keys')}" for i in range(len(decode))])
-
-
-def choose(hq: int, hk: int, d: int, dtype, *timings: dict[str, float]) -> list[Choice]:
-    """Plan the fastest kernels for that shape from their timings (:func:`pick`: MLX's
-    own unless another beats it by the margin): one per :data:`PREFILL_BUCKETS`, then one
-    per :data:`DECODE_BUCKETS` for decode steps and one per :data:`DECODE_BUCKETS` for
-    verify steps (``timings``, in that order); returns the choices.
-
-    Raises:
-        ValueError: not one timing per bucket.
-    """
-    p, n = len(PREFILL_BUCKETS), len(DECODE_BUCKETS)
-    if len(timings) != p + 2 * n:
-        raise ValueError(f"{len(timings)} timings for {p} prefill, {n} decode and {n} verify buckets")
-    shape = f"[{hq} query / {hk} KV heads of {d}]"
-    chosen = [pick(t, "mlx") for t in timings]
-    plan(hq, hk, d, dtype, tuple(chosen[:p]), tuple(chosen[p:p + n]), tuple(chosen[p + n:]))
-    return [Choice(f"attention, {label} {shape}", name, dict(t))
-            for label, name, t in zip(labels(), chosen, timings)]
-
-
-def choose_for_model(model, rounds: int = 4) -> list[Choice]:
-    """Measure and plan the attention kernels for every attention shape of ``model``
-    (float32 ones; others keep MLX's own), when MLX runs on the CPU and
-    ``MLX_GATEWAY_CPU_ATTENTION`` is not 0; installs :func:`attention`. Logs and
-    returns the choices (a reason instead of figures where nothing was measured)."""
-    from gateway.cpu import cpu_backend
-
-    why = ("MLX_GATEWAY_CPU_ATTENTION=0" if os.environ.get("MLX_GATEWAY_CPU_ATTENTION", "1") == "0"
-           else None if cpu_backend() else "MLX runs on a GPU")
-    if why is not None:
-        return [Choice("attention", "mlx", reason=why).log()]
-    choices = []
-    for hq, hk, d, dtype in sorted(attention_shapes(model), key=str):
-        if dtype != mx.float32:
-            choices.append(Choice(f"attention [{hq}/{hk} heads of {d}, {dtype}]", "mlx",
-                                  reason="not float32").log())
-            continue
-        if planned(hq, hk, d, dtype) is not None:
-            continue  # another model of the same shape measured it
-        choices += [c.log() for c in choose(hq, hk, d, dtype, *measure_shape(hq, hk, d, dtype, rounds))]
-    install()
-    return choices

@@ -29,7 +29,6 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from gateway.cpu import cpu_backend
 from gateway.cpu.measure import Choice, pick, race
 
 log = logging.getLogger("mlx_gateway")
@@ -63,13 +62,6 @@ def find_openblas() -> Optional[str]:
             if os.path.exists(path):
                 return path
     return None
-
-
-def needs_fast_blas() -> bool:
-    """True on Linux when MLX would run matmuls on the CPU with its bundled reference BLAS."""
-    if not sys.platform.startswith("linux") or os.environ.get("MLX_GATEWAY_FAST_BLAS", "1") == "0":
-        return False
-    return cpu_backend() and not openblas_loaded()
 
 
 def matmul_shape(model_dir: Optional[str]) -> tuple[int, int]:
@@ -122,10 +114,10 @@ def _settle_after_reexec(shape: tuple[int, int]) -> None:
 
 def ensure_fast_blas(shape: tuple[int, int] = DEFAULT_SHAPE) -> None:
     """Re-execute this process's command line (``sys.orig_argv``) with OpenBLAS preloaded
-    when MLX would otherwise use the slow reference BLAS and a matmul of ``shape``
-    (``(hidden, intermediate)``, :func:`matmul_shape`) is faster on it (measured on both
-    sides of the re-execution); warn when OpenBLAS is not installed. Call before any
-    thread starts.
+    when MLX, computing on the CPU (the caller's to know), would otherwise use the slow
+    reference BLAS and a matmul of ``shape`` (``(hidden, intermediate)``,
+    :func:`matmul_shape`) is faster on it (measured on both sides of the re-execution);
+    warn when OpenBLAS is not installed. Call before any thread starts.
 
     Does not return when it re-executes (``os.execve``).
     """
@@ -135,7 +127,8 @@ def ensure_fast_blas(shape: tuple[int, int] = DEFAULT_SHAPE) -> None:
         else:
             os.environ.pop(BUNDLED_ENV)
         return
-    if not needs_fast_blas():
+    if (not sys.platform.startswith("linux") or os.environ.get("MLX_GATEWAY_FAST_BLAS", "1") == "0"
+            or openblas_loaded()):
         return
     path = find_openblas()
     if path is None:

@@ -118,19 +118,11 @@ def confirmed_race(candidates: Mapping[str, Callable[[], object]], default: str,
     and four times that, seconds) while :func:`pick` keeps ``default``, each candidate
     keeping its best figure over the races.
 
-    Why: a spell of noise on the machine of 100-200 ms can cover a whole race, and it
-    slows a kernel of many small operations far more than one of a few large ones. In 16
-    fresh servers of the medium benchmark model, timed five times each at load, the
-    compiled attention kernel took 11-17 ms in 76 of 80 races and 31-47 ms in 4 (against
-    29-35 ms for MLX's own in all), each time in one race only, the next one back at 11-12.
-    The one race that decided, in 1 of 16 servers, kept MLX's own, and that server
-    prefilled 3x slower for its whole life. Noise only slows, so the best figure over
-    more races is the nearer one; a replacement that wins is not raced again (noise
-    would have had to slow the path it replaces alone). Two races 0.1 s apart were not
-    always enough: in 1 of 6 later fresh servers the compiled kernel took 34.8 ms at best
-    over three races (MLX's own 31.9), then 15.8 ms for the next shape timed right after,
-    so the pauses grow: the races span about a second and a half before the default is
-    kept.
+    Why: a spell of noise of 100-200 ms can cover a whole race, and it slows a kernel of
+    many small operations far more than one of a few large ones; noise only slows, so the
+    best figure over more races is the nearer one, and a replacement that wins is not
+    raced again. The figures (a server in 16 that kept MLX's own and prefilled 3x slower
+    for its life; why the pauses grow): docs/deployment.md.
     """
     seconds = race(candidates, rounds, sync=sync, warmup=warmup)
     for i in range(again):

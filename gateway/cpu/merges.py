@@ -2,14 +2,12 @@
 chosen by a short measurement at load (:mod:`gateway.cpu.measure`).
 
 A row joining the decode batch has its cached prefix copied into the batch's buffer, every
-layer's keys and values (:func:`scheduler.batch_merge.merge_with_room`): for six rows of 900
-tokens of SmolLM2-135M that is 250 MB, about 100 ms on a 2-core machine, most of a warm
-request's time to first token. MLX's CPU backend runs one stream's work on one thread, so
-the copies use one core; spread over two streams (layers taking turns) they took 58 ms
-there. Whether a second stream pays depends on the machine's cores and memory bandwidth,
-so it is timed here on the model's own KV shape (a merge of :data:`ROWS` rows of
-:data:`TOKENS` tokens, in two pages each, over every layer) against one stream, and kept
-only if it wins by :data:`gateway.cpu.measure.MARGIN`.
+layer's keys and values (:func:`scheduler.batch_merge.merge_with_room`), on one core where
+MLX's CPU backend runs one stream; spread over two streams the copies took about half the
+time on a 2-core machine (:func:`scheduler.batch_merge.spread_merges`). Whether a second
+stream pays depends on the machine, so it is timed here on the model's own KV shape (a
+merge of :data:`ROWS` rows of :data:`TOKENS` tokens, in two pages each, over every layer)
+against one stream, and kept only if it wins by :data:`gateway.cpu.measure.MARGIN`.
 """
 
 from __future__ import annotations
@@ -18,27 +16,18 @@ import mlx.core as mx
 
 from cache.pages import PagedKVCache
 from gateway.cpu.measure import Choice, pick, race
-from scheduler.batch_merge import extra_streams, merge_with_room, spread_merges
+from scheduler.batch_merge import extra_streams, merge_with_room
 
 ROWS = 4  # rows of the timed merge
 TOKENS = 384  # cached tokens of each, in two pages
 CANDIDATES = {"one stream": 1, "two streams": 2}
 
-_decided: list = []  # the process's choice, once made
-
-
-def decided():
-    """The choice made for this process (:func:`choose`), or None."""
-    return _decided[0] if _decided else None
-
-
 def choose(model, shapes: set[tuple], rounds: int = 3) -> Choice:
     """Time a merge of :data:`ROWS` rows shaped as ``model``'s KV cache (its layer count,
     the first float32 attention shape of ``shapes``: ``(query heads, KV heads, head size,
-    dtype)``) on one stream and on two, set the faster (:func:`scheduler.batch_merge.spread_merges`)
-    and return the choice (logged). The first model of a process decides for it."""
-    if _decided:
-        return _decided[0]
+    dtype)``) on one stream and on two, and return the choice (logged): the faster, whose
+    stream count (:data:`CANDIDATES`) the CPU tuning gives the engine thread
+    (:func:`scheduler.batch_merge.spread_merges`)."""
     floats = sorted(s for s in shapes if s[3] == mx.float32)
     layers = len(getattr(model, "layers", None) or ())
     if not floats or not layers:
@@ -54,7 +43,4 @@ def choose(model, shapes: set[tuple], rounds: int = 3) -> Choice:
 
     times = race({name: (lambda e=extra_streams(n): merge(e)) for name, n in CANDIDATES.items()}, rounds,
                  sync=mx.eval)
-    chosen = pick(times, "one stream")
-    spread_merges(CANDIDATES[chosen])
-    _decided.append(Choice("batch merges (CPU streams)", chosen, times).log())
-    return _decided[0]
+    return Choice("batch merges (CPU streams)", pick(times, "one stream"), times).log()

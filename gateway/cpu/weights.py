@@ -10,9 +10,9 @@ decode step 168 ms on a 2-core Linux machine; with float32 weights (538 MB inste
 ``dequantize_model``) and casts every floating-point parameter to float32, when the
 float32 weights fit in :data:`MEMORY_SHARE` of the memory this process may use (physical
 memory, or a container's cgroup limit if lower); a 7B 4-bit model would need 28 GB and
-stays as it is, with a warning. ``mlx-gateway serve`` applies it on the CPU backend
-right after loading; ``MLX_GATEWAY_CPU_FLOAT32=0`` keeps the weights as stored. On Metal
-(macOS) none of this applies: quantized matmuls are fast there.
+stays as it is, with a warning (the CPU tuning applies it as a model is read,
+:meth:`gateway.backend.CpuTuning.prepare_weights`; ``MLX_GATEWAY_CPU_FLOAT32=0`` keeps the
+weights as stored).
 
 Dequantizing is exact. A model whose activations were float32 already (the default one:
 its norms are float32) gives the same outputs up to float32 rounding; a float16 or
@@ -43,7 +43,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from gateway.cpu import allocator
+from gateway.cpu.allocator import Allocator
 from gateway.cpu.measure import Choice, MARGIN, race
 
 log = logging.getLogger("mlx_gateway")
@@ -167,17 +167,11 @@ def float32_weights(model: nn.Module, limit_bytes: Optional[int] = None) -> Opti
     return None
 
 
-def _converts_for_cpu_backend() -> bool:
-    from gateway.cpu import cpu_backend
-
-    return os.environ.get("MLX_GATEWAY_CPU_FLOAT32", "1") != "0" and cpu_backend()
-
-
 def served_bytes(model: nn.Module) -> int:
     """Bytes ``model``'s parameters will take once served: as float32 where
     :func:`float32_weights_for_cpu_backend` will convert them, else as stored. Read from
     the shapes and dtypes only, so a lazily loaded model's weights are not read."""
-    if _converts_for_cpu_backend() and _why_not(model) is None:
+    if os.environ.get("MLX_GATEWAY_CPU_FLOAT32", "1") != "0" and _why_not(model) is None:
         return float32_bytes(model)
     return sum(p.nbytes for _, p in tree_flatten(model.parameters()))
 
@@ -238,20 +232,18 @@ def decide(seconds: dict[str, float], margin: float = MARGIN) -> bool:
     return cost("float32") < cost("stored") * (1.0 - margin)
 
 
-def float32_weights_for_cpu_backend(model: nn.Module, rounds: int = 3, measure: bool = True) -> Optional[str]:
-    """:func:`float32_weights` when MLX runs on the CPU and a measurement on one of the
-    model's layers finds float32 faster (:func:`measure_layer`, :func:`decide`), unless
-    ``MLX_GATEWAY_CPU_FLOAT32=0`` (``=1`` or ``measure`` false: without measuring, as the
-    ranks of a model split across machines must all decide alike); logs the choice, and a
-    warning when a model that is not float32 stays as stored because it is too large or
-    has layers it cannot convert. Returns why it did not convert, or None."""
-    from gateway.cpu import cpu_backend
-
+def float32_weights_for_cpu_backend(model: nn.Module, allocator: Optional[Allocator] = None, rounds: int = 3,
+                                    measure: bool = True) -> Optional[str]:
+    """:func:`float32_weights` (MLX runs on the CPU) when a measurement on one of the
+    model's layers finds float32 faster (:func:`measure_layer`, :func:`decide`; timed with
+    ``allocator``'s heap as it will serve), unless ``MLX_GATEWAY_CPU_FLOAT32=0`` (``=1`` or
+    ``measure`` false: without measuring, as the ranks of a model split across machines
+    must all decide alike); logs the choice, and a warning when a model that is not
+    float32 stays as stored because it is too large or has layers it cannot convert.
+    Returns why it did not convert, or None."""
     setting = os.environ.get("MLX_GATEWAY_CPU_FLOAT32", "")
     if setting == "0":
         return "MLX_GATEWAY_CPU_FLOAT32=0"
-    if not cpu_backend():
-        return "MLX runs on a GPU"
     why = _why_not(model)
     if why is not None:
         if why != "already float32":
@@ -261,7 +253,8 @@ def float32_weights_for_cpu_backend(model: nn.Module, rounds: int = 3, measure: 
     layer = _sample_layer(model)
     what = "weights (as stored, or float32)"
     if measure and setting != "1" and layer is not None:
-        allocator.as_it_will_serve()  # timed with the heap as it will serve
+        if allocator is not None:
+            allocator.as_it_will_serve()  # timed with the heap as it will serve
         mx.eval(layer.parameters())
         seconds = measure_layer(layer, rounds)
         if not decide(seconds):

@@ -11,7 +11,8 @@ To load a model, the least recently used loaded models that are idle (no request
 flight) and not pinned are unloaded until the charges fit the budget and the loaded
 count fits ``--max-loaded-models``. When even that would not make room, nothing is
 unloaded and the load is refused (503 with ``Retry-After``), naming the budget and what
-holds it. This is the rule of vllm-mlx and oMLX (memory budget, LRU, pins) and of
+holds it. The budget's default is the backend's (:meth:`gateway.backend.Tuning.memory_budget`:
+75 % of the memory the process may use; on a Mac, Metal's recommended working set). This is the rule of vllm-mlx and oMLX (memory budget, LRU, pins) and of
 ollama's ``OLLAMA_MAX_LOADED_MODELS``.
 """
 
@@ -19,9 +20,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
-
-BUDGET_SHARE = 0.75  # default budget: this share of the memory the process may use
-
 
 @dataclass
 class Holder:
@@ -51,16 +49,6 @@ class Holder:
 class NoRoom(RuntimeError):
     """A model cannot be loaded without unloading one that is pinned or busy; the message
     names the budget and what holds it."""
-
-
-def default_budget() -> int:
-    """:data:`BUDGET_SHARE` of the memory this process may use (physical memory, or a
-    container's limit: :func:`gateway.cpu.weights.memory_limit_bytes`); 16 GiB where that
-    cannot be read."""
-    from gateway.cpu.weights import memory_limit_bytes
-
-    memory = memory_limit_bytes()
-    return int(BUDGET_SHARE * memory) if memory else 16 << 30
 
 
 def gib(n: int) -> str:

@@ -22,11 +22,11 @@ def read_draft(name: str, path: str):
     Raises:
         DraftModelError: no model there.
     """
-    from mlx_lm.utils import _download
+    from compat.mlx_lm import download
     from mlx_lm.utils import load_model as load_weights
 
     try:
-        where = Path(_download(path))
+        where = Path(download(path))
         model, _ = load_weights(where, lazy=True)
     except Exception as e:
         raise DraftModelError(f"{name}: draft model {path!r} cannot be read: {e}") from None

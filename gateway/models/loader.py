@@ -132,14 +132,14 @@ def open_disk_tier(cfg: ServeConfig, path: str, tokenizer, registry, loaded_as: 
         OSError: the directory cannot be created or used (another server holds it,
             another user owns it, no permission).
     """
-    from mlx_lm.utils import _download
+    from compat.mlx_lm import download
 
     from cache.disk import DiskTier
     from cache.disk_format import model_identity
     from cache.tiering import DiskLink
 
     template = getattr(tokenizer, "chat_template", None)
-    identity = model_identity(_download(path), template if isinstance(template, str) else None, loaded_as,
+    identity = model_identity(download(path), template if isinstance(template, str) else None, loaded_as,
                               served_as)
     tier = DiskTier(Path(cfg.prompt_cache_dir).expanduser(), cfg.prompt_cache_disk_bytes, identity, registry=registry)
     log.info("prompt-cache disk tier: %s (%d entries, %d bytes, bound %d bytes)",
@@ -208,18 +208,14 @@ def load_embedding(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry
                    path: str) -> ModelHandle:
     """Load an embedding model (mlx-embeddings) and attach its
     :class:`~scheduler.embedding.EmbeddingEngine` to ``loop``; see :func:`load_model`."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    from gateway.cpu.weights import float32_weights_for_cpu_backend, served_bytes
+    from gateway.backend import backend, weights_bytes
     from gateway.models.embedding import load_embedding_model
     from scheduler.embedding import EmbeddingEngine
 
     embedder, config = load_embedding_model(model_path)
-    reserve(served_bytes(embedder.model))
-    float32_weights_for_cpu_backend(embedder.model)
-    mx.eval(embedder.model.parameters())
-    weights = sum(p.nbytes for _, p in tree_flatten(embedder.model.parameters()))
+    reserve(backend().served_bytes(embedder.model))
+    backend().prepare_weights(embedder.model)
+    weights = weights_bytes(embedder.model)
     engine = EmbeddingEngine(embedder, loop, max_batch_inputs=cfg.decode_concurrency,
                              max_batch_tokens=max(cfg.prefill_step_size, 512) * 4, max_waiting=cfg.max_waiting,
                              registry=registry, name=spec.name)
@@ -253,19 +249,17 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
         DiskTierUnusable: the disk tier cannot be opened.
         Exception: whatever loading, ``reserve`` or the probes raised.
     """
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import _download
     from mlx_lm.utils import load_model as load_weights
 
-    from gateway.cpu.paths import choose_cpu_paths
-    from gateway.cpu.weights import float32_weights_for_cpu_backend, served_bytes
+    from compat.mlx_lm import download
+    from gateway.backend import backend, weights_bytes
     from scheduler import distributed
+    from scheduler.batch_merge import spread_merges
     from scheduler.equivalence import batch_is_exact
     from scheduler.forward_cost import measure_forward_cost
 
     path = resolve_path(spec)
-    model_path = Path(_download(path))
+    model_path = Path(download(path))
     kind = model_kind(spec, model_path)
     if kind == "embedding":
         return load_embedding(spec, cfg, loop, registry, reserve, configure, model_path, str(path))
@@ -288,11 +282,11 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
     draft = draft_path = None
     if spec.speculation_method == "draft" and refusal is None:  # a bad path fails before any weight is read
         draft, draft_path = read_draft(spec.name, spec.draft_model)  # shapes only
-    reserve(served_bytes(model))
-    # Linux CPU: only float32 matmuls use BLAS (docs/deployment.md, "Weights in float32"),
+    tuning = backend()
+    reserve(tuning.served_bytes(model))
+    # the CPU: only float32 matmuls use BLAS (docs/deployment.md, "Weights in float32"),
     # measured on one of its layers; across ranks every rank must decide alike: unmeasured
-    loaded_as = "float32" if float32_weights_for_cpu_backend(model, measure=cluster is None) is None else None
-    mx.eval(model.parameters())
+    loaded_as = tuning.prepare_weights(model, measure=cluster is None)
     if spec.kv_bits:
         try:
             quantize_kv(model, spec.kv_bits, spec.kv_group_size)
@@ -303,19 +297,18 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
     if refusal is not None:
         draft = None  # a refused model never reads its draft's weights, nor makes room for them
     if draft is not None:
-        reserve(served_bytes(model) + served_bytes(draft))
-        float32_weights_for_cpu_backend(draft)
-        mx.eval(draft.parameters())
+        reserve(tuning.served_bytes(model) + tuning.served_bytes(draft))
+        tuning.prepare_weights(draft)
     if vision is not None:
         from gateway.models.vision_load import check_agreement
 
         why = check_agreement(model, vision)
         if why is not None:
             raise RuntimeError(f"{spec.name} cannot be served with images: {why}")
-    weights, draft_weights = (sum(p.nbytes for _, p in tree_flatten(m.parameters())) if m is not None else 0
-                              for m in (model, draft))
-    # Linux CPU: attention kernels and allocator, measured (gateway/cpu/paths.py); MLX's own across ranks
-    choose_cpu_paths(model, measure=cluster is None)
+    weights, draft_weights = (weights_bytes(m) if m is not None else 0 for m in (model, draft))
+    # the CPU: attention kernels, allocator, merge streams, measured; MLX's own across ranks
+    # (gateway/backend.py); Metal: the weights wired
+    tuning.prepare(model, measure=cluster is None)
     exact = batch_is_exact(model)
     vocab = logits_size(model)
     tokenizer, grammars = tokenizer_and_grammars(model_path, config, vocab)
@@ -351,6 +344,8 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
                     pad_free_prefill=not exact, loop=loop, name=spec.name, forward_cost=cost)
     if cluster is not None:
         distributed.lead(engine, cluster)
+    if tuning.merge_streams > 1:  # the engine thread's merges (the loop serves every model)
+        loop.call(lambda: spread_merges(tuning.merge_streams))
     if configure is not None:
         configure(engine)
     handle = ModelHandle(spec, tokenizer, engine, context_length(model, tokenizer), vocab, grammars,

@@ -42,9 +42,9 @@ class VisionUnavailable(RuntimeError):
 
 def _text_class(config: dict):
     """mlx-lm's model class and arguments for the checkpoint's ``model_type``."""
-    from mlx_lm.utils import _get_classes
+    from compat.mlx_lm import get_classes
 
-    return _get_classes(config)
+    return get_classes(config)
 
 
 def load_vision_model(model_path: Path, config: dict):

@@ -61,9 +61,9 @@ def _model_dir(model: str | None) -> str:
     try:
         path = resolve_path(ModelSpec(name="tune", path=model or "default"))
         if not Path(path).is_dir():
-            from mlx_lm.utils import _download
+            from compat.mlx_lm import download
 
-            path = str(_download(path))
+            path = str(download(path))
     except Exception as e:  # a path that is not there, a hub id that cannot be fetched
         raise SystemExit(f"mlx-gateway tune: cannot use the model {model or 'default'!r}: {e}")
     return str(path)

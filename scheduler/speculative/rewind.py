@@ -203,6 +203,6 @@ def right_padding_refusal(model) -> Optional[str]:
 
 def _as_batch(caches: list[list]) -> list:
     """Sequences' caches (``make_prompt_cache`` each) as one left-padded batch."""
-    from mlx_lm.generate import _merge_caches
+    from compat.mlx_lm import merge_caches
 
-    return _merge_caches(caches)
+    return merge_caches(caches)
