@@ -68,17 +68,8 @@ class Call:
     api: str
     body: object = None
     priority: str = "standard"  # the latency class (tenancy.tenants.PRIORITIES)
+    rank: int = 1  # the latency class as the engine numbers it: 0 interactive, 1 standard, 2 batch
     slot: Optional[Slot] = None  # the model, once held (gateway.conversation.start.hold)
-
-    @property
-    def rank(self) -> int:
-        """The latency class as the engine numbers it: 0 interactive, 1 standard, 2 batch."""
-        return PRIORITIES.index(self.priority)
-
-    @property
-    def model_name(self) -> str:
-        """The served name of the held model."""
-        return self.slot.name if self.slot is not None else ""
 
 
 def sglang_priority(value: int) -> Optional[str]:
@@ -163,6 +154,6 @@ async def admit(front: Front, request: Request, endpoint: str, api: str) -> Call
     record.marks["admitted"] = time.monotonic()
     priority = request_priority(tenant, request.headers.get("x-priority"), body)
     record.priority = priority
-    call = Call(front, request, tenant, ticket, record, api, body, priority)
+    call = Call(front, request, tenant, ticket, record, api, body, priority, PRIORITIES.index(priority))
     _admitted.add(call)
     return call

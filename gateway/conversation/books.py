@@ -6,9 +6,11 @@ refilled over :data:`IMAGE_TOKEN_WINDOW`), usage, metrics (labelled by ``model``
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
+import uuid
 from typing import Optional
 
 from gateway.conversation.generation import Generation
@@ -22,6 +24,7 @@ from scheduler.request import PromptEvent
 
 IMAGE_TOKEN_WINDOW = 60.0  # seconds: image_tokens_per_minute refills over a minute
 
+_ids = itertools.count()  # numbers the requests' ids
 _buckets: dict[str, TokenBucket] = {}  # tenant -> its image-token bucket (this process)
 _lock = threading.Lock()
 
@@ -36,7 +39,8 @@ class Books:
     def __init__(self, call: Call, model: ModelHandle, prompt: Prompt):
         self.call, self.model, self.prompt = call, model, prompt
         self.labels = (call.tenant.name, model.name, call.api)
-        self.gen: Optional[Generation] = None
+        self.request_id = f"req-{next(_ids)}-{uuid.uuid4().hex[:8]}"
+        self.gen: Optional[Generation] = None  # once submitted
         self.completion = 0  # tokens generated
         self.finish = "stop"  # how it ended; meaningful once ``ended``
         self.ended = False  # the generation ended by itself: done, a stop string, or an error
@@ -46,7 +50,8 @@ class Books:
         self.last_at = 0.0  # monotonic seconds of the latest token
 
     def charge(self) -> None:
-        """Charge the prompt's tokens to the tenant; count its images and charge theirs.
+        """Charge the prompt's tokens to the tenant (count its images and charge theirs),
+        then record the request as it goes to the engine.
 
         Raises:
             APIError: 413/429 from the tenant's prompt-token limit; 413
@@ -55,9 +60,17 @@ class Books:
                 ``Retry-After``) over it.
         """
         self.call.ticket.charge_prompt(len(self.prompt.tokens))
+        if self.prompt.images:
+            self._charge_images()
+        rec = self.call.record
+        rec.request_id = self.request_id
+        rec.prompt_tokens = len(self.prompt.tokens)
+        if self.call.front.config.log_prompts:
+            rec.prompt = self.model.tokenizer.decode(self.prompt.tokens)
+        rec.marks["submitted"] = time.monotonic()
+
+    def _charge_images(self) -> None:
         tenant, m, images = self.call.tenant, self.call.front.metrics, self.prompt.images
-        if not images:
-            return
         n = sum(im.tokens for im in images)
         limit = tenant.image_tokens_per_minute
         if limit:
@@ -83,17 +96,6 @@ class Books:
         m.image_requests.labels(*self.labels).inc()
         m.images.labels(*self.labels).inc(len(images))
         m.image_tokens.labels(*self.labels).inc(n)
-
-    def submitting(self, gen: Generation) -> None:
-        """Record ``gen`` as it goes to the engine; its log line settles the books at the latest."""
-        self.gen = gen
-        rec = self.call.record
-        rec.request_id = gen.id
-        rec.prompt_tokens = len(self.prompt.tokens)
-        if self.call.front.config.log_prompts:
-            rec.prompt = self.model.tokenizer.decode(self.prompt.tokens)
-        rec.marks["submitted"] = time.monotonic()
-        rec.settle = self.settle
 
     def refused(self, e: APIError) -> None:
         """Count the engine's refusal: a 429 (the tenant's queue is full)."""

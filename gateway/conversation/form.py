@@ -192,8 +192,7 @@ class Comment:
 
 @dataclass
 class Loading:
-    """Before a streamed answer's events when its ``model`` must load first: the stream
-    may begin (loading comments follow until the answer does)."""
+    """First of a stream whose ``model`` must load: it begins now, loading comments follow."""
 
     model: str
 

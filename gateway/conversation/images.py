@@ -194,9 +194,8 @@ def describe(refs: list[ImageRef]) -> Optional[str]:
 
 
 async def admit_images(call: Call, model: ModelHandle, conv: Conversation) -> Optional[tuple]:
-    """Check and fetch the images of ``conv`` for ``model`` (the server's limits, the
-    ``serve`` flags); the ``images`` argument of
-    :func:`gateway.conversation.prepare.prepare_chat` (None when it has none).
+    """Check and fetch the images of ``conv`` for ``model`` (the ``serve`` flags' limits):
+    :func:`~gateway.conversation.prepare.prepare_chat`'s ``images`` (None when it has none).
 
     Raises:
         APIError: 400 when the model reads no images; what :func:`check_count` and

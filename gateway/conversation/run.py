@@ -58,15 +58,13 @@ class Run:
         books = Books(call, model, prompt)
         books.charge()
         t = call.tenant
-        gen = Generation(model.engine, prompt.tokens, params, prompt.checkpoints, namespace=t.cache_group,
-                         tenant=t.name, weight=t.weight, max_queued=t.max_queued, mask=mask,
-                         priority=call.rank, keep=prompt.breakpoints,
-                         processors=processors)
+        gen = Generation(books.request_id, model.engine, prompt.tokens, params, prompt.checkpoints,
+                         namespace=t.cache_group, tenant=t.name, weight=t.weight, max_queued=t.max_queued, mask=mask,
+                         priority=call.rank, keep=prompt.breakpoints, processors=processors)
         if prompt.images:  # in the engine's table until the request's last event (gateway.models.vision_images)
             table = model.vision.table
             table.add(prompt.images)
             gen.request.sink = table.releasing(gen.request.sink, prompt.images)
-        books.submitting(gen)
         try:
             gen.submit()
         except APIError as e:
@@ -74,6 +72,8 @@ class Run:
                 model.vision.table.release(prompt.images)
             books.refused(e)
             raise
+        books.gen = gen
+        call.record.settle = books.settle  # at the latest when the request's line is written
         return cls(model, prompt, gen, asm, books, plan, keepalive=call.front.config.sse_keepalive)
 
     async def events(self) -> AsyncIterator[Piece | Comment | Finished]:

@@ -1,10 +1,7 @@
-"""A conversation's way to the engine: hold the model it names, render its prompt, submit
-it, then its events (:func:`converse`, the start every conversation protocol shares).
-
-A request for a model that is not loaded yet waits for its load; a streamed one begins
-at once (:class:`~gateway.conversation.form.Loading`), with a ``: loading model ...``
-comment every :data:`LOADING_TICK` seconds until the model is ready, so a client (or a
-proxy) does not time out meanwhile.
+"""A conversation's way to the engine (:func:`converse`, shared by every generating
+protocol): hold the model it names, render its prompt, submit it, then its events. A
+streamed request whose model must load first begins at once, with a ``: loading model``
+comment every :data:`LOADING_TICK` seconds, so that a client (or a proxy) does not time out.
 """
 
 from __future__ import annotations
@@ -32,11 +29,9 @@ Answer = AsyncIterator[Loading | Run | Comment | Piece | Finished]
 
 
 async def converse(call: Call, conv: Conversation) -> Answer:
-    """Hold the model, render ``conv`` (worker thread), submit it and stream its events:
-    the way in of every generating protocol.
-
-    Yields the :class:`Run` once submitted, then its events; a streamed request whose
-    model must load first yields :class:`Loading` and loading comments before.
+    """Hold the model, render ``conv`` (worker thread), submit it: yields the :class:`Run`
+    once submitted, then its events (first :class:`Loading` and loading comments for a
+    stream whose model must load).
 
     Raises:
         APIError: 404 for the model, 503 when it cannot be loaded, 400 for an embedding
@@ -46,12 +41,12 @@ async def converse(call: Call, conv: Conversation) -> Answer:
     call.record.stream = conv.stream
     loaded = hold(call, conv.model)
     if conv.stream and not loaded.done():  # the stream begins now, with a comment every LOADING_TICK
-        yield Loading(call.model_name)
+        yield Loading(call.slot.name)
         waited, started = asyncio.wrap_future(loaded), time.monotonic()
         while not waited.done():
             await asyncio.wait([waited], timeout=LOADING_TICK)
             if not waited.done():
-                yield Comment(f"loading model {call.model_name} ({time.monotonic() - started:.0f} s)")
+                yield Comment(f"loading model {call.slot.name} ({time.monotonic() - started:.0f} s)")
     model = await ready(loaded)
     if model.kind == "embedding":
         raise APIError(400, f"the model '{model.name}' is an embedding model: use POST /v1/embeddings",
@@ -87,8 +82,7 @@ def hold(call: Call, name: Optional[str]) -> Future:
     """
     front, tenant = call.front, call.tenant
     if name is None:
-        visible = front.visible(tenant)
-        slot = visible[0][0] if visible else None
+        slot = next((s for s in front.models.slots if any(map(tenant.may_use, s.spec.names))), None)
     else:
         slot = front.models.find(name)
         slot = slot if slot is not None and tenant.may_use(name) else None

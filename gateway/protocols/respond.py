@@ -70,12 +70,8 @@ async def _stream(first, answer: Answer, form: Format) -> AsyncIterator[bytes]:
 
 
 async def collect(request: Request, run: Run, answer: Answer) -> Optional[ChatResult]:
-    """The whole answer; None when the client left before it ended (the generation
-    is cancelled as soon as it leaves).
-
-    Raises:
-        APIError: the generation failed.
-    """
+    """The whole answer; None when the client left before it ended (the generation is
+    cancelled as soon as it leaves). Raises what the answer raises (APIError)."""
     pieces, done, error = [], [], []
     async with anyio.create_task_group() as tg:
 
