@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Info, ProcessCollector
 
 from cache import CacheBudget
 from gateway.config import ServeConfig
-from gateway.conversation.calls import Front
+from gateway.front import Front
 from gateway.conversation.prepare import warm_up
 from gateway.backend import backend
 from gateway.models.budget import gib

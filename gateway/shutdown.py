@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 import uvicorn
 
-from gateway.conversation.calls import Front, running_calls
+from gateway.front import Front, running_calls
 from gateway.models.registry import ModelRegistry
 
 log = logging.getLogger("mlx_gateway")

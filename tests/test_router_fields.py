@@ -23,7 +23,7 @@ import pytest
 
 from cluster_stack import Replica, Router, router_available, wait_for
 from conftest import model_path
-from gateway.conversation.calls import request_priority
+from gateway.front import request_priority
 from gateway.http.errors import APIError
 from gateway.tenancy.tenants import Tenant, hash_key
 from recording_proxy import RecordingProxy

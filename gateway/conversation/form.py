@@ -3,14 +3,14 @@ come back out.
 
 OpenAI chat completions, OpenAI Responses and Anthropic Messages are thin adapters
 (:mod:`gateway.protocols`): each turns its JSON into a :class:`Conversation` and turns
-the :data:`ChatEvent` stream of :class:`gateway.conversation.run.Run` into its own
-answer. Nothing below the adapters knows which protocol a request came in on.
+the events of :class:`gateway.conversation.run.Run` into its own answer
+(:mod:`gateway.protocols.respond`). Nothing below the adapters knows which protocol a request came in on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from scheduler.request import TokenEvent
 
@@ -129,7 +129,8 @@ class Sampling:
 
 @dataclass
 class Conversation:
-    """A chat request, whatever protocol it came in on.
+    """A chat request, whatever protocol it came in on; or, with ``raw``, a completions
+    prompt (text or token ids) sent as it is: no template, no tools, no reasoning split.
 
     ``tool_choice`` is ``none``, ``auto``, ``required`` or ``function`` (then
     ``forced_tool`` names it). ``output_schema`` is a JSON Schema the answer must match
@@ -155,6 +156,7 @@ class Conversation:
     thinking_budget: Optional[int] = None  # tokens of reasoning before the thinking block is closed
     edits: list[Any] = field(default_factory=list)  # context edits to apply (gateway.conversation.context_edits)
     allowed_tools: Optional[list[str]] = None  # the offered names the model may call (None: every tool)
+    raw: Optional[str | list[int]] = None
 
 
 # ---------------------------------------------------------------------- events
@@ -189,6 +191,13 @@ class Comment:
 
 
 @dataclass
+class Loading:
+    """First of a stream whose ``model`` must load: it begins now, loading comments follow."""
+
+    model: str
+
+
+@dataclass
 class Usage:
     """Tokens: ``prompt`` includes ``cached`` (read from the prefix cache);
     ``cache_written`` prompt tokens past those were stored in it by this request;
@@ -211,15 +220,14 @@ class Finished:
     stop_sequence: Optional[str] = None
 
 
-ChatEvent = Union[Piece, Comment, Finished]
-
-
 @dataclass
 class ChatResult:
-    """A whole answer, collected from the events (non-streamed requests)."""
+    """A whole answer, collected from the events (non-streamed requests): its ``pieces``
+    in order, joined."""
 
     text: str
     reasoning: str
     tool_calls: list[ToolCall]
     finished: Finished
     tokens: list[TokenEvent]
+    pieces: list[Piece]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 import uuid
 from typing import AsyncIterator
@@ -15,8 +14,6 @@ from scheduler.request import DoneEvent, ErrorEvent, Event
 
 class KeepAlive:
     """Yielded by :meth:`Generation.events` when no event came for ``keepalive`` seconds."""
-
-_counter = itertools.count()
 
 
 def new_id(prefix: str) -> str:
@@ -31,10 +28,12 @@ class Generation:
     ``loop.call_soon_threadsafe`` into an ``asyncio.Queue``: no polling.
     Iterating yields :mod:`scheduler.request` events until a ``DoneEvent`` or
     ``ErrorEvent``. :meth:`cancel` is idempotent and is called when the client leaves.
+    ``id`` is the request's (:class:`gateway.conversation.books.Books` makes it).
     """
 
     def __init__(
         self,
+        id: str,
         engine: Engine,
         tokens: list[int],
         params: SamplingParams,
@@ -49,7 +48,7 @@ class Generation:
         processors: list | None = None,
     ):
         self.engine = engine
-        self.id = f"req-{next(_counter)}-{uuid.uuid4().hex[:8]}"
+        self.id = id
         self.arrival = time.monotonic()
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[list[Event]] = asyncio.Queue()

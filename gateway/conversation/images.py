@@ -13,7 +13,10 @@ Limits (:class:`ImageLimits`, the ``serve`` flags ``--max-image-bytes``,
 400 ``too_many_images``; an image over the byte bound a 413 ``image_too_large``; over the
 pixel bound (width x height, read from its header before it is decoded) a 400
 ``image_too_large``; one that cannot be decoded a 400 ``invalid_image``. All are checked
-before anything reaches the engine.
+before anything reaches the engine. :func:`admit_images` checks and fetches a request's
+images for its model (a text-only model answers 400 "does not accept images"), counting
+refusals in ``mlx_gateway_images_refused``; their tokens are charged with the prompt's
+(:class:`gateway.conversation.books.Books`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from gateway.conversation.form import Conversation, ImageRef
+from gateway.front import Call
 from gateway.http.errors import APIError
+from gateway.models.handle import ModelHandle
 
 _DATA_URL = re.compile(r"^data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^,;]*)*?)(?P<b64>;base64)?,", re.I)
 
@@ -186,3 +191,30 @@ def decode_images(refs: list[ImageRef], fetched: dict[int, bytes], limits: Image
 def describe(refs: list[ImageRef]) -> Optional[str]:
     """Where the first image is, for the 400 of a model that takes none."""
     return refs[0].param if refs else None
+
+
+async def admit_images(call: Call, model: ModelHandle, conv: Conversation) -> Optional[tuple]:
+    """Check and fetch the images of ``conv`` for ``model`` (the ``serve`` flags' limits):
+    :func:`~gateway.conversation.prepare.prepare_chat`'s ``images`` (None when it has none).
+
+    Raises:
+        APIError: 400 when the model reads no images; what :func:`check_count` and
+            :func:`fetch_images` raise.
+    """
+    refs = images_of(conv)
+    if not refs:
+        return None
+    refused = call.front.metrics.images_refused
+    if model.kind != "vision":
+        refused.labels(call.tenant.name, "not_vision").inc()
+        raise APIError(400, f"the model '{model.name}' does not accept images: send text only", param=refs[0].param)
+    c = call.front.config
+    limits = ImageLimits(c.max_image_bytes, c.max_image_pixels, c.max_images, c.allow_image_urls,
+                         c.image_fetch_timeout)
+    try:
+        check_count(refs, limits)
+        fetched = await fetch_images(refs, limits)
+    except RefusedImage as e:
+        refused.labels(call.tenant.name, e.reason).inc()
+        raise
+    return refs, fetched, limits

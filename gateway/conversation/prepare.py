@@ -10,7 +10,7 @@ from typing import Optional
 
 from gateway.conversation.context_edits import apply_edits, needs_length
 from gateway.conversation.form import Conversation, Sampling, Turn
-from gateway.conversation.prompts import Prompt, render_chat
+from gateway.conversation.prompts import Prompt, render_chat, render_completion
 from gateway.conversation.structured import CONSTRAINED_THINKING_BUDGET, Thinking, constrains_answer, output_mask
 from gateway.conversation.textout import TextAssembler
 from gateway.conversation.tools import ToolPlan, plan_tools
@@ -99,12 +99,16 @@ def prepare_chat(model: ModelHandle, conv: Conversation, marks: Optional[dict] =
     here (:func:`gateway.conversation.images.decode_images`) and preprocessed with the
     prompt (:func:`gateway.conversation.vision_prompt.render_vision_chat`).
 
+    A ``raw`` prompt is tokenized as it is (:func:`gateway.conversation.prompts.render_completion`).
+
     Returns:
         ``(prompt, tool plan, token mask, further logits processors)``.
 
     Raises:
         APIError: 400 for bad tools, schemas or a conversation the template rejects.
     """
+    if conv.raw is not None:
+        return render_completion(model.tokenizer, conv.raw, model.spec.checkpoint_every), None, None, []
     if marks is not None:
         marks["render_in"] = time.monotonic()
     plan = plan_tools(conv, model.tokenizer)

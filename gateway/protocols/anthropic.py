@@ -11,20 +11,22 @@ prefill progress and keep-alives go out as SSE comments. The ``anthropic-version
 from __future__ import annotations
 
 import json
-from typing import AsyncIterator, Optional
+from typing import Optional
 
 import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.conversation.form import IMAGE_MARK, Comment, Conversation, ImageRef, Piece, Sampling, ToolCall, Turn, Usage
-from gateway.conversation.calls import Front, admit
+from gateway.conversation.form import (IMAGE_MARK, ChatResult, Conversation, Finished, ImageRef, Piece, Sampling,
+                                       ToolCall, Turn, Usage)
 from gateway.conversation.prepare import render_conversation
-from gateway.conversation.start import start_conversation
+from gateway.conversation.run import Run
 from gateway.conversation.schemas import check_schema
+from gateway.conversation.start import converse, hold, ready
 from gateway.conversation.tools import omitted_tools_header, plan_tools
+from gateway.front import Call, admit
 from gateway.http.errors import APIError
-from gateway.http.sse import SSEResponse, comment, guarded, named_event
+from gateway.http.sse import named_event
 from gateway.protocols.anthropic_events import (STOP_REASONS, BlockStream, content_blocks, last_breakpoint, message,
                                                 message_id, usage)
 from gateway.protocols.anthropic_schemas import (CountTokensRequest, DroppedBlock, MediaBlock, MessageParam,
@@ -32,6 +34,7 @@ from gateway.protocols.anthropic_schemas import (CountTokensRequest, DroppedBloc
                                                  ServerToolResultBlock, ServerToolUseBlock, TextBlock, ThinkingBlock,
                                                  Tool, ToolReferenceBlock, ToolResultBlock, ToolUseBlock, parse)
 from gateway.protocols.anthropic_tools import EFFORT_BUDGETS, context_edits, loaded_tool_text, split_tools
+from gateway.protocols.respond import Format, respond
 from gateway.models.handle import ModelHandle
 
 TOOL_CHOICES = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
@@ -232,6 +235,46 @@ def to_conversation(req: CountTokensRequest) -> tuple[Conversation, list[str]]:
 
 
 # ---------------------------------------------------------------------- routes
+class MessageFormat(Format):
+    """A message, or its stream of events (:class:`gateway.protocols.respond.Format`);
+    ``message_start`` comes with the first piece, once the prompt's cache read is known."""
+
+    def __init__(self, req: MessagesRequest, call: Call, omitted: list[str]):
+        self.req, self.stream, self.call, self.headers = req, req.stream, call, omitted_tools_header(omitted)
+        self.mid, self.blocks, self.started = message_id(), BlockStream(), False
+
+    def _edits(self, run: Run) -> Optional[list[dict]]:
+        return run.prompt.applied_edits if self.req.context_management is not None else None
+
+    def _start(self, run: Run) -> bytes:
+        if self.started:
+            return b""
+        self.started = True
+        u = Usage(len(run.prompt.tokens), 0, run.cached)
+        return named_event("message_start", {"type": "message_start", "message": message(
+            self.mid, self.call.slot.name, [], None, usage(u, last_breakpoint(run)))}) + named_event(
+            "ping", {"type": "ping"})
+
+    def piece(self, run: Run, piece: Piece) -> bytes:
+        return self._start(run) + self.blocks.feed(piece)
+
+    async def finish(self, run: Run, ev: Finished) -> bytes:
+        delta = {"type": "message_delta",
+                 "delta": {"stop_reason": STOP_REASONS.get(ev.reason, "end_turn"), "stop_sequence": ev.stop_sequence},
+                 "usage": usage(ev.usage, last_breakpoint(run))}
+        if self._edits(run) is not None:
+            delta["context_management"] = {"applied_edits": self._edits(run)}
+        return self._start(run) + self.blocks.close() + named_event("message_delta", delta) + named_event(
+            "message_stop", {"type": "message_stop"})
+
+    def error(self, e: APIError) -> bytes:
+        return named_event("error", e.anthropic_body())
+
+    async def whole(self, run: Run, result: ChatResult) -> dict:
+        return message(self.mid, self.call.slot.name, content_blocks(result), result.finished,
+                       usage(result.finished.usage, last_breakpoint(run)), self._edits(run))
+
+
 async def messages(request: Request) -> Response:
     """``POST /v1/messages``: a message, or its stream of events.
 
@@ -239,52 +282,10 @@ async def messages(request: Request) -> Response:
         APIError: 400 for a bad body (Anthropic's error shape, by the middleware), 401,
             403/404 for the model, 413/429/503 when it cannot be queued.
     """
-    front: Front = request.app.state.front
-    call = await admit(front, request, "messages", "messages")
+    call = await admit(request.app.state.front, request, "messages", "messages")
     req = parse(MessagesRequest, call.body)
     conv, omitted = to_conversation(req)
-    run = await start_conversation(call, conv)
-    mid, model = message_id(), call.model_name
-
-    def edits() -> Optional[list[dict]]:
-        return run.prompt.applied_edits if req.context_management is not None else None
-
-    if req.stream:
-
-        async def events() -> AsyncIterator[bytes]:
-            blocks, started = BlockStream(), False
-            async for ev in run.events():
-                if isinstance(ev, Comment):
-                    yield comment(ev.text)
-                    continue
-                if not started:  # after the prompt event: the cache read is known
-                    started = True
-                    u = Usage(len(run.prompt.tokens), 0, run.cached)
-                    yield named_event("message_start", {"type": "message_start", "message": message(
-                        mid, model, [], None, usage(u, last_breakpoint(run)))}) + named_event("ping", {"type": "ping"})
-                if isinstance(ev, Piece):
-                    out = blocks.feed(ev)
-                    if out:
-                        yield out
-                else:
-                    delta = {"type": "message_delta",
-                             "delta": {"stop_reason": STOP_REASONS.get(ev.reason, "end_turn"),
-                                       "stop_sequence": ev.stop_sequence},
-                             "usage": usage(ev.usage, last_breakpoint(run))}
-                    if edits() is not None:
-                        delta["context_management"] = {"applied_edits": edits()}
-                    yield blocks.close() + named_event("message_delta", delta) + named_event(
-                        "message_stop", {"type": "message_stop"})
-
-        return SSEResponse(guarded(events(), lambda e: named_event("error", e.anthropic_body())),
-                           headers=omitted_tools_header(omitted), send_timeout=front.config.client_timeout)
-
-    result = await run.collect(request)
-    if result is None:
-        return Response(status_code=499)
-    return JSONResponse(message(mid, model, content_blocks(result), result.finished,
-                                usage(result.finished.usage, last_breakpoint(run)), edits()),
-                        headers=omitted_tools_header(omitted))
+    return await respond(request, converse(call, conv), MessageFormat(req, call, omitted))
 
 
 def _count(model: ModelHandle, conv: Conversation) -> int:
@@ -303,9 +304,8 @@ async def count_tokens(request: Request) -> Response:
     Raises:
         APIError: 400 for a bad body or conversation, 401, 403/404 for the model, 429.
     """
-    front: Front = request.app.state.front
-    call = await admit(front, request, "count_tokens", "messages")
+    call = await admit(request.app.state.front, request, "count_tokens", "messages")
     conv, _ = to_conversation(parse(CountTokensRequest, call.body))
-    model = await call.model(conv.model)
+    model = await ready(hold(call, conv.model))
     n = await anyio.to_thread.run_sync(_count, model, conv)
     return JSONResponse({"input_tokens": n})

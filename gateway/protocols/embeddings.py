@@ -13,7 +13,7 @@ before the engine sees them, and embedded by the model's engine
 (:class:`scheduler.embedding.EmbeddingEngine`), batched with other requests' inputs.
 A model that is not an embedding model answers 400 ``model_not_embedding``; asking a
 chat endpoint of an embedding model answers 400 too
-(:func:`gateway.conversation.start.require_generating`).
+(:func:`gateway.conversation.start.converse`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.conversation.calls import Front, admit
+from gateway.conversation.start import hold, ready
+from gateway.front import Front, admit
 from gateway.http.errors import APIError
 from gateway.models.embedding import truncate
 from gateway.models.handle import ModelHandle
@@ -96,7 +97,7 @@ async def embeddings(request: Request) -> Response:
     front: Front = request.app.state.front
     call = await admit(front, request, "embeddings", "embeddings")
     req = parse(EmbeddingsRequest, call.body)
-    model = await call.model(req.model)
+    model = await ready(hold(call, req.model))
     if model.kind != "embedding":
         raise APIError(400, f"the model '{model.name}' is not an embedding model", param="model",
                        code="model_not_embedding")

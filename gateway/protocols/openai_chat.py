@@ -3,22 +3,21 @@ internal :class:`Conversation` and its events."""
 
 from __future__ import annotations
 
-import time
-from typing import AsyncIterator
+from typing import Optional
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
-from gateway.conversation.form import Comment, Conversation, FunctionTool, Piece, Sampling, ToolCall, Turn
-from gateway.conversation.generation import new_id
-from gateway.conversation.calls import Front, admit
-from gateway.conversation.start import start_conversation
+from gateway.conversation.form import ChatResult, Conversation, Finished, FunctionTool, Piece, Sampling, ToolCall, Turn
+from gateway.conversation.run import Run
+from gateway.conversation.start import converse
+from gateway.front import admit
 from gateway.http.errors import APIError
-from gateway.http.sse import comment, sse
-from gateway.protocols.openai_format import (
-    LogprobFormatter, chat_chunk, chat_completion, finish_reason, stream_response, usage, usage_chunk,
-)
+from gateway.http.sse import sse
+from gateway.protocols.openai_format import (LogprobFormatter, OpenAIFormat, chat_chunk, chat_completion, finish_reason,
+                                             usage, usage_chunk)
 from gateway.protocols.openai_schemas import ChatRequest, parse
+from gateway.protocols.respond import respond
 
 
 def to_conversation(req: ChatRequest) -> Conversation:
@@ -76,42 +75,36 @@ def _delta(piece: Piece) -> dict:
     return d
 
 
+class ChatFormat(OpenAIFormat):
+    """Chat completions' answer: ``chat.completion`` or its chunks."""
+
+    def opening(self) -> bytes:
+        return sse(chat_chunk(self.rid, self.call.slot.name, self.created, {"role": "assistant", "content": ""}))
+
+    def _logprobs(self, run: Run, tokens: list) -> Optional[list]:
+        if self.req.logprobs and self.logprobs is None:
+            self.logprobs = LogprobFormatter(run.model.tokenizer)
+        return [self.logprobs.chat_entry(t) for t in tokens] if self.req.logprobs else None
+
+    def piece(self, run: Run, piece: Piece) -> bytes:
+        d, lps = _delta(piece), self._logprobs(run, piece.tokens)
+        return sse(chat_chunk(self.rid, self.call.slot.name, self.created, d, None, lps)) if d or lps else b""
+
+    async def finish(self, run: Run, ev: Finished) -> bytes:
+        model = self.call.slot.name
+        out = sse(chat_chunk(self.rid, model, self.created, {}, finish_reason(ev.reason)))
+        if self.req.stream_options and self.req.stream_options.include_usage:
+            out += sse(usage_chunk(self.rid, model, self.created, "chat.completion.chunk", usage(ev.usage)))
+        return out
+
+    async def whole(self, run: Run, result: ChatResult) -> dict:
+        return chat_completion(self.rid, self.call.slot.name, result.text, result.reasoning,
+                               finish_reason(result.finished.reason), self._logprobs(run, result.tokens),
+                               usage(result.finished.usage), _tool_call_dicts(result.tool_calls))
+
+
 async def chat_completions(request: Request) -> Response:
-    front: Front = request.app.state.front
-    call = await admit(front, request, "chat", "chat")
+    """``POST /v1/chat/completions``: admitted, parsed, answered (:func:`converse`, :func:`respond`)."""
+    call = await admit(request.app.state.front, request, "chat", "chat")
     req = parse(ChatRequest, call.body)
-    run = await start_conversation(call, to_conversation(req))
-    rid, model = new_id("chatcmpl"), call.model_name
-
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        created = int(time.time())
-
-        async def chunks() -> AsyncIterator[bytes]:
-            yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
-            fmt = None
-            async for ev in run.events():
-                if isinstance(ev, Comment):
-                    yield comment(ev.text)
-                elif isinstance(ev, Piece):
-                    d = _delta(ev)
-                    if req.logprobs and fmt is None:  # (a stream may start before its model has loaded)
-                        fmt = LogprobFormatter(run.model.tokenizer)
-                    lps = [fmt.chat_entry(t) for t in ev.tokens] if fmt else None
-                    if d or lps:
-                        yield sse(chat_chunk(rid, model, created, d, None, lps))
-                else:
-                    yield sse(chat_chunk(rid, model, created, {}, finish_reason(ev.reason)))
-                    if include_usage:
-                        yield sse(usage_chunk(rid, model, created, "chat.completion.chunk", usage(ev.usage)))
-
-        return stream_response(front, chunks())
-
-    result = await run.collect(request)
-    if result is None:
-        return Response(status_code=499)
-    lps = [LogprobFormatter(run.model.tokenizer).chat_entry(t) for t in result.tokens] if req.logprobs else None
-    return JSONResponse(chat_completion(
-        rid, model, result.text, result.reasoning, finish_reason(result.finished.reason), lps,
-        usage(result.finished.usage), _tool_call_dicts(result.tool_calls)))
-
+    return await respond(request, converse(call, to_conversation(req)), ChatFormat(req, call, "chatcmpl"))

@@ -3,77 +3,62 @@ no tools, no reasoning split."""
 
 from __future__ import annotations
 
-import time
-from typing import AsyncIterator
+from typing import Optional
 
-import anyio
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
-from gateway.conversation.form import Comment, Piece, Sampling
-from gateway.conversation.generation import new_id
-from gateway.conversation.prompts import render_completion
-from gateway.conversation.calls import Front, admit
-from gateway.conversation.prepare import sampling_params, text_assembler
+from gateway.conversation.form import ChatResult, Conversation, Finished, Piece, Sampling
 from gateway.conversation.run import Run
-from gateway.conversation.start import begin
-from gateway.http.sse import comment, sse
-from gateway.protocols.openai_format import (
-    LogprobFormatter, finish_reason, stream_response, text_completion, usage, usage_chunk,
-)
-from gateway.models.handle import ModelHandle
+from gateway.conversation.start import converse
+from gateway.front import admit
+from gateway.http.sse import sse
+from gateway.protocols.openai_format import (LogprobFormatter, OpenAIFormat, finish_reason, text_completion, usage,
+                                             usage_chunk)
 from gateway.protocols.openai_schemas import CompletionRequest, parse
+from gateway.protocols.respond import respond
 
 
-async def completions(request: Request) -> Response:
-    front: Front = request.app.state.front
-    call = await admit(front, request, "completions", "completions")
-    req = parse(CompletionRequest, call.body)
-    call.record.stream = req.stream
-    want_lp = req.logprobs is not None
+def to_conversation(req: CompletionRequest) -> Conversation:
+    """A completions request as the internal form: its prompt ``raw``."""
     sampling = Sampling(
         max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
         seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias, logprobs=want_lp,
+        repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias, logprobs=req.logprobs is not None,
         top_logprobs=req.logprobs or 0, ignore_eos=req.ignore_eos)
+    return Conversation([], sampling, stop=list(req.stop or []), model=req.model, stream=req.stream, raw=req.prompt)
 
-    async def start(model: ModelHandle) -> Run:
-        params = sampling_params(model, call.tenant, sampling)
-        with model.engine.arrivals.prepare(call.rank):  # the engine may wait for it
-            prompt = await anyio.to_thread.run_sync(render_completion, model.tokenizer, req.prompt,
-                                                    model.spec.checkpoint_every)
-            return Run.submit(call, model, prompt, params,
-                              text_assembler(model, list(req.stop or []), False, reasoning=False))
 
-    run = await begin(call, req.model, req.stream, start)
-    rid, model = new_id("cmpl"), call.model_name
+class CompletionFormat(OpenAIFormat):
+    """Text completions' answer: ``text_completion`` or its chunks."""
 
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        created = int(time.time())
+    offset = 0  # characters of the answer streamed so far
 
-        async def chunks() -> AsyncIterator[bytes]:
-            offset, fmt = 0, None
-            async for ev in run.events():
-                if isinstance(ev, Comment):
-                    yield comment(ev.text)
-                elif isinstance(ev, Piece):
-                    if want_lp and fmt is None:  # (a stream may start before its model has loaded)
-                        fmt = LogprobFormatter(run.model.tokenizer)
-                    lp = fmt.completion_entries(ev.tokens, offset) if fmt and ev.tokens else None
-                    if ev.text or lp:
-                        yield sse(text_completion(rid, model, ev.text, None, lp, None, created))
-                    offset += len(ev.text)
-                else:
-                    yield sse(text_completion(rid, model, "", finish_reason(ev.reason), None, None, created))
-                    if include_usage:
-                        yield sse(usage_chunk(rid, model, created, "text_completion", usage(ev.usage)))
+    def _logprobs(self, run: Run, tokens: list, offset: int) -> Optional[dict]:
+        if self.req.logprobs is not None and self.logprobs is None:
+            self.logprobs = LogprobFormatter(run.model.tokenizer)
+        return self.logprobs.completion_entries(tokens, offset) if self.logprobs else None
 
-        return stream_response(front, chunks())
+    def piece(self, run: Run, piece: Piece) -> bytes:
+        lp = self._logprobs(run, piece.tokens, self.offset) if piece.tokens else None
+        self.offset += len(piece.text)
+        return sse(text_completion(self.rid, self.call.slot.name, piece.text, None, lp, None, self.created)
+                   ) if piece.text or lp else b""
 
-    result = await run.collect(request)
-    if result is None:
-        return Response(status_code=499)
-    lp = LogprobFormatter(run.model.tokenizer).completion_entries(result.tokens, 0) if want_lp else None
-    return JSONResponse(text_completion(rid, model, result.text, finish_reason(result.finished.reason),
-                                        lp, usage(result.finished.usage)))
+    async def finish(self, run: Run, ev: Finished) -> bytes:
+        model = self.call.slot.name
+        out = sse(text_completion(self.rid, model, "", finish_reason(ev.reason), None, None, self.created))
+        if self.req.stream_options and self.req.stream_options.include_usage:
+            out += sse(usage_chunk(self.rid, model, self.created, "text_completion", usage(ev.usage)))
+        return out
+
+    async def whole(self, run: Run, result: ChatResult) -> dict:
+        return text_completion(self.rid, self.call.slot.name, result.text, finish_reason(result.finished.reason),
+                               self._logprobs(run, result.tokens, 0), usage(result.finished.usage))
+
+
+async def completions(request: Request) -> Response:
+    """``POST /v1/completions``: admitted, parsed, answered (:func:`converse`, :func:`respond`)."""
+    call = await admit(request.app.state.front, request, "completions", "completions")
+    req = parse(CompletionRequest, call.body)
+    return await respond(request, converse(call, to_conversation(req)), CompletionFormat(req, call, "cmpl"))

@@ -6,7 +6,11 @@ import time
 from typing import Optional
 
 from gateway.conversation.form import Usage
-from gateway.http.sse import SSEResponse, guarded, sse
+from gateway.conversation.generation import new_id
+from gateway.front import Call
+from gateway.http.errors import APIError
+from gateway.http.sse import sse
+from gateway.protocols.respond import Format
 from scheduler.request import TokenEvent
 
 
@@ -16,11 +20,18 @@ def finish_reason(reason: str) -> str:
     return "stop" if reason == "stop_sequence" else reason
 
 
-def stream_response(front, chunks) -> SSEResponse:
-    """An OpenAI SSE stream of ``chunks``: an error after the start becomes an error
-    event, and the stream ends with ``data: [DONE]``. ``front`` gives the client timeout."""
-    return SSEResponse(guarded(chunks, lambda e: sse(e.body()), sse("[DONE]")),
-                       send_timeout=front.config.client_timeout)
+class OpenAIFormat(Format):
+    """An OpenAI answer (:class:`gateway.protocols.respond.Format`): id ``prefix-...``, a
+    stream's error as a data event, ``data: [DONE]`` at its end."""
+
+    tail = sse("[DONE]")
+
+    def __init__(self, req, call: Call, prefix: str):
+        self.req, self.stream, self.call = req, bool(req.stream), call
+        self.rid, self.created, self.logprobs = new_id(prefix), int(time.time()), None
+
+    def error(self, e: APIError) -> bytes:
+        return sse(e.body())
 
 
 def usage(u: Usage) -> dict:

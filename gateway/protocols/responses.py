@@ -31,18 +31,18 @@ from __future__ import annotations
 
 import json
 import time
-from typing import AsyncIterator, Callable, Optional
+from typing import Callable, Optional
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.conversation.form import Comment, Conversation, Finished, Piece, Sampling, ToolCall, Turn, Usage
-from gateway.conversation.calls import Front, admit
+from gateway.conversation.form import ChatResult, Conversation, Finished, Piece, Sampling, ToolCall, Turn, Usage
 from gateway.conversation.run import Run
-from gateway.conversation.start import start_conversation
+from gateway.conversation.start import converse
 from gateway.conversation.tools import offered_name, omitted_tools_header
+from gateway.front import Call, Front, admit
 from gateway.http.errors import APIError
-from gateway.http.sse import SSEResponse, comment, guarded, named_event
+from gateway.http.sse import named_event
 from gateway.protocols.reasoning_seal import LazySeal
 from gateway.protocols.responses_events import OutputBuilder, object_id
 from gateway.protocols.responses_items import check_unique_ids, input_items, page_query, with_ids
@@ -51,6 +51,7 @@ from gateway.protocols.responses_schemas import (CustomToolCallItem, FunctionCal
                                                  ReasoningItem, ResponsesRequest, parse_items, parse_request)
 from gateway.protocols.responses_store import ResponseStore, StoredResponse
 from gateway.protocols.responses_tools import offered_tools, tool_choice
+from gateway.protocols.respond import Format, respond
 from gateway.tenancy.auth import authenticate
 
 PARAMS = {"max_tokens": "max_output_tokens", "messages": "input"}
@@ -164,7 +165,7 @@ def base_response(call, req: ResponsesRequest, rid: str) -> dict:
         "id": rid, "object": "response", "created_at": int(time.time()), "status": "in_progress",
         "background": False, "completed_at": None, "error": None, "incomplete_details": None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "max_tool_calls": None,
-        "model": call.model_name, "output": [], "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "model": call.slot.name, "output": [], "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id,
         "reasoning": req.reasoning.model_dump(exclude_none=True) if req.reasoning is not None else None,
         "store": req.store, "temperature": req.temperature if req.temperature is not None else spec.temp,
@@ -193,27 +194,51 @@ def failed_response(base: dict, out: OutputBuilder, error: APIError) -> dict:
             "error": {"code": code, "message": error.message}}
 
 
-async def drain(run: Run, request: Request, out: OutputBuilder) -> Optional[Finished]:
-    """Feed the whole answer to ``out``; None when the client left first (the
-    generation is then cancelled).
-
-    Raises:
-        APIError: the generation failed.
-    """
-
-    def feed(ev) -> None:
-        if isinstance(ev, Piece):
-            out.feed(ev)
-        elif isinstance(ev, Finished):
-            out.finish(ev)
-
-    result = await run.collect(request, feed)
-    return result.finished if result is not None else None
-
-
 # ---------------------------------------------------------------------- routes
 def _encode(ev: dict) -> bytes:
     return named_event(ev["type"], ev)
+
+
+class ResponseFormat(Format):
+    """A response object, or its stream of events (:class:`gateway.protocols.respond.Format`),
+    stored before its final event or body is sent (``store``)."""
+
+    def __init__(self, req: ResponsesRequest, call: Call, out: OutputBuilder, store: ResponseStore,
+                 conversation: list[dict], headers: Optional[dict]):
+        self.req, self.stream, self.call, self.out, self.headers = req, bool(req.stream), call, out, headers
+        self.store, self.conversation = store, conversation
+        self.rid, self.base = object_id("resp"), None
+
+    def opening(self) -> bytes:
+        self.base = base_response(self.call, self.req, self.rid)
+        return b"".join(_encode(self.out.event(kind, response=self.base))
+                        for kind in ("response.created", "response.in_progress"))
+
+    def piece(self, run: Run, piece: Piece) -> bytes:
+        return b"".join(map(_encode, self.out.feed(piece)))
+
+    async def finish(self, run: Run, ev: Finished) -> bytes:
+        evs = self.out.finish(ev)
+        response = await self._keep(final_response(self.base, self.out, ev))
+        kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
+        return b"".join(map(_encode, evs + [self.out.event(kind, response=response)]))
+
+    def error(self, e: APIError) -> bytes:
+        return _encode(self.out.event("response.failed", response=failed_response(self.base, self.out, e)))
+
+    async def whole(self, run: Run, result: ChatResult) -> dict:
+        self.base = base_response(self.call, self.req, self.rid)
+        for piece in result.pieces:
+            self.out.feed(piece)
+        self.out.finish(result.finished)
+        return await self._keep(final_response(self.base, self.out, result.finished))
+
+    async def _keep(self, response: dict) -> dict:
+        """``response``, stored first (with ``store: false`` when it could not be)."""
+        if self.req.store and not await self.store.put(self.call.tenant.name, response,
+                                                       self.conversation + response["output"]):
+            response = {**response, "store": False}
+        return response
 
 
 async def create_response(request: Request) -> Response:
@@ -225,9 +250,8 @@ async def create_response(request: Request) -> Response:
             or model, 403, 413/429/503 when it cannot be queued, 503 when the response
             store failed to look up ``previous_response_id``.
     """
-    front: Front = request.app.state.front
     store: ResponseStore = request.app.state.responses
-    call = await admit(front, request, "responses", "responses")
+    call = await admit(request.app.state.front, request, "responses", "responses")
     req, items = parse_request(call.body)
     tenant = call.tenant.name
     history: list[dict] = []
@@ -241,49 +265,15 @@ async def create_response(request: Request) -> Response:
     seal: LazySeal = request.app.state.reasoning_seal
     conv, omitted = to_conversation(req, parse_items(history, "previous_response_id") + items,
                                     lambda it: seal.open(it.encrypted_content, tenant))
-    try:
-        run = await start_conversation(call, conv)
-    except APIError as e:
-        e.param = PARAMS.get(e.param, e.param)  # the shared code names chat's parameters
-        raise
     sealed = "reasoning.encrypted_content" in (req.include or [])
     out = OutputBuilder({offered_name(t): t for t in conv.tools},
                         (lambda text: seal.seal(text, tenant)) if sealed else None)
-    base = base_response(call, req, object_id("resp"))
-    headers = omitted_tools_header(omitted)
-
-    async def keep(response: dict) -> dict:
-        """``response``, stored first (with ``store: false`` when it could not be)."""
-        if req.store and not await store.put(tenant, response, history + new_items + response["output"]):
-            response = {**response, "store": False}
-        return response
-
-    if req.stream:
-
-        async def events() -> AsyncIterator[bytes]:
-            yield b"".join(_encode(out.event(kind, response=base))
-                           for kind in ("response.created", "response.in_progress"))
-            async for ev in run.events():
-                if isinstance(ev, Comment):
-                    yield comment(ev.text)
-                elif isinstance(ev, Piece):
-                    evs = out.feed(ev)
-                    if evs:
-                        yield b"".join(map(_encode, evs))
-                else:
-                    evs = out.finish(ev)
-                    response = await keep(final_response(base, out, ev))
-                    kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
-                    yield b"".join(map(_encode, evs + [out.event(kind, response=response)]))
-
-        return SSEResponse(guarded(events(), lambda e: _encode(out.event(
-            "response.failed", response=failed_response(base, out, e)))), headers=headers,
-            send_timeout=front.config.client_timeout)
-
-    finished = await drain(run, request, out)
-    if finished is None:
-        return Response(status_code=499)
-    return JSONResponse(await keep(final_response(base, out, finished)), headers=headers)
+    form = ResponseFormat(req, call, out, store, history + new_items, omitted_tools_header(omitted))
+    try:
+        return await respond(request, converse(call, conv), form)
+    except APIError as e:
+        e.param = PARAMS.get(e.param, e.param)  # the shared code names chat's parameters
+        raise
 
 
 async def _stored(request: Request) -> StoredResponse:

@@ -19,7 +19,8 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.conversation.calls import Front, unavailable
+from gateway.conversation.start import unavailable
+from gateway.front import Front
 from gateway.http.body import read_json
 from gateway.http.errors import APIError
 from gateway.models.registry import ModelUnavailable, Slot

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.conversation.calls import Front
+from gateway.front import Front
 from gateway.http.cors import DynamicCORS
 from gateway.http.errors import APIError
 from gateway.http.origins import configured_origins

@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.conversation.calls import Front
+from gateway.front import Front
 from gateway.http.errors import APIError
 from gateway.models.registry import Slot
 from gateway.routes.model_metadata import capabilities, codex_entry, context_window

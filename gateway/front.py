@@ -1,19 +1,15 @@
-"""Admitting a call, the same way for every protocol: authenticate, check the tenant's
-limits, read the body, then find and hold the model it names.
+"""What a request meets before its model, the same for every protocol.
 
-:class:`Front` is what a request meets before its model (settings, tenants, limits,
-books, the model registry); :class:`Call` is one admitted request. The model itself
-reaches request code as a :class:`~gateway.models.handle.ModelHandle`, once the call
-holds it (:meth:`Call.hold_model`, :meth:`Call.ready`): a model the tenant may not use
-answers exactly like one that does not exist (404), so its existence is not revealed.
+:class:`Front` is the app-wide state (settings, tenants, limits, books, the model
+registry); :func:`admit` authenticates a request, checks its tenant's limits and reads
+its body, and makes it a :class:`Call`. The model it names is held next
+(:func:`gateway.conversation.start.hold`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 import weakref
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -22,8 +18,7 @@ from starlette.requests import Request
 from gateway.config import ServeConfig
 from gateway.http.body import read_json
 from gateway.http.errors import APIError
-from gateway.models.handle import ModelHandle
-from gateway.models.registry import ModelRegistry, ModelUnavailable, Slot
+from gateway.models.registry import ModelRegistry, Slot
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.request_log import RequestRecord
 from gateway.tenancy.auth import authenticate
@@ -58,31 +53,12 @@ class Front:
         configuration order."""
         return [(s, n) for s in self.models.slots for n in s.spec.names if tenant.may_use(n)]
 
-    def find_model(self, tenant: Tenant, name: Optional[str]) -> Slot:
-        """The model ``name`` names (a served name or an alias; the first model the tenant
-        may use when None).
-
-        Raises:
-            APIError: 404 ``model_not_found`` for a model this server does not serve, and
-                for a name ``tenant`` may not use (the same answer: its existence is not revealed).
-        """
-        if name is None:
-            visible = self.visible(tenant)
-            if visible:
-                return visible[0][0]
-        else:
-            slot = self.models.find(name)
-            if slot is not None and tenant.may_use(name):
-                return slot
-        raise APIError(404, f"the model '{name}' does not exist" if name is not None else
-                       "no model is available to this key", param="model", code="model_not_found")
-
 
 @dataclass(eq=False)
 class Call:
     """One admitted HTTP call: who made it, on which ``api`` (``chat``, ``completions``,
     ``messages``, ``responses``), its body, the record the middleware logs, and the model
-    it holds (once :meth:`hold_model` found it)."""
+    it holds (once held)."""
 
     front: Front
     request: Request
@@ -92,46 +68,8 @@ class Call:
     api: str
     body: object = None
     priority: str = "standard"  # the latency class (tenancy.tenants.PRIORITIES)
-    slot: Optional[Slot] = None
-
-    @property
-    def rank(self) -> int:
-        """The latency class as the engine numbers it: 0 interactive, 1 standard, 2 batch."""
-        return PRIORITIES.index(self.priority)
-
-    def hold_model(self, name: Optional[str]) -> Future:
-        """Find the model ``name`` and hold it until the call is answered; a Future of
-        its handle (done unless it must be loaded first).
-
-        Raises:
-            APIError: 404 for an unknown model or one the tenant may not use.
-        """
-        slot = self.front.find_model(self.tenant, name)
-        future = self.front.models.hold(slot)
-        self.slot = slot
-        self.record.model = slot.name
-        self.request.state.on_close.append(lambda: self.front.models.release(slot))
-        return future
-
-    async def ready(self, future: Future) -> ModelHandle:
-        """The held model, once loaded.
-
-        Raises:
-            APIError: 503 (with ``Retry-After``) when it could not be loaded.
-        """
-        try:
-            return await asyncio.wrap_future(future)
-        except ModelUnavailable as e:
-            raise unavailable(e)
-
-    async def model(self, name: Optional[str]) -> ModelHandle:
-        """:meth:`hold_model` then :meth:`ready`."""
-        return await self.ready(self.hold_model(name))
-
-    @property
-    def model_name(self) -> str:
-        """The served name of the held model."""
-        return self.slot.name if self.slot is not None else ""
+    rank: int = 1  # the latency class as the engine numbers it: 0 interactive, 1 standard, 2 batch
+    slot: Optional[Slot] = None  # the model, once held (gateway.conversation.start.hold)
 
 
 def sglang_priority(value: int) -> Optional[str]:
@@ -176,12 +114,6 @@ def request_priority(tenant: Tenant, header: Optional[str], body) -> str:
     return asked
 
 
-def unavailable(e: ModelUnavailable) -> APIError:
-    """The 503 for a model that could not be loaded."""
-    headers = {"Retry-After": str(e.retry_after)} if e.retry_after else None
-    return APIError(503, e.message, param="model", code=e.code, headers=headers)
-
-
 # Calls admitted and not yet garbage, for the shutdown to find those still running.
 _admitted: "weakref.WeakSet[Call]" = weakref.WeakSet()
 
@@ -222,6 +154,6 @@ async def admit(front: Front, request: Request, endpoint: str, api: str) -> Call
     record.marks["admitted"] = time.monotonic()
     priority = request_priority(tenant, request.headers.get("x-priority"), body)
     record.priority = priority
-    call = Call(front, request, tenant, ticket, record, api, body, priority)
+    call = Call(front, request, tenant, ticket, record, api, body, priority, PRIORITIES.index(priority))
     _admitted.add(call)
     return call
