@@ -51,6 +51,11 @@ def test_no_limit_runs_to_the_end_of_the_context_in_every_api(short_context_mode
         assert resp["status"] == "incomplete" and resp["incomplete_details"] == {"reason": "max_output_tokens"}
         assert resp["usage"]["input_tokens"] + resp["usage"]["output_tokens"] == CONTEXT, resp["usage"]
 
+        # Legacy completions keep OpenAI's (and vLLM's) 16 tokens when none is given.
+        r = c.post("/v1/completions", json={"prompt": "once upon", "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 16 and r.json()["choices"][0]["finish_reason"] == "length"
+
         # A limit the request gives still holds; Anthropic's Messages API still requires one.
         r = c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 5})
         assert r.json()["usage"]["completion_tokens"] == 5 and r.json()["choices"][0]["finish_reason"] == "length"
@@ -62,6 +67,8 @@ def test_the_operator_default_and_the_bound_hold(short_context_model):
     with live_server(short_context_model, default_max_tokens=None, max_tokens=7) as s, s.client() as c:
         r = c.post("/v1/chat/completions", json=CHAT)
         assert r.json()["usage"]["completion_tokens"] == 7, r.text
+        r = c.post("/v1/completions", json={"prompt": "once upon", "temperature": 0, "ignore_eos": True})
+        assert r.json()["usage"]["completion_tokens"] == 7, r.text  # the operator's default over the legacy 16
     with live_server(short_context_model, default_max_tokens=None, max_tokens_limit=9) as s, s.client() as c:
         r = c.post("/v1/chat/completions", json=CHAT)
         assert r.json()["usage"]["completion_tokens"] == 9 and r.json()["choices"][0]["finish_reason"] == "length"

@@ -110,7 +110,11 @@ class FunctionTool:
 
 @dataclass
 class Sampling:
-    """Decoding settings as the client gave them (None: the server's default)."""
+    """Decoding settings as the client gave them (None: the server's default).
+
+    ``unset_max_tokens`` is the protocol's own answer length when the client gives none
+    and the operator set no ``--max-tokens`` (None: until the model stops or the context ends).
+    """
 
     max_tokens: Optional[int] = None
     temperature: Optional[float] = None
@@ -125,6 +129,7 @@ class Sampling:
     logprobs: bool = False
     top_logprobs: int = 0
     ignore_eos: bool = False
+    unset_max_tokens: Optional[int] = None
 
 
 @dataclass

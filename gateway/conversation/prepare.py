@@ -26,9 +26,10 @@ def sampling_params(model: ModelHandle, tenant: Tenant, s: Sampling) -> Sampling
     """The engine's settings for ``s``, with the model's defaults filled in.
 
     A request that gives no ``max_tokens`` gets the model's ``max_tokens`` (``--max-tokens``)
-    or, without one, the largest it may ask for: as on OpenAI's and vLLM's chat APIs and
-    Ollama's (``num_predict: -1``), it runs until the model stops or the context ends
-    (:func:`fit_context` cuts it to the room the prompt leaves).
+    or, without one, the protocol's own default (``s.unset_max_tokens``: 16 on legacy
+    completions, as OpenAI's and vLLM's) or else the largest it may ask for: as on OpenAI's
+    and vLLM's chat APIs and Ollama's (``num_predict: -1``), it runs until the model stops or
+    the context ends (:func:`fit_context` cuts it to the room the prompt leaves).
 
     Raises:
         APIError: 400 for ``max_tokens`` over the tenant's or the model's limit or a
@@ -36,7 +37,7 @@ def sampling_params(model: ModelHandle, tenant: Tenant, s: Sampling) -> Sampling
     """
     spec = model.spec
     limit = min(spec.max_tokens_limit, tenant.max_tokens or spec.max_tokens_limit)
-    default = limit if spec.max_tokens is None else min(spec.max_tokens, limit)
+    default = min(spec.max_tokens or s.unset_max_tokens or limit, limit)
     wanted = s.max_tokens if s.max_tokens is not None else default
     if wanted > limit:
         raise APIError(400, f"max_tokens {wanted} is over this key's limit of {limit}", param="max_tokens")

@@ -18,14 +18,17 @@ from gateway.protocols.openai_format import (LogprobFormatter, OpenAIFormat, fin
 from gateway.protocols.openai_schemas import CompletionRequest, parse
 from gateway.protocols.respond import respond
 
+LEGACY_MAX_TOKENS = 16  # OpenAI's legacy completions default, which vLLM keeps too
+
 
 def to_conversation(req: CompletionRequest) -> Conversation:
-    """A completions request as the internal form: its prompt ``raw``."""
+    """A completions request as the internal form: its prompt ``raw``; no ``max_tokens``
+    means :data:`LEGACY_MAX_TOKENS` unless the operator set ``--max-tokens``."""
     sampling = Sampling(
         max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
         seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias, logprobs=req.logprobs is not None,
-        top_logprobs=req.logprobs or 0, ignore_eos=req.ignore_eos)
+        top_logprobs=req.logprobs or 0, ignore_eos=req.ignore_eos, unset_max_tokens=LEGACY_MAX_TOKENS)
     return Conversation([], sampling, stop=list(req.stop or []), model=req.model, stream=req.stream, raw=req.prompt)
 
 
