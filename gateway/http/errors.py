@@ -1,6 +1,6 @@
-"""Errors in OpenAI's format, ``{"error": {"message", "type", "param", "code"}}``, or in
+"""Errors in OpenAI's format, ``{"error": {"message", "type", "param", "code"}}``, in
 Anthropic's, ``{"type": "error", "error": {"type", "message"}}`` (the ``/v1/messages``
-routes)."""
+routes), or in Ollama's, ``{"error": "message"}`` (the ``/api/`` routes and ``/``)."""
 
 from __future__ import annotations
 
@@ -56,8 +56,11 @@ def context_too_long(prompt: int, limit: int, param: str = "messages") -> APIErr
 
 
 def error_style(path: str) -> str:
-    """``anthropic`` for the Anthropic Messages routes, else ``openai``."""
-    return "anthropic" if path.startswith("/v1/messages") else "openai"
+    """``anthropic`` for the Anthropic Messages routes, ``ollama`` for Ollama's (``/api/``
+    and ``/``), else ``openai``."""
+    if path.startswith("/v1/messages"):
+        return "anthropic"
+    return "ollama" if path == "/" or path.startswith("/api/") else "openai"
 
 
 class APIError(Exception):
@@ -99,7 +102,11 @@ class APIError(Exception):
         return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
                                            "message": message}}
 
+    def ollama_body(self) -> dict:
+        """Ollama's shape: ``{"error": "message"}``."""
+        return {"error": self.message}
+
     def response(self, style: str = "openai") -> JSONResponse:
-        """The JSON answer in ``style`` (``openai`` or ``anthropic``)."""
-        body = self.anthropic_body() if style == "anthropic" else self.body()
+        """The JSON answer in ``style`` (``openai``, ``anthropic`` or ``ollama``)."""
+        body = {"anthropic": self.anthropic_body, "ollama": self.ollama_body}.get(style, self.body)()
         return JSONResponse(body, status_code=self.status, headers=self.headers)

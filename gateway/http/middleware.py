@@ -1,5 +1,5 @@
 """The outermost layer of the app (inside CORS): header limits, the Host allow-list, the
-metrics key, errors in OpenAI's format, rate-limit headers, per-request metrics and the
+metrics key, errors in each API's format, rate-limit headers, per-request metrics and the
 request log."""
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ class GatewayMiddleware:
       ``--host`` and ``config.allowed_hosts``).
     * With a metrics key (:func:`metrics_key`), answers ``/metrics`` without
       ``Authorization: Bearer <key>`` with 401 and ``WWW-Authenticate: Bearer``.
-    * Answers :class:`APIError` (and any other exception, as 500) in OpenAI's format.
+    * Answers :class:`APIError` (and any other exception, as 500) in the format of the
+      path's API (:func:`gateway.http.errors.error_style`: Ollama's on ``/api/``).
     * Adds the tenant's ``x-ratelimit-*`` headers to answers of admitted requests.
     * Runs the request's ``on_close`` callables once the answer (or stream) ends: they
       release its rate-limit ticket and the model it holds.
@@ -58,7 +59,9 @@ class GatewayMiddleware:
 
     ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
                  "/v1/responses", "/v1/models", "/v1/usage", "/health", "/metrics", "/admin/cache/flush",
-                 "/admin/models", "/openapi.json"}
+                 "/admin/models", "/openapi.json", "/", "/api/chat", "/api/generate", "/api/embed",
+                 "/api/embeddings", "/api/tags", "/api/show", "/api/ps", "/api/version", "/api/pull", "/api/push",
+                 "/api/copy", "/api/create", "/api/delete"}
     # Paths with an id, counted under one label each.
     PREFIXES = ("/v1/models/", "/v1/responses/", "/admin/models/")
 

@@ -25,11 +25,13 @@ from gateway.http.middleware import GatewayMiddleware, metrics_key
 from gateway.protocols.anthropic import count_tokens, messages
 from gateway.protocols.embeddings import embeddings
 from gateway.protocols.openai_chat import chat_completions
+from gateway.protocols.ollama_chat import chat as ollama_chat, generate as ollama_generate
+from gateway.protocols.ollama_embed import embed_route as ollama_embed, embeddings_route as ollama_embeddings
 from gateway.protocols.openai_completions import completions
 from gateway.protocols.responses import create_response, delete_response, list_input_items, retrieve_response
 from gateway.protocols.reasoning_seal import LazySeal
 from gateway.protocols.responses_store_open import open_response_store
-from gateway.routes import admin, service
+from gateway.routes import admin, ollama_models, service
 from gateway.routes.openapi import openapi_json
 
 # (method, path, endpoint): every route the gateway serves.
@@ -58,6 +60,21 @@ ROUTES = [
     ("GET", "/get_model_info", service.model_info),
     ("GET", "/get_load", service.get_load),
     ("GET", "/openapi.json", openapi_json),
+    # Ollama's REST API (docs/ollama.md); GET / answers HEAD / too.
+    ("GET", "/", ollama_models.root),
+    ("POST", "/api/chat", ollama_chat),
+    ("POST", "/api/generate", ollama_generate),
+    ("POST", "/api/embed", ollama_embed),
+    ("POST", "/api/embeddings", ollama_embeddings),
+    ("GET", "/api/tags", ollama_models.tags),
+    ("POST", "/api/show", ollama_models.show),
+    ("GET", "/api/ps", ollama_models.ps),
+    ("GET", "/api/version", ollama_models.version),
+    ("POST", "/api/pull", ollama_models.pull),
+    ("POST", "/api/push", ollama_models.push),
+    ("POST", "/api/copy", ollama_models.copy),
+    ("POST", "/api/create", ollama_models.create),
+    ("DELETE", "/api/delete", ollama_models.delete),
 ]
 
 
