@@ -83,6 +83,21 @@ def test_generate_raw_context_and_refusals(server):
         assert r.status_code == 400 and set(r.json()) == {"error"}
 
 
+def test_think_reaches_the_template(server):
+    """``think: false`` renders Qwen3's closed, empty think block into the prompt; ``true``
+    and a level leave the model to open its own; a value that is neither is a 400."""
+    def prompt_tokens(**kw) -> int:
+        body = c.post("/api/generate", json={"model": "chat", "prompt": "Think?", "stream": False,
+                                             "options": {"num_predict": 1}, **kw}).json()
+        return len(body["context"]) - body["eval_count"]
+
+    with server.client() as c:
+        default, on, level, off = prompt_tokens(), prompt_tokens(think=True), prompt_tokens(think="high"), \
+            prompt_tokens(think=False)
+        assert default == on == level < off
+        assert c.post("/api/generate", json={"model": "chat", "prompt": "x", "think": "hard"}).status_code == 400
+
+
 def test_form_encoded_body_as_curl_sends_it(server):
     """``curl -d`` declares its body form-encoded: taken from a non-browser client, refused
     (415) from a browser page (an ``Origin``), which could otherwise post it unpreflighted."""
@@ -186,6 +201,7 @@ def test_empty_generate_loads_and_keep_alive_zero_unloads(server):
         r = c.post("/api/generate", json={"model": "spare", "prompt": "hi", "stream": False, "keep_alive": 0,
                                           "options": {"num_predict": 1}})
         assert r.status_code == 200
+        assert r.json()["load_duration"] > 10**6  # it waited for the load: over a millisecond, in nanoseconds
         wait_until(lambda: "spare" not in loaded(), 30, "spare to unload after its request")
         assert c.post("/api/generate", json={"model": "spare", "keep_alive": "soon"}).status_code == 400
         assert "chat" in loaded()  # pinned: kept whatever keep_alive asks
