@@ -119,6 +119,32 @@ def test_middleware_errors_are_ollama_shaped(server):
         assert isinstance(r.json()["error"], dict)  # OpenAI's shape stays on /v1
 
 
+EVERYWHERE = ['[]', '"x"', '{"model": 5}', '{"source": 1, "model": []}']
+BAD_BODIES = {
+    "/api/chat": ['{"model": "chat", "messages": "hi"}', '{"model": "chat", "messages": [], "keep_alive": "soon"}', '{"model": "chat", "messages": [{"content": "no role"}]}',
+                  '{"model": "chat", "messages": [{"role": "user", "content": "x"}], "tools": [{"function": {}}]}',
+                  '{"model": "chat", "messages": [{"role": "user", "content": "x"}], "options": []}',
+                  '{"model": "chat", "messages": [{"role": "user", "content": "x", "images": [5]}]}'],
+    "/api/generate": ['{"model": "chat", "prompt": "x", "context": ["a"]}', '{"model": "chat", "prompt": "x", '
+                      '"format": {"type": "object", "properties": 3}}',
+                      '{"model": "chat", "prompt": "x", "options": {"stop": [1]}}', '{"model": "chat", "prompt": 5}'],
+    "/api/embed": ['{"model": "chat", "input": [1, 2]}', '{"model": "chat", "input": "x", "keep_alive": [1]}', '{"model": "chat", "input": "x", "truncate": "no"}'],
+    "/api/embeddings": ['{"model": "chat", "prompt": ["x"]}'],
+    "/api/show": ['{}'], "/api/pull": ['{}'], "/api/copy": ['{"source": "chat"}'], "/api/create": ['{}'],
+}
+
+
+def test_bad_bodies_answer_400_everywhere(server):
+    with server.client() as c:
+        for route, bodies in BAD_BODIES.items():
+            for body in EVERYWHERE + bodies:
+                r = c.post(route, content=body, headers={"content-type": "application/json"})
+                assert 400 <= r.status_code < 500, (route, body, r.status_code, r.text)
+                assert isinstance(r.json()["error"], str), (route, body, r.text)
+        assert c.post("/api/chat", json={"model": "chat", "stream": False, "options": {"num_predict": 1},
+                                         "messages": [{"role": "user", "content": "still up?"}]}).status_code == 200
+
+
 def test_keys_on_api_paths(tmp_path):
     tenants = tmp_path / "tenants.toml"
     tenants.write_text(f'[tenants.app]\nkey_sha256 = ["{hash_key("sk-app")}"]\n')
