@@ -75,6 +75,8 @@ def test_generate_raw_context_and_refusals(server):
         assert r.status_code == 400 and "insert" in r.json()["error"]
         r = c.post("/api/generate", json={"model": "chat", "prompt": "x", "context": [10**9]})
         assert r.status_code == 400 and "context" in r.json()["error"]
+        r = c.post("/api/generate", json={"model": "chat", "prompt": "x", "raw": True, "images": ["aGk="]})
+        assert r.status_code == 400 and "images" in r.json()["error"]
         r = c.post("/api/generate", json={"model": "chat", "prompt": "x", "format": "yaml"})
         assert r.status_code == 400 and "format" in r.json()["error"]
         r = c.post("/api/generate", json={"model": "chat", "prompt": "x", "options": {"num_predict": "many"}})

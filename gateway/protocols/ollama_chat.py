@@ -200,6 +200,9 @@ async def generate(request: Request) -> Response:
     if req.suffix:
         raise APIError(400, f"{req.model} does not support insert (fill-in-the-middle): send no suffix",
                        param="suffix")
+    if req.images and (req.raw or req.context):
+        raise APIError(400, "images go with a templated prompt: send them without raw and without context",
+                       param="images")
     conv = generate_conversation(req)
     if not req.prompt and not req.images and not req.context:
         return await _load_or_unload(call, req, "response", "")
