@@ -149,13 +149,17 @@ def test_bad_bodies_answer_400_everywhere(server):
 
 def test_keys_on_api_paths(tmp_path):
     tenants = tmp_path / "tenants.toml"
-    tenants.write_text(f'[tenants.app]\nkey_sha256 = ["{hash_key("sk-app")}"]\n')
+    tenants.write_text(f'[tenants.app]\nkey_sha256 = ["{hash_key("sk-app")}"]\nrequests_per_minute = 2\n')
+    key = {"authorization": "Bearer sk-app"}
     with live_server(model_path("qwen3"), tenants=str(tenants)) as srv, srv.client() as c:
         r = c.post("/api/chat", json={"model": "test-model", "messages": []})
         assert r.status_code == 401 and set(r.json()) == {"error"}
         assert c.get("/api/tags").status_code == 401
-        ok = c.get("/api/tags", headers={"authorization": "Bearer sk-app"})
+        ok = c.get("/api/tags", headers=key)
         assert [m["name"] for m in ok.json()["models"]] == ["test-model"]
+        statuses = [c.post("/api/generate", json={"model": "test-model"}, headers=key) for _ in range(3)]
+        assert [r.status_code for r in statuses] == [200, 200, 429]
+        assert set(statuses[-1].json()) == {"error"} and "retry-after" in statuses[-1].headers
 
 
 def test_forced_tool_call_read_by_the_official_types(server):
