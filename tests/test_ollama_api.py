@@ -63,6 +63,18 @@ def test_chat_streams_ndjson_by_default(server):
     assert whole["total_duration"] < 600 * 10**9  # nanoseconds of a short request, not seconds or ms
 
 
+def test_logprobs_read_by_the_official_types(server):
+    from ollama._types import ChatResponse
+
+    body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2,
+            "options": {"num_predict": 4, "temperature": 0}}
+    with server.client() as c:
+        whole = ChatResponse.model_validate(c.post("/api/chat", json={**body, "stream": False}).json())
+        streamed = lines(c.post("/api/chat", json=body))
+    assert len(whole.logprobs) == 4 and all(len(lp.top_logprobs) == 2 for lp in whole.logprobs)
+    assert [e["token"] for p in streamed for e in p.get("logprobs", [])] == [lp.token for lp in whole.logprobs]
+
+
 def test_generate_raw_context_and_refusals(server):
     with server.client() as c:
         r = c.post("/api/generate", json={"model": "chat", "prompt": "Once upon", "raw": True, "stream": False,

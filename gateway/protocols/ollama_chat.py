@@ -24,6 +24,7 @@ from gateway.conversation.calls import Call, Front, admit
 from gateway.conversation.form import IMAGE_MARK, Comment, Conversation, FunctionTool, ImageRef, Piece, ToolCall, Turn
 from gateway.http.errors import APIError
 from gateway.http.sse import SSEResponse, guarded, to_json
+from gateway.protocols.openai_format import LogprobFormatter
 from gateway.protocols.ollama_run import context_of, keep_alive, start, stats
 from gateway.protocols.ollama_schemas import (ChatRequest, GenerateRequest, Message, _Generating, keep_alive_seconds,
                                               parse, served_name, timestamp)
@@ -53,7 +54,9 @@ def _turn(m: Message, i: int) -> Turn:
 
 def _conversation(req: _Generating, turns: list[Turn]) -> Conversation:
     opts = req.opts()
-    return Conversation(turns, opts.sampling(), output_schema=req.output_schema(), output_param="format",
+    sampling = opts.sampling()
+    sampling.logprobs, sampling.top_logprobs = bool(req.logprobs), req.top_logprobs or 0
+    return Conversation(turns, sampling, output_schema=req.output_schema(), output_param="format",
                         stop=opts.stops(), template_kwargs=req.template_kwargs(), model=req.model,
                         stream=req.stream is not False)
 
@@ -117,6 +120,16 @@ async def _answer(request: Request, call: Call, conv: Conversation, chat: bool, 
     """Run ``conv`` and answer it in Ollama's shape, streamed or whole."""
     run = await start(call, conv, **how)
     model = call.model_name
+    fmt: list = []  # the logprob formatter, once the model is loaded
+
+    def logprobs(tokens) -> dict:
+        """Ollama's ``logprobs`` of ``tokens`` (OpenAI's chat entries: token, logprob, bytes,
+        top_logprobs), when asked for."""
+        if not conv.sampling.logprobs:
+            return {}
+        if not fmt:
+            fmt.append(LogprobFormatter(run.model.tokenizer))
+        return {"logprobs": [fmt[0].chat_entry(t) for t in tokens]}
 
     def piece(text: str, thinking: str) -> dict:
         if chat:
@@ -143,9 +156,9 @@ async def _answer(request: Request, call: Call, conv: Conversation, chat: bool, 
                 if isinstance(ev, Comment):
                     continue
                 if isinstance(ev, Piece):
-                    if ev.text or ev.reasoning:
+                    if ev.text or ev.reasoning or (ev.tokens and conv.sampling.logprobs):
                         yield _line({"model": model, "created_at": timestamp(), **piece(ev.text, ev.reasoning),
-                                     "done": False})
+                                     **logprobs(ev.tokens), "done": False})
                     continue
                 if run.calls and chat:
                     yield _line({"model": model, "created_at": timestamp(),
@@ -159,7 +172,8 @@ async def _answer(request: Request, call: Call, conv: Conversation, chat: bool, 
     result = await run.collect(request)
     if result is None:
         return Response(status_code=499)
-    return JSONResponse(last(result.finished, result.text, result.reasoning, result.tool_calls))
+    return JSONResponse({**last(result.finished, result.text, result.reasoning, result.tool_calls),
+                         **logprobs(result.tokens)})
 
 
 async def chat(request: Request) -> Response:

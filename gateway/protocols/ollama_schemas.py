@@ -107,6 +107,8 @@ class _Generating(_Body):
     options: Optional[Options] = None
     keep_alive: Optional[Union[int, float, str]] = None
     think: Optional[Union[bool, str]] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
 
     def opts(self) -> Options:
         return self.options or Options()
