@@ -79,12 +79,15 @@ def affinity_key(path: str, data: dict) -> bytes:
     elif path == "/v1/responses":
         items = data.get("input")
         parts = [data.get("instructions"), items[0] if isinstance(items, list) and items else items]
-    elif path == "/v1/chat/completions":
+    elif path in ("/v1/chat/completions", "/api/chat"):
         messages = data.get("messages")
         parts = messages[:2] if isinstance(messages, list) else [messages]
     elif path == "/v1/completions":
         prompt = data.get("prompt")
         parts = [prompt[:1024] if isinstance(prompt, (str, list)) else prompt]
+    elif path == "/api/generate":
+        prompt = data.get("prompt")
+        parts = [data.get("system"), prompt[:1024] if isinstance(prompt, str) else prompt]
     else:
         parts = []
     return json.dumps([data.get("model"), *parts], sort_keys=True, default=str).encode()

@@ -162,6 +162,7 @@ class Conversation:
     edits: list[Any] = field(default_factory=list)  # context edits to apply (gateway.conversation.context_edits)
     allowed_tools: Optional[list[str]] = None  # the offered names the model may call (None: every tool)
     raw: Optional[str | list[int]] = None
+    context: Optional[list[int]] = None  # token ids before the prompt (Ollama's /api/generate context)
 
 
 # ---------------------------------------------------------------------- events

@@ -10,7 +10,7 @@ from typing import Optional
 
 from gateway.conversation.context_edits import apply_edits, needs_length
 from gateway.conversation.form import Conversation, Sampling, Turn
-from gateway.conversation.prompts import Prompt, render_chat, render_completion
+from gateway.conversation.prompts import Prompt, after_context, render_chat, render_completion
 from gateway.conversation.structured import CONSTRAINED_THINKING_BUDGET, Thinking, constrains_answer, output_mask
 from gateway.conversation.textout import TextAssembler
 from gateway.conversation.tools import ToolPlan, plan_tools
@@ -100,7 +100,9 @@ def prepare_chat(model: ModelHandle, conv: Conversation, marks: Optional[dict] =
     here (:func:`gateway.conversation.images.decode_images`) and preprocessed with the
     prompt (:func:`gateway.conversation.vision_prompt.render_vision_chat`).
 
-    A ``raw`` prompt is tokenized as it is (:func:`gateway.conversation.prompts.render_completion`).
+    A ``raw`` prompt is tokenized as it is (:func:`gateway.conversation.prompts.render_completion`),
+    under its output grammar if it has one; a ``context`` goes before the prompt
+    (:func:`gateway.conversation.prompts.after_context`).
 
     Returns:
         ``(prompt, tool plan, token mask, further logits processors)``.
@@ -109,11 +111,16 @@ def prepare_chat(model: ModelHandle, conv: Conversation, marks: Optional[dict] =
         APIError: 400 for bad tools, schemas or a conversation the template rejects.
     """
     if conv.raw is not None:
-        return render_completion(model.tokenizer, conv.raw, model.spec.checkpoint_every), None, None, []
+        prompt = (render_completion(model.tokenizer, conv.raw, model.spec.checkpoint_every)
+                  if conv.raw or not conv.context else Prompt([]))
+        mask = output_mask(model.grammars, conv, None) if conv.output_schema is not None else None
+        return (after_context(model.tokenizer, conv.context, prompt) if conv.context else prompt), None, mask, []
     if marks is not None:
         marks["render_in"] = time.monotonic()
     plan = plan_tools(conv, model.tokenizer)
     prompt = render_conversation(model, conv, plan, images)
+    if conv.context:
+        prompt = after_context(model.tokenizer, conv.context, prompt)
     thinking = thinks(model, prompt)
     mask = output_mask(model.grammars, conv, plan, thinking)
     processors = []

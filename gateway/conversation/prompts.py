@@ -232,6 +232,28 @@ def render_completion(tokenizer, text: str | list[int], checkpoint_every: int) -
     return Prompt(tokens, plan_completion_checkpoints(tokens, interval=checkpoint_every))
 
 
+def after_context(tokenizer, context: list[int], prompt: Prompt) -> Prompt:
+    """``prompt`` continuing ``context``, the token ids an earlier answer returned (its
+    prompt and answer: Ollama's ``/api/generate`` ``context``): the context, then the
+    prompt's tokens without a leading BOS, its checkpoints shifted, so that the prefix cache
+    serves everything the earlier request evaluated. The messages go (a next turn would not
+    render the context).
+
+    Raises:
+        APIError: 400 for a context token outside the vocabulary.
+    """
+    vocab = len(tokenizer)
+    if any(not 0 <= t < vocab for t in context):
+        raise APIError(400, f"context: token ids must be in [0, {vocab})", param="context")
+    tokens = list(prompt.tokens)
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if tokens and bos is not None and tokens[0] == bos:
+        tokens = tokens[1:]
+    shift = len(context) + len(tokens) - len(prompt.tokens)
+    return replace(prompt, tokens=list(context) + tokens, messages=None,
+                   checkpoints=sorted({c + shift for c in prompt.checkpoints if c + shift > 0}))
+
+
 def _opens_reasoning(tokenizer, tokens: list[int]) -> bool:
     start: Optional[str] = getattr(tokenizer, "think_start", None)
     if not start:

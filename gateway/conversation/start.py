@@ -21,7 +21,7 @@ from gateway.conversation.run import Run
 from gateway.front import Call
 from gateway.http.errors import APIError
 from gateway.models.handle import ModelHandle
-from gateway.models.registry import ModelUnavailable
+from gateway.models.registry import ModelUnavailable, Slot
 
 LOADING_TICK = 1.0  # seconds between the ": loading model" comments of a stream that waits for its model
 
@@ -80,6 +80,21 @@ def hold(call: Call, name: Optional[str]) -> Future:
         APIError: 404 ``model_not_found`` for a model this server does not serve, and
             for a name the tenant may not use (the same answer: its existence is not revealed).
     """
+    front, slot = call.front, find(call, name)
+    future = front.models.hold(slot)
+    call.slot = slot
+    call.record.model = slot.name
+    call.request.state.on_close.append(lambda: front.models.release(slot))
+    return future
+
+
+def find(call: Call, name: Optional[str]) -> Slot:
+    """The model ``name`` names for this call's tenant (a served name or an alias; the first
+    model the tenant may use when None), not held.
+
+    Raises:
+        APIError: 404 ``model_not_found``, as :func:`hold`.
+    """
     front, tenant = call.front, call.tenant
     if name is None:
         slot = next((s for s in front.models.slots if any(map(tenant.may_use, s.spec.names))), None)
@@ -89,11 +104,7 @@ def hold(call: Call, name: Optional[str]) -> Future:
     if slot is None:
         raise APIError(404, f"the model '{name}' does not exist" if name is not None else
                        "no model is available to this key", param="model", code="model_not_found")
-    future = front.models.hold(slot)
-    call.slot = slot
-    call.record.model = slot.name
-    call.request.state.on_close.append(lambda: front.models.release(slot))
-    return future
+    return slot
 
 
 async def ready(loaded: Future) -> ModelHandle:

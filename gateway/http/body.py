@@ -3,7 +3,9 @@
 The ``Content-Type`` check matters for browsers: a ``text/plain`` or form-encoded POST is
 a CORS "simple" request, which a web page on any origin may send without a preflight;
 requiring ``application/json`` makes every such request a preflighted one, which CORS
-then refuses for origins outside ``--allowed-origins``.
+then refuses for origins outside ``--allowed-origins``. Ollama's API (``/api/``) takes a
+body of any declared type from a client that is not a browser page (no ``Origin``
+header), as Ollama does: ``curl -d`` sends its bodies form-encoded.
 """
 
 from __future__ import annotations
@@ -31,11 +33,14 @@ class UnsupportedMediaType(APIError):
 
 def check_json_content_type(request: Request) -> None:
     """Check that the body is declared as ``application/json`` (parameters such as
-    ``; charset=utf-8`` allowed, case-insensitive).
+    ``; charset=utf-8`` allowed, case-insensitive); on ``/api/`` without an ``Origin``
+    header, any declared type is taken.
 
     Raises:
         UnsupportedMediaType: 415 for any other Content-Type, or none.
     """
+    if request.url.path.startswith("/api/") and "origin" not in request.headers:
+        return
     declared = request.headers.get("content-type")
     media_type = (declared or "").split(";", 1)[0].strip().lower()
     if media_type != JSON_MEDIA_TYPE:

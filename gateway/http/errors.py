@@ -1,6 +1,6 @@
-"""Errors in OpenAI's format, ``{"error": {"message", "type", "param", "code"}}``, or in
-Anthropic's, ``{"type": "error", "error": {"type", "message"}}`` (the routes that
-:func:`gateway.routes.table.error_style` names)."""
+"""Errors in OpenAI's format, ``{"error": {"message", "type", "param", "code"}}``, in
+Anthropic's, ``{"type": "error", "error": {"type", "message"}}``, or in Ollama's,
+``{"error": "message"}`` (each route's, as :func:`gateway.routes.table.error_style` names it)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,11 @@ class APIError(Exception):
         return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
                                            "message": message}}
 
+    def ollama_body(self) -> dict:
+        """Ollama's shape: ``{"error": "message"}``."""
+        return {"error": self.message}
+
     def response(self, style: str = "openai") -> JSONResponse:
-        """The JSON answer in ``style`` (``openai`` or ``anthropic``)."""
-        body = self.anthropic_body() if style == "anthropic" else self.body()
+        """The JSON answer in ``style`` (``openai``, ``anthropic`` or ``ollama``)."""
+        body = {"anthropic": self.anthropic_body, "ollama": self.ollama_body}.get(style, self.body)()
         return JSONResponse(body, status_code=self.status, headers=self.headers)

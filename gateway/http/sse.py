@@ -40,21 +40,23 @@ def comment(text: str) -> bytes:
 
 
 class SSEResponse:
-    """An ASGI response streaming ``body`` (bytes chunks) as ``text/event-stream``.
+    """An ASGI response streaming ``body`` (bytes chunks) as ``text/event-stream`` (or
+    ``media_type``: Ollama's streams are ``application/x-ndjson``).
 
     A client that does not take a chunk within ``send_timeout`` seconds (a stalled
     reader) is treated as gone: the stream stops and its generation is cancelled.
     """
 
     def __init__(self, body: AsyncIterator[bytes], headers: dict[str, str] | None = None,
-                 send_timeout: float | None = None):
+                 send_timeout: float | None = None, media_type: str = "text/event-stream; charset=utf-8"):
         self.body = body
+        self.media_type = media_type
         self.headers = headers or {}
         self.send_timeout = send_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"content-type", self.media_type.encode()),
             (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no"),
         ] + [(k.lower().encode(), v.encode()) for k, v in self.headers.items()]

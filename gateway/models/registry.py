@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Optional
 
 from prometheus_client import CollectorRegistry
@@ -103,10 +103,12 @@ class Slot:
     reserved: int = 0  # bytes a load in progress holds under the budget
     unloaded: threading.Event = field(default_factory=threading.Event)  # set unless unloading
     kind: Optional[str] = None  # text | vision | embedding: the spec's, else found at its first load
+    keep_alive: Optional[float] = None  # seconds idle before unloading: the spec's, or a request's (keep_for)
 
     def __post_init__(self) -> None:
         self.unloaded.set()
         self.kind = self.spec.kind
+        self.keep_alive = self.spec.keep_alive
 
     @property
     def name(self) -> str:
@@ -156,6 +158,19 @@ class ModelRegistry:
         """The slot serving ``name`` (a served name or an alias); the first model for None."""
         return self.slots[0] if name is None else self._by_name.get(name)
 
+    def add_alias(self, name: str, slot: Slot) -> None:
+        """Serve ``slot``'s model as ``name`` too, until the server stops (Ollama's
+        ``/api/copy``).
+
+        Raises:
+            ValueError: ``name`` already names a model.
+        """
+        with self._lock:
+            if name in self._by_name:
+                raise ValueError(f"the name '{name}' is already taken by the model '{self._by_name[name].name}'")
+            self._by_name[name] = slot
+            slot.spec = replace(slot.spec, aliases=(*slot.spec.aliases, name))
+
     def handles(self) -> list[ModelHandle]:
         """The loaded models."""
         with self._lock:
@@ -189,10 +204,20 @@ class ModelRegistry:
         with self._lock:
             slot.in_flight = max(0, slot.in_flight - 1)
             self._touch(slot)
-            idle_now = slot.in_flight == 0 and slot.spec.keep_alive == 0
+            idle_now = slot.in_flight == 0 and slot.keep_alive == 0
         self.metrics.in_flight.labels(slot.name).set(slot.in_flight)
         if idle_now:
             self._wake.set()  # keep_alive 0: the keeper unloads it now
+
+    def keep_for(self, slot: Slot, seconds: Optional[float]) -> None:
+        """Keep ``slot``'s model loaded ``seconds`` after its last use (None: until
+        unloaded otherwise; 0: unloaded once idle), as a request asks (Ollama's
+        ``keep_alive``); a pinned model stays loaded."""
+        with self._lock:
+            slot.keep_alive = seconds
+            idle_now = slot.in_flight == 0 and seconds == 0
+        if idle_now:
+            self._wake.set()
 
     def load(self, slot: Slot) -> Future:
         """Load ``slot``'s model if it is not loaded (an admin's request); a Future of its handle."""
@@ -397,8 +422,8 @@ class ModelRegistry:
                     if s.state != "loaded" or s.in_flight:
                         continue
                     dead = not s.handle.engine.alive
-                    expired = (s.spec.keep_alive is not None and not s.spec.pin
-                               and now - s.last_used >= s.spec.keep_alive)
+                    expired = (s.keep_alive is not None and not s.spec.pin
+                               and now - s.last_used >= s.keep_alive)
                     if dead or expired:
                         due.append((s, self._begin_unload(s), "failed" if dead else "keep_alive"))
             for s, handle, reason in due:

@@ -30,9 +30,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.conversation.start import hold, ready
-from gateway.front import Front, admit
+from gateway.front import Call, Front, admit
 from gateway.http.errors import APIError
-from gateway.models.embedding import truncate
+from gateway.models.embedding import truncate as truncate_dims
 from gateway.models.handle import ModelHandle
 from gateway.protocols.openai_schemas import MAX_TOKEN_ID, parse
 from scheduler.embedding import EmbeddingRequest, EmbeddingsEvent
@@ -51,8 +51,9 @@ class EmbeddingsRequest(BaseModel):
     user: Optional[str] = None
 
 
-def _sequences(model: ModelHandle, raw) -> list[list[int]]:
-    """The request's inputs as token sequences (worker thread).
+def _sequences(model: ModelHandle, raw, truncate: bool = False) -> list[list[int]]:
+    """The request's inputs as token sequences (worker thread); with ``truncate``, each
+    cut to the model's context.
 
     Raises:
         APIError: 400 for no input, an empty input, a token id outside the vocabulary, too
@@ -79,6 +80,8 @@ def _sequences(model: ModelHandle, raw) -> list[list[int]]:
             if any(t < 0 or t >= min(vocab, MAX_TOKEN_ID) for t in item):
                 raise APIError(400, f"input[{i}]: token ids must be in [0, {vocab})", param="input")
             seq = list(item)
+        if truncate:
+            seq = seq[:model.context_length]
         if len(seq) > model.context_length:
             raise APIError(400, f"input[{i}] has {len(seq)} tokens; this model's maximum is "
                            f"{model.context_length} tokens", param="input", code="context_length_exceeded")
@@ -92,24 +95,31 @@ def _encode(vector: np.ndarray, fmt: str):
     return [float(x) for x in vector]
 
 
-async def embeddings(request: Request) -> Response:
-    """``POST /v1/embeddings`` (see the module docstring)."""
-    front: Front = request.app.state.front
-    call = await admit(front, request, "embeddings", "embeddings")
-    req = parse(EmbeddingsRequest, call.body)
-    model = await ready(hold(call, req.model))
+async def embed(call: Call, name: Optional[str], inputs, dimensions: Optional[int] = None,
+                truncate: bool = False) -> tuple[ModelHandle, np.ndarray, int]:
+    """Embed ``inputs`` (OpenAI's ``input`` forms) on the embedding model ``name``, batched
+    in its engine with other requests': ``(model, vectors [n, D], prompt tokens)``. The tokens are
+    charged to the tenant and booked in the metrics and usage. Used by ``/v1/embeddings``
+    and Ollama's ``/api/embed`` and ``/api/embeddings``.
+
+    Raises:
+        APIError: 404 for the model, 400 for a model that is not an embedding model, bad
+            ``dimensions`` or inputs, 413/429 from the tenant's limits, 503 when the
+            engine cannot take them.
+    """
+    model = await ready(hold(call, name))
     if model.kind != "embedding":
         raise APIError(400, f"the model '{model.name}' is not an embedding model", param="model",
                        code="model_not_embedding")
     embedder = model.embedder
-    if req.dimensions is not None and req.dimensions != embedder.dimensions:
+    if dimensions is not None and dimensions != embedder.dimensions:
         if not embedder.matryoshka:
             raise APIError(400, f"the model '{model.name}' does not support dimensions (its vectors have "
                            f"{embedder.dimensions})", param="dimensions")
-        if req.dimensions > embedder.dimensions:
+        if dimensions > embedder.dimensions:
             raise APIError(400, f"dimensions must be at most {embedder.dimensions}", param="dimensions")
     with model.engine.arrivals.prepare(call.rank):
-        seqs = await anyio.to_thread.run_sync(_sequences, model, req.input)
+        seqs = await anyio.to_thread.run_sync(_sequences, model, inputs, truncate)
         n_tokens = sum(len(s) for s in seqs)
         call.ticket.charge_prompt(n_tokens)
         loop = asyncio.get_running_loop()
@@ -135,11 +145,19 @@ async def embeddings(request: Request) -> Response:
     if isinstance(event, ErrorEvent):
         raise APIError(event.status, event.message)
     assert isinstance(event, EmbeddingsEvent)
-    vectors = truncate(event.vectors, req.dimensions)
-    tenant, m = call.tenant.name, front.metrics
+    tenant, m = call.tenant.name, call.front.metrics
     m.embedding_inputs.labels(tenant, model.name).inc(len(seqs))
     m.embedding_tokens.labels(tenant, model.name).inc(n_tokens)
-    front.usage.add(tenant, prompt=n_tokens)
+    call.front.usage.add(tenant, prompt=n_tokens)
+    return model, truncate_dims(event.vectors, dimensions), n_tokens
+
+
+async def embeddings(request: Request) -> Response:
+    """``POST /v1/embeddings`` (see the module docstring)."""
+    front: Front = request.app.state.front
+    call = await admit(front, request, "embeddings", "embeddings")
+    req = parse(EmbeddingsRequest, call.body)
+    model, vectors, n_tokens = await embed(call, req.model, req.input, req.dimensions)
     data = [{"object": "embedding", "index": i, "embedding": _encode(v, req.encoding_format)}
             for i, v in enumerate(vectors)]
     return JSONResponse({"object": "list", "data": data, "model": model.name,

@@ -21,15 +21,20 @@ from gateway.http.sse import SSEResponse, comment, guarded, wait_for_disconnect
 class Format:
     """A protocol's answer: ``stream`` says whether the request streams; ``headers`` go on
     the response. A stream is :meth:`opening`, then the bytes of ``piece(run, piece)`` and
-    ``await finish(run, finished)`` (comments between; ``error(api_error)`` for a failure
-    once it began), then ``tail``; a whole answer is ``await whole(run, result)``, a
-    :class:`ChatResult`'s JSON body."""
+    ``await finish(run, finished)`` (``comment(text)`` between; ``error(api_error)`` for a
+    failure once it began), then ``tail``, as ``media_type``; a whole answer is
+    ``await whole(run, result)``, a :class:`ChatResult`'s JSON body."""
 
     stream, headers, tail = False, None, b""
+    media_type = "text/event-stream; charset=utf-8"
 
     def opening(self) -> bytes:
         """What a stream sends at once."""
         return b""
+
+    def comment(self, text: str) -> bytes:
+        """A comment in the stream (progress, keep-alive): SSE's ``: text``."""
+        return comment(text)
 
 
 async def respond(request: Request, answer: Answer, form: Format) -> Response:
@@ -42,7 +47,7 @@ async def respond(request: Request, answer: Answer, form: Format) -> Response:
     first = await anext(answer)  # hold, render, submit (or begin to load): their errors are the status
     if form.stream:
         return SSEResponse(guarded(_stream(first, answer, form), form.error, form.tail), headers=form.headers,
-                           send_timeout=request.app.state.front.config.client_timeout)
+                           send_timeout=request.app.state.front.config.client_timeout, media_type=form.media_type)
     result = await collect(request, first, answer)
     if result is None:
         return Response(status_code=499)
@@ -59,7 +64,9 @@ async def _stream(first, answer: Answer, form: Format) -> AsyncIterator[bytes]:
             if isinstance(ev, Run):
                 run = ev
             elif isinstance(ev, Comment):
-                yield comment(ev.text)
+                out = form.comment(ev.text)
+                if out:
+                    yield out
             elif isinstance(ev, Piece):
                 out = form.piece(run, ev)
                 if out:

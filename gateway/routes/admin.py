@@ -85,7 +85,7 @@ def model_report(slot: Slot) -> dict:
     h = slot.handle
     return {
         "id": slot.name, "aliases": list(slot.spec.aliases), "path": slot.spec.path, "state": slot.state,
-        "pinned": slot.spec.pin, "keep_alive": slot.spec.keep_alive,
+        "pinned": slot.spec.pin, "keep_alive": slot.keep_alive,
         "weights_bytes": h.weights_bytes if h is not None else 0,
         "prefix_cache_bytes": h.engine.cache_bytes if h is not None else 0,
         "requests_in_flight": slot.in_flight,

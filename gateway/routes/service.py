@@ -33,7 +33,7 @@ def model_object(front: Front, slot: Slot, name: str) -> dict:
         out["kind"] = kind
     if name != slot.name:
         out["alias_of"] = slot.name
-    window = context_window(slot, _hf_config(_model_dir(slot)) if slot.handle is None else {})
+    window = context_window(slot, hf_config(model_dir(slot)) if slot.handle is None else {})
     if window is not None:
         out["context_length"] = out["max_model_len"] = window
     if kind != "embedding":
@@ -108,7 +108,7 @@ async def metrics(request: Request) -> Response:
 # /health, and revealing no more than it does: served names, engine sizes and load.
 
 
-def _model_dir(slot: Slot) -> Optional[str]:
+def model_dir(slot: Slot) -> Optional[str]:
     """Where ``slot``'s model came from: an absolute directory for a local one, the hub id
     for one from the hub; the spec's path until it is loaded (``demo``/``default`` then
     resolve at load)."""
@@ -118,7 +118,7 @@ def _model_dir(slot: Slot) -> Optional[str]:
     return os.path.abspath(path) if os.path.isdir(path) else path
 
 
-def _hf_config(path: Optional[str]) -> dict:
+def hf_config(path: Optional[str]) -> dict:
     """The model's ``config.json`` (a local directory, or a hub id already in the local hub
     cache; nothing is downloaded); ``{}`` when not at hand."""
     if not path:
@@ -167,13 +167,13 @@ async def server_info(request: Request) -> Response:
     models = []
     for slot in front.models.slots:
         handle = slot.handle
-        models.append({"name": slot.name, "aliases": list(slot.spec.aliases), "model_path": _model_dir(slot),
+        models.append({"name": slot.name, "aliases": list(slot.spec.aliases), "model_path": model_dir(slot),
                        "state": slot.state,
                        "context_length": handle.context_length if handle is not None else None})
     return JSONResponse({
         "served_model_name": first.name,
         "served_model_names": [n for s in front.models.slots for n in s.spec.names],
-        "model_path": _model_dir(first),
+        "model_path": model_dir(first),
         "version": _version(),
         "engine": "mlx-gateway",
         "dp_size": 1,
@@ -192,8 +192,8 @@ async def model_info(request: Request) -> Response:
     type and architectures (from its ``config.json`` when at hand)."""
     front: Front = request.app.state.front
     first = front.models.slots[0]
-    path = _model_dir(first)
-    config = _hf_config(path)
+    path = model_dir(first)
+    config = hf_config(path)
     return JSONResponse({
         "model_path": path,
         "tokenizer_path": path,

@@ -78,7 +78,7 @@ class Route:
         cluster: how the cluster front sends it (:data:`ROUTER`, :data:`REPLICA`,
             :data:`STORED`, :data:`ANY`, :data:`EVERY`, :data:`FRONT`).
         doc: its OpenAPI operation; None: not in ``openapi.json``.
-        errors: the shape of its error bodies, ``openai`` or ``anthropic``
+        errors: the shape of its error bodies, ``openai``, ``anthropic`` or ``ollama``
             (:meth:`gateway.http.errors.APIError.response`).
     """
 
@@ -91,6 +91,7 @@ class Route:
 
 
 P, S, R, A = "gateway.protocols.", "gateway.routes.service:", "gateway.protocols.responses:", "gateway.routes.admin:"
+RT = "gateway.routes."
 _RESPONSE_404 = (("404", "no response with this id for this key", "Error"),)
 
 ROUTES: tuple[Route, ...] = (
@@ -162,6 +163,23 @@ ROUTES: tuple[Route, ...] = (
     Route(("GET",), "/get_load", S + "get_load", ROUTER),
     Route(("GET",), "/openapi.json", "gateway.routes.openapi:openapi_json", ROUTER, Doc(
         "openapi", "This document", "the OpenAPI 3.1 document", {"type": "object"}, security="open")),
+    # Ollama's REST API (docs/ollama.md): its errors are {"error": "..."}; behind the cluster
+    # front a conversation goes by affinity, the rest to one replica (a pull, copy or create
+    # acts on that replica alone).
+    Route(("GET",), "/", RT + "ollama_models:root", ANY, errors="ollama"),
+    Route(("POST",), "/api/chat", P + "ollama_chat:chat", REPLICA, errors="ollama"),
+    Route(("POST",), "/api/generate", P + "ollama_chat:generate", REPLICA, errors="ollama"),
+    Route(("POST",), "/api/embed", P + "ollama_embed:embed_route", ANY, errors="ollama"),
+    Route(("POST",), "/api/embeddings", P + "ollama_embed:embeddings_route", ANY, errors="ollama"),
+    Route(("GET",), "/api/tags", RT + "ollama_models:tags", ANY, errors="ollama"),
+    Route(("POST",), "/api/show", RT + "ollama_models:show", ANY, errors="ollama"),
+    Route(("GET",), "/api/ps", RT + "ollama_models:ps", ANY, errors="ollama"),
+    Route(("GET",), "/api/version", RT + "ollama_models:version", ANY, errors="ollama"),
+    Route(("POST",), "/api/pull", RT + "ollama_models:pull", ANY, errors="ollama"),
+    Route(("POST",), "/api/push", RT + "ollama_models:push", ANY, errors="ollama"),
+    Route(("POST",), "/api/copy", RT + "ollama_models:copy", ANY, errors="ollama"),
+    Route(("POST",), "/api/create", RT + "ollama_models:create", ANY, errors="ollama"),
+    Route(("DELETE",), "/api/delete", RT + "ollama_models:delete", ANY, errors="ollama"),
 )
 
 
@@ -179,15 +197,24 @@ def _prefix(path: str) -> str:
     return path.split("{", 1)[0].rstrip("/")
 
 
+# Path families whose unserved paths answer in their API's error shape too.
+FAMILIES = (("/api/", "ollama"),)
+
+
 def error_style(path: str) -> str:
-    """The error shape of ``path`` (served or not): that of the route whose path, up to
-    its first parameter, is the longest that ``path`` is or starts with (then a ``/``);
-    ``openai`` when none is."""
+    """The error shape of ``path`` (served or not): that of the route it is; else of the
+    route whose path, up to its first parameter, or the :data:`FAMILIES` prefix, is the
+    longest that ``path`` starts with (then a ``/``); ``openai`` when none is."""
     best, style = -1, "openai"
     for route in ROUTES:
+        if path == route.path:
+            return route.errors
         prefix = _prefix(route.path)
         if prefix and len(prefix) > best and (path == prefix or path.startswith(prefix + "/")):
             best, style = len(prefix), route.errors
+    for prefix, family in FAMILIES:
+        if len(prefix) > best and path.startswith(prefix):
+            best, style = len(prefix), family
     return style
 
 

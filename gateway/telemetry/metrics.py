@@ -117,7 +117,7 @@ IMAGE_REFUSALS = ("too_large", "too_many_pixels", "too_many_images", "malformed"
                   "rate_limited")
 RATE_LIMITS = ("requests", "prompt_tokens", "completion_tokens", "concurrency", "queue", "image_tokens")
 # The ``api`` label: which protocol a generation came in on.
-APIS = ("chat", "completions", "messages", "responses")
+APIS = ("chat", "completions", "messages", "responses", "ollama")
 # The ``finish_reason`` label of ``mlx_gateway_generations_total``.
 FINISH_REASONS = ("stop", "length", "tool_calls", "cancelled", "error")
 
