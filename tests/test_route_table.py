@@ -114,6 +114,9 @@ def test_metrics_labels_are_one_per_route():
 def test_error_style_follows_the_table():
     assert error_style("/v1/messages") == error_style("/v1/messages/count_tokens") == "anthropic"
     assert error_style("/v1/messages/batches") == "anthropic"  # not served: its path's shape
-    for path in ("/v1/chat/completions", "/v1/responses/resp_1/input_items", "/v1/models/a/b", "/", "/nothing"):
+    for path in ("/v1/chat/completions", "/v1/responses/resp_1/input_items", "/v1/models/a/b", "/nothing"):
         assert error_style(path) == "openai", path
+    for path in ("/", "/api/chat", "/api/not-served"):  # Ollama's root and its API's family
+        assert error_style(path) == "ollama", path
     assert front.FrontApp.error("/v1/messages", 502, "x", "c").body.startswith(b'{"type":"error"')
+    assert front.FrontApp.error("/api/chat", 502, "x", "c").body == b'{"error":"x"}'

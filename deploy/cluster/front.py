@@ -107,9 +107,12 @@ class FrontApp:
 
     @staticmethod
     def error(path: str, status: int, message: str, code: str) -> JSONResponse:
-        if error_style(path) == "anthropic":
+        style = error_style(path)
+        if style == "anthropic":
             kind = {502: "api_error", 503: "overloaded_error"}.get(status, "api_error")
             return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status)
+        if style == "ollama":
+            return JSONResponse({"error": message}, status_code=status)
         return JSONResponse({"error": {"message": message, "type": "server_error", "param": None, "code": code}},
                             status_code=status)
 
