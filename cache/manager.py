@@ -173,7 +173,7 @@ class PromptCacheManager(LRUEviction):
             count: count the lookup in the hit-rate metrics (False for the server's
                 own background work, e.g. next-turn precompute).
             whole: the caller knows the logits after ``tokens`` (an exact repeat,
-                :mod:`scheduler.first_tokens`): restore all of them where an entry can,
+                :mod:`scheduler.batch.first_tokens`): restore all of them where an entry can,
                 else as without.
 
         With a disk tier, an entry on disk that restores more than memory would is read

@@ -29,7 +29,7 @@ from gateway.telemetry.request_log import configure_logging
 from gateway.tenancy.limits_setup import check_limits_store, make_limiter
 from gateway.tenancy.tenants import TenantsFileError, TenantTable, load_tenants, open_table, single_key_table
 from scheduler.engine import PERSIST_SECONDS
-from scheduler.loop import EngineLoop
+from scheduler.engine.loop import EngineLoop
 
 log = logging.getLogger("mlx_gateway")
 

@@ -16,7 +16,7 @@ from mlx_lm.generate import BatchGenerator
 
 from conftest import assert_same_tokens, model_path, prefilled
 from gateway.cpu import attention, attention_kernels, cpu_backend
-from scheduler.generator import JoiningBatchGenerator
+from scheduler.batch.generator import JoiningBatchGenerator
 from test_generator import run
 
 

@@ -16,7 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from cache import PromptCacheManager
 from cache.restore import layer_bytes
 from conftest import model_path
-from scheduler.generator import JoiningBatchGenerator
+from scheduler.batch.generator import JoiningBatchGenerator
 from scheduler.sampling import greedy
 from scheduler.speculative import DraftSnapshots, SpeculationStats, Speculator
 from test_draft_model import JoinRecorder, _draft, _other_weights, _workload

@@ -202,7 +202,7 @@ def test_exact_repeats_and_full_hits_are_answered():
             assert r.status_code == 200, r.text
         again = c.post("/v1/completions", json={"model": "test-model", "prompt": extended, "max_tokens": 4}).json()
         # an exact repeat of a prompt answered before: all of it restored, its first token
-        # sampled from the kept logits (scheduler.first_tokens)
+        # sampled from the kept logits (scheduler.batch.first_tokens)
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == again["usage"]["prompt_tokens"]
         assert server.engine.alive and server.engine.prompt_cache.num_leases == 0
 

@@ -20,7 +20,7 @@ from conftest import engine_tokens, live_server, model_path
 from scheduler import Engine, SamplingParams
 from mlx_lm.generate import StopSequences
 
-from scheduler.generator import JoiningBatchGenerator
+from scheduler.batch.generator import JoiningBatchGenerator
 from scheduler.sampling import TemperatureSampler, greedy
 from scheduler.speculative import SpeculationConfig, SpeculationStats, Speculator, speculation_refusal
 from scheduler.speculative.acceptance import RealizedRate, RowAcceptance, StepCost, best_width

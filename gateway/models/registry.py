@@ -36,7 +36,7 @@ from gateway.models.handle import ModelHandle
 from gateway.models.spec import ModelSpec
 from gateway.telemetry.model_metrics import ModelMetrics
 from scheduler.engine import PERSIST_SECONDS
-from scheduler.loop import EngineLoop
+from scheduler.engine.loop import EngineLoop
 
 log = logging.getLogger("mlx_gateway.models")
 

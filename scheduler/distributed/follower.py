@@ -11,13 +11,13 @@ import mlx.core as mx
 
 from cache import PromptCacheManager
 from scheduler.batch import Batch
-from scheduler.chunking import ChunkPlanner
+from scheduler.batch.chunking import ChunkPlanner
 from scheduler.distributed.cluster import Cluster, ClusterLost, SyncedGenerationBatch
-from scheduler.fairness import FairShare
-from scheduler.generator import JoiningBatchGenerator
+from scheduler.admission.fairness import FairShare
+from scheduler.batch.generator import JoiningBatchGenerator
 from scheduler.metrics import SchedulerMetrics
 from scheduler.request import EngineRequest, SamplingParams
-from scheduler.rows import EngineStats
+from scheduler.batch.rows import EngineStats
 from scheduler.sampling import greedy
 
 UNBOUNDED = 1 << 62

@@ -12,7 +12,7 @@ import time
 from cache import PromptCacheManager
 from scheduler.batch import Batch
 from scheduler.distributed.cluster import Cluster, ClusterLost, SyncedGenerationBatch, entry_key
-from scheduler.generator import JoiningBatchGenerator
+from scheduler.batch.generator import JoiningBatchGenerator
 from scheduler.request import ErrorEvent
 from scheduler.sampling import greedy
 

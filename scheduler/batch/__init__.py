@@ -1,12 +1,12 @@
 """The running batch: mlx-lm's ``BatchGenerator`` and the requests in it (engine thread only).
 
 Batching is mlx-lm's ``BatchGenerator`` (continuous batching with left padding) as
-:class:`scheduler.generator.JoiningBatchGenerator` runs it: rows that finish their
+:class:`scheduler.batch.generator.JoiningBatchGenerator` runs it: rows that finish their
 prompt join the decode step instead of running a forward of their own. A
 request's prompt is inserted as *segments* cut at its own checkpoint offsets, so
 prefill never crosses a checkpoint and each request's snapshot is extracted at exactly
 its own boundary, whatever the other rows of the batch are doing
-(:mod:`scheduler.insertion`, which also pauses and resumes prefilling rows).
+(:mod:`scheduler.batch.insertion`, which also pauses and resumes prefilling rows).
 
 The engine (:mod:`scheduler.engine`) decides what enters the batch and when;
 :class:`Batch` steps it and accounts for every row until it leaves.
@@ -21,16 +21,16 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from cache import PromptCacheManager
-from scheduler.chunking import ChunkPlanner
-from scheduler.fairness import FairShare
-from scheduler.first_tokens import FirstTokenStore, eligible
-from scheduler.generator import JoiningBatchGenerator
-from scheduler.insertion import RowInsertion
-from scheduler.row_failures import RowFailures
+from scheduler.batch.chunking import ChunkPlanner
+from scheduler.admission.fairness import FairShare
+from scheduler.batch.first_tokens import FirstTokenStore, eligible
+from scheduler.batch.generator import JoiningBatchGenerator
+from scheduler.batch.insertion import RowInsertion
+from scheduler.batch.row_failures import RowFailures
 from scheduler.metrics import SchedulerMetrics
-from scheduler.precompute import PrecomputeBook
+from scheduler.admission.precompute import PrecomputeBook
 from scheduler.request import DoneEvent, EngineRequest, ErrorEvent, Event, ProgressEvent, TokenEvent
-from scheduler.rows import RECENT, EngineStats, Row, holds_decode
+from scheduler.batch.rows import RECENT, EngineStats, Row, holds_decode
 from scheduler.sampling import greedy
 from scheduler.speculative import DraftSnapshots, SpeculationConfig, speculator
 
@@ -60,7 +60,7 @@ class Batch(RowInsertion, RowFailures):
         send: delivers events to a request's sink.
         speculation: speculative decoding of the decode batch (:mod:`scheduler.speculative`).
         first_tokens: where the first tokens of exact repeats come from, without a
-            forward (:mod:`scheduler.first_tokens`); None: not kept.
+            forward (:mod:`scheduler.batch.first_tokens`); None: not kept.
     """
 
     def __init__(
@@ -101,7 +101,7 @@ class Batch(RowInsertion, RowFailures):
         self.active: dict[int, Row] = {}
         self.by_id: dict[str, Row] = {}
         self._step_prefilled_at = 0.0
-        self._held = 0  # steps in a row that held the decoding rows back (scheduler.rows.holds_decode)
+        self._held = 0  # steps in a row that held the decoding rows back (scheduler.batch.rows.holds_decode)
         self._rate_window = [time.monotonic(), 0, 0]  # [start, prefill tokens, decode tokens]
 
     # ----------------------------------------------------------------- the generator
@@ -136,7 +136,7 @@ class Batch(RowInsertion, RowFailures):
 
     def kv_bytes(self) -> int:
         """Bytes of the generator's batch caches (:meth:`JoiningBatchGenerator.kv_bytes
-        <scheduler.generator.JoiningBatchGenerator.kv_bytes>`); 0 with no rows."""
+        <scheduler.batch.generator.JoiningBatchGenerator.kv_bytes>`); 0 with no rows."""
         return self.gen.kv_bytes() if self.gen is not None and self.active else 0
 
     # ----------------------------------------------------------------- rows in and out

@@ -1,5 +1,5 @@
 """What one model's engine does on the engine loop's thread: admission, stepping, the
-idle books. :class:`EngineCore` is the side the loop sees (:class:`scheduler.loop.Engine`);
+idle books. :class:`EngineCore` is the side the loop sees (:class:`scheduler.engine.loop.Engine`);
 :class:`scheduler.engine.Engine` adds what other threads call.
 """
 
@@ -16,19 +16,19 @@ from prometheus_client import CollectorRegistry
 
 from cache import PromptCacheManager
 from cache.restore import always_trimmable
-from scheduler.arrivals import Arrivals
+from scheduler.admission.arrivals import Arrivals
 from scheduler.batch import Batch
-from scheduler.classes import LatencyClasses
-from scheduler.chunking import ChunkPlanner
-from scheduler.first_tokens import FirstTokenStore
-from scheduler.forward_cost import ForwardCost
-from scheduler.loop import EngineLoop
+from scheduler.admission.classes import LatencyClasses
+from scheduler.batch.chunking import ChunkPlanner
+from scheduler.batch.first_tokens import FirstTokenStore
+from scheduler.batch.forward_cost import ForwardCost
+from scheduler.engine.loop import EngineLoop
 from scheduler.metrics import SchedulerMetrics
-from scheduler.policy import Admission, ClassShare, InFlight, WaitingQueue
-from scheduler.precompute import PrecomputeBook, PrecomputeMetrics
+from scheduler.admission.policy import Admission, ClassShare, InFlight, WaitingQueue
+from scheduler.admission.precompute import PrecomputeBook, PrecomputeMetrics
 from scheduler.request import DoneEvent, EngineRequest, ErrorEvent, Event, ProgressEvent, PromptEvent, SamplingParams
 from scheduler.speculative import SpeculationConfig
-from scheduler.rows import RECENT, AdmissionRecord, EngineStats, WaitingCounts
+from scheduler.batch.rows import RECENT, AdmissionRecord, EngineStats, WaitingCounts
 
 log = logging.getLogger("mlx_gateway.engine")
 
@@ -67,7 +67,7 @@ class EngineCore(LatencyClasses):
         self._share = ClassShare(loop.batch_share)  # prefill turns of the lower classes
         self._stream_share = ClassShare(loop.batch_share)  # their prefill while an interactive row decodes
         self._resume_share = ClassShare(loop.batch_share)  # their paused streams' place in a full batch
-        self._paused: list = []  # rows whose prefill waits for a better class (scheduler.rows.Row)
+        self._paused: list = []  # rows whose prefill waits for a better class (scheduler.batch.rows.Row)
         self._batch = Batch(
             model, self.eos_token_ids, prompt_concurrency=self.prompt_concurrency,
             decode_concurrency=self.decode_concurrency, prefill_step_size=prefill_step_size,
@@ -221,7 +221,7 @@ class EngineCore(LatencyClasses):
         a lower class is cut to the loop's interactive budget (or one decode step,
         when longer), so that the next interactive request waits at most about that long;
         while an interactive row decodes, lower classes do not prefill
-        (:meth:`_streams_first <scheduler.classes.LatencyClasses._streams_first>`)."""
+        (:meth:`_streams_first <scheduler.admission.classes.LatencyClasses._streams_first>`)."""
         cap = None
         lower = any(a.rank > 0 for a in self._batch.active.values() if not a.decoding)
         if lower and not decode_only and self._streams_first():

@@ -8,7 +8,7 @@ generator between two steps with its cache kept (:meth:`RowInsertion.pause`, for
 request of a better latency class) and put back later to go on from there
 (:meth:`RowInsertion.resume`); so can a decoding row, when a better class needs its
 place in a full decode batch. An exact repeat of a prompt whose first token's
-log-probabilities are kept (:mod:`scheduler.first_tokens`) starts decoding at once, its
+log-probabilities are kept (:mod:`scheduler.batch.first_tokens`) starts decoding at once, its
 whole prompt restored (:meth:`RowInsertion.join_ready`).
 """
 
@@ -25,11 +25,11 @@ from mlx_lm.models.cache import TokenBuffer
 
 from cache.checkpoints import row_snapshots
 from cache.entries import compact
-from scheduler.faults import RowFault
-from scheduler.first_tokens import eligible
-from scheduler.decode_batch import DecodingState
+from scheduler.batch.faults import RowFault
+from scheduler.batch.first_tokens import eligible
+from scheduler.batch.decode_batch import DecodingState
 from scheduler.request import DoneEvent, EngineRequest, ErrorEvent
-from scheduler.rows import Row
+from scheduler.batch.rows import Row
 from scheduler.sampling import make_processors, make_sampler
 
 log = logging.getLogger("mlx_gateway.engine")
@@ -45,9 +45,9 @@ class _First(NamedTuple):
 class RowInsertion:
     """How rows enter the generator: the base class of :class:`scheduler.batch.Batch`.
 
-    Uses the batch's ``gen`` (a :class:`scheduler.generator.JoiningBatchGenerator`),
+    Uses the batch's ``gen`` (a :class:`scheduler.batch.generator.JoiningBatchGenerator`),
     ``prompt_cache``, ``trimmable``, ``eos_token_ids``, ``first_tokens`` (a
-    :class:`scheduler.first_tokens.FirstTokenStore`, or None), ``active`` (rows by uid)
+    :class:`scheduler.batch.first_tokens.FirstTokenStore`, or None), ``active`` (rows by uid)
     and ``by_id`` (rows by request id), ``stats``, and its ``_send``, ``_finish``,
     ``_token_event`` and ``_count_failure``. Not usable on its own.
     """
@@ -85,7 +85,7 @@ class RowInsertion:
 
     def _start_from_first_token(self, r: EngineRequest, hit, logprobs) -> Row:
         """``r`` repeats a prompt whose first token's log-probabilities ``[V]`` are kept
-        (:mod:`scheduler.first_tokens`) and ``hit`` restored all of it: sample its first
+        (:mod:`scheduler.batch.first_tokens`) and ``hit`` restored all of it: sample its first
         token now, and make it a decoding row whose pending input is that token; it joins
         the decode batch, and its token is sent, at the next step's start
         (:meth:`join_ready`)."""
@@ -181,7 +181,7 @@ class RowInsertion:
         """Take the row ``a`` out of the generator between two steps, its cache kept (a
         compact copy), to be put back by :meth:`resume` and go on from there: a prefilling
         row keeps what it has prefilled (and its lease), a decoding row its whole state
-        (:class:`scheduler.decode_batch.DecodingState`: its pending token, sampler, grammar).
+        (:class:`scheduler.batch.decode_batch.DecodingState`: its pending token, sampler, grammar).
         False (``a`` left as it was) if it could not be taken out."""
         if a.decoding:
             return self._pause_decoding(a)

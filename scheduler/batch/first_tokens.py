@@ -30,7 +30,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from scheduler.decode_batch import INT32_LIMIT  # a vision model's image positions are ids at or above it
+from scheduler.batch.decode_batch import INT32_LIMIT  # a vision model's image positions are ids at or above it
 from scheduler.request import EngineRequest
 
 MAX_BYTES = 32 << 20  # bytes of kept log-probabilities and keys (about 54 prompts of a 150k vocabulary)

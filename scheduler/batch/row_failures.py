@@ -12,7 +12,7 @@ import traceback
 import mlx.core as mx
 
 from scheduler.request import ErrorEvent
-from scheduler.rows import Row
+from scheduler.batch.rows import Row
 
 log = logging.getLogger("mlx_gateway.engine")
 

@@ -10,9 +10,9 @@ from typing import Optional
 
 
 class LatencyClasses:
-    """The class rules of :class:`scheduler.core.EngineCore`, its base class: uses its
+    """The class rules of :class:`scheduler.engine.core.EngineCore`, its base class: uses its
     ``_waiting`` queue, ``_batch``, ``_paused`` rows, its share meters ``_share``,
-    ``_stream_share`` and ``_resume_share`` (:class:`scheduler.policy.ClassShare`, one per
+    ``_stream_share`` and ``_resume_share`` (:class:`scheduler.admission.policy.ClassShare`, one per
     decision), ``_loop``, ``metrics``, ``prompt_concurrency`` and ``decode_concurrency``.
     Not usable on its own."""
 
@@ -30,7 +30,7 @@ class LatencyClasses:
         """An interactive row decodes while only lower classes prefill: this step decodes
         only, so its next token comes after a decode step rather than after a prefill
         chunk too; except on the lower classes' guaranteed share of steps
-        (:class:`scheduler.policy.ClassShare`)."""
+        (:class:`scheduler.admission.policy.ClassShare`)."""
         rows = list(self._batch.active.values())
         if any(not a.decoding and a.rank == 0 for a in rows) or not any(a.decoding and a.rank == 0 for a in rows):
             return False
@@ -41,7 +41,7 @@ class LatencyClasses:
         """The decode batch is full and requests of a better class than some decoding row
         wait: pause decoding rows of the lowest classes (the latest first), one per such
         request of the best class waiting and free prompt slot, their whole state kept
-        (:meth:`Batch.pause <scheduler.insertion.RowInsertion.pause>`); not the rows of
+        (:meth:`Batch.pause <scheduler.batch.insertion.RowInsertion.pause>`); not the rows of
         ``spare`` (request ids: put back this turn). They go on where they stopped, with the
         tokens they would have had (:meth:`_resume_streams`)."""
         if len(self._batch.active) < self.decode_concurrency or not len(self._waiting):
@@ -59,7 +59,7 @@ class LatencyClasses:
     def _resume_streams(self) -> frozenset:
         """Put paused decoding rows back (the best class, then the earliest, first) while
         the decode batch has room and no request of a better class waits for it, or when
-        their guaranteed share of turns comes round (:class:`scheduler.policy.ClassShare`:
+        their guaranteed share of turns comes round (:class:`scheduler.admission.policy.ClassShare`:
         they always finish); the request ids put back."""
         streams = sorted((a for a in self._paused if a.decoding), key=lambda a: (a.rank, a.request.arrival))
         best_waiting = min(self._waiting.classes(), default=3)
