@@ -37,7 +37,7 @@ from scheduler.speculative import DraftSnapshots, SpeculationConfig, speculator
 log = logging.getLogger("mlx_gateway.engine")
 
 
-class Batch(RowInsertion, RowFailures):
+class Batch:
     """The ``BatchGenerator`` and its rows, by uid (:attr:`active`) and by request id
     (:attr:`by_id`); used on the engine thread only.
 
@@ -100,6 +100,11 @@ class Batch(RowInsertion, RowFailures):
         self.gen: Optional[JoiningBatchGenerator] = None
         self.active: dict[int, Row] = {}
         self.by_id: dict[str, Row] = {}
+        self.failures = RowFailures(stats, precomputes, metrics, self._finish)
+        self.insertion = RowInsertion(
+            generator=lambda: self.gen, rows=self.active, by_id=self.by_id, prompt_cache=prompt_cache,
+            trimmable=trimmable, eos_token_ids=eos_token_ids, first_tokens=first_tokens, failures=self.failures,
+            stats=stats, send=send, finish=self._finish, token_event=self._token_event)
         self._step_prefilled_at = 0.0
         self._held = 0  # steps in a row that held the decoding rows back (scheduler.batch.rows.holds_decode)
         self._rate_window = [time.monotonic(), 0, 0]  # [start, prefill tokens, decode tokens]
@@ -198,6 +203,17 @@ class Batch(RowInsertion, RowFailures):
         a.lease = None
         self._send(a.request, [*(before or []), event])
 
+    def _fail_row(self, a: Row, message: str) -> None:
+        """Take ``a`` out of the generator and end it with a 500 ``message``; the other rows go on."""
+        self.gen.remove([a.uid])
+        self.failures.fail(a, message)
+
+    def _fail_batch(self, error: Exception) -> None:
+        """A batch step raised: fail the requests in it, start a fresh batch, keep serving."""
+        self.failures.fail_step(list(self.active.values()), error)
+        self.close()
+        self.open()
+
     def drop_all(self, reason: str) -> None:
         """The engine stops: end every row with a 503 ``reason`` and release its lease."""
         for a in list(self.active.values()):
@@ -221,7 +237,7 @@ class Batch(RowInsertion, RowFailures):
             share: this engine's share of the loop's prefill budget this turn (other
                 models prefill in the same turn).
         """
-        self.join_ready()
+        self.insertion.join_ready()
         prefill_rows = [a for a in self.active.values() if not a.decoding]
         classes = tuple(sorted({a.rank for a in prefill_rows}))
         prefilling = len(prefill_rows)
@@ -271,7 +287,7 @@ class Batch(RowInsertion, RowFailures):
         self.chunks.record(chunk, prefilled, decoding + decoding_elsewhere, seconds, classes, context, prefilling)
         if hold:
             self.metrics.decode_holds.inc()
-        self._fail_faulty_rows()
+        self.failures.fail_faulty(list(self.active.values()), self._fail_row)
         events: dict[int, list[Event]] = {}
         for gr in gen_responses:
             a = self.active.get(gr.uid)

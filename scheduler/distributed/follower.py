@@ -189,18 +189,18 @@ class FollowerBatch(Batch):
             r = EngineRequest(rid, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
                               sink=lambda events: None,
                               checkpoints=checkpoints, namespace=namespace, keep=keep)
-            a = self.start_row(r, extra, background)
+            a = self.insertion.start_row(r, extra, background)
             if a is not None and background:
                 a.precompute = True
             self._outcome = None if a is None else a.cached
         elif kind == "pause":
             a = self.by_id.get(op[1])
-            self._outcome = a is not None and self.pause(a)
+            self._outcome = a is not None and self.insertion.pause(a)
             if self._outcome:
                 self.paused[op[1]] = a
         elif kind == "resume":
             a = self.paused.pop(op[1], None)
-            self._outcome = a is not None and self.resume(a)
+            self._outcome = a is not None and self.insertion.resume(a)
         elif kind == "cancel":
             self._outcome = self.cancel(op[1], op[2])
         elif kind == "preempt":
@@ -215,7 +215,7 @@ class FollowerBatch(Batch):
         elif kind == "drop_paused":
             a = self.paused.pop(op[1], None)
             if a is not None:
-                self.drop_paused(a)
+                self.insertion.drop_paused(a)
         elif kind == "check":
             _, what, rid, outcome = op
             if outcome != self._outcome:
