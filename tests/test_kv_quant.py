@@ -150,7 +150,7 @@ def test_quantized_snapshots_are_paged_on_the_radix_tree(bits):
         assert fresh.offset == len(key)
         assert assert_same_greedy(model, hit.cache, cold, [5], steps=8) > 0
         manager.release(hit.lease)
-    assert manager.flush() == len(keys) and manager.nbytes == 0
+    assert manager.eviction.flush() == len(keys) and manager.nbytes == 0
     manager.close()
 
 

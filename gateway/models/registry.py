@@ -356,8 +356,7 @@ class ModelRegistry:
         try:
             handle.engine.stop(timeout=PERSIST_SECONDS + 10, reason=f"the model '{slot.name}' was unloaded")
         finally:
-            if handle.engine.prompt_cache is not None:  # (an embedding model has none)
-                handle.engine.prompt_cache.close()
+            handle.engine.close_cache()
             self.metrics.per_model.remove(slot.name)
             self.metrics.loaded.labels(slot.name).set(0)
             self.metrics.weights.labels(slot.name).set(0)

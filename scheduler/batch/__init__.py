@@ -43,7 +43,9 @@ class Batch:
 
     The generator is made by :meth:`open` and dropped by :meth:`close`, both on the
     engine thread; a failed step replaces it with a fresh one, so read :attr:`gen` each
-    time rather than keeping it.
+    time rather than keeping it. Its parts: :attr:`insertion` (rows in, paused, resumed:
+    :class:`~scheduler.batch.insertion.RowInsertion`) and :attr:`failures` (rows that fail:
+    :class:`~scheduler.batch.row_failures.RowFailures`).
 
     Args:
         model: an mlx-lm model.
@@ -83,7 +85,6 @@ class Batch:
         first_tokens: Optional[FirstTokenStore] = None,
     ):
         self.model = model
-        self.eos_token_ids = eos_token_ids
         self.prompt_concurrency = prompt_concurrency
         self.decode_concurrency = decode_concurrency
         self.prefill_step_size = prefill_step_size

@@ -59,9 +59,6 @@ class FollowerCache(PromptCacheManager):
             self._leases.pop(lease.id, None)
         super().release(lease)
 
-    def _shed(self, namespace) -> None:
-        pass  # rank 0's quota evictions come as "drop"
-
     def _eviction_plan(self, namespace, run):
         while True:
             op = self.stream.next()

@@ -10,8 +10,9 @@ project's field notes).
 
 The engine decides what enters its batch and when (admission, next-turn precomputes);
 the running batch itself is :class:`scheduler.batch.Batch`. It owns its prefix cache:
-the gateway asks it to flush, set quotas or report (:meth:`Engine.flush_cache`,
-:meth:`Engine.set_cache_quotas`, :meth:`Engine.cache_bytes`), never the cache itself.
+the gateway asks it to flush, set quotas, close or report (:meth:`Engine.flush_cache`,
+:meth:`Engine.apply_quotas`, :meth:`Engine.close_cache`,
+:meth:`Engine.cache_bytes`), never the cache itself.
 """
 
 from __future__ import annotations
@@ -211,19 +212,31 @@ class Engine(EngineCore):
         Raises:
             EngineDead, TimeoutError: see :meth:`call`.
         """
-        return self.call(lambda: self.prompt_cache.flush(cache_group), timeout)
+        return self.call(lambda: self.prompt_cache.eviction.flush(cache_group), timeout)
 
-    def set_cache_quotas(self, quotas: Callable[[], dict[str, int]], timeout: float = 60.0) -> Future:
-        """Apply per-cache-group byte quotas on the engine thread (a smaller one evicts
-        snapshots), without waiting: safe from a signal handler on the event loop.
-        ``quotas()`` is read when it runs, so two posts applied in either order leave the
-        newest table.
+    def apply_quotas(self, quotas: Callable[[], dict[str, int]], timeout: float = 60.0) -> Future:
+        """Apply per-cache-group byte quotas (bytes; a smaller one evicts snapshots): at once
+        on an engine not started yet, else on the engine thread without waiting (safe from
+        a signal handler on the event loop). ``quotas()`` is read when they are applied, so
+        two calls applied in either order leave the newest table.
 
         Returns:
             A Future done once they are applied; it holds :class:`EngineDead`,
-            :class:`TimeoutError` or the error raised if they could not be.
+            :class:`TimeoutError` or the error raised (ValueError: a negative quota).
         """
-        return self._post_call(lambda: self.prompt_cache.set_quotas(quotas()), timeout)
+        if self._started:
+            return self._post_call(lambda: self.prompt_cache.eviction.set_quotas(quotas()), timeout)
+        done: Future = Future()
+        try:
+            done.set_result(self.prompt_cache.eviction.set_quotas(quotas()))
+        except Exception as e:
+            done.set_exception(e)
+        return done
+
+    def close_cache(self) -> None:
+        """The model is unloaded (after :meth:`stop`): its prefix cache leaves the byte
+        budget it shares with the other models' (``cache/budget.py``)."""
+        self.prompt_cache.close()
 
     def kv_bytes(self, timeout: float = 60.0) -> int:
         """Bytes of the running batch's KV caches (asked on the engine thread; 0 when idle).

@@ -162,10 +162,13 @@ class EmbeddingEngine:
     def flush_cache(self, cache_group: Optional[str] = None, timeout: float = 60.0) -> int:
         return 0
 
-    def set_cache_quotas(self, quotas, timeout: float = 60.0) -> Future:
+    def apply_quotas(self, quotas, timeout: float = 60.0) -> Future:
         done: Future = Future()
         done.set_result(None)
         return done
+
+    def close_cache(self) -> None:
+        pass
 
     def kv_bytes(self, timeout: float = 60.0) -> int:
         return 0
