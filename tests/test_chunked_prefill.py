@@ -61,7 +61,7 @@ def chunked_beside_streams_matches_solo(arch: str, **server_args) -> None:
             async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
                 solo_long = await stream_completion_logprobs(c, long_prompt, 6, no_eos)
                 solo_short = [await stream_completion_logprobs(c, s, 60, no_eos) for s in shorts]
-                engine.call(engine.prompt_cache.flush)
+                engine.flush_cache()
                 before = engine.chunks.budgeted_steps
                 started = [asyncio.Event() for _ in shorts]
                 tasks = [asyncio.create_task(stream_completion_logprobs(c, s, 60, no_eos, e)) for s, e in zip(shorts, started)]

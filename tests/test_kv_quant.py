@@ -42,9 +42,9 @@ def test_every_path_gives_the_cold_single_tokens(arch, bits):
     try:
         solo = []
         for p in prompts:  # cold, one at a time
-            engine.call(engine.prompt_cache.flush)
+            engine.flush_cache()
             solo.append(engine_tokens(engine, [p], [12])[0])
-        engine.call(engine.prompt_cache.flush)
+        engine.flush_cache()
         assert engine_tokens(engine, prompts, [12] * len(prompts)) == solo  # batched, left-padded, chunked
         warm = engine_tokens(engine, prompts, [12] * len(prompts))  # every prompt cached (quantized snapshots)
         assert warm == solo

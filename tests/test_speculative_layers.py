@@ -183,7 +183,7 @@ def test_greedy_tokens_equal_plain_decoding(arch, scripted):
     engine = _engine(model, tok, NGRAM)
     try:
         solo = [engine_tokens(engine, [p], [m])[0] for p, m in zip(prompts, max_tokens)]
-        engine.call(engine.prompt_cache.flush)
+        engine.flush_cache()
         burst = engine_tokens(engine, prompts, max_tokens)  # batched, cold
         warm = engine_tokens(engine, prompts, max_tokens)  # batched, every prompt (and answer) cached
         assert engine.wait_idle(60)

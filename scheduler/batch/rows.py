@@ -103,8 +103,8 @@ class Row:
     tokens restored from the prefix cache and ``processed`` those prefilled since;
     ``pending_snapshots`` are the absolute prompt offsets (tokens) where it will still
     save a snapshot; ``marks`` where its prefill segments end. A row paused for a better
-    latency class (:meth:`Batch.pause <scheduler.batch.Batch.pause>`: its prefill between
-    two chunks, or its decoding when the decode batch is full) is out of the generator
+    latency class (:meth:`RowInsertion.pause <scheduler.batch.insertion.RowInsertion.pause>`:
+    its prefill between two chunks, or its decoding when the decode batch is full) is out of the generator
     and holds its state in ``paused``; ``progress_base`` is what it had prefilled when it
     was put back (the generator counts from there).
     """
