@@ -1,5 +1,5 @@
 """Warm rows joining a decoding batch: mlx-lm's ``BatchGenerator`` against the gateway's
-``JoiningBatchGenerator`` (``scheduler/generator.py``), same model, same run; prints
+``JoiningBatchGenerator`` (``scheduler/batch/generator.py``), same model, same run; prints
 figures, asserts nothing.
 
 One row decodes; six rows whose prompts (580 + 300 tokens) are cached up to their last
@@ -31,7 +31,7 @@ from mlx_lm.generate import BatchGenerator  # noqa: E402
 from conftest import CountingModel, prefilled  # noqa: E402
 from scenarios import medium_model, timed  # noqa: E402
 
-from scheduler.generator import JoiningBatchGenerator  # noqa: E402
+from scheduler.batch.generator import JoiningBatchGenerator  # noqa: E402
 
 
 def join_once(cls, model: CountingModel, prompts, caches) -> tuple[float, int]:

@@ -101,10 +101,10 @@ def setting(model_dir: str, bits, prompts: list[list[int]], long_prompt: list[in
         prefill = len(long_prompt) / (s.times[0] - tic)
         decode = {}
         for n in (1, 4):
-            engine.call(engine.prompt_cache.flush)
+            engine.flush_cache()
             sinks = run(engine, [p + [7 + n] for p in prompts[:n]], 64)
             decode[n] = sum((len(x.times) - 1) / (x.times[-1] - x.times[0]) for x in sinks if len(x.times) > 1)
-        engine.call(engine.prompt_cache.flush)
+        engine.flush_cache()
         answers = [s.tokens for s in run(engine, prompts, 64)]
     finally:
         engine.stop()

@@ -26,7 +26,7 @@ from mlx_lm.models.cache import KVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cache import PromptCacheManager  # noqa: E402
-from scheduler.policy import InFlight, WaitingQueue  # noqa: E402
+from scheduler.admission.policy import InFlight, WaitingQueue  # noqa: E402
 from scheduler.request import EngineRequest, SamplingParams  # noqa: E402
 
 

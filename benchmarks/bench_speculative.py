@@ -8,7 +8,7 @@ weights copy their context), else a random-weight model of SmolLM2-135M's shape 
 128k tokens, makes the output layer about 2.6x SmolLM2's), float32. Each setting is a
 fresh ``mlx-gateway serve`` subprocess; the workloads, streamed over the chat API:
 
-* ``code-edit``: the prompt holds a ~1,500-token source file (``scheduler/batch.py``) and
+* ``code-edit``: the prompt holds a ~1,500-token source file (``scheduler/batch/__init__.py``) and
   asks for it back with one rename; greedy, ``--answer`` tokens. Random weights do not
   edit the file: their greedy output falls into a loop within a few tokens, which prompt
   lookup predicts almost perfectly, so there the figure is the mechanism's ceiling, not
@@ -149,7 +149,7 @@ def first_layers_draft(model_dir: str, n: int) -> str:
 
 
 def code_prompt(n_chars: int = 6000) -> list[dict]:
-    source = (ROOT / "scheduler" / "batch.py").read_text()[:n_chars]
+    source = (ROOT / "scheduler" / "batch" / "__init__.py").read_text()[:n_chars]
     return [{"role": "user", "content": "Here is a Python file:\n\n```python\n" + source + "\n```\n\n"
              "Write the whole file again with the class `Batch` renamed to `RunningBatch`. "
              "Change nothing else."}]

@@ -21,7 +21,7 @@ from typing import Optional, Protocol
 
 
 class Bounded(Protocol):
-    """What the budget needs of a prompt-cache manager (:class:`cache.manager.PromptCacheManager`)."""
+    """What the budget needs of a prompt cache: its eviction part (:class:`cache.lru.LRUEviction`)."""
 
     @property
     def nbytes(self) -> int: ...

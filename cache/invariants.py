@@ -32,7 +32,7 @@ def check_manager(mgr: Any) -> None:
             assert e.num_tokens == node.depth
             off = rules.token_count([c for c in e.private if c is not None])
             assert off is None or off == node.depth
-            assert (e.leases == 0) == (e in mgr._lru)
+            assert (e.leases == 0) == (e in mgr.eviction)
             seen.append(e)
 
         group.tree.sanity_check(check)
@@ -55,10 +55,10 @@ def check_manager(mgr: Any) -> None:
         assert {t: g for t, g in group.by_type.items() if g != [0, 0]} == sums, f"gauges of {ns}"
     assert len(seen) == mgr._entries
     assert sum(e.leases for e in seen) == mgr._num_leases
-    assert len(mgr._lru) == sum(1 for e in seen if e.leases == 0)
+    assert len(mgr.eviction) == sum(1 for e in seen if e.leases == 0)
     assert mgr.nbytes <= mgr.max_bytes, "byte bound broken"
     assert mgr._entries <= mgr.max_entries, "entry bound broken"
-    for ns, q in mgr._quotas.items():
-        assert mgr._quota_bytes(ns) <= q or all(
-            e.leases for e in seen if mgr._quota_key(e.namespace) == ns
+    for ns, q in mgr.eviction.quotas.items():
+        assert mgr.eviction.quota_bytes(ns) <= q or all(
+            e.leases for e in seen if mgr.eviction.quota_key(e.namespace) == ns
         ), f"quota of {ns} broken"

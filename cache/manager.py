@@ -38,7 +38,6 @@ import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,13 +61,13 @@ log = logging.getLogger(__name__)
 _BELOW_SEARCH_LIMIT = 64
 
 
-class PromptCacheManager(LRUEviction):
+class PromptCacheManager:
     """A bounded, leased, namespaced prefix cache of mlx-lm prompt-cache snapshots.
 
     Full-attention KV is stored once per unique token per namespace, in pages on the
     tree's edges (``pages.py``); other layer types are kept whole per snapshot. The
-    recency order and the evictions (quotas, the shared budget, :meth:`flush`) are its
-    base class, :class:`cache.lru.LRUEviction`.
+    recency order and the evictions (quotas, companions, the shared budget, flushes) are
+    its part :attr:`eviction` (:class:`cache.lru.LRUEviction`).
 
     Args:
         max_bytes: bound on the bytes held: every page once, plus every snapshot's own
@@ -101,16 +100,17 @@ class PromptCacheManager(LRUEviction):
         # valid while it is unchanged (the admission policy memoizes on it).
         self.version = 0
         self._groups: dict[str, Group] = {}
-        self._lru: OrderedDict[Entry, None] = OrderedDict()  # unleased entries, oldest first
         self._entries = 0
         self._num_leases = 0
         self._lease_ids = itertools.count(1)
-        self._quotas: dict[str, int] = {}  # namespace -> byte quota
-        self._owners: dict[str, str] = {}  # companion namespace -> its owner (add_companion)
         self.disk: DiskLink | None = None
+        self.eviction = LRUEviction(  # late-bound calls: the distributed ranks replace _drop
+            self._lock, self.metrics, self.max_bytes, self.max_entries, nbytes=lambda: self.nbytes,
+            namespace_bytes=self.namespace_bytes, num_entries=lambda: self._entries,
+            drop=lambda e, spill: self._drop(e, spill), disk=lambda: self.disk)
         self.budget = budget
         if budget is not None:
-            budget.join(self)
+            budget.join(self.eviction)
 
     def attach_disk(self, link: "DiskLink") -> None:
         """Use a disk tier (``tiering.py``): evicted snapshots are written to it, and a
@@ -173,7 +173,7 @@ class PromptCacheManager(LRUEviction):
             count: count the lookup in the hit-rate metrics (False for the server's
                 own background work, e.g. next-turn precompute).
             whole: the caller knows the logits after ``tokens`` (an exact repeat,
-                :mod:`scheduler.first_tokens`): restore all of them where an entry can,
+                :mod:`scheduler.batch.first_tokens`): restore all of them where an entry can,
                 else as without.
 
         With a disk tier, an entry on disk that restores more than memory would is read
@@ -184,7 +184,7 @@ class PromptCacheManager(LRUEviction):
             ``hit.cache`` and must :meth:`release` ``hit.lease`` when done.
         """
         t0 = time.perf_counter()
-        from_disk = self._spills(namespace) and self._load_from_disk(namespace, tokens)
+        from_disk = self.eviction.spills(namespace) and self._load_from_disk(namespace, tokens)
         with self._lock:
             sel = self._select(namespace, tokens, whole)
             lease = None
@@ -237,7 +237,7 @@ class PromptCacheManager(LRUEviction):
     # -- leases ---------------------------------------------------------------
     def _acquire(self, entry: Entry) -> None:
         if entry.leases == 0:
-            self._lru.pop(entry, None)
+            self.eviction.discard(entry)
         entry.leases += 1
         self._num_leases += 1
         self.metrics.leases.set(self._num_leases)
@@ -254,9 +254,8 @@ class PromptCacheManager(LRUEviction):
             entry.leases -= 1
             self._num_leases -= 1
             if entry.leases == 0 and entry.alive:
-                self._lru[entry] = None  # most recently used end
-                entry.used = time.monotonic()
-                self._shed(entry.namespace)  # its quota shrank while it was leased
+                self.eviction.add(entry)  # most recently used end
+                self.eviction.shed(entry.namespace)  # its quota shrank while it was leased
             self.metrics.leases.set(self._num_leases)
 
     # -- insert ---------------------------------------------------------------
@@ -269,9 +268,7 @@ class PromptCacheManager(LRUEviction):
             node = group.tree.find(tokens) if group is not None else None
             if node is None or node.value is None:
                 return False
-            self._keep(node.value, keep_for)
-            if node.value.leases == 0:
-                self._touch(node.value)
+            self.eviction.used(node.value, keep_for)
             return True
 
     def insert(self, namespace: str, tokens: Sequence[int], cache: list[Any], keep_for: float | None = None) -> bool:
@@ -321,16 +318,14 @@ class PromptCacheManager(LRUEviction):
             m = group.tree.match(tokens)
             node = m.below if m.matched == n and m.below is not None and m.below.depth == n else None
             if node is not None and node.value is not None:  # raced with another insert
-                self._keep(node.value, keep_for)
-                if node.value.leases == 0:
-                    self._touch(node.value)
+                self.eviction.used(node.value, keep_for)
                 return True
             run = EvictionDryRun(NewKey(n, m.matched, m.below, entry.private_bytes, token_bytes(cache)))
             plan = self._eviction_plan(namespace, run)
             if plan is None:
                 return False
             for victim, reason in plan:
-                self._drop(victim)
+                self._drop(victim, True)
                 self.metrics.evictions.labels(reason=reason).inc()
             node = group.tree.insert(tokens)
             if node.pages is None:
@@ -338,9 +333,8 @@ class PromptCacheManager(LRUEviction):
             group.tree.set_value(node, entry)
             self.version += 1
             entry.node = node
-            self._lru[entry] = None
-            entry.used = time.monotonic()
-            self._keep(entry, keep_for)
+            self.eviction.add(entry)
+            self.eviction.used(entry, keep_for)
             self._entries += 1
             self._account(group, entry, +1)
         if self.budget is not None:
@@ -348,6 +342,29 @@ class PromptCacheManager(LRUEviction):
         if self.disk is not None:
             self.disk.spill()  # what this insert evicted
         return True
+
+    def _eviction_plan(self, namespace: str, run: EvictionDryRun) -> list[tuple[Entry, str]] | None:
+        """:meth:`LRUEviction.plan <cache.lru.LRUEviction.plan>` (the distributed ranks
+        record and replay it). Lock held."""
+        return self.eviction.plan(namespace, run)
+
+    def _drop(self, entry: Entry, spill: bool = True) -> None:
+        """Remove an unleased entry from its tree, the recency order and the accounting;
+        with a disk tier, queue it for the disk if ``spill``. Lock held."""
+        assert entry.leases == 0 and entry.alive
+        if entry.keep_until > time.monotonic():
+            self.metrics.kept_evicted.inc()  # memory forced out a breakpoint's prefix before its ttl
+        self.eviction.discard(entry)
+        group = self._groups[entry.namespace]
+        if spill and self.eviction.spills(entry.namespace):
+            self.disk.evicted(self._spill_of(group, entry))
+        group.tree.remove_value(entry.node)  # prunes the pages no snapshot needs any more
+        self.version += 1
+        entry.alive = False
+        entry.node = None
+        entry.private = None
+        self._entries -= 1
+        self._account(group, entry, -1)
 
     def _account(self, group: Group, entry: Entry, sign: int) -> None:
         """Update totals and gauges after ``entry`` was stored (+1) or dropped (-1). Lock held."""
@@ -366,7 +383,7 @@ class PromptCacheManager(LRUEviction):
     def close(self) -> None:
         """Leave the shared budget, if any (the model is unloaded)."""
         if self.budget is not None:
-            self.budget.leave(self)
+            self.budget.leave(self.eviction)
 
     # -- disk tier --------------------------------------------------------------
     def _spill_of(self, group: Group, entry: Entry) -> Spill:
@@ -386,9 +403,9 @@ class PromptCacheManager(LRUEviction):
         if self.disk is None:
             return 0
         with self._lock:
-            live = [e for e in (*self._lru, *self._leased()) if e.alive]
+            live = [e for e in (*self.eviction, *self._leased()) if e.alive]
             spills = [self._spill_of(self._groups[e.namespace], e) for e in reversed(live)
-                      if not (e.trimmable and e.node.children) and self._spills(e.namespace)]
+                      if not (e.trimmable and e.node.children) and self.eviction.spills(e.namespace)]
         sent = self.disk.spill(spills)
         if not self.disk.close(timeout):
             log.warning("the disk tier did not finish its writes in %s s", timeout)

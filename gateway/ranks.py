@@ -60,7 +60,7 @@ def serve_follower(cfg: ServeConfig, spec: ModelSpec, cluster: distributed.Clust
     from gateway.backend import backend
     from gateway.models.loader import logits_size, resolve_path
     from cache.quantized import quantize_kv
-    from scheduler.equivalence import batch_is_exact
+    from scheduler.batch.equivalence import batch_is_exact
 
     # The same steps, and so the same collectives, as gateway.models.loader.load_model.
     model_path = Path(download(resolve_path(spec)))

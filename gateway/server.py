@@ -30,7 +30,7 @@ from gateway.telemetry.request_log import configure_logging
 from gateway.tenancy.limits_setup import check_limits_store, make_limiter
 from gateway.tenancy.tenants import TenantsFileError, TenantTable, load_tenants, open_table, single_key_table
 from scheduler.engine import PERSIST_SECONDS
-from scheduler.loop import EngineLoop
+from scheduler.engine.loop import EngineLoop
 
 log = logging.getLogger("mlx_gateway")
 
@@ -114,8 +114,7 @@ def _load(spec: ModelSpec, registry: CollectorRegistry, reserve, *, cfg: ServeCo
 
     def configure(engine) -> None:
         table = tenants()
-        if engine.prompt_cache is not None:  # (an embedding model has none)
-            engine.prompt_cache.set_quotas(table.quotas())
+        engine.apply_quotas(table.quotas).result()  # not started: applied now (raises if it failed)
         engine.prime_metrics([t.name for t in table.all()], {t.cache_group for t in table.all()})
 
     handle = load_model(spec, cfg, loop, registry, reserve, cache_budget, configure)
@@ -224,7 +223,7 @@ def apply_tenants(front: Front, table: TenantTable) -> None:
     front.tenants = table
     prime_metrics(front)
     for h in front.models.handles():
-        h.engine.set_cache_quotas(lambda: front.tenants.quotas())  # the newest table when it runs
+        h.engine.apply_quotas(lambda: front.tenants.quotas())  # the newest table when it runs
 
 
 def prime_metrics(front: Front) -> None:

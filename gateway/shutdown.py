@@ -5,7 +5,7 @@ On the first SIGTERM (or SIGINT) the server drains: ``front.draining`` is set, s
 generation requests get 503 ``shutting_down`` with ``Retry-After`` and ``/health``
 answers 503, while the requests already running go on. When they have all ended, or
 ``--shutdown-grace`` seconds after the signal, uvicorn stops. Requests still running at
-the end of the grace period are cut first (:meth:`EngineLoop.stop <scheduler.loop.EngineLoop.stop>`): each stream gets its
+the end of the grace period are cut first (:meth:`EngineLoop.stop <scheduler.engine.loop.EngineLoop.stop>`): each stream gets its
 protocol's final error event (503), each cut request a WARNING line naming it and
 ``finish_reason: "error"`` in its request log record. A second signal cuts them at once;
 a third exits without waiting for the connections to close.

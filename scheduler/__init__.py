@@ -2,7 +2,7 @@
 
 from scheduler.engine import Engine
 from scheduler.request import EngineRequest, SamplingParams
-from scheduler.rows import AdmissionRecord, EngineDead, EngineOverloaded, TenantQueueFull
+from scheduler.batch.rows import AdmissionRecord, EngineDead, EngineOverloaded, TenantQueueFull
 
 __all__ = [
     "AdmissionRecord", "Engine", "EngineDead", "EngineOverloaded", "EngineRequest", "SamplingParams",

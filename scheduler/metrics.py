@@ -127,12 +127,12 @@ class SchedulerMetrics:
         self.repeat_first_tokens = Counter(
             "mlx_gateway_repeat_first_tokens",
             "Exact repeats of a recent prompt whose first token was sampled from the "
-            "log-probabilities kept after its earlier run, with no forward (scheduler.first_tokens).",
+            "log-probabilities kept after its earlier run, with no forward (scheduler.batch.first_tokens).",
             registry=registry)
         self.first_token_store_bytes = Gauge(
             "mlx_gateway_first_token_store_bytes",
             "Bytes of log-probabilities kept for the first tokens of exact repeats "
-            "(at most scheduler.first_tokens.MAX_BYTES).",
+            "(at most scheduler.batch.first_tokens.MAX_BYTES).",
             registry=registry)
         self.engine_errors = Counter(
             "mlx_gateway_engine_step_errors",

@@ -102,7 +102,7 @@ class EngineRequest:
         mask: the grammar's token mask (:class:`scheduler.grammar.TokenMask`) for
             constrained decoding, or None for free text. Used by this request only.
         priority: its latency class: 0 interactive, 1 standard, 2 batch; lower is served
-            first (:mod:`scheduler.policy`).
+            first (:mod:`scheduler.admission.policy`).
         keep: prompt offsets (tokens) of cache breakpoints, with the seconds the prefix
             cache keeps each snapshot taken there (each is also in ``checkpoints``).
         processors: further logits processors of this request alone, applied before its

@@ -431,7 +431,7 @@ class EventSink:
 
 def engine_tokens(engine, prompts: list[list[int]], params: list, timeout: float = 120.0) -> list[list[int]]:
     """Submit ``prompts`` (token ids) to ``engine`` as one burst (an idle engine starts them
-    together, ``scheduler.arrivals``), each with its ``SamplingParams`` (an int: greedy with
+    together, ``scheduler.admission.arrivals``), each with its ``SamplingParams`` (an int: greedy with
     that ``max_tokens``); wait for all of them and return each one's generated tokens."""
     import uuid
 

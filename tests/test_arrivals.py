@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 from cache import PromptCacheManager
 from conftest import EventSink, live_server, model_path, wait_until
 from scheduler import Engine, EngineRequest, SamplingParams
-from scheduler.precompute import GRACE, Precompute, PrecomputeBook, PrecomputeMetrics
+from scheduler.admission.precompute import GRACE, Precompute, PrecomputeBook, PrecomputeMetrics
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +187,7 @@ def test_a_precompute_waits_for_requests_being_prepared(model):
 
 
 def test_concurrent_preparations_count_exactly():
-    from scheduler.arrivals import Arrivals
+    from scheduler.admission.arrivals import Arrivals
 
     woken = []
     arrivals = Arrivals(lambda: woken.append(1))

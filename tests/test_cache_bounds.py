@@ -68,7 +68,7 @@ def test_randomized_bounds_and_leases(seed, quota):
     max_bytes, max_entries = 70_000, 12
     mgr = PromptCacheManager(max_bytes=max_bytes, max_entries=max_entries)
     if quota is not None:
-        mgr.set_quotas({"kv": quota})
+        mgr.eviction.set_quotas({"kv": quota})
     namespaces = {"kv": "kv", "hyb": "hyb"}
     bases = [[rng.randrange(4) for _ in range(60)] for _ in range(4)]
     held = []  # (lease, cache copy, tokens)
@@ -112,7 +112,7 @@ def test_randomized_bounds_and_leases(seed, quota):
             assert lease._entry.alive  # leased entries are never evicted
             mgr.release(lease)
         elif op >= 0.98:
-            mgr.flush(rng.choice([None, "kv", "hyb"]))
+            mgr.eviction.flush(rng.choice([None, "kv", "hyb"]))
         assert mgr.nbytes <= max_bytes and mgr.num_entries <= max_entries
         if quota is not None:
             assert mgr.namespace_bytes("kv") <= quota
@@ -163,11 +163,11 @@ def test_namespaces_isolate_and_flush():
     hit = mgr.fetch("tenant-a", toks)
     assert hit.cached_tokens == len(toks) - 1
     mgr.insert("tenant-b", toks[:5], make("kv", toks[:5]))
-    assert mgr.flush("tenant-a") == 0  # leased: kept
+    assert mgr.eviction.flush("tenant-a") == 0  # leased: kept
     mgr.release(hit.lease)
-    assert mgr.flush("tenant-a") == 1
+    assert mgr.eviction.flush("tenant-a") == 1
     assert mgr.num_entries == 1 and mgr.match_length("tenant-b", toks) == 5
-    assert mgr.flush() == 1 and mgr.num_entries == 0 and mgr.nbytes == 0
+    assert mgr.eviction.flush() == 1 and mgr.num_entries == 0 and mgr.nbytes == 0
     assert sample(mgr.registry, "mlx_gateway_prompt_cache_evictions_total", reason="flush") == 2
     mgr.sanity_check()
 
@@ -217,7 +217,7 @@ def test_metrics_counters_and_gauges():
     assert sample(reg, "mlx_gateway_prompt_cache_fetch_seconds_count", phase="copy") == 1
     assert mgr.match_length("ns1", toks + [1]) == 32
     assert sample(reg, "mlx_gateway_prefix_cache_queries_total", cache_group="ns1") == 2  # match_length is not a query
-    mgr.flush()
+    mgr.eviction.flush()
     assert sample(reg, "mlx_gateway_prompt_cache_bytes", cache_type="KVCache", cache_group="ns1") == 0
 
 
@@ -227,7 +227,7 @@ def test_group_quota_evicts_only_its_own_group():
     probe.insert("p", list(range(10)), make("kv", list(range(10))))
     one = probe.nbytes  # one 10-token snapshot with no prefix shared
     mgr = PromptCacheManager(max_bytes=100 * one, max_entries=100, registry=reg)
-    mgr.set_quotas({"a": 3 * one})
+    mgr.eviction.set_quotas({"a": 3 * one})
     assert sample(reg, "mlx_gateway_prompt_cache_quota_bytes", cache_group="a") == 3 * one
     b_keys = [[200 + i] * 10 for i in range(5)]
     for k in b_keys:
@@ -246,11 +246,11 @@ def test_group_quota_evicts_only_its_own_group():
         mgr.release(h.lease)
     assert mgr.insert("a", [7] * 10, make("kv", [7] * 10))
     # Lowering a quota sheds the group's oldest snapshots at once.
-    mgr.set_quotas({"a": one})
+    mgr.eviction.set_quotas({"a": one})
     assert mgr.namespace_bytes("a") == one and mgr.match_length("a", [7] * 11) == 10
     # A snapshot leased while its quota shrinks goes when the lease is released.
     hit = mgr.fetch("a", [7] * 11)
-    mgr.set_quotas({"a": 0})
+    mgr.eviction.set_quotas({"a": 0})
     assert mgr.namespace_bytes("a") == one
     mgr.release(hit.lease)
     assert mgr.namespace_bytes("a") == 0 and mgr.match_length("a", [7] * 11) == 0

@@ -194,7 +194,7 @@ def test_reuse_matches_cold(arch, path):
             assert r2.cached_tokens == want
             check_equal(model, r2, query, lineage(r1, upto=want))
             # drop what this query stored so the next one sees r1's entries only
-            mgr.flush()
+            mgr.eviction.flush()
             r1 = prefill(model, mgr, A + B, [k])
 
     elif path == "last_user":

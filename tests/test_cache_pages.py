@@ -54,7 +54,7 @@ def test_branches_share_their_prefix_and_split_pages_exactly():
         check_restored(hit, q)
         mgr.release(hit.lease)
     # dropping b frees only b's own 40 tokens; the shared 70 stay for a
-    assert mgr.flush() == 3 and mgr.nbytes == 0 and mgr.namespace_tokens("n") == 0
+    assert mgr.eviction.flush() == 3 and mgr.nbytes == 0 and mgr.namespace_tokens("n") == 0
 
 
 def test_eviction_is_lru_and_frees_only_unshared_pages():
@@ -100,7 +100,7 @@ def test_pages_are_freed_when_the_last_snapshot_goes():
         key = [rng.randint(1, 4)] * rng.randint(0, 300) + list(range(i * 10_000, i * 10_000 + n))
         mgr.insert("m", key, make("kv", key))
     assert mgr.nbytes > 1 << 20
-    mgr.flush()
+    mgr.eviction.flush()
     assert mgr.nbytes == 0 and mgr.namespace_tokens("m") == 0
     gc.collect()
     assert mx.get_active_memory() - base < 1 << 20  # the pages' buffers were released
@@ -139,7 +139,7 @@ def test_random_operations_keep_pages_and_bounds_consistent():
     for lease in leases:
         mgr.release(lease)
     mgr.sanity_check()
-    mgr.flush()
+    mgr.eviction.flush()
     assert mgr.nbytes == 0 and mgr.num_entries == 0
 
 

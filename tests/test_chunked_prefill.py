@@ -18,7 +18,7 @@ from cache import PromptCacheManager
 from conftest import (EventSink, assert_same_tokens, engine_tokens, live_server, model_path,
                       stream_completion_logprobs, wait_until)
 from scheduler import Engine, EngineRequest, SamplingParams
-from scheduler.generator import JoiningBatchGenerator
+from scheduler.batch.generator import JoiningBatchGenerator
 from scheduler.speculative import SpeculationConfig
 
 WORDS = "the model cache token prompt server batch request tenant prefix memory apple code agent".split()
@@ -31,7 +31,7 @@ def text(n: int, seed: int) -> str:
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "gemma3_text", "nemotron_h"])
 def test_long_prompt_chunked_between_decode_steps_matches_solo(arch):
     """The long prompt, four times longer than the decoding rows or more at its end, also
-    joins them apart (``scheduler/generator.py``), beside prompt-lookup speculation where
+    joins them apart (``scheduler/batch/generator.py``), beside prompt-lookup speculation where
     the model allows it."""
     chunked_beside_streams_matches_solo(arch)
 
@@ -61,7 +61,7 @@ def chunked_beside_streams_matches_solo(arch: str, **server_args) -> None:
             async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
                 solo_long = await stream_completion_logprobs(c, long_prompt, 6, no_eos)
                 solo_short = [await stream_completion_logprobs(c, s, 60, no_eos) for s in shorts]
-                engine.call(engine.prompt_cache.flush)
+                engine.flush_cache()
                 before = engine.chunks.budgeted_steps
                 started = [asyncio.Event() for _ in shorts]
                 tasks = [asyncio.create_task(stream_completion_logprobs(c, s, 60, no_eos, e)) for s, e in zip(shorts, started)]
@@ -84,7 +84,7 @@ def chunked_beside_streams_matches_solo(arch: str, **server_args) -> None:
 
 
 def test_the_forward_cost_is_the_line_through_two_timings():
-    from scheduler.forward_cost import solve
+    from scheduler.batch.forward_cost import solve
 
     cost = solve((16, 0.0043), (64, 0.0091))
     assert abs(cost.per_token - 1e-4) < 1e-12 and abs(cost.fixed - 0.0027) < 1e-12
@@ -93,7 +93,7 @@ def test_the_forward_cost_is_the_line_through_two_timings():
 
 @pytest.mark.parametrize("fixed,per_token,best", [(0.0025, 1.1e-4, 2048), (0.070, 0.002, 2048), (0.01, 1e-3, 256)])
 def test_the_floor_is_the_smallest_chunk_within_20_percent_of_the_best(fixed, per_token, best):
-    from scheduler.forward_cost import ForwardCost
+    from scheduler.batch.forward_cost import ForwardCost
 
     cost = ForwardCost(fixed, per_token)
     n = cost.floor(best)
@@ -110,8 +110,8 @@ def test_chunks_beside_decoding_are_never_cut_below_the_floor():
     """A budget that would allow 32-token chunks gets chunks of the floor instead; two prompts
     share it; under a latency-class cap (a promise to an interactive request) chunks may
     still be smaller."""
-    from scheduler.chunking import ALIGN, ChunkPlanner
-    from scheduler.forward_cost import ForwardCost
+    from scheduler.batch.chunking import ALIGN, ChunkPlanner
+    from scheduler.batch.forward_cost import ForwardCost
 
     cost = ForwardCost(fixed=0.070, per_token=0.002)  # SmolLM2-135M on the 2-core machine
     p = ChunkPlanner(2048, 0.2, cost=cost)
@@ -135,7 +135,7 @@ def test_a_prompt_joins_before_owed_decode_steps_and_its_last_chunk_takes_a_shor
     its last token: the step that moves it to the decoding rows decodes them too, so it
     goes first. A chunk that would leave at most TAIL of itself for one more step takes
     that tail; a longer rest waits for the next chunk."""
-    from scheduler.chunking import TAIL, ChunkPlanner
+    from scheduler.batch.chunking import TAIL, ChunkPlanner
 
     p = ChunkPlanner(2048, 0.2)
     p.record(0, 0, 4, 0.01)  # a decode-only step of four rows
@@ -158,7 +158,7 @@ def test_decode_only_steps_pay_the_share_net_of_the_chunks_own_decode_and_at_lea
     """After a chunk, the decoding rows are owed DECODE_SHARE of the chunk step's time less
     the decode step the chunk step ran for them, in decode-only steps, and never fewer than
     MEDIAN_STEPS of them (so two of every three gaps of a stream stay decoding's)."""
-    from scheduler.chunking import DECODE_SHARE, MEDIAN_STEPS, ChunkPlanner
+    from scheduler.batch.chunking import DECODE_SHARE, MEDIAN_STEPS, ChunkPlanner
 
     def owed_steps(decode: float, chunk_seconds: float) -> int:
         p = ChunkPlanner(2048, 0.2)
@@ -187,8 +187,8 @@ def test_chunks_are_sized_for_a_cost_per_token_that_grows_with_the_context():
     from the cost per token of the chunk before (at a smaller context) overshoot the budget
     more the further the prompt has got; with the context given, the planner fits the
     line to the chunks it timed and every chunk's step stays within the budget."""
-    from scheduler.chunking import ChunkPlanner
-    from scheduler.forward_cost import ForwardCost
+    from scheduler.batch.chunking import ChunkPlanner
+    from scheduler.batch.forward_cost import ForwardCost
 
     fixed, a, b, decode = 0.004, 6e-5, 1.2e-7, 0.008  # the medium benchmark model, roughly
 
@@ -214,8 +214,8 @@ def test_chunks_are_sized_for_a_cost_per_token_that_grows_with_the_context():
 
 
 def test_the_floor_follows_the_marginal_cost_measured_as_the_prompt_advances():
-    from scheduler.chunking import ChunkPlanner
-    from scheduler.forward_cost import ForwardCost
+    from scheduler.batch.chunking import ChunkPlanner
+    from scheduler.batch.forward_cost import ForwardCost
 
     p = ChunkPlanner(2048, 0.2, cost=ForwardCost(fixed=0.010, per_token=1e-4))
     early = p.floor(1)

@@ -16,8 +16,8 @@ import pytest
 from cache import PromptCacheManager
 from conftest import EventSink, live_server, model_path, sample, wait_until
 from scheduler import Engine, EngineRequest, SamplingParams
-from scheduler.loop import EngineLoop
-from scheduler.policy import ClassShare, WaitingQueue
+from scheduler.engine.loop import EngineLoop
+from scheduler.admission.policy import ClassShare, WaitingQueue
 from scheduler.request import TokenEvent
 
 INTERACTIVE, STANDARD, BATCH = 0, 1, 2
@@ -260,8 +260,8 @@ def test_the_loop_holds_its_next_step_for_an_interactive_request_being_prepared(
     preparation; a standard one is not waited for."""
     from types import SimpleNamespace
 
-    from scheduler.arrivals import Arrivals
-    from scheduler.loop import INTERACTIVE_ARRIVAL_WAIT
+    from scheduler.admission.arrivals import Arrivals
+    from scheduler.engine.loop import INTERACTIVE_ARRIVAL_WAIT
 
     loop = EngineLoop()
     arrivals = Arrivals(lambda: loop.post(("arrived", None)))
@@ -306,7 +306,7 @@ def test_a_row_taken_out_before_its_first_decode_step_goes_on_exactly(model):
     """A row that joined the decode batch in a step that held the decode forward (its input
     still its last prompt token) and is then taken out and put back decodes the tokens it
     would have: its state says it has not decoded yet."""
-    from scheduler.generator import JoiningBatchGenerator
+    from scheduler.batch.generator import JoiningBatchGenerator
     from scheduler.sampling import greedy
 
     m, _ = model
@@ -454,7 +454,7 @@ def test_capped_chunks_are_sized_per_class_and_may_go_below_the_usual_alignment(
     """The cost per token is kept by the classes prefilling: a short interactive prompt's
     fast chunk does not size the next chunk of long standard prompts; under a class cap,
     three prompts share the cap in chunks smaller than ALIGN."""
-    from scheduler.chunking import ALIGN, CAP_ALIGN, ChunkPlanner
+    from scheduler.batch.chunking import ALIGN, CAP_ALIGN, ChunkPlanner
 
     p = ChunkPlanner(2048, 0.2)
     p.record(96, 96, 0, 0.0096, (STANDARD,))  # 0.1 ms a token: long contexts

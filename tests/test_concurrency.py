@@ -24,7 +24,7 @@ def test_eight_concurrent_streams_match_solo(arch):
         async def run():
             async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
                 solo = [await stream_completion_logprobs(c, t, 12) for t in texts]
-                server.engine.prompt_cache.flush()
+                server.engine.prompt_cache.eviction.flush()
                 together = await asyncio.gather(*(stream_completion_logprobs(c, t, 12) for t in texts))
                 return solo, together
 

@@ -17,7 +17,7 @@ from mlx_lm.generate import BatchGenerator
 from conftest import assert_same_tokens, model_path, prefilled
 from gateway.backend import backend
 from gateway.cpu import attention, attention_kernels
-from scheduler.generator import JoiningBatchGenerator
+from scheduler.batch.generator import JoiningBatchGenerator
 from test_generator import run
 
 plans = attention.Plans()  # the kernels these tests plan, apart from any server's

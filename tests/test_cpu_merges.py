@@ -17,7 +17,7 @@ from gateway.cpu import merges
 from gateway.cpu.measure import Choice
 from scheduler import batch_merge
 from scheduler.batch_merge import extend_with_rows, extra_streams, merge_with_room
-from scheduler.generator import JoiningBatchGenerator
+from scheduler.batch.generator import JoiningBatchGenerator
 from test_generator import run
 
 

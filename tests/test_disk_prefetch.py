@@ -1,5 +1,5 @@
 """Disk-tier entries are read when their request arrives, off the engine thread
-(``scheduler/prefetch.py``): the engine thread never reads a file for a request that
+(``scheduler/engine/prefetch.py``): the engine thread never reads a file for a request that
 arrived through ``Engine.submit``, the answer is the one a cold gateway gives, and a
 client that leaves while its file is read is cancelled without running."""
 

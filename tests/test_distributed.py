@@ -272,7 +272,7 @@ def _check_against_one_process(tmp_path: Path, cluster: Server, model: Path, ext
     # cached tokens of the requests sent one at a time (the pair's depend on timing)
     one_at_a_time = [k for k in ("short", "stopped", "prefix1", "prefix2") if k in got]
     # "stopped" repeats "short" exactly: one process restores its whole prompt and samples its
-    # first token from the logits it kept (scheduler/first_tokens.py); ranks keep none (each
+    # first token from the logits it kept (scheduler/batch/first_tokens.py); ranks keep none (each
     # would have to start the row alike) and compute its last prompt token
     whole = {"stopped"}
     assert [got[k][1] + (k in whole) for k in one_at_a_time] == [want[k][1] for k in one_at_a_time]

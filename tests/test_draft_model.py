@@ -114,7 +114,7 @@ def test_the_draft_cache_holds_exactly_each_rows_tokens(which, chunk, tmp_path_f
     the rows decode plainly, as beside a prompt in prefill: with 16-token chunks they fall
     more than a chunk behind, leave the draft batch and join again, so that no forward of
     the draft batch feeds a row more than a chunk."""
-    from scheduler.generator import JoiningBatchGenerator
+    from scheduler.batch.generator import JoiningBatchGenerator
     from scheduler.sampling import greedy
     from scheduler.speculative import Speculator, draft_model
 
@@ -192,7 +192,7 @@ def test_the_draft_models_cost_is_learnt_and_decides_before_drafting(monkeypatch
     """The draft model's cost per drafted position is measured from the steps; a draft as
     costly as the served model (itself) does not pay at the prior acceptance rate, so the
     step stays plain without running the draft model at all."""
-    from scheduler.generator import JoiningBatchGenerator
+    from scheduler.batch.generator import JoiningBatchGenerator
     from scheduler.sampling import greedy
     from scheduler.speculative import Speculator
 

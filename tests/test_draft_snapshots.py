@@ -16,7 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from cache import PromptCacheManager
 from cache.restore import layer_bytes
 from conftest import model_path
-from scheduler.generator import JoiningBatchGenerator
+from scheduler.batch.generator import JoiningBatchGenerator
 from scheduler.sampling import greedy
 from scheduler.speculative import DraftSnapshots, SpeculationStats, Speculator
 from test_draft_model import JoinRecorder, _draft, _other_weights, _workload
@@ -177,14 +177,14 @@ def test_draft_snapshots_stay_off_the_disk_tier(tmp_path):
         assert manager.insert(ns, key, cache)
 
     fill(draft_ns, tokens[:40])  # before it is a companion: a file on disk under that name
-    while manager.evict_oldest("bytes"):
+    while manager.eviction.evict_oldest("bytes"):
         pass
     assert tier.flush(30) and tier.num_entries == 1
     snapshots = DraftSnapshots(manager, lambda uid: NAMESPACE)
     assert snapshots.namespace(0) == draft_ns
     for ns in (NAMESPACE, draft_ns):
         fill(ns, tokens)
-    while manager.evict_oldest("bytes"):  # spilled, if the namespace goes to disk
+    while manager.eviction.evict_oldest("bytes"):  # spilled, if the namespace goes to disk
         pass
     assert tier.flush(30) and tier.num_entries == 2  # the request's namespace's snapshot alone
     assert snapshots.restore(draft_ns, tokens + [5], len(model.layers)) == (None, 0)  # the file is not read
@@ -255,16 +255,16 @@ def test_a_groups_quota_covers_its_draft_rows():
     one = manager.namespace_bytes
     assert manager.insert(NAMESPACE, list(range(10, 70)), snapshot(list(range(10, 70))))
     per_snapshot = one(NAMESPACE)
-    manager.set_quotas({NAMESPACE: int(1.5 * per_snapshot)})
+    manager.eviction.set_quotas({NAMESPACE: int(1.5 * per_snapshot)})
     assert snapshots.save(draft_ns, list(range(100, 160)), lambda: snapshot(list(range(100, 160))))
     assert one(NAMESPACE) == 0 and one(draft_ns) == per_snapshot  # the group's older snapshot went
     manager.sanity_check()
-    manager.set_quotas({NAMESPACE: 0})
+    manager.eviction.set_quotas({NAMESPACE: 0})
     assert one(draft_ns) == 0
     assert not snapshots.save(draft_ns, list(range(100, 160)), lambda: snapshot(list(range(100, 160))))
     manager.sanity_check()
     with pytest.raises(ValueError):
-        manager.add_companion(draft_ns, "another-group")
+        manager.eviction.add_companion(draft_ns, "another-group")
 
     def never():
         raise AssertionError("a row stored nowhere must not be extracted")

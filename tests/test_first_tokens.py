@@ -1,5 +1,5 @@
 """Exact repeats take their first token from the logits kept after their prompt
-(``scheduler/first_tokens.py``): the same tokens as their first answer, per
+(``scheduler/batch/first_tokens.py``): the same tokens as their first answer, per
 architecture, alone and as a burst joining the decode batch together; requests whose
 first token depends on more than the logits take the forward as before."""
 
@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from cache import PromptCacheManager
 from conftest import EventSink, engine_tokens, model_path, sample, wait_until
 from scheduler import Engine, EngineRequest, SamplingParams
-from scheduler.first_tokens import FirstTokenStore
+from scheduler.batch.first_tokens import FirstTokenStore
 from scheduler.request import ErrorEvent
 from scheduler.speculative import SpeculationConfig
 
@@ -112,7 +112,7 @@ def test_the_store_keeps_the_most_recent_prompts_within_its_bytes():
 def test_a_repeat_whose_merge_fails_fails_alone(monkeypatch):
     """The merge that joins a repeat to the decode batch raises: the repeat ends with a 500,
     the row already decoding keeps its exact tokens, and no lease is left."""
-    import scheduler.decode_batch as decode_batch
+    import scheduler.batch.decode_batch as decode_batch
 
     with _engine("qwen3") as (engine, prompts, store):
         engine_tokens(engine, [prompts[0]], [8])  # kept: its repeat joins without a forward

@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 
 from conftest import CountingModel, assert_same_tokens, model_path, prefilled
-from scheduler.generator import JoiningBatchGenerator
+from scheduler.batch.generator import JoiningBatchGenerator
 
 
 def run(generator_cls, model, rows, *, prefill_batch: int, decode_batch: int, step: int = 16,
@@ -76,7 +76,7 @@ def test_a_long_prompt_joins_apart_with_its_first_token_from_its_own_forward(arc
     first token from a forward of its own, and the decoding row gets no token in that
     step; both rows then decode together. Tokens and logprobs are mlx-lm's, and the
     prompt's cache at its end is exactly its prompt (``run`` checks it)."""
-    from scheduler.generator import APART_WIDTH
+    from scheduler.batch.generator import APART_WIDTH
 
     model, _ = mlx_lm.load(str(model_path(arch)))
     short = [(5 * i + 7) % 200 + 10 for i in range(6)]

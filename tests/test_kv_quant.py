@@ -42,9 +42,9 @@ def test_every_path_gives_the_cold_single_tokens(arch, bits):
     try:
         solo = []
         for p in prompts:  # cold, one at a time
-            engine.call(engine.prompt_cache.flush)
+            engine.flush_cache()
             solo.append(engine_tokens(engine, [p], [12])[0])
-        engine.call(engine.prompt_cache.flush)
+        engine.flush_cache()
         assert engine_tokens(engine, prompts, [12] * len(prompts)) == solo  # batched, left-padded, chunked
         warm = engine_tokens(engine, prompts, [12] * len(prompts))  # every prompt cached (quantized snapshots)
         assert warm == solo
@@ -150,7 +150,7 @@ def test_quantized_snapshots_are_paged_on_the_radix_tree(bits):
         assert fresh.offset == len(key)
         assert assert_same_greedy(model, hit.cache, cold, [5], steps=8) > 0
         manager.release(hit.lease)
-    assert manager.flush() == len(keys) and manager.nbytes == 0
+    assert manager.eviction.flush() == len(keys) and manager.nbytes == 0
     manager.close()
 
 

@@ -77,7 +77,7 @@ def test_next_turn_uses_the_precomputed_prefix_and_matches_cold(arch):
             assert usage["prompt_tokens_details"]["cached_tokens"] == len(prefix)
             assert sample(reg, "mlx_gateway_precompute_tokens_total", outcome="used") > 0
             wait_until(lambda: engine.wait_idle(1) and stored() == 2, 60, "the second precompute")
-            engine.call(engine.prompt_cache.flush)
+            engine.flush_cache()
             _, cold, usage = chat(c, msgs2)
             assert usage["prompt_tokens_details"]["cached_tokens"] == 0
     assert_same_tokens(warm, cold, f"{arch}: next turn from the precomputed prefix")
@@ -137,7 +137,7 @@ def test_a_request_preempts_a_running_precompute():
         held = engine.call(lambda: engine.prompt_cache.match_length("default", [*prefix, -1]))
         assert held < len(prefix) - 32  # dropped, not finished
         assert engine.wait_idle(60)
-        engine.call(engine.prompt_cache.flush)
+        engine.flush_cache()
         cold = run(cold=True)
     assert len(warm) == 8
     assert_same_tokens(warm, cold, "request that preempted a precompute")

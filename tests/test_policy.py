@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.policy import LPM_MAX_WAITING, MIN_SHARED_PREFIX, InFlight, WaitingQueue
+from scheduler.admission.policy import LPM_MAX_WAITING, MIN_SHARED_PREFIX, InFlight, WaitingQueue
 from scheduler.request import EngineRequest, SamplingParams
 
 

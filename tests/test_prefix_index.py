@@ -7,7 +7,7 @@ import random
 
 from cache.checkpoints import common_prefix
 from cache.tree import _common
-from scheduler.prefix_index import BLOCK, PrefixIndex, PrefixKey
+from scheduler.admission.prefix_index import BLOCK, PrefixIndex, PrefixKey
 
 
 def test_shared_prefix_is_exact_on_random_branches():

@@ -25,9 +25,9 @@ def run(engine, requests: list[tuple[str, list[int], SamplingParams, dict]]) -> 
 def solo(engine, n: int = 24) -> list[list[int]]:
     refs = []
     for i, tokens in enumerate(GOOD):
-        engine.call(engine.prompt_cache.flush)
+        engine.flush_cache()
         refs.append(run(engine, [(f"solo{i}", tokens, SamplingParams(max_tokens=n), {})])[f"solo{i}"].tokens)
-    engine.call(engine.prompt_cache.flush)
+    engine.flush_cache()
     return refs
 
 

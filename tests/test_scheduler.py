@@ -63,7 +63,7 @@ def solo_answers(arch: str, bodies: list[dict]) -> list[dict]:
             out = []
             async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
                 for b in bodies:
-                    server.engine.call(server.engine.prompt_cache.flush)
+                    server.engine.flush_cache()
                     out.append(await ask(c, b))
             return out
 
@@ -124,12 +124,12 @@ def test_burst_leader_keeps_step_with_its_followers(arch):
     try:
         solo = []
         for i in range(len(prompts)):
-            engine.call(engine.prompt_cache.flush)
+            engine.flush_cache()
             r, sink = request(i)
             engine.submit(r)
             assert sink.done.wait(60)
             solo.append(sink.tokens)
-        engine.call(engine.prompt_cache.flush)
+        engine.flush_cache()
         burst = [request(i) for i in range(len(prompts))]
         with engine.arrivals.prepare():  # one pick admits the leader, the others wait for it
             for r, _ in burst:
@@ -202,7 +202,7 @@ def test_exact_repeats_and_full_hits_are_answered():
             assert r.status_code == 200, r.text
         again = c.post("/v1/completions", json={"model": "test-model", "prompt": extended, "max_tokens": 4}).json()
         # an exact repeat of a prompt answered before: all of it restored, its first token
-        # sampled from the kept logits (scheduler.first_tokens)
+        # sampled from the kept logits (scheduler.batch.first_tokens)
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == again["usage"]["prompt_tokens"]
         assert server.engine.alive and server.engine.prompt_cache.num_leases == 0
 
@@ -217,9 +217,9 @@ def test_batch_equivalence_guard(arch, exact):
             async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
                 solo = []
                 for t in texts:
-                    server.engine.call(server.engine.prompt_cache.flush)
+                    server.engine.flush_cache()
                     solo.append(await ask(c, body(t, "sys", 6)))
-                server.engine.call(server.engine.prompt_cache.flush)
+                server.engine.flush_cache()
                 together = await asyncio.gather(*(ask(c, body(t, "sys", 6)) for t in texts))
                 return solo, together
 

@@ -20,7 +20,7 @@ from conftest import engine_tokens, live_server, model_path
 from scheduler import Engine, SamplingParams
 from mlx_lm.generate import StopSequences
 
-from scheduler.generator import JoiningBatchGenerator
+from scheduler.batch.generator import JoiningBatchGenerator
 from scheduler.sampling import TemperatureSampler, greedy
 from scheduler.speculative import SpeculationConfig, SpeculationStats, Speculator, speculation_refusal
 from scheduler.speculative.acceptance import RealizedRate, RowAcceptance, StepCost, best_width
@@ -310,7 +310,7 @@ def test_greedy_tokens_equal_plain_decoding(arch):
         engine.start()
         try:
             solo = [engine_tokens(engine, [p], [m])[0] for p, m in zip(prompts, max_tokens)]  # one at a time, cold
-            engine.call(engine.prompt_cache.flush)
+            engine.flush_cache()
             burst = engine_tokens(engine, prompts, max_tokens)  # batched, cold
             warm = engine_tokens(engine, prompts, max_tokens)  # batched, every prompt (and answer) cached
             assert engine.wait_idle(60)
@@ -469,7 +469,7 @@ def test_a_quantized_cache_speculates_with_the_same_tokens(bits):
         engine.start()
         try:
             solo = [engine_tokens(engine, [p], [m])[0] for p, m in zip(prompts, max_tokens)]
-            engine.call(engine.prompt_cache.flush)
+            engine.flush_cache()
             burst = engine_tokens(engine, prompts, max_tokens)
             # continuing each answer: from the snapshot its finished row left (holes squeezed out)
             cached = engine.stats.cached_tokens

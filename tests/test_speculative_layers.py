@@ -183,7 +183,7 @@ def test_greedy_tokens_equal_plain_decoding(arch, scripted):
     engine = _engine(model, tok, NGRAM)
     try:
         solo = [engine_tokens(engine, [p], [m])[0] for p, m in zip(prompts, max_tokens)]
-        engine.call(engine.prompt_cache.flush)
+        engine.flush_cache()
         burst = engine_tokens(engine, prompts, max_tokens)  # batched, cold
         warm = engine_tokens(engine, prompts, max_tokens)  # batched, every prompt (and answer) cached
         assert engine.wait_idle(60)
@@ -237,7 +237,7 @@ def test_a_model_ignoring_right_padding_does_not_speculate(scripted):
     reference = _plain(model, tok, prompts, max_tokens)
     scripted.answers.update({tuple(p): a for p, a in zip(prompts, reference)})
     engine = _engine(model, tok, NGRAM)
-    try:  # one at a time: its padded batches are not exact either (scheduler.equivalence)
+    try:  # one at a time: its padded batches are not exact either (scheduler.batch.equivalence)
         assert [engine_tokens(engine, [p], [m])[0] for p, m in zip(prompts, max_tokens)] == reference
         assert engine.stats.speculation.verify_steps == 0 and engine.stats.speculation.plain_steps > 0
     finally:

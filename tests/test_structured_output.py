@@ -113,9 +113,9 @@ def test_mixed_batch_equals_solo_runs(server):
         c = r.choices[0]
         return c.message.content, calls_of(c.message), c.finish_reason, r.usage.completion_tokens
 
-    server.engine.prompt_cache.flush(None)
+    server.engine.prompt_cache.eviction.flush(None)
     solo = [run(j) for j in jobs]
-    server.engine.prompt_cache.flush(None)
+    server.engine.prompt_cache.eviction.flush(None)
     assert server.engine.wait_idle()
     server.engine.stats.max_decode_batch = 0  # written by the engine between steps only; it is idle
     barrier = threading.Barrier(len(jobs))

@@ -1,5 +1,5 @@
 """Next-turn precompute, the gateway's half: render what a conversation's next request
-will start with, and queue it on the engine (see :mod:`scheduler.precompute`).
+will start with, and queue it on the engine (see :mod:`scheduler.admission.precompute`).
 
 The next request of a chat is this one's messages, the reply as the client got it, and
 a new user message. Rendering that with the chat template, with a placeholder for the
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from gateway.conversation.templates import render_text, tokens_before
 from gateway.conversation.segments import encode_chat
-from scheduler.precompute import Precompute
+from scheduler.admission.precompute import Precompute
 
 if TYPE_CHECKING:
     from gateway.conversation.prompts import Prompt

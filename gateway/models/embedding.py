@@ -1,5 +1,5 @@
 """Embedding models: loaded through mlx-embeddings, run as batched forwards by
-:class:`scheduler.embedding.EmbeddingEngine`.
+:class:`scheduler.engine.embedding.EmbeddingEngine`.
 
 mlx-embeddings (PyPI ``mlx-embeddings``, the ``[embeddings]`` extra) builds the model of
 the checkpoint's ``model_type`` (BERT, XLM-RoBERTa, ModernBERT, Qwen3, Gemma 3 text, ...)

@@ -28,7 +28,7 @@ class ModelHandle:
         loaded_at: wall-clock time of the load (seconds since the epoch).
         kind: ``"text"``, ``"vision"`` (it reads images, :mod:`gateway.models.vision_load`) or
             ``"embedding"`` (``/v1/embeddings`` only; its ``engine`` is a
-            :class:`scheduler.embedding.EmbeddingEngine`, ``grammars`` None).
+            :class:`scheduler.engine.embedding.EmbeddingEngine`, ``grammars`` None).
         vision: the vision side of a vision model (:class:`gateway.models.vision_images.VisionModel`).
         embedder: the embedding model (:class:`gateway.models.embedding.EmbeddingModel`).
     """

@@ -36,7 +36,7 @@ from gateway.models.draft import check_draft, read_draft
 from gateway.models.handle import ModelHandle
 from gateway.models.spec import ModelSpec
 from scheduler import Engine
-from scheduler.loop import EngineLoop
+from scheduler.engine.loop import EngineLoop
 from scheduler.speculative import DraftModel, SpeculationConfig, rollback_refusal, speculation_refusal
 
 log = logging.getLogger("mlx_gateway")
@@ -207,10 +207,10 @@ def load_embedding(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry
                    reserve: Callable[[int], None], configure: Optional[Callable], model_path: Path,
                    path: str) -> ModelHandle:
     """Load an embedding model (mlx-embeddings) and attach its
-    :class:`~scheduler.embedding.EmbeddingEngine` to ``loop``; see :func:`load_model`."""
+    :class:`~scheduler.engine.embedding.EmbeddingEngine` to ``loop``; see :func:`load_model`."""
     from gateway.backend import backend, weights_bytes
     from gateway.models.embedding import load_embedding_model
-    from scheduler.embedding import EmbeddingEngine
+    from scheduler.engine.embedding import EmbeddingEngine
 
     embedder, config = load_embedding_model(model_path)
     reserve(backend().served_bytes(embedder.model))
@@ -255,8 +255,8 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
     from gateway.backend import backend, weights_bytes
     from scheduler import distributed
     from scheduler.batch_merge import spread_merges
-    from scheduler.equivalence import batch_is_exact
-    from scheduler.forward_cost import measure_forward_cost
+    from scheduler.batch.equivalence import batch_is_exact
+    from scheduler.batch.forward_cost import measure_forward_cost
 
     path = resolve_path(spec)
     model_path = Path(download(path))
@@ -331,7 +331,7 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
             manager.close()
             raise DiskTierUnusable(f"the prompt cache's disk tier cannot be used: {e}") from e
     # what a prefill forward costs here: chunked prefill never cuts a chunk below the size
-    # where its cost per token rises 20 % above the best chunk's (scheduler/forward_cost.py);
+    # where its cost per token rises 20 % above the best chunk's (scheduler/batch/forward_cost.py);
     # not across ranks, where a forward is a collective the other ranks do not join here
     cost = measure_forward_cost(model) if cfg.prefill_budget > 0 and cluster is None else None
     if cost is not None:

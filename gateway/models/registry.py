@@ -36,7 +36,7 @@ from gateway.models.handle import ModelHandle
 from gateway.models.spec import ModelSpec
 from gateway.telemetry.model_metrics import ModelMetrics
 from scheduler.engine import PERSIST_SECONDS
-from scheduler.loop import EngineLoop
+from scheduler.engine.loop import EngineLoop
 
 log = logging.getLogger("mlx_gateway.models")
 
@@ -381,8 +381,7 @@ class ModelRegistry:
         try:
             handle.engine.stop(timeout=PERSIST_SECONDS + 10, reason=f"the model '{slot.name}' was unloaded")
         finally:
-            if handle.engine.prompt_cache is not None:  # (an embedding model has none)
-                handle.engine.prompt_cache.close()
+            handle.engine.close_cache()
             self.metrics.per_model.remove(slot.name)
             self.metrics.loaded.labels(slot.name).set(0)
             self.metrics.weights.labels(slot.name).set(0)

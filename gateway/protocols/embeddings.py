@@ -10,7 +10,7 @@ refused with a 400 for the others. Unknown fields are ignored.
 
 Inputs are tokenized in a worker thread, charged to the tenant's prompt-token limit
 before the engine sees them, and embedded by the model's engine
-(:class:`scheduler.embedding.EmbeddingEngine`), batched with other requests' inputs.
+(:class:`scheduler.engine.embedding.EmbeddingEngine`), batched with other requests' inputs.
 A model that is not an embedding model answers 400 ``model_not_embedding``; asking a
 chat endpoint of an embedding model answers 400 too
 (:func:`gateway.conversation.start.converse`).
@@ -35,9 +35,9 @@ from gateway.http.errors import APIError
 from gateway.models.embedding import truncate as truncate_dims
 from gateway.models.handle import ModelHandle
 from gateway.protocols.openai_schemas import MAX_TOKEN_ID, parse
-from scheduler.embedding import EmbeddingRequest, EmbeddingsEvent
+from scheduler.engine.embedding import EmbeddingRequest, EmbeddingsEvent
 from scheduler.request import ErrorEvent
-from scheduler.rows import EngineDead, EngineOverloaded
+from scheduler.batch.rows import EngineDead, EngineOverloaded
 
 MAX_INPUTS = 2048  # OpenAI's bound on the inputs of one request
 

@@ -56,7 +56,7 @@ _TENANT_FIELDS = {
     "completion_tokens_per_minute", "max_concurrent", "max_queued", "max_tokens", "weight",
     "cache_group", "cache_bytes", "priority", "origins", "allow_no_origin", "image_tokens_per_minute",
 }
-# Latency classes, served in this order (scheduler.policy); the index is the engine's priority.
+# Latency classes, served in this order (scheduler.admission.policy); the index is the engine's priority.
 PRIORITIES = ("interactive", "standard", "batch")
 
 

@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from cache import PromptCacheManager
-from scheduler.decode_batch import JoiningGenerationBatch
+from scheduler.batch.decode_batch import JoiningGenerationBatch
 
 log = logging.getLogger("mlx_gateway.distributed")
 

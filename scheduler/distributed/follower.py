@@ -11,13 +11,13 @@ import mlx.core as mx
 
 from cache import PromptCacheManager
 from scheduler.batch import Batch
-from scheduler.chunking import ChunkPlanner
+from scheduler.batch.chunking import ChunkPlanner
 from scheduler.distributed.cluster import Cluster, ClusterLost, SyncedGenerationBatch
-from scheduler.fairness import FairShare
-from scheduler.generator import JoiningBatchGenerator
+from scheduler.admission.fairness import FairShare
+from scheduler.batch.generator import JoiningBatchGenerator
 from scheduler.metrics import SchedulerMetrics
 from scheduler.request import EngineRequest, SamplingParams
-from scheduler.rows import EngineStats
+from scheduler.batch.rows import EngineStats
 from scheduler.sampling import greedy
 
 UNBOUNDED = 1 << 62
@@ -58,9 +58,6 @@ class FollowerCache(PromptCacheManager):
         if lease is not None:
             self._leases.pop(lease.id, None)
         super().release(lease)
-
-    def _shed(self, namespace) -> None:
-        pass  # rank 0's quota evictions come as "drop"
 
     def _eviction_plan(self, namespace, run):
         while True:
@@ -189,18 +186,18 @@ class FollowerBatch(Batch):
             r = EngineRequest(rid, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
                               sink=lambda events: None,
                               checkpoints=checkpoints, namespace=namespace, keep=keep)
-            a = self.start_row(r, extra, background)
+            a = self.insertion.start_row(r, extra, background)
             if a is not None and background:
                 a.precompute = True
             self._outcome = None if a is None else a.cached
         elif kind == "pause":
             a = self.by_id.get(op[1])
-            self._outcome = a is not None and self.pause(a)
+            self._outcome = a is not None and self.insertion.pause(a)
             if self._outcome:
                 self.paused[op[1]] = a
         elif kind == "resume":
             a = self.paused.pop(op[1], None)
-            self._outcome = a is not None and self.resume(a)
+            self._outcome = a is not None and self.insertion.resume(a)
         elif kind == "cancel":
             self._outcome = self.cancel(op[1], op[2])
         elif kind == "preempt":
@@ -215,7 +212,7 @@ class FollowerBatch(Batch):
         elif kind == "drop_paused":
             a = self.paused.pop(op[1], None)
             if a is not None:
-                self.drop_paused(a)
+                self.insertion.drop_paused(a)
         elif kind == "check":
             _, what, rid, outcome = op
             if outcome != self._outcome:

@@ -12,7 +12,8 @@ import time
 from cache import PromptCacheManager
 from scheduler.batch import Batch
 from scheduler.distributed.cluster import Cluster, ClusterLost, SyncedGenerationBatch, entry_key
-from scheduler.generator import JoiningBatchGenerator
+from scheduler.batch.generator import JoiningBatchGenerator
+from scheduler.batch.insertion import RowInsertion
 from scheduler.request import ErrorEvent
 from scheduler.sampling import greedy
 
@@ -97,19 +98,11 @@ class LeaderGenerator(JoiningBatchGenerator):
         self._owner.cluster.broadcast((tokens, faults))
 
 
-class LeaderBatch(Batch):
-    """Rank 0's batch (the class of the engine's batch, see :func:`lead`): records every
-    operation for the followers."""
+class LeaderInsertion(RowInsertion):
+    """Rank 0's row insertion (the class of its batch's, see :meth:`LeaderBatch._lead`):
+    records each row started, paused, resumed or dropped, and the outcome."""
 
-    def _lead(self, cluster: Cluster, recorder: Recorder) -> None:
-        self.cluster = cluster
-        self.recorder = recorder
-        self.first_tokens = None  # the followers' rows start as theirs do, from a forward
-
-    def _new_generator(self):
-        return LeaderGenerator(self.model, self.recorder, self, max_tokens=1 << 30, sampler=greedy,
-                               completion_batch_size=self.decode_concurrency,
-                               prefill_batch_size=self.prompt_concurrency, prefill_step_size=self.prefill_step_size)
+    recorder: Recorder
 
     def start_row(self, r, extra_checkpoints=(), background: bool = False):
         spec = (r.id, list(r.tokens), r.params.max_tokens, r.params.ignore_eos, list(r.checkpoints), r.namespace,
@@ -131,6 +124,28 @@ class LeaderBatch(Batch):
         self.recorder.record("check", "resume", a.request.id, ok)
         return ok
 
+    def drop_paused(self, a) -> None:
+        self.recorder.record("drop_paused", a.request.id)
+        super().drop_paused(a)
+
+
+class LeaderBatch(Batch):
+    """Rank 0's batch (the class of the engine's batch, see :func:`lead`): records every
+    operation for the followers."""
+
+    def _lead(self, cluster: Cluster, recorder: Recorder) -> None:
+        self.cluster = cluster
+        self.recorder = recorder
+        # the followers' rows start as theirs do, from a forward
+        self.first_tokens = self.insertion.first_tokens = None
+        self.insertion.__class__ = LeaderInsertion
+        self.insertion.recorder = recorder
+
+    def _new_generator(self):
+        return LeaderGenerator(self.model, self.recorder, self, max_tokens=1 << 30, sampler=greedy,
+                               completion_batch_size=self.decode_concurrency,
+                               prefill_batch_size=self.prompt_concurrency, prefill_step_size=self.prefill_step_size)
+
     def cancel(self, request_id: str, reason: str) -> bool:
         self.recorder.record("cancel", request_id, reason)
         ok = super().cancel(request_id, reason)
@@ -141,10 +156,6 @@ class LeaderBatch(Batch):
         # Failures of rank 0's own (a token event, a snapshot extract) happen nowhere else.
         self.recorder.record("fail", a.request.id)
         super()._fail_row(a, message)
-
-    def drop_paused(self, a) -> None:
-        self.recorder.record("drop_paused", a.request.id)
-        super().drop_paused(a)
 
     def preempt_precomputes(self) -> None:
         if any(a.precompute is not None for a in self.active.values()):
@@ -166,7 +177,7 @@ class LeaderBatch(Batch):
         served, so the requests end with a 503 and the server stops."""
         reason = f"a rank of the cluster failed: {error}"
         for a in list(self.active.values()):
-            self._count_failure(a)
+            self.failures.count(a)
             self._finish(a, ErrorEvent(503, reason))
         self.cluster.fail(reason)
         raise ClusterLost(reason) from error
@@ -193,7 +204,7 @@ def lead(engine, cluster: Cluster) -> None:
 def _end_requests(engine, reason: str) -> None:
     """End the requests in the batch with a 503 (any thread: the engine thread may be
     stuck in a collective; their sinks only post to the event loop)."""
-    rows = list(engine._batch.active.values()) + list(engine._paused)
+    rows = list(engine._batch.active.values()) + list(engine._classes.paused)
     for a in rows:
         if a.precompute is None:
             engine._send(a.request, [ErrorEvent(503, f"a rank of the cluster failed: {reason}")])

@@ -52,7 +52,7 @@ class DraftSnapshots:
             return None
         ns = owner + SUFFIX
         if ns not in self._known:
-            self.manager.add_companion(ns, owner)
+            self.manager.eviction.add_companion(ns, owner)
             self._known.add(ns)
         return ns
 

@@ -27,7 +27,7 @@ import mlx.core as mx
 
 
 def _inner(processor):
-    """The processor under :class:`scheduler.faults.RowFault`'s guard."""
+    """The processor under :class:`scheduler.batch.faults.RowFault`'s guard."""
     return getattr(processor, "inner", processor)
 
 

@@ -1,4 +1,4 @@
-"""The speculative decode step over :class:`scheduler.decode_batch.JoiningGenerationBatch`.
+"""The speculative decode step over :class:`scheduler.batch.decode_batch.JoiningGenerationBatch`.
 
 Each step (:meth:`Speculator.next`):
 

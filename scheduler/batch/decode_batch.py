@@ -1,4 +1,4 @@
-"""The decode batch of :class:`scheduler.generator.JoiningBatchGenerator`: mlx-lm's
+"""The decode batch of :class:`scheduler.batch.generator.JoiningBatchGenerator`: mlx-lm's
 ``GenerationBatch`` with rows that join it with their last prompt token as their input
 (:meth:`JoiningGenerationBatch.join`), and rows taken out and put back between two steps
 with their state (:class:`DecodingState`)."""
@@ -19,8 +19,8 @@ from scheduler.batch_merge import extend_with_rows
 @dataclass
 class DecodingState:
     """A decoding row taken out of the decode batch between two steps
-    (:meth:`scheduler.generator.JoiningBatchGenerator.take_decoding`), to be put back as it was
-    (:meth:`~scheduler.generator.JoiningBatchGenerator.put_decoding`): its cache (one per layer, covering
+    (:meth:`scheduler.batch.generator.JoiningBatchGenerator.take_decoding`), to be put back as it was
+    (:meth:`~scheduler.batch.generator.JoiningBatchGenerator.put_decoding`): its cache (one per layer, covering
     ``tokens``), its pending input (the token sampled last, ``[1]``, not fed yet; its last
     prompt token if it has not decoded yet) with its logprobs and whether it was reported
     already, and its sampler, processors, stop
@@ -114,7 +114,7 @@ class JoiningGenerationBatch(GenerationBatch):
         return state
 
     def put(self, uids: list[int], states: list[DecodingState]) -> None:
-        """Put rows taken by :meth:`take` (or made as such, :mod:`scheduler.first_tokens`)
+        """Put rows taken by :meth:`take` (or made as such, :mod:`scheduler.batch.first_tokens`)
         back under ``uids``, their caches merged in one copy: each one's next step feeds
         its pending token, as the step it missed would have."""
         # the merge first: if it raises, the batch's lists are as they were

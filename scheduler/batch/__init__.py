@@ -1,12 +1,12 @@
 """The running batch: mlx-lm's ``BatchGenerator`` and the requests in it (engine thread only).
 
 Batching is mlx-lm's ``BatchGenerator`` (continuous batching with left padding) as
-:class:`scheduler.generator.JoiningBatchGenerator` runs it: rows that finish their
+:class:`scheduler.batch.generator.JoiningBatchGenerator` runs it: rows that finish their
 prompt join the decode step instead of running a forward of their own. A
 request's prompt is inserted as *segments* cut at its own checkpoint offsets, so
 prefill never crosses a checkpoint and each request's snapshot is extracted at exactly
 its own boundary, whatever the other rows of the batch are doing
-(:mod:`scheduler.insertion`, which also pauses and resumes prefilling rows).
+(:mod:`scheduler.batch.insertion`, which also pauses and resumes prefilling rows).
 
 The engine (:mod:`scheduler.engine`) decides what enters the batch and when;
 :class:`Batch` steps it and accounts for every row until it leaves.
@@ -21,29 +21,31 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from cache import PromptCacheManager
-from scheduler.chunking import ChunkPlanner
-from scheduler.fairness import FairShare
-from scheduler.first_tokens import FirstTokenStore, eligible
-from scheduler.generator import JoiningBatchGenerator
-from scheduler.insertion import RowInsertion
-from scheduler.row_failures import RowFailures
+from scheduler.batch.chunking import ChunkPlanner
+from scheduler.admission.fairness import FairShare
+from scheduler.batch.first_tokens import FirstTokenStore, eligible
+from scheduler.batch.generator import JoiningBatchGenerator
+from scheduler.batch.insertion import RowInsertion
+from scheduler.batch.row_failures import RowFailures
 from scheduler.metrics import SchedulerMetrics
-from scheduler.precompute import PrecomputeBook
+from scheduler.admission.precompute import PrecomputeBook
 from scheduler.request import DoneEvent, EngineRequest, ErrorEvent, Event, ProgressEvent, TokenEvent
-from scheduler.rows import RECENT, EngineStats, Row, holds_decode
+from scheduler.batch.rows import RECENT, EngineStats, Row, holds_decode
 from scheduler.sampling import greedy
 from scheduler.speculative import DraftSnapshots, SpeculationConfig, speculator
 
 log = logging.getLogger("mlx_gateway.engine")
 
 
-class Batch(RowInsertion, RowFailures):
+class Batch:
     """The ``BatchGenerator`` and its rows, by uid (:attr:`active`) and by request id
     (:attr:`by_id`); used on the engine thread only.
 
     The generator is made by :meth:`open` and dropped by :meth:`close`, both on the
     engine thread; a failed step replaces it with a fresh one, so read :attr:`gen` each
-    time rather than keeping it.
+    time rather than keeping it. Its parts: :attr:`insertion` (rows in, paused, resumed:
+    :class:`~scheduler.batch.insertion.RowInsertion`) and :attr:`failures` (rows that fail:
+    :class:`~scheduler.batch.row_failures.RowFailures`).
 
     Args:
         model: an mlx-lm model.
@@ -60,7 +62,7 @@ class Batch(RowInsertion, RowFailures):
         send: delivers events to a request's sink.
         speculation: speculative decoding of the decode batch (:mod:`scheduler.speculative`).
         first_tokens: where the first tokens of exact repeats come from, without a
-            forward (:mod:`scheduler.first_tokens`); None: not kept.
+            forward (:mod:`scheduler.batch.first_tokens`); None: not kept.
     """
 
     def __init__(
@@ -83,7 +85,6 @@ class Batch(RowInsertion, RowFailures):
         first_tokens: Optional[FirstTokenStore] = None,
     ):
         self.model = model
-        self.eos_token_ids = eos_token_ids
         self.prompt_concurrency = prompt_concurrency
         self.decode_concurrency = decode_concurrency
         self.prefill_step_size = prefill_step_size
@@ -100,8 +101,13 @@ class Batch(RowInsertion, RowFailures):
         self.gen: Optional[JoiningBatchGenerator] = None
         self.active: dict[int, Row] = {}
         self.by_id: dict[str, Row] = {}
+        self.failures = RowFailures(stats, precomputes, metrics, self._finish)
+        self.insertion = RowInsertion(
+            generator=lambda: self.gen, rows=self.active, by_id=self.by_id, prompt_cache=prompt_cache,
+            trimmable=trimmable, eos_token_ids=eos_token_ids, first_tokens=first_tokens, failures=self.failures,
+            stats=stats, send=send, finish=self._finish, token_event=self._token_event)
         self._step_prefilled_at = 0.0
-        self._held = 0  # steps in a row that held the decoding rows back (scheduler.rows.holds_decode)
+        self._held = 0  # steps in a row that held the decoding rows back (scheduler.batch.rows.holds_decode)
         self._rate_window = [time.monotonic(), 0, 0]  # [start, prefill tokens, decode tokens]
 
     # ----------------------------------------------------------------- the generator
@@ -136,7 +142,7 @@ class Batch(RowInsertion, RowFailures):
 
     def kv_bytes(self) -> int:
         """Bytes of the generator's batch caches (:meth:`JoiningBatchGenerator.kv_bytes
-        <scheduler.generator.JoiningBatchGenerator.kv_bytes>`); 0 with no rows."""
+        <scheduler.batch.generator.JoiningBatchGenerator.kv_bytes>`); 0 with no rows."""
         return self.gen.kv_bytes() if self.gen is not None and self.active else 0
 
     # ----------------------------------------------------------------- rows in and out
@@ -198,6 +204,17 @@ class Batch(RowInsertion, RowFailures):
         a.lease = None
         self._send(a.request, [*(before or []), event])
 
+    def _fail_row(self, a: Row, message: str) -> None:
+        """Take ``a`` out of the generator and end it with a 500 ``message``; the other rows go on."""
+        self.gen.remove([a.uid])
+        self.failures.fail(a, message)
+
+    def _fail_batch(self, error: Exception) -> None:
+        """A batch step raised: fail the requests in it, start a fresh batch, keep serving."""
+        self.failures.fail_step(list(self.active.values()), error)
+        self.close()
+        self.open()
+
     def drop_all(self, reason: str) -> None:
         """The engine stops: end every row with a 503 ``reason`` and release its lease."""
         for a in list(self.active.values()):
@@ -221,7 +238,7 @@ class Batch(RowInsertion, RowFailures):
             share: this engine's share of the loop's prefill budget this turn (other
                 models prefill in the same turn).
         """
-        self.join_ready()
+        self.insertion.join_ready()
         prefill_rows = [a for a in self.active.values() if not a.decoding]
         classes = tuple(sorted({a.rank for a in prefill_rows}))
         prefilling = len(prefill_rows)
@@ -271,7 +288,7 @@ class Batch(RowInsertion, RowFailures):
         self.chunks.record(chunk, prefilled, decoding + decoding_elsewhere, seconds, classes, context, prefilling)
         if hold:
             self.metrics.decode_holds.inc()
-        self._fail_faulty_rows()
+        self.failures.fail_faulty(list(self.active.values()), self._fail_row)
         events: dict[int, list[Event]] = {}
         for gr in gen_responses:
             a = self.active.get(gr.uid)

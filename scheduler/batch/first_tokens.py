@@ -12,8 +12,8 @@ sampled from (``[V]`` float32, taken from the step that sampled it: mlx-lm's
 all of its tokens (:meth:`PromptCacheManager.fetch <cache.manager.PromptCacheManager.fetch>`
 with ``whole``), samples its first token from them with its own sampler at admission,
 and joins the decode batch with that token as its pending input
-(:meth:`Batch.join_ready <scheduler.batch.Batch.join_ready>`): its first token goes out
-before the merge and the forward that compute its second.
+(:meth:`RowInsertion.join_ready <scheduler.batch.insertion.RowInsertion.join_ready>`): its first
+token goes out before the merge and the forward that compute its second.
 
 Only requests whose first token depends on nothing but the logits and the sampler use
 it (:func:`eligible`): no logits processors (penalties, ``logit_bias``, a grammar), no
@@ -30,7 +30,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from scheduler.decode_batch import INT32_LIMIT  # a vision model's image positions are ids at or above it
+from scheduler.batch.decode_batch import INT32_LIMIT  # a vision model's image positions are ids at or above it
 from scheduler.request import EngineRequest
 
 MAX_BYTES = 32 << 20  # bytes of kept log-probabilities and keys (about 54 prompts of a 150k vocabulary)

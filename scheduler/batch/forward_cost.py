@@ -16,7 +16,7 @@ parts. :meth:`ForwardCost.floor` is the smallest chunk whose cost per token is a
 ``fixed / n + b <= (1 + RISE) (fixed / best + b)``. ``b`` there is the per-token cost
 measured on the running prompt's recent chunks (it grows with the context the chunk
 attends to, which makes the floor smaller as a long prompt advances), else the one
-measured at load. :mod:`scheduler.chunking` never sizes a chunk below it.
+measured at load. :mod:`scheduler.batch.chunking` never sizes a chunk below it.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ generator between two steps with its cache kept (:meth:`RowInsertion.pause`, for
 request of a better latency class) and put back later to go on from there
 (:meth:`RowInsertion.resume`); so can a decoding row, when a better class needs its
 place in a full decode batch. An exact repeat of a prompt whose first token's
-log-probabilities are kept (:mod:`scheduler.first_tokens`) starts decoding at once, its
+log-probabilities are kept (:mod:`scheduler.batch.first_tokens`) starts decoding at once, its
 whole prompt restored (:meth:`RowInsertion.join_ready`).
 """
 
@@ -16,20 +16,23 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.generate import StopSequences
 from mlx_lm.models.cache import TokenBuffer
 
+from cache import PromptCacheManager
 from cache.checkpoints import row_snapshots
 from cache.entries import compact
-from scheduler.faults import RowFault
-from scheduler.first_tokens import eligible
-from scheduler.decode_batch import DecodingState
-from scheduler.request import DoneEvent, EngineRequest, ErrorEvent
-from scheduler.rows import Row
+from scheduler.batch.faults import RowFault
+from scheduler.batch.first_tokens import FirstTokenStore, eligible
+from scheduler.batch.generator import JoiningBatchGenerator
+from scheduler.batch.row_failures import RowFailures
+from scheduler.batch.decode_batch import DecodingState
+from scheduler.request import DoneEvent, EngineRequest, ErrorEvent, Event, TokenEvent
+from scheduler.batch.rows import EngineStats, Row
 from scheduler.sampling import make_processors, make_sampler
 
 log = logging.getLogger("mlx_gateway.engine")
@@ -43,16 +46,44 @@ class _First(NamedTuple):
 
 
 class RowInsertion:
-    """How rows enter the generator: the base class of :class:`scheduler.batch.Batch`.
+    """How rows enter the generator, held by :class:`scheduler.batch.Batch` (engine thread only).
 
-    Uses the batch's ``gen`` (a :class:`scheduler.generator.JoiningBatchGenerator`),
-    ``prompt_cache``, ``trimmable``, ``eos_token_ids``, ``first_tokens`` (a
-    :class:`scheduler.first_tokens.FirstTokenStore`, or None), ``active`` (rows by uid)
-    and ``by_id`` (rows by request id), ``stats``, and its ``_send``, ``_finish``,
-    ``_token_event`` and ``_count_failure``. Not usable on its own.
+    Public: :meth:`start_row`, :meth:`join_ready`, :meth:`pause`, :meth:`resume`,
+    :meth:`drop_paused`. A row it starts is added to ``rows`` (by uid) and ``by_id`` (by
+    request id), the batch's own tables, and taken out of them when it pauses.
+
+    Args:
+        generator: returns the batch's current generator (a failed step replaces it).
+        rows, by_id: the batch's rows by uid and by request id.
+        prompt_cache: where a row's prefix is restored from.
+        trimmable: the model's caches can be trimmed (fewer snapshots are needed).
+        eos_token_ids: token ids that end a generation.
+        first_tokens: the kept first tokens of exact repeats (None: not kept).
+        failures: counts the rows that fail here.
+        stats: counts the rows that finish at their first token.
+        send: delivers events to a request's sink.
+        finish: takes a row out of the tables, releases its lease, sends its events.
+        token_event: accounts a sampled token of a row and makes its event.
     """
 
-    _joining_uid = 0  # rows started from a kept first token count down from -1 until they join
+    def __init__(self, *, generator: Callable[[], JoiningBatchGenerator], rows: dict[int, Row],
+                 by_id: dict[str, Row], prompt_cache: PromptCacheManager, trimmable: bool, eos_token_ids: set[int],
+                 first_tokens: Optional[FirstTokenStore], failures: RowFailures, stats: EngineStats,
+                 send: Callable[[EngineRequest, list[Event]], None], finish: Callable[..., None],
+                 token_event: Callable[[Row, Any], TokenEvent]):
+        self._gen = generator
+        self._rows = rows
+        self._by_id = by_id
+        self.prompt_cache = prompt_cache
+        self.trimmable = trimmable
+        self.eos_token_ids = eos_token_ids
+        self.first_tokens = first_tokens
+        self._failures = failures
+        self._stats = stats
+        self._send = send
+        self._finish = finish
+        self._token_event = token_event
+        self._joining_uid = 0  # rows started from a kept first token count down from -1 until they join
 
     def start_row(self, r: EngineRequest, extra_checkpoints=(), background: bool = False) -> Optional[Row]:
         """Fetch ``r``'s cached prefix and put its prompt into the batch, cut into segments
@@ -79,13 +110,13 @@ class RowInsertion:
             self._send(r, [ErrorEvent(500, f"could not start the request: {e}")])
             return None
         active = Row(r, uid, lease, cached, snapshots, fault=fault, cache_source=hit.source, marks=marks)
-        self.active[uid] = active
-        self.by_id[r.id] = active
+        self._rows[uid] = active
+        self._by_id[r.id] = active
         return active
 
     def _start_from_first_token(self, r: EngineRequest, hit, logprobs) -> Row:
         """``r`` repeats a prompt whose first token's log-probabilities ``[V]`` are kept
-        (:mod:`scheduler.first_tokens`) and ``hit`` restored all of it: sample its first
+        (:mod:`scheduler.batch.first_tokens`) and ``hit`` restored all of it: sample its first
         token now, and make it a decoding row whose pending input is that token; it joins
         the decode batch, and its token is sent, at the next step's start
         (:meth:`join_ready`)."""
@@ -103,15 +134,15 @@ class RowInsertion:
         a = Row(r, self._joining_uid, hit.lease, len(r.tokens), [], fault=fault, cache_source=hit.source,
                 decoding=True, joining=state)
         self.first_tokens.count_hit()
-        self.active[a.uid] = a
-        self.by_id[r.id] = a
+        self._rows[a.uid] = a
+        self._by_id[r.id] = a
         return a
 
     def join_ready(self) -> None:
         """Send the first token of each row started by :meth:`_start_from_first_token` and
         put those that go on into the decode batch, in one merge (at a step's start, so
         after the engine sent their prompt events)."""
-        ready = [a for a in self.active.values() if a.joining is not None]
+        ready = [a for a in self._rows.values() if a.joining is not None]
         if not ready:
             return
         now = time.monotonic()
@@ -121,7 +152,7 @@ class RowInsertion:
             reason = a.error()
             if reason is not None:
                 log.error("request %s failed: %s", a.request.id, reason)
-                self._count_failure(a)
+                self._failures.count(a)
                 self._finish(a, ErrorEvent(500, reason))
                 continue
             a.request.timings["engine_prefilled"] = now
@@ -130,11 +161,11 @@ class RowInsertion:
                 event = self._token_event(a, _First(token, state.logprobs))
             except Exception as e:  # this row alone
                 log.exception("request %s failed at its first token", a.request.id)
-                self._count_failure(a)
+                self._failures.count(a)
                 self._finish(a, ErrorEvent(500, f"decoding failed: {e}"))
                 continue
             if state.matcher.advance(token):  # its first token ends it
-                self.stats.finished += 1
+                self._stats.finished += 1
                 self._finish(a, DoneEvent("stop"), [event])
                 continue
             self._send(a.request, [event])
@@ -142,17 +173,17 @@ class RowInsertion:
         if not going:
             return
         try:
-            uids = self.gen.put_decoding_all([state for _, state in going])
+            uids = self._gen().put_decoding_all([state for _, state in going])
         except Exception as e:
             log.exception("joining %d repeated prompts to the decode batch failed", len(going))
             for a, _ in going:
-                self._count_failure(a)
+                self._failures.count(a)
                 self._finish(a, ErrorEvent(500, f"could not start the request: {e}"))
             return
         for (a, _), uid in zip(going, uids):
-            del self.active[a.uid]
+            del self._rows[a.uid]
             a.uid = uid
-            self.active[uid] = a
+            self._rows[uid] = a
             self.prompt_cache.release(a.lease)
             a.lease = None
 
@@ -166,7 +197,7 @@ class RowInsertion:
         (covering ``tokens``), cut into segments at ``marks``; its uid."""
         cuts = [start, *[m for m in marks if m > start], len(r.tokens)]
         processors = make_processors(r.params) + list(r.processors) + ([r.mask] if r.mask is not None else [])
-        (uid,) = self.gen.insert_segments(
+        (uid,) = self._gen().insert_segments(
             [[r.tokens[x:y] for x, y in zip(cuts, cuts[1:])]],
             max_tokens=[r.params.max_tokens],
             caches=[cache],
@@ -181,40 +212,40 @@ class RowInsertion:
         """Take the row ``a`` out of the generator between two steps, its cache kept (a
         compact copy), to be put back by :meth:`resume` and go on from there: a prefilling
         row keeps what it has prefilled (and its lease), a decoding row its whole state
-        (:class:`scheduler.decode_batch.DecodingState`: its pending token, sampler, grammar).
+        (:class:`scheduler.batch.decode_batch.DecodingState`: its pending token, sampler, grammar).
         False (``a`` left as it was) if it could not be taken out."""
         if a.decoding:
             return self._pause_decoding(a)
         try:
-            extracted = self.gen.extract_cache([a.uid]).get(a.uid)
+            extracted = self._gen().extract_cache([a.uid]).get(a.uid)
             if extracted is None:
                 return False
             cache, tokens = extracted
             _keep(cache)
-            self.gen.remove([a.uid])
+            self._gen().remove([a.uid])
         except Exception:
             log.exception("pausing request %s failed; it goes on", a.request.id)
             return False
-        self.active.pop(a.uid, None)
-        self.by_id.pop(a.request.id, None)
+        self._rows.pop(a.uid, None)
+        self._by_id.pop(a.request.id, None)
         a.paused = (cache, list(tokens))
         return True
 
     def _pause_decoding(self, a: Row) -> bool:
         try:
-            state = self.gen.take_decoding(a.uid)
+            state = self._gen().take_decoding(a.uid)
         except Exception:
             log.exception("pausing the decoding request %s failed; it goes on", a.request.id)
             return False
         if state is None:
             return False
-        self.active.pop(a.uid, None)
-        self.by_id.pop(a.request.id, None)
+        self._rows.pop(a.uid, None)
+        self._by_id.pop(a.request.id, None)
         try:
             _keep(state.cache, state.pending)
         except Exception as e:  # out of the batch already: it fails alone
             log.exception("pausing the decoding request %s failed", a.request.id)
-            self._count_failure(a)
+            self._failures.count(a)
             self._send(a.request, [ErrorEvent(500, f"pausing the request failed: {e}")])
             return False
         a.paused = state
@@ -233,21 +264,21 @@ class RowInsertion:
         r = a.request
         try:
             if a.decoding:
-                uid, base = self.gen.put_decoding(a.paused), a.progress_base
+                uid, base = self._gen().put_decoding(a.paused), a.progress_base
             else:
                 cache, tokens = a.paused
                 uid, base = self._insert(r, len(tokens), a.marks, cache, tokens, a.fault), len(tokens) - a.cached
         except Exception as e:
             log.exception("resuming request %s failed", r.id)
             a.paused = None
-            self._count_failure(a)
+            self._failures.count(a)
             self.prompt_cache.release(a.lease)
             a.lease = None
             self._send(r, [ErrorEvent(500, f"could not resume the request: {e}")])
             return False
         a.uid, a.paused, a.progress_base = uid, None, base
-        self.active[uid] = a
-        self.by_id[r.id] = a
+        self._rows[uid] = a
+        self._by_id[r.id] = a
         return True
 
 

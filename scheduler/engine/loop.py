@@ -10,12 +10,12 @@ own waiting queue, batch and prefix cache; the loop decides whose step runs when
 * the engines whose prefilling rows are of the best latency class among them
   (interactive, standard, batch; the others keep a small guaranteed share of turns) run
   a prefill chunk each turn, sharing one step's budget, and their chunks are sized with
-  the decoding rows of *every* model counted (:mod:`scheduler.chunking`): the
+  the decoding rows of *every* model counted (:mod:`scheduler.batch.chunking`): the
   chunked-prefill gap bound holds across models, and a short prompt of one model does
   not wait for another model's turn;
 * next-turn precomputes run only when no engine has a request waiting or running, and
   any request arriving for any model preempts them;
-* the tenants' fair share (VTC, :mod:`scheduler.fairness`) is one set of counters for
+* the tenants' fair share (VTC, :mod:`scheduler.admission.fairness`) is one set of counters for
   all models: work a tenant gets on one model counts on the others.
 
 The async side talks to it through a thread-safe inbox and never blocks it; the loop
@@ -33,12 +33,12 @@ import time
 import traceback
 from typing import Any, Callable, Optional, Protocol
 
-from scheduler.arrivals import Arrivals, gather
-from scheduler.chunking import DecodeShare
-from scheduler.fairness import FairShare
+from scheduler.admission.arrivals import Arrivals, gather
+from scheduler.batch.chunking import DecodeShare
+from scheduler.admission.fairness import FairShare
 from scheduler.metrics import SchedulerMetrics
-from scheduler.policy import ClassShare
-from scheduler.rows import EngineDead
+from scheduler.admission.policy import ClassShare
+from scheduler.batch.rows import EngineDead
 
 log = logging.getLogger("mlx_gateway.engine")
 
@@ -103,10 +103,10 @@ class EngineLoop:
 
     Args:
         gather_wait: seconds an idle loop with a request to start waits for requests the
-            gateway is still preparing for any model (:mod:`scheduler.arrivals`); 0: never.
+            gateway is still preparing for any model (:mod:`scheduler.admission.arrivals`); 0: never.
         name: the thread's name.
         batch_share: the guaranteed share of prefill steps of the latency classes below
-            the best one present (:class:`scheduler.policy.ClassShare`), in each engine and
+            the best one present (:class:`scheduler.admission.policy.ClassShare`), in each engine and
             across them.
         interactive_budget: seconds a step that prefills only standard or batch prompts
             may take while interactive requests are about (:data:`INTERACTIVE_WINDOW`):
@@ -300,7 +300,7 @@ class EngineLoop:
 
     def _gather(self, engines: list[Engine]) -> None:
         """Idle, with a request to start: take in the requests still being prepared, for at
-        most ``gather_wait`` seconds (:func:`scheduler.arrivals.gather`)."""
+        most ``gather_wait`` seconds (:func:`scheduler.admission.arrivals.gather`)."""
         waiting = [e for e in engines if e.has_waiting]
         waited = gather(self._preparing, self._inbox, self._handle, self.gather_wait, lambda: self._stopping)
         for e in waiting:
@@ -311,7 +311,7 @@ class EngineLoop:
         such wait, while no interactive request waits, prefills or decodes: hold the next
         step, which would be lower-class work, until it is submitted (at most
         :data:`INTERACTIVE_ARRIVAL_WAIT` seconds, once per preparation), so that it starts
-        at that step instead of waiting for it to end (:func:`scheduler.arrivals.gather`)."""
+        at that step instead of waiting for it to end (:func:`scheduler.admission.arrivals.gather`)."""
         entered = {id(e): e.arrivals.interactive_entered for e in engines}
         new = [e for e in engines if entered[id(e)] > self._awaited.get(id(e), 0) and e.arrivals.interactive]
         self._awaited = entered
@@ -344,7 +344,7 @@ class EngineLoop:
             done.set()
         elif kind == "stop":
             self._stopping = True
-        # "arrived" (a preparation ended, scheduler.arrivals) only wakes the loop.
+        # "arrived" (a preparation ended, scheduler.admission.arrivals) only wakes the loop.
 
     def drain_after_stop(self, reason: str) -> None:
         """Answer what is left in the inbox of a stopped loop: submits with a 503

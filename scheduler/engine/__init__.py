@@ -1,6 +1,6 @@
 """The engine of one model: its waiting queue, its running batch and its prefix cache.
 
-Every MLX call happens on the engine loop's thread (:mod:`scheduler.loop`), which
+Every MLX call happens on the engine loop's thread (:mod:`scheduler.engine.loop`), which
 serves the engines of every model: an engine started alone gets a loop of its own. The
 async side talks to it through the loop's thread-safe inbox (``submit``, ``cancel``,
 ``call``) and receives events through each request's ``sink``. The loop blocks on the
@@ -10,8 +10,9 @@ project's field notes).
 
 The engine decides what enters its batch and when (admission, next-turn precomputes);
 the running batch itself is :class:`scheduler.batch.Batch`. It owns its prefix cache:
-the gateway asks it to flush, set quotas or report (:meth:`Engine.flush_cache`,
-:meth:`Engine.set_cache_quotas`, :meth:`Engine.cache_bytes`), never the cache itself.
+the gateway asks it to flush, set quotas, close or report (:meth:`Engine.flush_cache`,
+:meth:`Engine.apply_quotas`, :meth:`Engine.close_cache`,
+:meth:`Engine.cache_bytes`), never the cache itself.
 """
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ from typing import Any, Callable, Optional
 from prometheus_client import CollectorRegistry
 
 from cache import PromptCacheManager
-from scheduler.core import PERSIST_SECONDS, EngineCore
-from scheduler.forward_cost import ForwardCost
-from scheduler.loop import EngineLoop
-from scheduler.precompute import Precompute
-from scheduler.prefetch import DiskPrefetch
+from scheduler.engine.core import PERSIST_SECONDS, EngineCore
+from scheduler.batch.forward_cost import ForwardCost
+from scheduler.engine.loop import EngineLoop
+from scheduler.admission.precompute import Precompute
+from scheduler.engine.prefetch import DiskPrefetch
 from scheduler.request import EngineRequest
 from scheduler.speculative import SpeculationConfig
-from scheduler.rows import AdmissionRecord, EngineDead, EngineOverloaded, EngineStats, TenantQueueFull
+from scheduler.batch.rows import AdmissionRecord, EngineDead, EngineOverloaded, EngineStats, TenantQueueFull
 
 # The errors and records are importable from here too.
 __all__ = ["PERSIST_SECONDS", "AdmissionRecord", "Engine", "EngineDead", "EngineOverloaded", "EngineStats",
@@ -54,14 +55,14 @@ class Engine(EngineCore):
         decode_concurrency: sequences decoded together (decode batch size).
         prefill_step_size: most tokens per prompt per prefill step while nothing decodes.
         prefill_budget: seconds a prefill step may take while other sequences decode
-            (0: no budget). See :mod:`scheduler.chunking`.
+            (0: no budget). See :mod:`scheduler.batch.chunking`.
         max_waiting: waiting requests before :meth:`submit` raises :class:`EngineOverloaded`.
         registry: where the scheduler metrics are registered.
         pad_free_prefill: when true, only prompts that need no padding prefill
             together (set by the batch-equivalence guard for models whose padded
             batches are not exact).
         gather_wait: seconds an idle engine with a request to start waits for requests
-            still being prepared (:attr:`arrivals`, :mod:`scheduler.arrivals`); 0: never.
+            still being prepared (:attr:`arrivals`, :mod:`scheduler.admission.arrivals`); 0: never.
             Used by the loop :meth:`start` makes; a shared loop has its own.
         loop: the engine loop to run on (shared by every model of a gateway); None: the
             loop :meth:`start` makes for this engine alone.
@@ -71,7 +72,7 @@ class Engine(EngineCore):
             and its recurrent and window layers are checked on the model itself (at load,
             else before the first draft: :func:`scheduler.speculative.rollback_refusal`;
             a model that fails decodes plainly).
-        forward_cost: what a prefill forward costs (:func:`scheduler.forward_cost.measure_forward_cost`):
+        forward_cost: what a prefill forward costs (:func:`scheduler.batch.forward_cost.measure_forward_cost`):
             chunks are never cut below the size where their cost per token rises
             more than 20 % above the best chunk's; None: no such floor.
     """
@@ -158,7 +159,7 @@ class Engine(EngineCore):
             self._post("submit", request)
 
     def _hand_over(self, request: EngineRequest, cancelled: Optional[str]) -> None:
-        """A request whose disk entry was read ahead (:mod:`scheduler.prefetch`) goes in."""
+        """A request whose disk entry was read ahead (:mod:`scheduler.engine.prefetch`) goes in."""
         self._post("submit", request)
         if cancelled is not None:
             self._post("cancel", (request.id, cancelled))
@@ -176,7 +177,7 @@ class Engine(EngineCore):
 
     def submit_precompute(self, p: Optional[Precompute]) -> None:
         """Queue a reserved next-turn precompute, or None when its render gave nothing
-        (thread-safe; see :mod:`scheduler.precompute`). It runs only while no engine of the
+        (thread-safe; see :mod:`scheduler.admission.precompute`). It runs only while no engine of the
         loop has anything else to do, and is dropped when a request arrives."""
         self._post("precompute", p)  # the reservation ends when the engine takes it
         if not self.alive:  # stopped meanwhile: nothing will take it
@@ -211,19 +212,31 @@ class Engine(EngineCore):
         Raises:
             EngineDead, TimeoutError: see :meth:`call`.
         """
-        return self.call(lambda: self.prompt_cache.flush(cache_group), timeout)
+        return self.call(lambda: self.prompt_cache.eviction.flush(cache_group), timeout)
 
-    def set_cache_quotas(self, quotas: Callable[[], dict[str, int]], timeout: float = 60.0) -> Future:
-        """Apply per-cache-group byte quotas on the engine thread (a smaller one evicts
-        snapshots), without waiting: safe from a signal handler on the event loop.
-        ``quotas()`` is read when it runs, so two posts applied in either order leave the
-        newest table.
+    def apply_quotas(self, quotas: Callable[[], dict[str, int]], timeout: float = 60.0) -> Future:
+        """Apply per-cache-group byte quotas (bytes; a smaller one evicts snapshots): at once
+        on an engine not started yet, else on the engine thread without waiting (safe from
+        a signal handler on the event loop). ``quotas()`` is read when they are applied, so
+        two calls applied in either order leave the newest table.
 
         Returns:
             A Future done once they are applied; it holds :class:`EngineDead`,
-            :class:`TimeoutError` or the error raised if they could not be.
+            :class:`TimeoutError` or the error raised (ValueError: a negative quota).
         """
-        return self._post_call(lambda: self.prompt_cache.set_quotas(quotas()), timeout)
+        if self._started:
+            return self._post_call(lambda: self.prompt_cache.eviction.set_quotas(quotas()), timeout)
+        done: Future = Future()
+        try:
+            done.set_result(self.prompt_cache.eviction.set_quotas(quotas()))
+        except Exception as e:
+            done.set_exception(e)
+        return done
+
+    def close_cache(self) -> None:
+        """The model is unloaded (after :meth:`stop`): its prefix cache leaves the byte
+        budget it shares with the other models' (``cache/budget.py``)."""
+        self.prompt_cache.close()
 
     def kv_bytes(self, timeout: float = 60.0) -> int:
         """Bytes of the running batch's KV caches (asked on the engine thread; 0 when idle).

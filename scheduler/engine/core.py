@@ -1,5 +1,5 @@
 """What one model's engine does on the engine loop's thread: admission, stepping, the
-idle books. :class:`EngineCore` is the side the loop sees (:class:`scheduler.loop.Engine`);
+idle books. :class:`EngineCore` is the side the loop sees (:class:`scheduler.engine.loop.Engine`);
 :class:`scheduler.engine.Engine` adds what other threads call.
 """
 
@@ -16,19 +16,19 @@ from prometheus_client import CollectorRegistry
 
 from cache import PromptCacheManager
 from cache.restore import always_trimmable
-from scheduler.arrivals import Arrivals
+from scheduler.admission.arrivals import Arrivals
 from scheduler.batch import Batch
-from scheduler.classes import LatencyClasses
-from scheduler.chunking import ChunkPlanner
-from scheduler.first_tokens import FirstTokenStore
-from scheduler.forward_cost import ForwardCost
-from scheduler.loop import EngineLoop
+from scheduler.admission.classes import LatencyClasses
+from scheduler.batch.chunking import ChunkPlanner
+from scheduler.batch.first_tokens import FirstTokenStore
+from scheduler.batch.forward_cost import ForwardCost
+from scheduler.engine.loop import EngineLoop
 from scheduler.metrics import SchedulerMetrics
-from scheduler.policy import Admission, ClassShare, InFlight, WaitingQueue
-from scheduler.precompute import PrecomputeBook, PrecomputeMetrics
+from scheduler.admission.policy import Admission, InFlight, WaitingQueue
+from scheduler.admission.precompute import PrecomputeBook, PrecomputeMetrics
 from scheduler.request import DoneEvent, EngineRequest, ErrorEvent, Event, ProgressEvent, PromptEvent, SamplingParams
 from scheduler.speculative import SpeculationConfig
-from scheduler.rows import RECENT, AdmissionRecord, EngineStats, WaitingCounts
+from scheduler.batch.rows import RECENT, AdmissionRecord, EngineStats, WaitingCounts
 
 log = logging.getLogger("mlx_gateway.engine")
 
@@ -36,7 +36,7 @@ log = logging.getLogger("mlx_gateway.engine")
 PERSIST_SECONDS = 60.0
 
 
-class EngineCore(LatencyClasses):
+class EngineCore:
     """One model's waiting queue, batch and prefix cache, as the engine loop drives them
     (every method here runs on the loop's thread). See :class:`scheduler.engine.Engine`
     for the arguments."""
@@ -64,10 +64,6 @@ class EngineCore(LatencyClasses):
         # Recent admissions in order, for tests, benchmarks and debugging; bounded.
         self.admission_log: deque[AdmissionRecord] = deque(maxlen=RECENT)
         self._waiting = WaitingQueue(loop.fair)
-        self._share = ClassShare(loop.batch_share)  # prefill turns of the lower classes
-        self._stream_share = ClassShare(loop.batch_share)  # their prefill while an interactive row decodes
-        self._resume_share = ClassShare(loop.batch_share)  # their paused streams' place in a full batch
-        self._paused: list = []  # rows whose prefill waits for a better class (scheduler.rows.Row)
         self._batch = Batch(
             model, self.eos_token_ids, prompt_concurrency=self.prompt_concurrency,
             decode_concurrency=self.decode_concurrency, prefill_step_size=prefill_step_size,
@@ -75,6 +71,8 @@ class EngineCore(LatencyClasses):
             stats=self.stats, precomputes=self.precomputes, fair=loop.fair, send=self._send,
             speculation=speculation, first_tokens=FirstTokenStore(metrics=self.metrics),
         )
+        self._classes = LatencyClasses(self._waiting, self._batch, loop, self.metrics, self.prompt_concurrency,
+                                       self.decode_concurrency)
         self._closed = False  # set on the loop thread when the engine leaves it
         self._idle = threading.Condition()
         self._is_idle = True  # updated between steps only, so readers see a consistent state
@@ -96,7 +94,7 @@ class EngineCore(LatencyClasses):
     @property
     def busy(self) -> bool:
         """Rows in the batch, paused or requests waiting."""
-        return self.has_rows or self.has_waiting or bool(self._paused)
+        return self.has_rows or self.has_waiting or bool(self._classes.paused)
 
     @property
     def serving(self) -> bool:
@@ -137,10 +135,10 @@ class EngineCore(LatencyClasses):
             return
         self._closed = True
         self._batch.drop_all(reason)
-        for a in self._paused:
+        for a in self._classes.paused:
             self._send(a.request, [ErrorEvent(503, reason)])
-            self._batch.drop_paused(a)
-        self._paused.clear()
+            self._batch.insertion.drop_paused(a)
+        self._classes.paused.clear()
         for r in self._waiting.drain():
             self._send(r, [ErrorEvent(503, reason)])
         self._batch.close()
@@ -181,9 +179,9 @@ class EngineCore(LatencyClasses):
         """
         if preempt:
             self._batch.preempt_precomputes()
-        back = self._resume_streams()
-        allowed = self._classes_allowed()
-        self._make_room(spare=back)
+        back = self._classes.resume_streams()
+        allowed = self._classes.allowed()
+        self._classes.make_room(spare=back)
         prefilling = self._batch.num_prefilling()
         free = min(
             self.prompt_concurrency - prefilling,
@@ -198,7 +196,7 @@ class EngineCore(LatencyClasses):
         if self.pad_free_prefill and prefilling:
             return
         n = 1 if self.pad_free_prefill else free
-        lower_room = self._lower_room()
+        lower_room = self._classes.lower_room()
         if lower_room is not None:  # interactive first, then the lower classes within their room
             classes = {0, 1, 2} if allowed is None else allowed
             picks = self._pick(n, classes & {0})
@@ -221,10 +219,10 @@ class EngineCore(LatencyClasses):
         a lower class is cut to the loop's interactive budget (or one decode step,
         when longer), so that the next interactive request waits at most about that long;
         while an interactive row decodes, lower classes do not prefill
-        (:meth:`_streams_first <scheduler.classes.LatencyClasses._streams_first>`)."""
+        (:meth:`LatencyClasses.streams_first <scheduler.admission.classes.LatencyClasses.streams_first>`)."""
         cap = None
         lower = any(a.rank > 0 for a in self._batch.active.values() if not a.decoding)
-        if lower and not decode_only and self._streams_first():
+        if lower and not decode_only and self._classes.streams_first():
             decode_only = True
         if lower and self._loop.interactive_recent():
             cap = max(self._loop.interactive_budget, self.chunks.decode_step)
@@ -261,7 +259,7 @@ class EngineCore(LatencyClasses):
         self.metrics.running.set(len(self._batch.active))
         self.metrics.waiting.set(self._waiting_counts.total)
         queued = self._waiting.count_by_class()
-        for a in self._paused:
+        for a in self._classes.paused:
             queued[a.request.priority] = queued.get(a.request.priority, 0) + 1
         for c in range(3):
             self.metrics.queued_by_class.labels(str(c)).set(queued.get(c, 0))
@@ -271,8 +269,8 @@ class EngineCore(LatencyClasses):
     def _notify_idle_state(self) -> None:
         with self._idle:
             running = not self._closed and self.error is None
-            self._is_idle = not (self._batch.active or self._paused or len(self._waiting) or self._waiting_counts.total
-                                 or (running and (len(self.precomputes) or self._reserved)))
+            self._is_idle = not (self._batch.active or self._classes.paused or len(self._waiting)
+                                 or self._waiting_counts.total or (running and (len(self.precomputes) or self._reserved)))
             self._idle.notify_all()
 
     def _send(self, request: EngineRequest, events: list[Event]) -> None:
@@ -289,7 +287,7 @@ class EngineCore(LatencyClasses):
 
     def _insert(self, admission: Admission) -> None:
         r = admission.request
-        a = self._batch.start_row(r, admission.extra_checkpoints)
+        a = self._batch.insertion.start_row(r, admission.extra_checkpoints)
         if a is None:
             self.stats.failed += 1
             return
@@ -321,17 +319,17 @@ class EngineCore(LatencyClasses):
             return
         r = EngineRequest(p.id, p.tokens, SamplingParams(max_tokens=1), sink=lambda events: None,
                           checkpoints=[n], namespace=p.namespace, tenant=p.tenant)
-        a = self._batch.start_row(r, background=True)  # snapshots at n, the one it exists for
+        a = self._batch.insertion.start_row(r, background=True)  # snapshots at n, the one it exists for
         if a is None:
             self.precomputes.outcome("failed")
             return
         a.precompute = p
 
     def _cancel(self, request_id: str, reason: str = "cancelled") -> None:
-        paused = next((a for a in self._paused if a.request.id == request_id), None)
+        paused = next((a for a in self._classes.paused if a.request.id == request_id), None)
         if paused is not None:
-            self._paused.remove(paused)
-            self._batch.drop_paused(paused)
+            self._classes.paused.remove(paused)
+            self._batch.insertion.drop_paused(paused)
             self._send(paused.request, [DoneEvent(reason)])
             self._count_early_end(reason)
             return

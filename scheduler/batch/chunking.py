@@ -46,7 +46,7 @@ then what it would be without a budget.
 
 A time budget shrinks chunks on a slower machine, and each chunk pays a forward's fixed
 cost (reading every weight, dispatching every layer's ops) whatever its size. So a chunk
-is never sized below the floor of :mod:`scheduler.forward_cost`: the fewest tokens whose
+is never sized below the floor of :mod:`scheduler.batch.forward_cost`: the fewest tokens whose
 cost per token stays within 20 % of the best chunk's, from the model's forward cost
 measured at load and the per-token cost measured on the prompt's recent chunks. Where
 that floor is larger than the budget allows, the step takes longer than the budget: the
@@ -68,7 +68,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from scheduler.forward_cost import ForwardCost
+from scheduler.batch.forward_cost import ForwardCost
 
 ALIGN = 32  # chunk sizes are multiples of this many tokens
 # Under a latency-class cap (:meth:`ChunkPlanner.next_chunk`), chunks may be as small as
@@ -128,7 +128,7 @@ class ChunkPlanner:
             decode as prompts prefill (``--prefill-budget``); 0 disables chunking.
         share: the decode-only time owed, shared with the other models of one engine
             loop (None: a planner of its own).
-        cost: the model's forward cost (:mod:`scheduler.forward_cost`), for the floor
+        cost: the model's forward cost (:mod:`scheduler.batch.forward_cost`), for the floor
             below which no chunk is cut; None: no floor.
     """
 
@@ -200,7 +200,7 @@ class ChunkPlanner:
     def floor(self, prefilling: int, classes: tuple = ()) -> int:
         """The fewest tokens per prompt a chunk of ``prefilling`` prompts may have: their
         forward's cost per token within 20 % of a full ``step_size`` chunk's
-        (:meth:`ForwardCost.floor <scheduler.forward_cost.ForwardCost.floor>`, with the
+        (:meth:`ForwardCost.floor <scheduler.batch.forward_cost.ForwardCost.floor>`, with the
         marginal cost per token last measured for these classes), a multiple of
         :data:`ALIGN`; :data:`ALIGN` without a measured forward cost."""
         if self.cost is None or prefilling <= 0:

@@ -2,7 +2,7 @@
 
 An embedding model generates nothing: a request is a list of token sequences and its
 answer is one vector per sequence. :class:`EmbeddingEngine` attaches to the same
-:class:`scheduler.loop.EngineLoop` as the generating models, so every MLX call still
+:class:`scheduler.engine.loop.EngineLoop` as the generating models, so every MLX call still
 happens on the loop's thread, and the loop steps it like a prefilling engine: each turn
 it runs one forward over the waiting inputs of every request (up to
 ``max_batch_inputs`` sequences and ``max_batch_tokens`` padded tokens), shortest first
@@ -29,11 +29,11 @@ from typing import Callable, Optional
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from scheduler.arrivals import Arrivals
-from scheduler.loop import EngineLoop
+from scheduler.admission.arrivals import Arrivals
+from scheduler.engine.loop import EngineLoop
 from scheduler.metrics import SchedulerMetrics
 from scheduler.request import ErrorEvent
-from scheduler.rows import EngineDead, EngineOverloaded, EngineStats
+from scheduler.batch.rows import EngineDead, EngineOverloaded, EngineStats
 
 log = logging.getLogger("mlx_gateway.engine")
 
@@ -153,7 +153,7 @@ class EmbeddingEngine:
         self._loop.post(("engine", (self, "cancel", request_id)))
 
     def call(self, fn, timeout: float = 60.0):
-        """Run ``fn()`` on the engine thread (see :meth:`scheduler.loop.EngineLoop.call`)."""
+        """Run ``fn()`` on the engine thread (see :meth:`scheduler.engine.loop.EngineLoop.call`)."""
         if not self.alive:
             raise EngineDead("engine is not running")
         return self._loop.call(fn, timeout)
@@ -162,10 +162,13 @@ class EmbeddingEngine:
     def flush_cache(self, cache_group: Optional[str] = None, timeout: float = 60.0) -> int:
         return 0
 
-    def set_cache_quotas(self, quotas, timeout: float = 60.0) -> Future:
+    def apply_quotas(self, quotas, timeout: float = 60.0) -> Future:
         done: Future = Future()
         done.set_result(None)
         return done
+
+    def close_cache(self) -> None:
+        pass
 
     def kv_bytes(self, timeout: float = 60.0) -> int:
         return 0

@@ -8,8 +8,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from scheduler.faults import RowFault
-from scheduler.precompute import Precompute
+from scheduler.batch.faults import RowFault
+from scheduler.admission.precompute import Precompute
 from scheduler.request import EngineRequest
 from scheduler.speculative.step import SpeculationStats
 
@@ -103,8 +103,8 @@ class Row:
     tokens restored from the prefix cache and ``processed`` those prefilled since;
     ``pending_snapshots`` are the absolute prompt offsets (tokens) where it will still
     save a snapshot; ``marks`` where its prefill segments end. A row paused for a better
-    latency class (:meth:`Batch.pause <scheduler.batch.Batch.pause>`: its prefill between
-    two chunks, or its decoding when the decode batch is full) is out of the generator
+    latency class (:meth:`RowInsertion.pause <scheduler.batch.insertion.RowInsertion.pause>`:
+    its prefill between two chunks, or its decoding when the decode batch is full) is out of the generator
     and holds its state in ``paused``; ``progress_base`` is what it had prefilled when it
     was put back (the generator counts from there).
     """
@@ -123,12 +123,12 @@ class Row:
     cache_source: str = "memory"  # where its cached prefix came from: "memory" or "disk"
     marks: list[int] = field(default_factory=list)
     # While paused: (its cache, the tokens it covers) for a prefilling row, a
-    # scheduler.decode_batch.DecodingState for a decoding one.
+    # scheduler.batch.decode_batch.DecodingState for a decoding one.
     paused: Any = None
     progress_base: int = 0
     progress_sent: tuple = (0.0, 0)  # (monotonic seconds, tokens) of the last progress event
-    # Started from a kept first token (scheduler.first_tokens): its
-    # scheduler.decode_batch.DecodingState until it joins the decode batch at the next step.
+    # Started from a kept first token (scheduler.batch.first_tokens): its
+    # scheduler.batch.decode_batch.DecodingState until it joins the decode batch at the next step.
     joining: Any = None
 
     @property
@@ -190,7 +190,7 @@ def holds_decode(rows: Iterable[Row], held: int = 0) -> bool:
     has only its last token left (it would join the decode batch this step, and needs
     the decode forward), and for at most :data:`MAX_HOLDS` steps in a row (``held``: the
     steps held just before), so lower-class streams always advance. Such a step also owes
-    them no decode-only step first (:class:`scheduler.chunking.DecodeShare`)."""
+    them no decode-only step first (:class:`scheduler.batch.chunking.DecodeShare`)."""
     rows = list(rows)
     prefilling = [a for a in rows if not a.decoding]
     decoding = [a for a in rows if a.decoding]

@@ -5,7 +5,7 @@ Latency classes (a request's ``priority``: 0 interactive, 1 standard, 2 batch) a
 served in order: :meth:`WaitingQueue.pick` takes only the classes it is allowed (the
 engine allows the best class waiting or prefilling, and now and then every class:
 :class:`ClassShare`). Within a class, the backlogged tenant with the least weighted
-work so far goes next (:mod:`scheduler.fairness`). Within a tenant, two rules from
+work so far goes next (:mod:`scheduler.admission.fairness`). Within a tenant, two rules from
 SGLang's scheduler (``managers/schedule_policy.py``):
 
 * ``lpm``: waiting requests are admitted in order of how many prompt tokens the prefix
@@ -16,7 +16,7 @@ SGLang's scheduler (``managers/schedule_policy.py``):
   until that request has saved a snapshot inside the shared part, then restores it
   instead of computing the shared tokens again.
 
-Shared prefixes are found through a :class:`~scheduler.prefix_index.PrefixIndex` of the
+Shared prefixes are found through a :class:`~scheduler.admission.prefix_index.PrefixIndex` of the
 requests in prefill and those chosen so far, not by comparing prompts pairwise, and each
 request's cached length is asked of the prefix cache once per pick: with 256 waiting
 requests a pick takes well under a millisecond (``benchmarks/bench_policy.py``).
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 from cache.checkpoints import divergence_snapshot
-from scheduler.fairness import FairShare
-from scheduler.prefix_index import PrefixIndex, PrefixKey
+from scheduler.admission.fairness import FairShare
+from scheduler.admission.prefix_index import PrefixIndex, PrefixKey
 from scheduler.request import EngineRequest
 
 LPM_MAX_WAITING = 128

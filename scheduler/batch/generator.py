@@ -29,7 +29,7 @@ from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache
 
 from cache.restore import layer_bytes
-from scheduler.decode_batch import DecodingState, JoiningGenerationBatch
+from scheduler.batch.decode_batch import DecodingState, JoiningGenerationBatch
 
 
 # A finished prompt whose cache holds at least this many times the tokens of the decode

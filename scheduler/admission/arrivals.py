@@ -10,7 +10,7 @@ step of five).
 :class:`Arrivals` counts the requests the gateway has accepted and is still preparing.
 An idle engine (no row prefilling or decoding) with a request to start waits at most
 ``gather_wait`` seconds (``--gather-wait``) for them, then starts them all in one step
-(:meth:`scheduler.loop.EngineLoop._gather`). A request that arrives alone waits for
+(:meth:`scheduler.engine.loop.EngineLoop._gather`). A request that arrives alone waits for
 nothing: its own count has dropped by the time it is submitted. An engine with rows
 running never waits; new requests join at its next step, as in vLLM's and SGLang's
 continuous batching, which have no such wait. Triton's dynamic batcher bounds a similar
@@ -19,7 +19,7 @@ this waits only for requests already inside the gateway.
 
 The same count, by class, lets a loop that is about to start a step of lower-class work
 wait the few milliseconds an interactive request needs to be tokenized instead
-(:meth:`scheduler.loop.EngineLoop._await_interactive`): it then starts at that step rather
+(:meth:`scheduler.engine.loop.EngineLoop._await_interactive`): it then starts at that step rather
 than after it.
 """
 
