@@ -231,16 +231,14 @@ def test_keys_bound_to_origin_patterns_hold_on_every_api(tmp_path):
         assert cors_allows(c, "/v1/chat/completions", EXT_ORIGIN)  # CORS answers the tenant's pattern
         ask = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "stream": False,
                "options": {"num_predict": 2}}
-        # OLLAMA-API (asserts on /api/*): gated on the routes answering until they are merged.
-        if c.get("/api/tags", headers=ok).status_code != 404:
-            assert c.get("/api/tags", headers=ok).status_code == 200
-            r = c.get("/api/tags", headers=local)
-            assert r.status_code == 403 and "error" in r.json(), r.text
-            r = c.post("/api/chat", headers=local, json=ask)
-            assert r.status_code == 403 and "error" in r.json(), r.text
-            r = c.post("/api/chat", headers=ok, json=ask)
-            assert r.status_code == 200 and r.json()["done"] is True, r.text
-            assert sample(s.registry, "mlx_gateway_origin_refused_total", tenant="ext") == 3
+        assert c.get("/api/tags", headers=ok).status_code == 200
+        r = c.get("/api/tags", headers=local)
+        assert r.status_code == 403 and "error" in r.json(), r.text
+        r = c.post("/api/chat", headers=local, json=ask)
+        assert r.status_code == 403 and "error" in r.json(), r.text
+        r = c.post("/api/chat", headers=ok, json=ask)
+        assert r.status_code == 200 and r.json()["done"] is True, r.text
+        assert sample(s.registry, "mlx_gateway_origin_refused_total", tenant="ext") == 3
 
 
 def run_extension_page(browser: str, url: str, profile, extension=None, resolve: str | None = None) -> dict:
@@ -271,17 +269,15 @@ def assert_read_everything(result: dict, origin: str) -> None:
     assert v1["status"] == 200 and v1["body"]["choices"][0]["message"]["role"] == "assistant", v1
     # The browser let it read Ollama's API's answers (what the routes answer is checked below).
     assert "error" not in result["tags"] and "error" not in result["chat"], result
-    # OLLAMA-API (asserts on /api/*): gated on the routes answering until they are merged.
-    if result["tags"]["status"] != 404:
-        tags = result["tags"]
-        assert tags["status"] == 200 and "test-model" in [m["name"] for m in tags["body"]["models"]], tags
-        chat_ = result["chat"]
-        lines = chat_.get("lines", [])
-        assert chat_["status"] == 200 and len(lines) >= 2, chat_  # streamed: pieces, then the final object
-        assert all(not line["done"] for line in lines[:-1]) and lines[-1]["done"] is True, lines
-        assert all(line["message"]["role"] == "assistant" for line in lines), lines
-        assert "".join(line["message"]["content"] for line in lines), lines
-        assert lines[-1]["eval_count"] >= 1 and lines[-1]["done_reason"] in ("stop", "length"), lines[-1]
+    tags = result["tags"]
+    assert tags["status"] == 200 and "test-model" in [m["name"] for m in tags["body"]["models"]], tags
+    chat_ = result["chat"]
+    lines = chat_.get("lines", [])
+    assert chat_["status"] == 200 and len(lines) >= 2, chat_  # streamed: pieces, then the final object
+    assert all(not line["done"] for line in lines[:-1]) and lines[-1]["done"] is True, lines
+    assert all(line["message"]["role"] == "assistant" for line in lines), lines
+    assert "".join(line["message"]["content"] for line in lines), lines
+    assert lines[-1]["eval_count"] >= 1 and lines[-1]["done_reason"] in ("stop", "length"), lines[-1]
 
 
 def assert_refused(result: dict, *names: str) -> None:
