@@ -17,6 +17,7 @@ from cache import CacheBudget
 from gateway.config import ServeConfig
 from gateway.conversation.calls import Front
 from gateway.conversation.prepare import warm_up
+from gateway.engine_fault import fault_handler
 from gateway.models.budget import default_budget, gib
 from gateway.models.loader import load_model
 from gateway.models.registry import ModelRegistry
@@ -30,6 +31,7 @@ from gateway.tenancy.limits_setup import check_limits_store, make_limiter
 from gateway.tenancy.tenants import TenantsFileError, TenantTable, load_tenants, open_table, single_key_table
 from scheduler.engine import PERSIST_SECONDS
 from scheduler.loop import EngineLoop
+from scheduler.watchdog import Watchdog
 
 log = logging.getLogger("mlx_gateway")
 
@@ -45,16 +47,21 @@ class Gateway:
     models: ModelRegistry
     front: Front
     app: object
+    watchdog: Optional[Watchdog] = None  # the engine loop's (scheduler.watchdog)
 
     def start(self) -> None:
-        """Start the engine loop, then load the models marked to load at start (in the
-        background: ``/health`` answers 503 until they are ready)."""
+        """Start the engine loop and its watchdog, then load the models marked to load at
+        start (in the background: ``/health`` answers 503 until they are ready)."""
         self.loop.start()
+        if self.watchdog is not None:
+            self.watchdog.start()
         self.models.start()
 
     def stop(self, timeout: Optional[float] = None) -> None:
         """Stop the engine loop: running requests end with a 503; prefix caches with a
         disk tier are written to it first (a graceful stop)."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
         self.models.close()
         if timeout is None:
             timeout = PERSIST_SECONDS + 10 if self.config.prompt_cache_dir else 10
@@ -102,7 +109,8 @@ def build_gateway(cfg: ServeConfig, tenants: Optional[TenantTable] = None,
     prime_metrics(front)
     log.info("memory budget of the loaded models: %s%s", gib(budget),
              "" if cfg.memory_budget is not None else " (75% of this machine's memory; --memory-budget sets it)")
-    return Gateway(cfg, registry, loop, models, front, create_app(front, registry))
+    watchdog = Watchdog(loop, cfg.engine_stall_seconds, registry, fault_handler(front, cfg.on_engine_fault))
+    return Gateway(cfg, registry, loop, models, front, create_app(front, registry), watchdog)
 
 
 def _load(spec: ModelSpec, registry: CollectorRegistry, reserve, *, cfg: ServeConfig, loop: EngineLoop,

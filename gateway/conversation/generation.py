@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import time
 import uuid
+import weakref
 from typing import AsyncIterator
 
 from gateway.http.errors import APIError
@@ -17,6 +18,8 @@ class KeepAlive:
     """Yielded by :meth:`Generation.events` when no event came for ``keepalive`` seconds."""
 
 _counter = itertools.count()
+# The generations not yet garbage, for a fatal engine fault to end (gateway.engine_fault).
+live: "weakref.WeakSet[Generation]" = weakref.WeakSet()
 
 
 def new_id(prefix: str) -> str:
@@ -69,9 +72,16 @@ class Generation:
             keep=dict(keep or {}),
             processors=list(processors or []),
         )
+        live.add(self)
 
     def _sink(self, events: list[Event]) -> None:
         self._loop.call_soon_threadsafe(self._queue.put_nowait, events)
+
+    def fail(self, status: int, message: str) -> None:
+        """End the request with an error event from outside the engine (any thread): the
+        engine loop is stalled or dead and will send nothing more."""
+        if not self.finished:
+            self._sink([ErrorEvent(status, message)])
 
     def submit(self) -> None:
         """Hand the request to the engine.
