@@ -27,6 +27,7 @@ from gateway.routes.app import create_app
 from gateway.telemetry.metrics import GatewayMetrics, prime
 from gateway.telemetry.model_metrics import ModelMetrics
 from gateway.telemetry.request_log import configure_logging
+from gateway.telemetry.runtime import RuntimeCollector
 from gateway.tenancy.limits_setup import check_limits_store, make_limiter
 from gateway.tenancy.tenants import TenantsFileError, TenantTable, load_tenants, open_table, single_key_table
 from scheduler.engine import PERSIST_SECONDS
@@ -106,6 +107,7 @@ def build_gateway(cfg: ServeConfig, tenants: Optional[TenantTable] = None,
     front = Front(cfg, models, metrics, tenants if tenants is not None else tenant_table(cfg),
                   limiter=make_limiter(cfg, registry))
     _build_info(registry, cfg, specs, budget)
+    registry.register(RuntimeCollector(lambda: [h.engine for h in models.handles()]))
     prime_metrics(front)
     log.info("memory budget of the loaded models: %s%s", gib(budget),
              "" if cfg.memory_budget is not None else " (75% of this machine's memory; --memory-budget sets it)")
