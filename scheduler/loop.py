@@ -149,6 +149,11 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     @property
+    def stopping(self) -> bool:
+        """:meth:`stop` was called (or a stop item taken): the loop is ending (any thread)."""
+        return self._stopping
+
+    @property
     def waiting_work(self) -> bool:
         """An inbox item or a submitted request not yet admitted (any thread; a snapshot)."""
         engines = list(self._engines)

@@ -79,7 +79,7 @@ def thread_stacks() -> str:
 
 class Watchdog:
     """Watches an engine loop (:class:`scheduler.loop.EngineLoop`: its ``beat``,
-    ``alive``, ``error`` and ``waiting_work``) from a thread of its own.
+    ``alive``, ``stopping``, ``error`` and ``waiting_work``) from a thread of its own.
 
     Args:
         loop: the engine loop.
@@ -163,7 +163,7 @@ class Watchdog:
                 self.faults.labels("dead").inc()
                 self._fault("dead", f"the engine loop died: {self.loop.error!r}")
             return
-        if not self.loop.alive:
+        if not self.loop.alive or self.loop.stopping:  # a stop writing the caches to disk is no stall
             return
         why = self.stall(now)
         if why is not None and self.beat.stalled is None:

@@ -170,3 +170,39 @@ def test_a_crash_by_default_keeps_the_process_with_health_dead(tmp_path):
         assert gw.proc.poll() is None
     finally:
         gw.close()
+
+
+def test_the_bound_follows_the_measured_steps_and_waiting_work_without_a_step_is_a_stall():
+    """The watchdog's rules on their own, on a loop object that only reports its state."""
+    from types import SimpleNamespace
+
+    from scheduler.watchdog import FACTOR, Heartbeat, Watchdog
+
+    loop = SimpleNamespace(beat=Heartbeat(), alive=True, stopping=False, error=None, waiting_work=False)
+    faults = []
+    dog = Watchdog(loop, floor=5.0, on_fault=lambda kind, why: faults.append((kind, why)))
+    assert dog.bound() == 5.0
+    loop.beat.durations.extend([0.01, 2.0, 0.02])
+    assert dog.bound() == FACTOR * 2.0  # ten times the longest recent step, above the floor
+    t = loop.beat.last
+    loop.waiting_work = True
+    dog.check(t + 1)  # work seen: its clock starts
+    dog.check(t + 15)
+    assert loop.beat.stalled is None and not faults  # 14 s < 20 s
+    dog.check(t + 22)
+    assert loop.beat.stalled and "without an engine step" in loop.beat.stalled
+    assert faults == [("stalled", loop.beat.stalled)]
+    dog.check(t + 30)
+    assert len(faults) == 1  # once per stall
+    loop.beat.begin()
+    loop.beat.end()
+    dog.check(loop.beat.last + 0.5)
+    assert loop.beat.stalled is None  # a step happened: the stall clears
+    loop.stopping = True
+    loop.beat.begin()
+    dog.check(loop.beat.last + 100)
+    assert loop.beat.stalled is None  # a stop's last turn (writing the caches to disk) is no stall
+    loop.error = RuntimeError("boom")
+    dog.check(loop.beat.last + 101)
+    dog.check(loop.beat.last + 102)
+    assert faults[1:] == [("dead", "the engine loop died: RuntimeError('boom')")]
