@@ -12,7 +12,8 @@ never a 5xx).
 
 Every ``--sample-every`` seconds it records the process's resident memory, MLX's active
 memory, the prefix caches' bytes, open leases, engine rows, asyncio tasks, threads and
-open file descriptors (``/metrics``; see docs/metrics.md). The verdict:
+open file descriptors (``/metrics``; see docs/metrics.md), and the bytes of first-token
+log-probabilities kept for exact repeats (bounded, but part of MLX's active memory). The verdict:
 
 * **RSS plateau**: the samples after the warm-up are cut in three windows, and the growth
   is ``median(last window) / median(first window) - 1``; medians of windows, not two
@@ -52,7 +53,7 @@ from typing import Optional
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-COLUMNS = ("rss_mb", "mlx_active_mb", "cache_mb", "leases", "rows", "tasks", "threads", "fds")
+COLUMNS = ("rss_mb", "mlx_active_mb", "cache_mb", "first_tok_mb", "leases", "rows", "tasks", "threads", "fds")
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 CITIES = ("Paris", "Lima", "Oslo", "Pune", "Quito", "Hanoi")
@@ -77,6 +78,8 @@ def parse_metrics(text: str) -> dict:
                 sums["mlx_active_mb"] += s.value / 1e6
             elif s.name == "mlx_gateway_prompt_cache_bytes":
                 sums["cache_mb"] += s.value / 1e6
+            elif s.name == "mlx_gateway_first_token_store_bytes":  # bounded: scheduler/first_tokens.py
+                sums["first_tok_mb"] += s.value / 1e6
             else:
                 key = {"mlx_gateway_prompt_cache_active_leases": "leases", "mlx_gateway_engine_rows": "rows",
                        "mlx_gateway_asyncio_tasks": "tasks", "mlx_gateway_threads": "threads",
