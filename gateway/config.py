@@ -66,6 +66,8 @@ class ServeConfig:
     metrics_key: Optional[str] = None
     allowed_hosts: list[str] = field(default_factory=list)
     shutdown_grace: float = 30.0
+    on_engine_fault: str = "serve"  # "exit": end the requests in flight and exit (gateway.engine_fault)
+    engine_stall_seconds: float = 60.0  # the watchdog's smallest stall bound (scheduler.engine.watchdog)
     pipeline: bool = False
     prefill_budget: float = 0.2
     gather_wait: float = 0.02
@@ -278,6 +280,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace,
                    help="seconds running requests get to finish after SIGTERM; new ones get 503 meanwhile, "
                    "and those still running at the end get a final error event (default %(default)s)")
+    p.add_argument("--on-engine-fault", default=d.on_engine_fault, choices=["serve", "exit"],
+                   help="when the engine loop stalls or dies: 'serve' keeps the process up (/health answers "
+                   "503), 'exit' ends the requests in flight with an error and exits with status 75 for "
+                   "launchd or systemd to restart the server (default %(default)s)")
+    p.add_argument("--engine-stall-seconds", type=float, default=d.engine_stall_seconds,
+                   help="the smallest bound, in seconds, on one engine step before the loop counts as stalled; "
+                   "the bound is 10 x the longest recent step when that is larger (default %(default)s)")
     p.add_argument("--allow-unauthenticated", action="store_true",
                    help="allow serving without any key on a non-loopback --host")
     p.add_argument("--allowed-origins", type=_origins, default=None,

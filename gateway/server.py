@@ -18,6 +18,7 @@ from gateway.config import ServeConfig
 from gateway.front import Front
 from gateway.conversation.prepare import warm_up
 from gateway.backend import backend
+from gateway.engine_fault import fault_handler
 from gateway.models.budget import gib
 from gateway.models.loader import load_model
 from gateway.models.registry import ModelRegistry
@@ -27,10 +28,12 @@ from gateway.routes.app import create_app
 from gateway.telemetry.metrics import GatewayMetrics, prime
 from gateway.telemetry.model_metrics import ModelMetrics
 from gateway.telemetry.request_log import configure_logging
+from gateway.telemetry.runtime import RuntimeCollector
 from gateway.tenancy.limits_setup import check_limits_store, make_limiter
 from gateway.tenancy.tenants import TenantsFileError, TenantTable, load_tenants, open_table, single_key_table
 from scheduler.engine import PERSIST_SECONDS
 from scheduler.engine.loop import EngineLoop
+from scheduler.engine.watchdog import Watchdog
 
 log = logging.getLogger("mlx_gateway")
 
@@ -46,16 +49,21 @@ class Gateway:
     models: ModelRegistry
     front: Front
     app: object
+    watchdog: Optional[Watchdog] = None  # the engine loop's (scheduler.engine.watchdog)
 
     def start(self) -> None:
-        """Start the engine loop, then load the models marked to load at start (in the
-        background: ``/health`` answers 503 until they are ready)."""
+        """Start the engine loop and its watchdog, then load the models marked to load at
+        start (in the background: ``/health`` answers 503 until they are ready)."""
         self.loop.start()
+        if self.watchdog is not None:
+            self.watchdog.start()
         self.models.start()
 
     def stop(self, timeout: Optional[float] = None) -> None:
         """Stop the engine loop: running requests end with a 503; prefix caches with a
         disk tier are written to it first (a graceful stop)."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
         self.models.close()
         if timeout is None:
             timeout = PERSIST_SECONDS + 10 if self.config.prompt_cache_dir else 10
@@ -100,10 +108,12 @@ def build_gateway(cfg: ServeConfig, tenants: Optional[TenantTable] = None,
     front = Front(cfg, models, metrics, tenants if tenants is not None else tenant_table(cfg),
                   limiter=make_limiter(cfg, registry))
     _build_info(registry, cfg, specs, budget)
+    registry.register(RuntimeCollector(lambda: [h.engine for h in models.handles()]))
     prime_metrics(front)
     log.info("memory budget of the loaded models: %s%s", gib(budget),
              "" if cfg.memory_budget is not None else f" ({backend().budget_source}; --memory-budget sets it)")
-    return Gateway(cfg, registry, loop, models, front, create_app(front, registry))
+    watchdog = Watchdog(loop, cfg.engine_stall_seconds, registry, fault_handler(front, cfg.on_engine_fault))
+    return Gateway(cfg, registry, loop, models, front, create_app(front, registry), watchdog)
 
 
 def _load(spec: ModelSpec, registry: CollectorRegistry, reserve, *, cfg: ServeConfig, loop: EngineLoop,

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from conftest import live_server, model_path
+from gateway.engine_fault import EXIT_CODE
 from promstack import (
     DASHBOARD,
     PROM_CONFIG,
@@ -319,11 +320,13 @@ def test_service_files():
     plist = plistlib.loads((ROOT / "deploy/launchd/com.mlx-gateway.plist").read_bytes())
     assert plist["KeepAlive"] is True and plist["RunAtLoad"] is True and plist["ThrottleInterval"] >= 5
     assert plist["ProgramArguments"][1] == "serve"
+    assert plist["ProgramArguments"][-2:] == ["--on-engine-fault", "exit"]  # exits with 75, which KeepAlive restarts
     for key in ("StandardOutPath", "StandardErrorPath"):
         assert plist[key].startswith("@HOME@/Library/Logs/")
     unit = (ROOT / "deploy/systemd/mlx-gateway.service").read_text()
     settings = dict(re.findall(r"^(\w+)=(.*)$", unit, re.M))
     assert settings["Restart"] == "on-failure" and int(settings["RestartSec"]) > 0
+    assert "--on-engine-fault exit" in unit and settings["RestartForceExitStatus"] == str(EXIT_CODE)
     assert settings["ExecReload"] == "/bin/kill -HUP $MAINPID"
     assert settings["User"] == "mlx-gateway" and settings["StandardOutput"] == "journal"
     assert "MemoryDenyWriteExecute" not in settings and "PrivateDevices" not in settings

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+import weakref
 from typing import AsyncIterator
 
 from gateway.http.errors import APIError
@@ -14,6 +15,9 @@ from scheduler.request import DoneEvent, ErrorEvent, Event
 
 class KeepAlive:
     """Yielded by :meth:`Generation.events` when no event came for ``keepalive`` seconds."""
+
+# The generations not yet garbage, for a fatal engine fault to end (gateway.engine_fault).
+live: "weakref.WeakSet[Generation]" = weakref.WeakSet()
 
 
 def new_id(prefix: str) -> str:
@@ -68,9 +72,16 @@ class Generation:
             keep=dict(keep or {}),
             processors=list(processors or []),
         )
+        live.add(self)
 
     def _sink(self, events: list[Event]) -> None:
         self._loop.call_soon_threadsafe(self._queue.put_nowait, events)
+
+    def fail(self, status: int, message: str) -> None:
+        """End the request with an error event from outside the engine (any thread): the
+        engine loop is stalled or dead and will send nothing more."""
+        if not self.finished:
+            self._sink([ErrorEvent(status, message)])
 
     def submit(self) -> None:
         """Hand the request to the engine.

@@ -391,7 +391,24 @@ class ModelRegistry:
                     slot.state = "unloaded"
             slot.unloaded.set()
             self._update_cache_bound()
+            self._collect()
         log.info("model %s unloaded (%s)", slot.name, reason)
+
+    def _collect(self) -> None:
+        """Free what the unloaded model leaves in reference cycles: a load freezes the objects
+        it made (``gc.freeze``), and frozen objects are never collected, so without this each
+        unload kept its weights (measured by benchmarks/soak.py: MLX's active memory grew by
+        the model's weights at every load and unload). On the engine thread, where its MLX
+        arrays belong; one full collection per unload."""
+        def collect() -> None:
+            gc.unfreeze()
+            gc.collect()
+            gc.freeze()
+
+        try:
+            self.loop.call(collect, timeout=60)
+        except Exception:  # the loop is not running: nothing runs MLX either
+            collect()
 
     def _update_cache_bound(self) -> None:
         """Give the prefix caches what the weights leave of the budget (on the engine

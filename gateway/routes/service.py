@@ -78,7 +78,8 @@ async def usage_report(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     """``GET /health``: 200 ``ok`` once the models to load at start are loaded, with each
-    model's state; 503 while they load, when a pinned one failed, or while draining."""
+    model's state; 503 while they load, when a pinned one failed, while draining, and
+    while the engine loop is ``dead`` or ``stalled`` (:mod:`scheduler.engine.watchdog`)."""
     front: Front = request.app.state.front
     if front.draining:
         return JSONResponse({"status": "draining", "detail": "the server is shutting down"}, status_code=503)
@@ -87,6 +88,8 @@ async def health(request: Request) -> Response:
         return JSONResponse({"status": status, "detail": detail}, status_code=503)
     if not front.models.loop.alive:
         return JSONResponse({"status": "dead", "detail": repr(front.models.loop.error)}, status_code=503)
+    if front.models.loop.beat.stalled is not None:
+        return JSONResponse({"status": "stalled", "detail": front.models.loop.beat.stalled}, status_code=503)
     handles = front.models.handles()
     return JSONResponse({
         "status": "ok",

@@ -10,6 +10,7 @@ one step before it returns it).
 from __future__ import annotations
 
 import os
+import time
 from typing import Callable, Optional
 
 import mlx.core as mx
@@ -67,3 +68,40 @@ class RowFault:
 
         guarded.inner = process  # the processor itself (speculative decoding rewinds it)
         return guarded
+
+
+# Fault injection for tests of a real gateway process (never set in production): the
+# variable holds ``stall:PATH`` or ``crash:PATH``. While the file PATH exists, each turn
+# of the engine loop stalls (sleeps until the file is removed) or the loop crashes (raises
+# :class:`InjectedFault` outside any one engine's guard, as a bug in the loop would).
+FAULT_ENV = "MLX_GATEWAY_INJECT_FAULT"
+
+
+class InjectedFault(RuntimeError):
+    """The crash injected by ``MLX_GATEWAY_INJECT_FAULT=crash:PATH``."""
+
+
+def _injection(value: Optional[str]) -> Optional[tuple[str, str]]:
+    kind, _, path = (value or "").partition(":")
+    return (kind, path) if kind in ("stall", "crash") and path else None
+
+
+_INJECTION = _injection(os.environ.get(FAULT_ENV))
+
+
+def inject_fault() -> None:
+    """The fault ``MLX_GATEWAY_INJECT_FAULT`` asks for, when its file exists (loop thread;
+    one stat per turn when the variable is set, nothing otherwise).
+
+    Raises:
+        InjectedFault: for ``crash:PATH`` while PATH exists.
+    """
+    if _INJECTION is None:
+        return
+    kind, path = _INJECTION
+    if not os.path.exists(path):
+        return
+    if kind == "crash":
+        raise InjectedFault(f"fault injected by {FAULT_ENV}")
+    while os.path.exists(path):
+        time.sleep(0.05)

@@ -39,6 +39,8 @@ from scheduler.admission.fairness import FairShare
 from scheduler.metrics import SchedulerMetrics
 from scheduler.admission.policy import ClassShare
 from scheduler.batch.rows import EngineDead
+from scheduler.batch.faults import inject_fault
+from scheduler.engine.watchdog import Heartbeat
 
 log = logging.getLogger("mlx_gateway.engine")
 
@@ -130,6 +132,7 @@ class EngineLoop:
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self._stop_reason = "engine stopped"
+        self.beat = Heartbeat()  # each turn's start and end, for scheduler.engine.watchdog
 
     def saw_interactive(self) -> None:
         """An interactive request was admitted (loop thread)."""
@@ -144,6 +147,17 @@ class EngineLoop:
     def alive(self) -> bool:
         """True while the loop's thread runs."""
         return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def stopping(self) -> bool:
+        """:meth:`stop` was called (or a stop item taken): the loop is ending (any thread)."""
+        return self._stopping
+
+    @property
+    def waiting_work(self) -> bool:
+        """An inbox item or a submitted request not yet admitted (any thread; a snapshot)."""
+        engines = list(self._engines)
+        return not self._stopping and (not self._inbox.empty() or any(getattr(e, "num_waiting", 0) for e in engines))
 
     def start(self) -> None:
         """Start the thread; engines attached before it opens their batches on it."""
@@ -237,6 +251,7 @@ class EngineLoop:
                                      self._inbox.get_nowait())
                     except queue.Empty:
                         pass
+                self.beat.begin()
                 self._drain_inbox()
                 if self._stopping:
                     break
@@ -249,7 +264,9 @@ class EngineLoop:
                 self._await_interactive(engines)
                 if self._stopping:
                     break
+                inject_fault()
                 self._turn_once(engines)
+                self.beat.end()
         except BaseException as e:  # the loop itself broke: report, fail everyone
             self.error = e
             log.error("engine thread died:\n%s", traceback.format_exc())
