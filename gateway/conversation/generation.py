@@ -16,6 +16,7 @@ from scheduler.request import DoneEvent, ErrorEvent, Event
 class KeepAlive:
     """Yielded by :meth:`Generation.events` when no event came for ``keepalive`` seconds."""
 
+
 # The generations not yet garbage, for a fatal engine fault to end (gateway.engine_fault).
 live: "weakref.WeakSet[Generation]" = weakref.WeakSet()
 
