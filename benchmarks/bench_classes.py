@@ -39,6 +39,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from gateway.tuning.workload import quantile as pct  # noqa: E402
 from scenarios import free_port, start  # noqa: E402
 
 WORDS = ("page article summary title link button price review comment reply user author date news story "
@@ -118,11 +119,6 @@ async def phase(url: str, seconds: float, ext: bool, agents: bool) -> tuple[dict
                ([agent(c, k, seconds, agent_results) for k in range(3)] if agents else [])
         await asyncio.gather(*jobs)
         return ext_results, agent_results, time.monotonic() - t0
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else float("nan")
 
 
 def run_mode(mode: str, seconds: float, model: str, extra: list[str], log_dir: Path | None = None) -> dict:

@@ -52,6 +52,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from cluster_stack import Cluster, Replica, router_available  # noqa: E402
+from gateway.tuning.workload import quantile as pct  # noqa: E402
 from scenarios import long_text, medium_model, steady_stream_bias, words  # noqa: E402
 
 USER_WORDS = 30  # words per new user message (about 40 tokens)
@@ -122,11 +123,6 @@ def warm_up(replicas: list[Replica], model: str) -> None:
             "model": model, "max_tokens": 4, "temperature": 0,
             "messages": [{"role": "user", "content": "warm up " + words(20, 99)}]})
         resp.raise_for_status()
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else float("nan")
 
 
 def figures(results: list[dict], wall: float, served: list[int]) -> dict:

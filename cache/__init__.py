@@ -17,22 +17,8 @@ request snapshots), ``metrics`` (prometheus). Prefill runs in the engine
 """
 
 from .budget import CacheBudget
-from .entries import CacheHit, Lease
-from .kinds import KINDS, CacheKind, kind_of
+from .entries import CacheHit
 from .manager import PromptCacheManager
-from .metrics import CacheMetrics
-from .restore import can_restore, is_trimmable, safe_copy
+from .restore import is_trimmable, safe_copy
 
-__all__ = [
-    "CacheBudget",
-    "CacheHit",
-    "CacheKind",
-    "CacheMetrics",
-    "KINDS",
-    "Lease",
-    "PromptCacheManager",
-    "can_restore",
-    "is_trimmable",
-    "kind_of",
-    "safe_copy",
-]
+__all__ = ["CacheBudget", "CacheHit", "PromptCacheManager", "is_trimmable", "safe_copy"]

@@ -5,8 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 
 @dataclass
@@ -122,6 +129,20 @@ def parse_size(text: str) -> int:
     if n < 0:
         raise ValueError(f"a byte size must be >= 0, got {text!r}")
     return n
+
+
+def read_toml(path: Path, error: type[Exception]) -> dict:
+    """The TOML file at ``path`` as a dict.
+
+    Raises:
+        error: the file cannot be read, or is not valid TOML (the message names the file).
+    """
+    try:
+        return tomllib.loads(path.read_text())
+    except OSError as e:
+        raise error(f"cannot read {path}: {e}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise error(f"{path} is not valid TOML: {e}") from e
 
 
 def parse_duration(text: str) -> float:

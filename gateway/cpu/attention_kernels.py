@@ -25,11 +25,6 @@ The kernels (:data:`KERNELS`):
   (a column of ones would copy every value for a single query). Over 2,000 keys MLX's
   scalar ``exp`` makes its own kernel about twice this one on SmolLM2's heads (0.84
   against 0.45 ms a layer here; 2.67 against 1.40 over 8,000), a tenth of a decode step.
-
-A third, MLX's own on blocks of 128 queries (under a causal mask a block sees only the
-keys before its end), was removed: in no measurement at load on the machines measured did
-it beat MLX's own by the margin (e.g. 36.00 against 36.35 ms on SmolLM2's prefill shape),
-and the compiled kernel beat it wherever that one could be built.
 """
 
 from __future__ import annotations

@@ -31,17 +31,11 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from gateway.config import ServeConfig, parse_size
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+from gateway.config import ServeConfig, parse_size, read_toml
 
 DEMO_NAME = "mlx-gateway-demo"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
@@ -236,12 +230,7 @@ def load_models_file(path: str | Path, base: dict) -> list[ModelSpec]:
             or invalid setting (the message names it).
     """
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except OSError as e:
-        raise ModelsFileError(f"cannot read {path}: {e}") from e
-    except tomllib.TOMLDecodeError as e:
-        raise ModelsFileError(f"{path} is not valid TOML: {e}") from e
+    data = read_toml(path, ModelsFileError)
     if set(data) - {"models"}:
         raise ModelsFileError(f"{path}: unknown sections {sorted(set(data) - {'models'})}; expected [models.NAME]")
     tables = data.get("models")

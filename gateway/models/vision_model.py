@@ -70,10 +70,6 @@ class VisionLanguageModel(_module_base()):
         embeddings, ids = self._parts.embed(inputs)
         return self.text(ids, cache=cache, input_embeddings=embeddings)
 
-    def image_features(self, image: ImageInput):
-        """The language-model input rows of ``image``'s positions, ``[n, D]`` (engine thread)."""
-        return self._parts.features(image)
-
     def forget_features(self) -> None:
         """Drop the features of images no longer in flight (engine thread)."""
         self._parts.purge()

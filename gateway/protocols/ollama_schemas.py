@@ -23,10 +23,6 @@ from gateway.models.spec import parse_keep_alive
 # the releases that added a field, e.g. ``think`` in 0.9, ``dimensions`` in 0.11).
 OLLAMA_VERSION = "0.12.6"
 
-# Options the engine applies; every other option is accepted and ignored.
-APPLIED_OPTIONS = ("num_predict", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "repeat_penalty",
-                   "presence_penalty", "frequency_penalty")
-
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
@@ -40,7 +36,7 @@ class _Body(BaseModel):
 
 
 class Options(_Body):
-    """``options``: the ones the engine applies (:data:`APPLIED_OPTIONS`); the rest are kept
+    """``options``: the fields below are the ones the engine applies; the rest are kept
     as extra fields and ignored."""
 
     num_predict: Optional[int] = None

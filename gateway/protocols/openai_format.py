@@ -56,26 +56,13 @@ def _json_logprob(lp: float) -> float:
     return lp if lp > UNLIKELY else UNLIKELY
 
 
-def _byte_level_table() -> dict[str, int]:
-    """GPT-2's byte-level alphabet (``bytes_to_unicode``, used by byte-level BPE
-    tokenizers: Qwen, Llama 3, SmolLM2): the printable character that stands for each byte."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[chr(b)] = b
-        else:
-            table[chr(256 + extra)] = b
-            extra += 1
-    return table
-
-
-_BYTE_LEVEL = _byte_level_table()
-
-
 def token_bytes(tokenizer, token: int) -> Optional[bytes]:
     """The raw bytes of ``token`` from its vocabulary entry: a byte-level BPE piece, or a
-    SentencePiece byte token (``<0xE4>``); None when they cannot be told."""
+    SentencePiece byte token (``<0xE4>``); None when they cannot be told. A byte-level
+    piece is read with GPT-2's byte map (mlx-lm's, used by byte-level BPE tokenizers:
+    Qwen, Llama 3, SmolLM2)."""
+    from compat.mlx_lm import byte_decoder
+
     try:
         piece = tokenizer.convert_ids_to_tokens(token)
     except Exception:
@@ -84,8 +71,9 @@ def token_bytes(tokenizer, token: int) -> Optional[bytes]:
         return None
     if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
         return bytes([int(piece[3:5], 16)])
-    if all(ch in _BYTE_LEVEL for ch in piece):
-        return bytes(_BYTE_LEVEL[ch] for ch in piece)
+    table = byte_decoder()
+    if all(ch in table for ch in piece):
+        return bytes(table[ch] for ch in piece)
     return None
 
 

@@ -39,7 +39,6 @@ log = logging.getLogger("mlx_gateway.responses_store")
 
 DEFAULT_MAX_RESPONSES = 1000
 DEFAULT_MAX_BYTES = 64 * 2**20
-DEFAULT_TTL = 30 * 86400.0  # seconds an entry is kept after its last use (OpenAI keeps 30 days)
 THREADS = 8  # store calls running on worker threads at once
 
 

@@ -92,7 +92,6 @@ _TOOL_CALL_DELTA = _obj(["index"], index=_INT, id=_STR, type={"const": "function
                         function=_obj([], name=_STR, arguments=_STR))
 _CHAT_LOGPROBS = {"type": ["object", "null"], "properties": {"content": {"type": "array", "items": _LOGPROB}}}
 _TEXT_CHOICE = _obj(["index", "text", "finish_reason"], text=_STR, logprobs={"type": ["object", "null"]})
-_OBJECTS = {"type": "array", "items": {"type": "object"}}
 _EVENT = _obj(["type"], type=_STR)  # a Messages or Responses stream event
 _NULLABLE_OBJ = {"type": ["object", "null"]}
 

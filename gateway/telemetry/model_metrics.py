@@ -2,7 +2,7 @@
 engine, prefix-cache and disk-tier series under a ``model`` label.
 
 The scheduler and the cache know nothing of models: each engine registers its metrics on
-a registry of its own (:meth:`ModelMetrics.registry_for`), and :class:`PerModelCollector`
+a registry of its own (:meth:`PerModelCollector.add`), and :class:`PerModelCollector`
 re-labels them at scrape time, merging the series of one name across models. A model
 that is unloaded takes its series with it; its counters start again from 0 when it is
 loaded again (Prometheus's ``rate()`` treats that as a counter reset).
@@ -86,9 +86,3 @@ class ModelMetrics:
             self.in_flight.labels(m).set(0)
             for reason in UNLOAD_REASONS:
                 self.unloads.labels(m, reason)
-
-    def registry_for(self, model: str) -> CollectorRegistry:
-        """A fresh registry for one load of ``model``, collected under its label."""
-        registry = CollectorRegistry(auto_describe=True)
-        self.per_model.add(model, registry)
-        return registry

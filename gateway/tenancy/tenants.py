@@ -31,22 +31,16 @@ import fnmatch
 import hashlib
 import hmac
 import secrets
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from gateway.config import parse_size
+from gateway.config import parse_size, read_toml
 from gateway.http.origins import check_pattern, patterns_of
 
 # A group's draft-model rows are kept under "<group>/draft" (scheduler.speculative.draft_snapshots.SUFFIX,
 # not imported here: that would load MLX), so no group may be named so.
 DRAFT_GROUP = "/draft"
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
 
 KEY_PREFIX = "mgw-"
 OPEN_TENANT = "default"
@@ -292,12 +286,7 @@ def load_tenants(path: str | Path) -> TenantTable:
             different ``cache_bytes``.
     """
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except OSError as e:
-        raise TenantsFileError(f"cannot read {path}: {e}") from e
-    except tomllib.TOMLDecodeError as e:
-        raise TenantsFileError(f"{path} is not valid TOML: {e}") from e
+    data = read_toml(path, TenantsFileError)
     unknown = set(data) - {"admin", "tenants"}
     if unknown:
         raise TenantsFileError(f"unknown sections {sorted(unknown)}; expected [admin] and [tenants.NAME]")

@@ -90,7 +90,8 @@ def prompts(requests: list[Request], vocab: int, seed: int = 0) -> list[list[int
     return out
 
 
-def _quantile(values: list[float], q: float) -> float:
+def quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (the nearest rank); NaN for none."""
     values = sorted(values)
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else float("nan")
 
@@ -132,6 +133,6 @@ async def run_workload(url: str, model: str, requests: list[Request], token_prom
             t.cancel()
         failed += len(pending)
         wall = time.monotonic() - t0
-    return {"ttft_p50": statistics.median(ttfts) if ttfts else float("nan"), "ttft_p95": _quantile(ttfts, 0.95),
-            "gap_p99": _quantile(gaps, 0.99), "gap_max": max(gaps, default=0.0), "tok_s": produced / wall,
+    return {"ttft_p50": statistics.median(ttfts) if ttfts else float("nan"), "ttft_p95": quantile(ttfts, 0.95),
+            "gap_p99": quantile(gaps, 0.99), "gap_max": max(gaps, default=0.0), "tok_s": produced / wall,
             "wall_s": wall, "failed": failed}

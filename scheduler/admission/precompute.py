@@ -96,9 +96,6 @@ class PrecomputeBook:
         self._pending: deque[Precompute] = deque()
         self._held_until = 0.0  # monotonic seconds; see hold()
         self._stored: dict[str, deque[_Stored]] = {}
-        self.used_tokens = 0
-        self.wasted_tokens = 0
-        self.computed_tokens = 0
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -140,7 +137,6 @@ class PrecomputeBook:
     def stored(self, p: Precompute, start: int) -> None:
         """``p`` is in the prefix cache; tokens ``start:`` were computed for it."""
         computed = len(p.tokens) - start
-        self.computed_tokens += computed
         self.metrics.tokens.labels("computed").inc(computed)
         self.metrics.runs.labels("stored").inc()
         tracked = self._stored.setdefault(p.namespace, deque())
@@ -163,13 +159,11 @@ class PrecomputeBook:
             m = min(cached, len(s.tokens))
             if m > s.start and array("q", tokens[:m]) == s.tokens[:m]:
                 tracked.remove(s)
-                self.used_tokens += m - s.start
                 self.metrics.tokens.labels("used").inc(m - s.start)
                 return
 
     def _forget(self, s: _Stored) -> None:
         wasted = len(s.tokens) - s.start
-        self.wasted_tokens += wasted
         self.metrics.tokens.labels("wasted").inc(wasted)
 
 

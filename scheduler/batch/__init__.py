@@ -406,7 +406,6 @@ class Batch:
                 a.stored = max(a.stored, min(len(tokens), len(a.request.tokens)))
                 return
             if self.prompt_cache.insert(a.request.namespace, list(tokens), cache, keep):
-                self.stats.snapshots_saved += 1
                 a.stored = max(a.stored, min(len(tokens), len(a.request.tokens)))
         except Exception:
             log.exception("saving a snapshot for request %s failed", a.request.id)

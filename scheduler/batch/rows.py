@@ -176,7 +176,6 @@ class EngineStats:
     cancelled: int = 0
     failed: int = 0
     steps: int = 0
-    snapshots_saved: int = 0
     grouping_saved_tokens: int = 0
     max_prefill_batch: int = 0
     max_decode_batch: int = 0

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
@@ -28,7 +27,7 @@ from prometheus_client import CollectorRegistry
 from cache import PromptCacheManager
 from scheduler.engine.core import PERSIST_SECONDS, EngineCore
 from scheduler.batch.forward_cost import ForwardCost
-from scheduler.engine.loop import EngineLoop
+from scheduler.engine.loop import EngineLoop, OnLoop
 from scheduler.admission.precompute import Precompute
 from scheduler.engine.prefetch import DiskPrefetch
 from scheduler.request import EngineRequest
@@ -42,7 +41,7 @@ __all__ = ["PERSIST_SECONDS", "AdmissionRecord", "Engine", "EngineDead", "Engine
 log = logging.getLogger("mlx_gateway.engine")
 
 
-class Engine(EngineCore):
+class Engine(OnLoop, EngineCore):
     """Serves :class:`EngineRequest` s on one model, from an :class:`EngineLoop` thread.
 
     Args:
@@ -106,41 +105,13 @@ class Engine(EngineCore):
         self._prefetch = DiskPrefetch(prompt_cache, self._hand_over)
 
     # ----------------------------------------------------------------- public API
-    @property
-    def loop(self) -> EngineLoop:
-        """The loop this engine runs on."""
-        return self._loop
-
-    @property
-    def alive(self) -> bool:
-        """True while the engine is served by a running loop."""
-        return self._started and not self._closed and self.error is None and self._loop.alive
-
-    def start(self, timeout: float = 60.0) -> None:
-        """Start serving: on a loop of its own (started here), or attached to the shared
-        loop given at construction (opened on its thread between two steps).
-
-        Raises:
-            EngineDead, TimeoutError: the shared loop is not running or did not take it.
-        """
-        self._loop.attach(self, timeout)
-        self._started = True
-        if self._own_loop:
-            self._loop.start()
-
     def stop(self, timeout: float = 10.0, reason: str = "engine stopped") -> None:
         """Stop serving; requests still waiting or running end with a 503 error event
         whose message is ``reason``. With a disk tier, the prompt cache is written to it
         first. An engine on a loop of its own stops that loop; one on a shared loop
         leaves it (the model is unloaded) and the loop serves the others."""
         self._prefetch.close()
-        if self._own_loop:
-            self._loop.stop(timeout, reason)
-        elif self._started:
-            try:
-                self._loop.detach(self, reason, timeout)
-            except TimeoutError:
-                log.warning("the engine loop did not release %s within %g s", self.name, timeout)
+        self._leave_loop(timeout, reason)
 
     def submit(self, request: EngineRequest) -> None:
         """Queue a request (thread-safe).
@@ -190,17 +161,6 @@ class Engine(EngineCore):
         string; counted as finished, and its prompt + completion are cached)."""
         self._prefetch.cancel(request_id, reason)
         self._post("cancel", (request_id, reason))
-
-    def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
-        """Run ``fn()`` on the engine thread between steps and return its result.
-
-        Raises:
-            EngineDead: the engine is not running.
-            TimeoutError: no answer within ``timeout`` seconds.
-        """
-        if not self.alive:
-            raise EngineDead("engine is not running")
-        return self._loop.call(fn, timeout)
 
     # The prefix cache, asked for through the engine (its snapshots are MLX arrays:
     # whatever may free them runs on the engine thread).
@@ -259,14 +219,8 @@ class Engine(EngineCore):
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Block until no request is waiting or running; False on timeout."""
-        deadline = time.monotonic() + timeout
         with self._idle:
-            while not self._is_idle:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
+            return self._idle.wait_for(lambda: self._is_idle, timeout)
 
     def prime_metrics(self, tenants, cache_groups) -> None:
         """Create the per-tenant and per-cache-group series at 0 (thread-safe)."""

@@ -30,7 +30,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from scheduler.admission.arrivals import Arrivals
-from scheduler.engine.loop import EngineLoop
+from scheduler.engine.loop import EngineLoop, OnLoop
 from scheduler.metrics import SchedulerMetrics
 from scheduler.request import ErrorEvent
 from scheduler.batch.rows import EngineDead, EngineOverloaded, EngineStats
@@ -68,7 +68,7 @@ class EmbeddingRequest:
     _next: int = 0  # inputs handed to a batch so far
 
 
-class EmbeddingEngine:
+class EmbeddingEngine(OnLoop):
     """Serves :class:`EmbeddingRequest` s for one embedding model on an engine loop (see
     the module docstring). Has the parts of :class:`scheduler.engine.Engine` the gateway
     and the loop use; it keeps no prefix cache.
@@ -107,31 +107,9 @@ class EmbeddingEngine:
         self.arrivals = Arrivals(lambda: self._loop.post(("arrived", None)))
 
     # ----------------------------------------------------------------- thread-safe API
-    @property
-    def loop(self) -> EngineLoop:
-        return self._loop
-
-    @property
-    def alive(self) -> bool:
-        """True while the engine is served by a running loop."""
-        return self._started and not self._closed and self.error is None and self._loop.alive
-
-    def start(self, timeout: float = 60.0) -> None:
-        """Attach to the loop (and start it, when it is this engine's own)."""
-        self._loop.attach(self, timeout)
-        self._started = True
-        if self._own_loop:
-            self._loop.start()
-
     def stop(self, timeout: float = 10.0, reason: str = "engine stopped") -> None:
         """Leave the loop; waiting requests end with a 503 ``reason``."""
-        if self._own_loop:
-            self._loop.stop(timeout, reason)
-        elif self._started:
-            try:
-                self._loop.detach(self, reason, timeout)
-            except TimeoutError:
-                log.warning("the engine loop did not release %s within %g s", self.name, timeout)
+        self._leave_loop(timeout, reason)
 
     def submit(self, request: EmbeddingRequest) -> None:
         """Queue a request (thread-safe).
@@ -151,12 +129,6 @@ class EmbeddingEngine:
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         """Drop a request that has not been answered (thread-safe); its sink gets nothing more."""
         self._loop.post(("engine", (self, "cancel", request_id)))
-
-    def call(self, fn, timeout: float = 60.0):
-        """Run ``fn()`` on the engine thread (see :meth:`scheduler.engine.loop.EngineLoop.call`)."""
-        if not self.alive:
-            raise EngineDead("engine is not running")
-        return self._loop.call(fn, timeout)
 
     # What the gateway asks of every engine; an embedding model has no prefix cache.
     def flush_cache(self, cache_group: Optional[str] = None, timeout: float = 60.0) -> int:
@@ -194,14 +166,8 @@ class EmbeddingEngine:
             return self._count == 0
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
-        deadline = time.monotonic() + timeout
         with self._idle:
-            while self._count:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
+            return self._idle.wait_for(lambda: self._count == 0, timeout)
 
     @property
     def num_running(self) -> int:

@@ -378,3 +378,54 @@ class EngineLoop:
                 fn, box, done = payload
                 box["error"] = EngineDead(reason)
                 done.set()
+
+
+class OnLoop:
+    """What an engine on an :class:`EngineLoop` does to join and leave it: a loop of its
+    own (``_own_loop``, started and stopped with it) or the shared one given at
+    construction. Expects ``_loop``, ``_own_loop``, ``_started``, ``_closed``, ``error``
+    and ``name`` on the engine."""
+
+    @property
+    def loop(self) -> EngineLoop:
+        """The loop this engine runs on."""
+        return self._loop
+
+    @property
+    def alive(self) -> bool:
+        """True while the engine is served by a running loop."""
+        return self._started and not self._closed and self.error is None and self._loop.alive
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Start serving: on a loop of its own (started here), or attached to the shared
+        loop given at construction (opened on its thread between two steps).
+
+        Raises:
+            EngineDead, TimeoutError: the shared loop is not running or did not take it.
+        """
+        self._loop.attach(self, timeout)
+        self._started = True
+        if self._own_loop:
+            self._loop.start()
+
+    def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
+        """Run ``fn()`` on the engine thread between steps and return its result.
+
+        Raises:
+            EngineDead: the engine is not running.
+            TimeoutError: no answer within ``timeout`` seconds.
+        """
+        if not self.alive:
+            raise EngineDead("engine is not running")
+        return self._loop.call(fn, timeout)
+
+    def _leave_loop(self, timeout: float, reason: str) -> None:
+        """Stop a loop of its own, or leave the shared one (its waiting requests end with
+        a 503 ``reason``)."""
+        if self._own_loop:
+            self._loop.stop(timeout, reason)
+        elif self._started:
+            try:
+                self._loop.detach(self, reason, timeout)
+            except TimeoutError:
+                log.warning("the engine loop did not release %s within %g s", self.name, timeout)
