@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
@@ -162,6 +163,17 @@ class Engine(OnLoop, EngineCore):
         self._prefetch.cancel(request_id, reason)
         self._post("cancel", (request_id, reason))
 
+    def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
+        """Run ``fn()`` on the engine thread between steps and return its result.
+
+        Raises:
+            EngineDead: the engine is not running.
+            TimeoutError: no answer within ``timeout`` seconds.
+        """
+        if not self.alive:
+            raise EngineDead("engine is not running")
+        return self._loop.call(fn, timeout)
+
     # The prefix cache, asked for through the engine (its snapshots are MLX arrays:
     # whatever may free them runs on the engine thread).
     def flush_cache(self, cache_group: Optional[str] = None, timeout: float = 60.0) -> int:
@@ -219,8 +231,14 @@ class Engine(OnLoop, EngineCore):
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Block until no request is waiting or running; False on timeout."""
+        deadline = time.monotonic() + timeout
         with self._idle:
-            return self._idle.wait_for(lambda: self._is_idle, timeout)
+            while not self._is_idle:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
 
     def prime_metrics(self, tenants, cache_groups) -> None:
         """Create the per-tenant and per-cache-group series at 0 (thread-safe)."""

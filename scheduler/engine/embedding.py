@@ -130,6 +130,12 @@ class EmbeddingEngine(OnLoop):
         """Drop a request that has not been answered (thread-safe); its sink gets nothing more."""
         self._loop.post(("engine", (self, "cancel", request_id)))
 
+    def call(self, fn, timeout: float = 60.0):
+        """Run ``fn()`` on the engine thread (see :meth:`scheduler.engine.loop.EngineLoop.call`)."""
+        if not self.alive:
+            raise EngineDead("engine is not running")
+        return self._loop.call(fn, timeout)
+
     # What the gateway asks of every engine; an embedding model has no prefix cache.
     def flush_cache(self, cache_group: Optional[str] = None, timeout: float = 60.0) -> int:
         return 0
@@ -166,8 +172,14 @@ class EmbeddingEngine(OnLoop):
             return self._count == 0
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
+        deadline = time.monotonic() + timeout
         with self._idle:
-            return self._idle.wait_for(lambda: self._count == 0, timeout)
+            while self._count:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
 
     @property
     def num_running(self) -> int:

@@ -408,17 +408,6 @@ class OnLoop:
         if self._own_loop:
             self._loop.start()
 
-    def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
-        """Run ``fn()`` on the engine thread between steps and return its result.
-
-        Raises:
-            EngineDead: the engine is not running.
-            TimeoutError: no answer within ``timeout`` seconds.
-        """
-        if not self.alive:
-            raise EngineDead("engine is not running")
-        return self._loop.call(fn, timeout)
-
     def _leave_loop(self, timeout: float, reason: str) -> None:
         """Stop a loop of its own, or leave the shared one (its waiting requests end with
         a 503 ``reason``)."""
