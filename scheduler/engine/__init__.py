@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry
 from cache import PromptCacheManager
 from scheduler.engine.core import PERSIST_SECONDS, EngineCore
 from scheduler.batch.forward_cost import ForwardCost
-from scheduler.engine.loop import EngineLoop, OnLoop
+from scheduler.engine.loop import EngineLoop
 from scheduler.admission.precompute import Precompute
 from scheduler.engine.prefetch import DiskPrefetch
 from scheduler.request import EngineRequest
@@ -42,7 +42,7 @@ __all__ = ["PERSIST_SECONDS", "AdmissionRecord", "Engine", "EngineDead", "Engine
 log = logging.getLogger("mlx_gateway.engine")
 
 
-class Engine(OnLoop, EngineCore):
+class Engine(EngineCore):
     """Serves :class:`EngineRequest` s on one model, from an :class:`EngineLoop` thread.
 
     Args:
@@ -106,13 +106,41 @@ class Engine(OnLoop, EngineCore):
         self._prefetch = DiskPrefetch(prompt_cache, self._hand_over)
 
     # ----------------------------------------------------------------- public API
+    @property
+    def loop(self) -> EngineLoop:
+        """The loop this engine runs on."""
+        return self._loop
+
+    @property
+    def alive(self) -> bool:
+        """True while the engine is served by a running loop."""
+        return self._started and not self._closed and self.error is None and self._loop.alive
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Start serving: on a loop of its own (started here), or attached to the shared
+        loop given at construction (opened on its thread between two steps).
+
+        Raises:
+            EngineDead, TimeoutError: the shared loop is not running or did not take it.
+        """
+        self._loop.attach(self, timeout)
+        self._started = True
+        if self._own_loop:
+            self._loop.start()
+
     def stop(self, timeout: float = 10.0, reason: str = "engine stopped") -> None:
         """Stop serving; requests still waiting or running end with a 503 error event
         whose message is ``reason``. With a disk tier, the prompt cache is written to it
         first. An engine on a loop of its own stops that loop; one on a shared loop
         leaves it (the model is unloaded) and the loop serves the others."""
         self._prefetch.close()
-        self._leave_loop(timeout, reason)
+        if self._own_loop:
+            self._loop.stop(timeout, reason)
+        elif self._started:
+            try:
+                self._loop.detach(self, reason, timeout)
+            except TimeoutError:
+                log.warning("the engine loop did not release %s within %g s", self.name, timeout)
 
     def submit(self, request: EngineRequest) -> None:
         """Queue a request (thread-safe).

@@ -30,7 +30,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from scheduler.admission.arrivals import Arrivals
-from scheduler.engine.loop import EngineLoop, OnLoop
+from scheduler.engine.loop import EngineLoop
 from scheduler.metrics import SchedulerMetrics
 from scheduler.request import ErrorEvent
 from scheduler.batch.rows import EngineDead, EngineOverloaded, EngineStats
@@ -68,7 +68,7 @@ class EmbeddingRequest:
     _next: int = 0  # inputs handed to a batch so far
 
 
-class EmbeddingEngine(OnLoop):
+class EmbeddingEngine:
     """Serves :class:`EmbeddingRequest` s for one embedding model on an engine loop (see
     the module docstring). Has the parts of :class:`scheduler.engine.Engine` the gateway
     and the loop use; it keeps no prefix cache.
@@ -107,9 +107,31 @@ class EmbeddingEngine(OnLoop):
         self.arrivals = Arrivals(lambda: self._loop.post(("arrived", None)))
 
     # ----------------------------------------------------------------- thread-safe API
+    @property
+    def loop(self) -> EngineLoop:
+        return self._loop
+
+    @property
+    def alive(self) -> bool:
+        """True while the engine is served by a running loop."""
+        return self._started and not self._closed and self.error is None and self._loop.alive
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Attach to the loop (and start it, when it is this engine's own)."""
+        self._loop.attach(self, timeout)
+        self._started = True
+        if self._own_loop:
+            self._loop.start()
+
     def stop(self, timeout: float = 10.0, reason: str = "engine stopped") -> None:
         """Leave the loop; waiting requests end with a 503 ``reason``."""
-        self._leave_loop(timeout, reason)
+        if self._own_loop:
+            self._loop.stop(timeout, reason)
+        elif self._started:
+            try:
+                self._loop.detach(self, reason, timeout)
+            except TimeoutError:
+                log.warning("the engine loop did not release %s within %g s", self.name, timeout)
 
     def submit(self, request: EmbeddingRequest) -> None:
         """Queue a request (thread-safe).
