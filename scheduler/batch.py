@@ -26,6 +26,7 @@ from scheduler.fairness import FairShare
 from scheduler.first_tokens import FirstTokenStore, eligible
 from scheduler.generator import JoiningBatchGenerator
 from scheduler.insertion import RowInsertion
+from scheduler.lora import rows_hook
 from scheduler.row_failures import RowFailures
 from scheduler.metrics import SchedulerMetrics
 from scheduler.precompute import PrecomputeBook
@@ -110,12 +111,14 @@ class Batch(RowInsertion, RowFailures):
         self.gen = self._new_generator()
 
     def _new_generator(self) -> JoiningBatchGenerator:
-        return JoiningBatchGenerator(
+        gen = JoiningBatchGenerator(
             self.model, max_tokens=1 << 30, sampler=greedy, completion_batch_size=self.decode_concurrency,
             prefill_batch_size=self.prompt_concurrency, prefill_step_size=self.prefill_step_size,
             speculator=speculator(self.speculation, self.stats.speculation, self.metrics,
                                   DraftSnapshots(self.prompt_cache, self._namespace_of)),
         )
+        gen.adapter_rows = rows_hook(self.model, self._namespace_of)  # each row's LoRA adapter
+        return gen
 
     def _namespace_of(self, uid: int) -> Optional[str]:
         """The prefix-cache namespace of the decoding row ``uid`` (None: not a request's)."""

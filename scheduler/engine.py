@@ -28,6 +28,7 @@ from cache import PromptCacheManager
 from scheduler.core import PERSIST_SECONDS, EngineCore
 from scheduler.forward_cost import ForwardCost
 from scheduler.loop import EngineLoop
+from scheduler.lora import admitted_adapter
 from scheduler.precompute import Precompute
 from scheduler.prefetch import DiskPrefetch
 from scheduler.request import EngineRequest
@@ -151,7 +152,8 @@ class Engine(EngineCore):
         """
         if not self.alive:
             raise EngineDead(f"engine is not running: {self.error!r}")
-        self._waiting_counts.add(request, self.max_waiting)
+        with admitted_adapter(self.model, request):  # scheduler.lora: UnknownAdapter when not loaded
+            self._waiting_counts.add(request, self.max_waiting)
         with self._idle:
             self._is_idle = False
         if not self._prefetch.start(request):  # else handed over once its disk entry is read
