@@ -23,6 +23,7 @@ from gateway.config import ServeConfig
 from gateway.http.body import read_json
 from gateway.http.errors import APIError
 from gateway.models.handle import ModelHandle
+from gateway.models.lora import Adapter, AdapterCatalog, parse_lora_module, ready_adapter
 from gateway.models.registry import ModelRegistry, ModelUnavailable, Slot
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.request_log import RequestRecord
@@ -49,14 +50,19 @@ class Front:
     usage: UsageBook = field(default_factory=UsageBook)
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    adapters: AdapterCatalog = field(default_factory=AdapterCatalog)  # LoRA adapters (gateway.models.lora)
 
     def __post_init__(self) -> None:
         self.limiter.on_limited = lambda tenant, limit: self.metrics.rate_limited.labels(tenant, limit).inc()
+        for text in self.config.lora_modules:
+            self.adapters.add(Adapter(*parse_lora_module(text), self.models.slots[0].name))
 
     def visible(self, tenant: Tenant) -> list[tuple[Slot, str]]:
         """The model names ``tenant`` may use (and so may see), with their models, in
         configuration order."""
-        return [(s, n) for s in self.models.slots for n in s.spec.names if tenant.may_use(n)]
+        return [(s, n) for s in self.models.slots for n in s.spec.names if tenant.may_use(n)] + [
+            (self.models.find(a.base), a.name) for a in self.adapters.all()
+            if tenant.may_use(a.name) and self.models.find(a.base) is not None]
 
     def find_model(self, tenant: Tenant, name: Optional[str]) -> Slot:
         """The model ``name`` names (a served name or an alias; the first model the tenant
@@ -71,7 +77,7 @@ class Front:
             if visible:
                 return visible[0][0]
         else:
-            slot = self.models.find(name)
+            slot = self.models.find(self.adapters.base_of(name))
             if slot is not None and tenant.may_use(name):
                 return slot
         raise APIError(404, f"the model '{name}' does not exist" if name is not None else
@@ -93,6 +99,7 @@ class Call:
     body: object = None
     priority: str = "standard"  # the latency class (tenancy.tenants.PRIORITIES)
     slot: Optional[Slot] = None
+    adapter: Optional[str] = None  # the LoRA adapter the call's model names (gateway.models.lora)
 
     @property
     def rank(self) -> int:
@@ -109,6 +116,7 @@ class Call:
         slot = self.front.find_model(self.tenant, name)
         future = self.front.models.hold(slot)
         self.slot = slot
+        self.adapter = name if self.front.adapters.get(name) is not None else None
         self.record.model = slot.name
         self.request.state.on_close.append(lambda: self.front.models.release(slot))
         return future
@@ -120,9 +128,12 @@ class Call:
             APIError: 503 (with ``Retry-After``) when it could not be loaded.
         """
         try:
-            return await asyncio.wrap_future(future)
+            handle = await asyncio.wrap_future(future)
         except ModelUnavailable as e:
             raise unavailable(e)
+        if self.adapter is not None:
+            await ready_adapter(handle, self.front.config, self.front.adapters.get(self.adapter))
+        return handle
 
     async def model(self, name: Optional[str]) -> ModelHandle:
         """:meth:`hold_model` then :meth:`ready`."""
@@ -131,7 +142,7 @@ class Call:
     @property
     def model_name(self) -> str:
         """The served name of the held model."""
-        return self.slot.name if self.slot is not None else ""
+        return self.adapter or (self.slot.name if self.slot is not None else "")
 
 
 def sglang_priority(value: int) -> Optional[str]:

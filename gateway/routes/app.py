@@ -29,7 +29,7 @@ from gateway.protocols.openai_completions import completions
 from gateway.protocols.responses import create_response, delete_response, list_input_items, retrieve_response
 from gateway.protocols.reasoning_seal import LazySeal
 from gateway.protocols.responses_store_open import open_response_store
-from gateway.routes import admin, service
+from gateway.routes import admin, lora, service
 from gateway.routes.openapi import openapi_json
 
 # (method, path, endpoint): every route the gateway serves.
@@ -46,6 +46,8 @@ ROUTES = [
     ("GET", "/v1/models", service.models),
     ("GET", "/v1/models/{model_id:path}", service.model),
     ("GET", "/v1/usage", service.usage_report),
+    ("POST", "/v1/load_lora_adapter", lora.load_lora_adapter),
+    ("POST", "/v1/unload_lora_adapter", lora.unload_lora_adapter),
     ("POST", "/admin/cache/flush", admin.flush_cache),
     ("GET", "/admin/models", admin.list_models),
     ("POST", "/admin/models/{name:path}/load", admin.load_model),
