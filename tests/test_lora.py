@@ -216,3 +216,25 @@ def test_refused_adapters_name_what_does_not_fit_and_leave_nothing(qwen3, adapte
         with pytest.raises(AdapterError, match=message):
             lora.load("x", str(path))
         assert lora.names() == {} and not any(type(m).__name__ == "MultiLoraLinear" for _, m in model.named_modules())
+
+
+def test_a_quantized_base_alone_and_mixed_equals_mlx_lm(qwen3, adapters, tmp_path):
+    from mlx_lm import convert
+
+    q = tmp_path / "q4"
+    convert(str(qwen3), mlx_path=str(q), quantize=True, q_group_size=32, q_bits=4)
+    for f in qwen3.iterdir():  # the tokenizer files convert did not copy
+        if not (q / f.name).exists() and f.is_file():
+            (q / f.name).write_bytes(f.read_bytes())
+    n = 6
+    jobs = [(p, name) for p, name in zip(prompts(6, seed=7), [None, "a", "d", "p", "a", None])]
+    want = [reference_tokens(q, None if a is None else adapters[a][1], p, n) for p, a in jobs]
+    engine = make_engine(q)
+    try:
+        lora = adapters_of(engine.model)
+        assert type(dict(engine.model.named_modules())["model.layers.0.self_attn.q_proj"]).__name__ == "QuantizedLinear"
+        for name in ("a", "d", "p"):
+            engine.call(lambda name=name: lora.load(name, str(adapters[name][0])))
+        assert run(engine, jobs, n) == want
+    finally:
+        engine.stop()
