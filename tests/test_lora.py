@@ -22,30 +22,36 @@ from scheduler.lora_files import AdapterError
 TARGETS = ["self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"]
 
 
-def _shapes(model, key: str) -> tuple[int, int]:
-    layer = dict(model.layers[0].named_modules())[key]
-    out, inp = layer.weight.shape
-    return inp, out
+def targets(model, keys=TARGETS, num_layers: int = -1) -> list[tuple[str, str, int, int]]:
+    """``(module path, key, in, out)`` of each linear layer named by ``keys`` in the last
+    ``num_layers`` layers (all when -1) of ``model`` (layers lacking one are skipped)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    layers = list(model.layers)
+    found = []
+    for layer in layers if num_layers < 0 else layers[-num_layers:]:
+        modules = dict(layer.named_modules())
+        for k in keys:
+            if k in modules and hasattr(modules[k], "weight"):
+                out, inp = modules[k].weight.shape
+                found.append((f"{names[id(layer)]}.{k}", k, inp, out))
+    return found
 
 
 def write_mlx_lm(path: Path, model, seed: int, rank: int = 4, scale: float = 8.0, dora: bool = False,
                  num_layers: int = -1, keys=TARGETS) -> Path:
     """A random adapter as ``mlx_lm.lora`` writes it (lora_b nonzero, so that it changes tokens)."""
     mx.random.seed(seed)
-    n = len(model.layers)
-    layers = range(n) if num_layers < 0 else range(n - num_layers, n)
     weights = {}
-    for i in layers:
-        for k in keys:
-            inp, out = _shapes(model, k)
-            weights[f"model.layers.{i}.{k}.lora_a"] = mx.random.normal((inp, rank)) * 0.2
-            weights[f"model.layers.{i}.{k}.lora_b"] = mx.random.normal((rank, out)) * 0.2
-            if dora:
-                weights[f"model.layers.{i}.{k}.m"] = mx.random.uniform(0.5, 1.5, (out,))
+    for module, _, inp, out in targets(model, keys, num_layers):
+        weights[f"{module}.lora_a"] = mx.random.normal((inp, rank)) * 0.2
+        weights[f"{module}.lora_b"] = mx.random.normal((rank, out)) * 0.2
+        if dora:
+            weights[f"{module}.m"] = mx.random.uniform(0.5, 1.5, (out,))
     path.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(path / "adapters.safetensors"), weights)
     (path / "adapter_config.json").write_text(json.dumps({
-        "fine_tune_type": "dora" if dora else "lora", "num_layers": n if num_layers < 0 else num_layers,
+        "fine_tune_type": "dora" if dora else "lora",
+        "num_layers": len(model.layers) if num_layers < 0 else num_layers,
         "lora_parameters": {"rank": rank, "scale": scale, "dropout": 0.0, "keys": list(keys)}}))
     return path
 
@@ -54,14 +60,12 @@ def write_peft(path: Path, model, seed: int, r: int = 4, alpha: float = 16.0) ->
     """A random PEFT adapter, and the same adapter in mlx-lm's format (its reference)."""
     mx.random.seed(seed)
     peft, mlx_weights = {}, {}
-    for i in range(len(model.layers)):
-        for k in TARGETS:
-            inp, out = _shapes(model, k)
-            a, b = mx.random.normal((r, inp)) * 0.3, mx.random.normal((out, r)) * 0.3
-            peft[f"base_model.model.model.layers.{i}.{k}.lora_A.weight"] = a
-            peft[f"base_model.model.model.layers.{i}.{k}.lora_B.weight"] = b
-            mlx_weights[f"model.layers.{i}.{k}.lora_a"] = a.T
-            mlx_weights[f"model.layers.{i}.{k}.lora_b"] = b.T
+    for module, _, inp, out in targets(model):
+        a, b = mx.random.normal((r, inp)) * 0.3, mx.random.normal((out, r)) * 0.3
+        peft[f"base_model.model.{module}.lora_A.weight"] = a
+        peft[f"base_model.model.{module}.lora_B.weight"] = b
+        mlx_weights[f"{module}.lora_a"] = a.T
+        mlx_weights[f"{module}.lora_b"] = b.T
     path.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(path / "adapter_model.safetensors"), peft)
     (path / "adapter_config.json").write_text(json.dumps({
@@ -99,17 +103,20 @@ def qwen3():
     return model_path("qwen3")
 
 
-@pytest.fixture(scope="module")
-def adapters(qwen3, tmp_path_factory):
+def make_adapters(base: Path, root: Path) -> dict:
     """name -> (served path, mlx-lm reference path): two mlx-lm LoRAs (ranks 4 and 8, the
-    second on its last layer only), a DoRA and a PEFT LoRA."""
-    root = tmp_path_factory.mktemp("adapters")
-    model, _ = mlx_lm.load(str(qwen3))
+    second on its last layer only), a DoRA and a PEFT LoRA, for the model at ``base``."""
+    model, _ = mlx_lm.load(str(base))
     a = write_mlx_lm(root / "a", model, 1)
     b = write_mlx_lm(root / "b", model, 2, rank=8, scale=4.0, num_layers=1)
     d = write_mlx_lm(root / "d", model, 3, dora=True)
     p, p_ref = write_peft(root / "p", model, 4)
     return {"a": (a, a), "b": (b, b), "d": (d, d), "p": (p, p_ref)}
+
+
+@pytest.fixture(scope="module")
+def adapters(qwen3, tmp_path_factory):
+    return make_adapters(qwen3, tmp_path_factory.mktemp("adapters"))
 
 
 def make_engine(path: Path, max_loras: int = 8):
@@ -126,15 +133,18 @@ def prompts(k: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(10, 900) for _ in range(rng.randrange(5, 30))] for _ in range(k)]
 
 
-def test_each_adapter_and_the_base_alone_and_mixed_equal_mlx_lm_alone(qwen3, adapters):
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma3_text", "qwen3_5"])
+def test_each_adapter_and_the_base_alone_and_mixed_equal_mlx_lm_alone(arch, tmp_path):
+    base = model_path(arch)
+    adapters = make_adapters(base, tmp_path)
     n = 8
     names = [None, "a", "b", "d", "p"]
     ps = prompts(len(names) * 2)
     jobs = [(p, names[i % len(names)]) for i, p in enumerate(ps)]
-    want = [reference_tokens(qwen3, None if a is None else adapters[a][1], p, n) for p, a in jobs]
-    base_of = {tuple(p): reference_tokens(qwen3, None, p, n) for p, _ in jobs}
+    want = [reference_tokens(base, None if a is None else adapters[a][1], p, n) for p, a in jobs]
+    base_of = {tuple(p): reference_tokens(base, None, p, n) for p, _ in jobs}
     assert all(w != base_of[tuple(p)] for w, (p, a) in zip(want, jobs) if a), "an adapter changes no token"
-    engine = make_engine(qwen3)
+    engine = make_engine(base)
     try:
         lora = adapters_of(engine.model)
         for name in names[1:]:
