@@ -15,6 +15,7 @@ from mlx_lm.generate import generate_step
 
 from cache import PromptCacheManager
 from conftest import EventSink, model_path
+from test_speculative import steady_step_cost  # noqa: F401 (a fixture: drafting not left to the machine's load)
 from scheduler import Engine, EngineRequest, SamplingParams
 from scheduler.lora import MARK, UnknownAdapter, adapters_of
 from scheduler.lora_files import AdapterError
@@ -119,11 +120,11 @@ def adapters(qwen3, tmp_path_factory):
     return make_adapters(qwen3, tmp_path_factory.mktemp("adapters"))
 
 
-def make_engine(path: Path, max_loras: int = 8):
+def make_engine(path: Path, max_loras: int = 8, **kwargs):
     model, tok = mlx_lm.load(str(path))
     adapters_of(model, create=True, max_loras=max_loras, max_rank=16)
     engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
-                    decode_concurrency=16, gather_wait=30.0)
+                    decode_concurrency=16, gather_wait=30.0, **kwargs)
     engine.start()
     return engine
 
@@ -246,5 +247,28 @@ def test_a_quantized_base_alone_and_mixed_equals_mlx_lm(qwen3, adapters, tmp_pat
         for name in ("a", "d", "p"):
             engine.call(lambda name=name: lora.load(name, str(adapters[name][0])))
         assert run(engine, jobs, n) == want
+    finally:
+        engine.stop()
+
+
+def test_ngram_speculation_verifies_each_row_under_its_own_adapter(qwen3, adapters, steady_step_cost):
+    """Repetitive prompts, so that prompt lookup drafts: each row's verify forward applies
+    its own adapter, and the greedy tokens stay mlx-lm's."""
+    from scheduler.speculative import SpeculationConfig
+
+    from test_speculative import _workload
+
+    ps, _ = _workload(1)
+    jobs = list(zip(ps, ["a", None, "p", "d", "a"]))
+    n = 30
+    want = [reference_tokens(qwen3, None if a is None else adapters[a][1], p, n) for p, a in jobs]
+    engine = make_engine(qwen3, speculation=SpeculationConfig("ngram", num_draft_tokens=4))
+    try:
+        lora = adapters_of(engine.model)
+        for name in ("a", "p", "d"):
+            engine.call(lambda name=name: lora.load(name, str(adapters[name][0])))
+        assert run(engine, jobs, n) == want
+        s = engine.stats.speculation
+        assert s.verify_steps > 0 and 0 < s.accepted < s.drafted, s  # drafts were taken and refused
     finally:
         engine.stop()
