@@ -226,7 +226,7 @@ class AdapterSet:
         ``uids()``, read at each forward) take their adapters' slots."""
         if not self._keys:
             return nullcontext()
-        return self.rows.forward(lambda: [self.slot_of(namespace_of(u)) for u in uids()])
+        return self.rows.forward(uids, lambda u: self.slot_of(namespace_of(u)))
 
 
 def adapters_of(model, create: bool = False, **kwargs) -> Optional[AdapterSet]:

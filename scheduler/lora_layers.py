@@ -28,25 +28,26 @@ import mlx.nn as nn
 class RowSlots:
     """The adapter slot of each row of the forward being built (engine thread only).
 
-    :meth:`forward` sets, for the duration of a batch's forward calls, the function giving
-    its rows' slots; the layers read it through :meth:`slots`, which recomputes it when the
-    batch's rows changed (rows leave a batch between two forwards of one step).
+    :meth:`forward` sets, for the duration of a batch's forward calls, its rows and how to
+    find their slots; the layers read them through :meth:`slots`, which looks them up again
+    only when the batch's rows changed (rows leave a batch between two forwards of one step).
     """
 
     def __init__(self):
-        self._rows: Optional[Callable[[], Sequence[int]]] = None
+        self._uids: Optional[Callable[[], Sequence[int]]] = None
+        self._slot_of: Optional[Callable[[int], int]] = None
         self._key: Optional[tuple] = None
         self._slots: Optional[mx.array] = None
 
     @contextmanager
-    def forward(self, rows: Callable[[], Sequence[int]]):
-        """Within the block, forwards take their rows' slots from ``rows()`` (one int per
-        batch row, 0 for the base)."""
-        self._rows, self._key = rows, None
+    def forward(self, uids: Callable[[], Sequence[int]], slot_of: Callable[[int], int]):
+        """Within the block, forwards are of the rows ``uids()`` (the batch's, read at each
+        forward), row ``u`` under slot ``slot_of(u)`` (0: the base), looked up once per row set."""
+        self._uids, self._slot_of, self._key = uids, slot_of, None
         try:
             yield
         finally:
-            self._rows, self._key, self._slots = None, None, None
+            self._uids, self._slot_of, self._key, self._slots = None, None, None, None
 
     def slots(self, batch: int) -> Optional[mx.array]:
         """The ``[batch]`` uint32 slots of this forward's rows; None when every row is the
@@ -55,12 +56,12 @@ class RowSlots:
         Raises:
             RuntimeError: the selection has another number of rows than the forward.
         """
-        if self._rows is None:
+        if self._uids is None:
             return None
-        key = tuple(self._rows())
+        key = tuple(self._uids())
         if key != self._key:
-            self._key = key
-            self._slots = mx.array(key, dtype=mx.uint32) if any(key) else None
+            slots = [self._slot_of(u) for u in key]
+            self._key, self._slots = key, mx.array(slots, dtype=mx.uint32) if any(slots) else None
         if self._slots is not None and len(key) != batch:
             raise RuntimeError(f"adapter selection has {len(key)} rows, the forward {batch}")
         return self._slots
