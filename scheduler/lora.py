@@ -21,6 +21,7 @@ from any thread.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ from scheduler.lora_layers import RowSlots, build_stack, wrap_linears
 MARK = "/lora:"  # an adapter's prefix-cache namespace is the request's, this, and name#serial
 DEFAULT_MAX_RANK = 64
 DEFAULT_MAX_LORAS = 8
+
+log = logging.getLogger("mlx_gateway.engine")
 
 __all__ = ["AdapterError", "AdapterSet", "AdapterBusy", "UnknownAdapter", "adapters_of", "MARK"]
 
@@ -210,15 +213,16 @@ class AdapterSet:
     def slot_of(self, namespace: Optional[str]) -> int:
         """The slot of the adapter a row of ``namespace`` runs under (0: the base).
 
-        Raises:
-            LookupError: that adapter is not resident any more.
-        """
+        An adapter stays resident while a request admitted under it runs, so a row whose
+        adapter is gone belongs to a request that already ended (its last forward's output
+        is dropped): it runs as the base's rather than failing the whole step."""
         if namespace is None or MARK not in namespace:
             return 0
         key = namespace.rpartition(MARK)[2]
         slot = self._keys.get(key)
         if slot is None:
-            raise LookupError(f"adapter {key} is not resident")
+            log.warning("a row of adapter %s ran after its adapter was unloaded", key)
+            return 0
         return slot
 
     def forward(self, uids: Callable[[], list[int]], namespace_of: Callable[[int], Optional[str]]):
