@@ -272,3 +272,41 @@ def test_ngram_speculation_verifies_each_row_under_its_own_adapter(qwen3, adapte
         assert s.verify_steps > 0 and 0 < s.accepted < s.drafted, s  # drafts were taken and refused
     finally:
         engine.stop()
+
+
+def test_a_long_prompt_joining_apart_and_chunked_keeps_its_adapter(qwen3, adapters, monkeypatch):
+    """Short rows decode under their adapters; a long prompt under another one arrives,
+    prefills in chunks beside them and joins apart (its first token from a forward of its
+    own: scheduler.generator.APART_WIDTH); every row keeps mlx-lm's tokens."""
+    from scheduler.generator import JoiningBatchGenerator
+
+    apart = []
+    join_apart = JoiningBatchGenerator._join_apart
+    monkeypatch.setattr(JoiningBatchGenerator, "_join_apart",
+                        lambda self, moving, last: (apart.append(list(moving.uids)), join_apart(self, moving, last)))
+    rng = random.Random(13)
+    short = [([rng.randrange(10, 900) for _ in range(8)], a) for a in ("a", None, "p")]
+    long_job = ([rng.randrange(10, 900) for _ in range(300)], "d")
+    n = 24
+    want = [reference_tokens(qwen3, None if a is None else adapters[a][1], p, n) for p, a in short + [long_job]]
+    model, tok = mlx_lm.load(str(qwen3))
+    lora = adapters_of(model, create=True, max_rank=16)
+    engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
+                    decode_concurrency=16, prefill_step_size=64, gather_wait=30.0)
+    engine.start()
+    try:
+        for name in ("a", "p", "d"):
+            engine.call(lambda name=name: lora.load(name, str(adapters[name][0])))
+        sinks = [EventSink() for _ in range(4)]
+        with engine.arrivals.prepare():
+            for (p, a), s in zip(short, sinks):
+                engine.submit(EngineRequest(f"s-{uuid.uuid4().hex[:6]}", p, SamplingParams(max_tokens=n), s, adapter=a))
+        while min(len(s.tokens) for s in sinks[:3]) < 2:
+            sinks[0].done.wait(0.005)
+        engine.submit(EngineRequest("long", long_job[0], SamplingParams(max_tokens=n), sinks[3], adapter="d"))
+        for s in sinks:
+            assert s.done.wait(120)
+        assert [s.tokens for s in sinks] == want
+        assert apart, "the long prompt did not join apart"
+    finally:
+        engine.stop()
