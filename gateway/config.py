@@ -292,10 +292,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_lora_arguments(p)
 
 
+def _lora_module(text: str) -> str:
+    from gateway.models.lora import parse_lora_module
+
+    try:
+        parse_lora_module(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+    return text
+
+
 def add_lora_arguments(p: argparse.ArgumentParser) -> None:
     """LoRA adapters on the first model, as vLLM's flags name them (docs/lora.md)."""
     d = ServeConfig()
-    p.add_argument("--lora-modules", metavar="NAME=PATH", action="append", default=[],
+    p.add_argument("--lora-modules", metavar="NAME=PATH", action="append", default=[], type=_lora_module,
                    help="serve the LoRA adapter at PATH (mlx-lm's or PEFT's format) on the first --model, "
                    "chosen by requests with model: NAME (repeatable)")
     p.add_argument("--max-loras", type=int, default=d.max_loras,

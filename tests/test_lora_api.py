@@ -7,6 +7,7 @@ import asyncio
 import random
 
 import httpx
+import pytest
 import mlx_lm
 
 from conftest import live_server, model_path
@@ -84,3 +85,28 @@ def test_lora_modules_serve_models_and_load_unload(tmp_path):
             got = c.post("/v1/chat/completions", json={"model": "peft", "max_tokens": 4,
                                                       "messages": [{"role": "user", "content": "hi"}]})
             assert got.status_code == 200 and got.json()["model"] == "peft"
+
+
+def test_models_file_names_adapters_per_model(tmp_path):
+    base = model_path("qwen3")
+    model, tok = mlx_lm.load(str(base))
+    a = write_mlx_lm(tmp_path / "tone", model, 3)
+    models = tmp_path / "models.toml"
+    models.write_text(f'[models.base]\npath = "{base}"\nlora_modules = {{ tone = "{a}" }}\n')
+    prompt = [11, 12, 13, 14, 15, 16]
+    from dataclasses import replace
+
+    from gateway.config import ServeConfig
+    from gateway.models.spec import ModelsFileError, model_specs
+
+    specs = [replace(s, name="test-model") for s in model_specs(ServeConfig(models_file=str(models)))]
+    assert specs[0].lora_modules == (("tone", str(a)),)
+    with live_server(base, specs=specs) as srv:
+        with srv.client() as c:
+            listed = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+            assert listed["tone"]["parent"] == "test-model"
+            assert pieces(completion(c, "tone", prompt)) == want_pieces(tok, reference_tokens(base, a, prompt, 6))
+    models.write_text(f'[models.base]\npath = "{base}"\nlora_modules = ["{a}"]\n')
+
+    with pytest.raises(ModelsFileError, match="lora_modules must be a table"):
+        model_specs(ServeConfig(models_file=str(models)))

@@ -23,7 +23,7 @@ from gateway.config import ServeConfig
 from gateway.http.body import read_json
 from gateway.http.errors import APIError
 from gateway.models.handle import ModelHandle
-from gateway.models.lora import Adapter, AdapterCatalog, parse_lora_module, ready_adapter
+from gateway.models.lora import Adapter, AdapterCatalog, lora_modules, ready_adapter
 from gateway.models.registry import ModelRegistry, ModelUnavailable, Slot
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.request_log import RequestRecord
@@ -54,8 +54,11 @@ class Front:
 
     def __post_init__(self) -> None:
         self.limiter.on_limited = lambda tenant, limit: self.metrics.rate_limited.labels(tenant, limit).inc()
-        for text in self.config.lora_modules:
-            self.adapters.add(Adapter(*parse_lora_module(text), self.models.slots[0].name))
+        for name, path in lora_modules(self.config.lora_modules):  # on the first model
+            self.adapters.add(Adapter(name, path, self.models.slots[0].name))
+        for slot in self.models.slots:  # the models file's
+            for name, path in slot.spec.lora_modules:
+                self.adapters.add(Adapter(name, path, slot.name))
 
     def visible(self, tenant: Tenant) -> list[tuple[Slot, str]]:
         """The model names ``tenant`` may use (and so may see), with their models, in

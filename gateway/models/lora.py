@@ -9,6 +9,7 @@ used idle one unloaded to make room and read again from its path when a request 
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import dataclass
 from typing import Optional
@@ -29,16 +30,41 @@ class Adapter:
     base: str
 
 
-def parse_lora_module(text: str) -> tuple[str, str]:
-    """``NAME=PATH`` (vLLM's ``--lora-modules``) as ``(name, path)``.
+def parse_lora_module(item) -> tuple[str, str]:
+    """One ``--lora-modules`` entry as ``(name, path)``: ``NAME=PATH``, vLLM's JSON form
+    ``{"name": NAME, "path": PATH}`` (as text or a dict), or a ``(name, path)`` pair.
 
     Raises:
-        ValueError: no ``=``, or an empty name or path.
+        ValueError: none of these, or an empty name or path.
     """
-    name, sep, path = text.partition("=")
-    if not sep or not name.strip() or not path.strip():
-        raise ValueError(f"--lora-modules takes NAME=PATH, got {text!r}")
-    return name.strip(), path.strip()
+    if isinstance(item, str) and item.lstrip().startswith("{"):
+        try:
+            item = json.loads(item)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules: not JSON: {e}") from None
+    if isinstance(item, dict):
+        name, path = item.get("name"), item.get("path")
+    elif isinstance(item, (tuple, list)) and len(item) == 2:
+        name, path = item
+    elif isinstance(item, str):
+        name, sep, path = item.partition("=")
+        name, path = (name, path) if sep else (None, None)
+    else:
+        name = path = None
+    if not isinstance(name, str) or not isinstance(path, str) or not name.strip() or not path.strip():
+        raise ValueError(f"--lora-modules takes NAME=PATH, got {item!r}")
+    return name.strip(), str(path).strip()
+
+
+def lora_modules(items) -> list[tuple[str, str]]:
+    """Every ``--lora-modules`` entry (a list, or a ``{name: path}`` dict) as ``(name, path)``.
+
+    Raises:
+        ValueError: see :func:`parse_lora_module`.
+    """
+    if isinstance(items, dict):
+        items = list(items.items())
+    return [parse_lora_module(i) for i in items or []]
 
 
 class AdapterCatalog:
