@@ -14,7 +14,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from cache import PromptCacheManager
-from conftest import EventSink, model_path
+from conftest import EventSink, assert_same_tokens, model_path
 from test_speculative import steady_step_cost  # noqa: F401 (a fixture: drafting not left to the machine's load)
 from scheduler import Engine, EngineRequest, SamplingParams
 from scheduler.lora import MARK, UnknownAdapter, adapters_of
@@ -156,6 +156,35 @@ def test_each_adapter_and_the_base_alone_and_mixed_equal_mlx_lm_alone(arch, tmp_
         engine.call(engine.prompt_cache.flush)
         assert run(engine, jobs, n) == want, "mixed in one batch"
         assert run(engine, jobs, n) == want, "mixed again, from the prefix cache"
+    finally:
+        engine.stop()
+
+
+def reference_logprobs(base: Path, adapter, prompt: list[int], n: int) -> list[tuple[int, float]]:
+    """``(token, logprob)`` of mlx-lm's own greedy generation with the adapter, this prompt alone."""
+    model, _ = mlx_lm.load(str(base), adapter_path=None if adapter is None else str(adapter))
+    return [(int(t), lp[int(t)].item()) for (t, lp), _ in zip(generate_step(mx.array(prompt), model, max_tokens=n),
+                                                              range(n))]
+
+
+def test_logprobs_mixed_in_one_batch_equal_mlx_lm_alone(qwen3, adapters):
+    n = 6
+    jobs = [(p, a) for p, a in zip(prompts(5, seed=21), [None, "a", "b", "d", "p"])]
+    want = [reference_logprobs(qwen3, None if a is None else adapters[a][1], p, n) for p, a in jobs]
+    engine = make_engine(qwen3)
+    try:
+        lora = adapters_of(engine.model)
+        for name in ("a", "b", "d", "p"):
+            engine.call(lambda name=name: lora.load(name, str(adapters[name][0])))
+        sinks = [EventSink() for _ in jobs]
+        with engine.arrivals.prepare():
+            for (p, a), s in zip(jobs, sinks):
+                engine.submit(EngineRequest(f"l-{uuid.uuid4().hex[:6]}", p, SamplingParams(max_tokens=n, logprobs=True),
+                                            s, adapter=a))
+        for s, w, (_, a) in zip(sinks, want, jobs):
+            assert s.done.wait(120)
+            got = [(e.token, e.logprob) for e in s.events if type(e).__name__ == "TokenEvent"]
+            assert_same_tokens(got, w, f"adapter {a}")
     finally:
         engine.stop()
 
