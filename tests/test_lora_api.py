@@ -110,3 +110,16 @@ def test_models_file_names_adapters_per_model(tmp_path):
 
     with pytest.raises(ModelsFileError, match="lora_modules must be a table"):
         model_specs(ServeConfig(models_file=str(models)))
+
+
+def test_request_metrics_name_the_adapter(tmp_path):
+    from conftest import sample
+
+    base = model_path("qwen3")
+    model, _ = mlx_lm.load(str(base))
+    a = write_mlx_lm(tmp_path / "a", model, 1)
+    with live_server(base, lora_modules=[f"alpha={a}"]) as srv:
+        with srv.client() as c:
+            completion(c, "alpha", [5, 6, 7])
+        assert sample(srv.registry, "mlx_gateway_requests_total", tenant="default", model="alpha",
+                      endpoint="/v1/completions", status="200") == 1

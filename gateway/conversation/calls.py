@@ -120,7 +120,7 @@ class Call:
         future = self.front.models.hold(slot)
         self.slot = slot
         self.adapter = name if self.front.adapters.get(name) is not None else None
-        self.record.model = slot.name
+        self.record.model = self.adapter or slot.name  # an adapter's requests are counted under its name
         self.request.state.on_close.append(lambda: self.front.models.release(slot))
         return future
 
