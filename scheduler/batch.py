@@ -117,7 +117,7 @@ class Batch(RowInsertion, RowFailures):
             speculator=speculator(self.speculation, self.stats.speculation, self.metrics,
                                   DraftSnapshots(self.prompt_cache, self._namespace_of)),
         )
-        gen.adapter_rows = rows_hook(self.model, self._namespace_of)  # each row's LoRA adapter
+        gen.adapter_rows = rows_hook(self.model, self._namespace_of, self.prompt_cache)  # each row's LoRA adapter
         return gen
 
     def _namespace_of(self, uid: int) -> Optional[str]:

@@ -243,14 +243,25 @@ def adapters_of(model, create: bool = False, **kwargs) -> Optional[AdapterSet]:
     return found
 
 
-def rows_hook(model, namespace_of: Callable[[int], Optional[str]]) -> Callable:
+def rows_hook(model, namespace_of: Callable[[int], Optional[str]], prompt_cache=None) -> Callable:
     """For the batch generator: ``hook(batch)`` is the adapter selection of ``batch``'s
-    forward calls (a context manager; nothing when ``model`` serves no adapter)."""
+    forward calls (a context manager; nothing when ``model`` serves no adapter). An
+    adapter's namespace met for the first time becomes a companion of its request's
+    namespace in ``prompt_cache`` (:meth:`cache.lru.LRUEviction.add_companion`: it counts in
+    that quota and stays off the disk tier, whose files are keyed by the base alone); that
+    happens before any snapshot of it is stored, since snapshots follow forwards."""
+    known: set[str] = set()
 
     def hook(batch):
         found = adapters_of(model)
         if found is None:
             return nullcontext()
+        if prompt_cache is not None:
+            for uid in batch.uids:
+                ns = namespace_of(uid)
+                if ns is not None and MARK in ns and ns not in known:
+                    prompt_cache.add_companion(ns, ns.rpartition(MARK)[0])
+                    known.add(ns)
         return found.forward(lambda: batch.uids, namespace_of)
 
     return hook

@@ -203,6 +203,9 @@ def test_the_same_prompt_under_two_adapters_shares_no_kv(qwen3, adapters):
         assert sink.events[0].cached_tokens == 0
         ns = [n for n in engine.prompt_cache._groups]
         assert any(MARK in n and "a#" in n for n in ns) and any("p#" in n for n in ns), ns
+        # the adapters' namespaces count in the request's cache group (and stay off the disk tier)
+        assert all(engine.prompt_cache._quota_key(n) == "default" for n in ns)
+        assert all(n in engine.prompt_cache._owners for n in ns if MARK in n)
         assert sink.tokens == reference_tokens(qwen3, adapters["p"][1], p, 4)
     finally:
         engine.stop()

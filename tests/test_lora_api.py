@@ -123,3 +123,31 @@ def test_request_metrics_name_the_adapter(tmp_path):
             completion(c, "alpha", [5, 6, 7])
         assert sample(srv.registry, "mlx_gateway_requests_total", tenant="default", model="alpha",
                       endpoint="/v1/completions", status="200") == 1
+
+
+def test_next_turn_under_an_adapter_reuses_only_its_own_kv(tmp_path):
+    """A conversation's next turn under an adapter is served from the KV computed under
+    that adapter (its reply, the next-turn precompute) with the tokens of a cold run."""
+    base = model_path("qwen3")
+    model, _ = mlx_lm.load(str(base))
+    a = write_mlx_lm(tmp_path / "a", model, 1)
+    with live_server(base, lora_modules=[f"alpha={a}"]) as srv:
+        with srv.client() as c:
+            def chat(messages, name="alpha"):
+                r = c.post("/v1/chat/completions", json={"model": name, "messages": messages, "max_tokens": 8,
+                                                          "temperature": 0})
+                assert r.status_code == 200, r.text
+                return r.json()
+
+            first = [{"role": "user", "content": "tell me about the apples and the pears"}]
+            reply = chat(first)["choices"][0]["message"]["content"]
+            assert srv.engine.wait_idle(60)
+            second = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "and then?"}]
+            warm = chat(second)
+            assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            assert chat(second, "test-model")["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            assert srv.engine.wait_idle(60)
+            srv.engine.flush_cache()
+            cold = chat(second)
+            assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            assert warm["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]

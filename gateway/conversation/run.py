@@ -140,7 +140,8 @@ class Run:
             if reason in ("stop", "stop_sequence", "length"):
                 t, front = self.call.tenant, self.call.front
                 if front.config.precompute_next_turn and not front.draining:
-                    schedule_next_turn(self.model, self.prompt, "".join(reply), t.cache_group, t.name)  # never raises
+                    schedule_next_turn(self.model, self.prompt, "".join(reply), self.gen.request.namespace,  # an
+                                       t.name)  # adapter's own (scheduler.lora) or the tenant's; never raises
             yield Finished(reason, Usage(len(self.prompt.tokens), len(self.tokens), self.cached, self.cache_written,
                                          thought), matched)
         except Exception:
