@@ -11,6 +11,8 @@ linear layer of a block). An engine in process (no HTTP) serves each setting:
   every stream on the base, every stream on one adapter, the streams spread over four
   adapters; tokens after each stream's first, over the time from the first first token to
   the last token; the settings interleaved ``--rounds`` times, the best of each kept;
+* the same comparison on the decode forward alone (``step_seconds``: no scheduling, the
+  fastest median of three interleaved rounds), as speed ratios;
 * the time to load one adapter (read, check, restack; on the engine thread) and its bytes;
 * the decode gap while one loads: the longest gap between two tokens of 4 streams
   decoding while an adapter loads, against their median step.
@@ -86,6 +88,24 @@ def decode_rate(sinks: list[Sink]) -> float:
     return sum(len(s.times) - 1 for s in sinks) / (end - start)
 
 
+def step_seconds(model, lora, slots: list[int], steps: int = 12) -> float:
+    """Median seconds of one decode forward of ``len(slots)`` rows (row ``i`` under slot
+    ``slots[i]``, 0 the base) after a 32-token prompt: the forward alone, no scheduling."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    uids = list(range(len(slots)))
+    cache = make_prompt_cache(model)
+    with lora.rows.forward(lambda: uids, lambda u: slots[u]):
+        mx.eval(model(mx.array([[7 + i] * 32 for i in uids]), cache=cache))
+        x, times = mx.array([[11]] * len(uids)), []
+        for _ in range(steps):
+            t = time.perf_counter()
+            mx.eval(model(x, cache=cache))
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def main() -> None:
     import mlx_lm
 
@@ -131,6 +151,16 @@ def main() -> None:
                     key = f"{streams} streams, {name}"
                     best[key] = max(best.get(key, 0.0), round(rate, 1))
                     print(f"{key:26s}: {rate:7.1f} decode tokens/s", flush=True)
+        forward: dict = {}
+        for _ in range(3):  # interleaved, the fastest of each kept
+            for streams in (4, 16):
+                for name, slots in (("base", [0] * streams), ("one adapter", [1] * streams),
+                                    ("four adapters", [1 + i % 4 for i in range(streams)])):
+                    key = f"{streams} streams, {name}"
+                    s = engine.call(lambda slots=slots: step_seconds(model, lora, slots), timeout=600)
+                    forward[key] = min(forward.get(key, 1e9), s)
+        results["decode_forward_ms"] = {k: round(v * 1e3, 2) for k, v in forward.items()}
+        print(json.dumps(results["decode_forward_ms"], indent=1), flush=True)
         prompts = [tok.encode(words(64, 9000 + i))[:64] for i in range(4)]
         sinks = submit(engine, prompts, ["a0", "a1", None, "a2"], 200)
         while min(len(s.times) for s in sinks) < 20:
@@ -146,10 +176,12 @@ def main() -> None:
         results["median_step_s"] = round(statistics.median(gaps), 4)
     finally:
         engine.stop()
-    r = results["decode_tokens_per_s"]
+    r, f = results["decode_tokens_per_s"], results["decode_forward_ms"]
     for n in (4, 16):
         results[f"ratio {n} streams mixed / one"] = round(r[f"{n} streams, four adapters"] / r[f"{n} streams, one adapter"], 3)
         results[f"ratio {n} streams one / base"] = round(r[f"{n} streams, one adapter"] / r[f"{n} streams, base"], 3)
+        results[f"forward ratio {n} streams mixed / one"] = round(f[f"{n} streams, one adapter"] / f[f"{n} streams, four adapters"], 3)
+        results[f"forward ratio {n} streams one / base"] = round(f[f"{n} streams, base"] / f[f"{n} streams, one adapter"], 3)
     print(json.dumps(results, indent=1))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
