@@ -86,6 +86,9 @@ class ServeConfig:
     draft_model: Optional[str] = None
     kv_bits: Optional[int] = None
     kv_group_size: int = 64
+    lora_modules: list[str] = field(default_factory=list)  # NAME=PATH, on the first model
+    max_loras: int = 8
+    max_lora_rank: int = 64
 
 
 def _json_object(text: str) -> dict:
@@ -328,6 +331,30 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds of silence after which a stream gets a ': keep-alive' comment "
                    "(default %(default)s)")
     add_responses_arguments(p)
+    add_lora_arguments(p)
+
+
+def _lora_module(text: str) -> str:
+    from gateway.models.lora import parse_lora_module
+
+    try:
+        parse_lora_module(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+    return text
+
+
+def add_lora_arguments(p: argparse.ArgumentParser) -> None:
+    """LoRA adapters on the first model, as vLLM's flags name them (docs/lora.md)."""
+    d = ServeConfig()
+    p.add_argument("--lora-modules", metavar="NAME=PATH", action="append", default=[], type=_lora_module,
+                   help="serve the LoRA adapter at PATH (mlx-lm's or PEFT's format) on the first --model, "
+                   "chosen by requests with model: NAME (repeatable)")
+    p.add_argument("--max-loras", type=int, default=d.max_loras,
+                   help="adapters resident at once; the least recently used idle one is unloaded to make room "
+                   "and read again when asked for (default %(default)s)")
+    p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                   help="largest adapter rank accepted; a larger one is refused (default %(default)s)")
 
 
 def add_responses_arguments(p: argparse.ArgumentParser) -> None:

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from gateway.config import ServeConfig
 from gateway.http.body import read_json
 from gateway.http.errors import APIError
+from gateway.models.lora import Adapter, AdapterCatalog, lora_modules
 from gateway.models.registry import ModelRegistry, Slot
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.request_log import RequestRecord
@@ -44,14 +45,22 @@ class Front:
     usage: UsageBook = field(default_factory=UsageBook)
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    adapters: AdapterCatalog = field(default_factory=AdapterCatalog)  # LoRA adapters (gateway.models.lora)
 
     def __post_init__(self) -> None:
         self.limiter.on_limited = lambda tenant, limit: self.metrics.rate_limited.labels(tenant, limit).inc()
+        for name, path in lora_modules(self.config.lora_modules):  # on the first model
+            self.adapters.add(Adapter(name, path, self.models.slots[0].name))
+        for slot in self.models.slots:  # the models file's
+            for name, path in slot.spec.lora_modules:
+                self.adapters.add(Adapter(name, path, slot.name))
 
     def visible(self, tenant: Tenant) -> list[tuple[Slot, str]]:
         """The model names ``tenant`` may use (and so may see), with their models, in
         configuration order."""
-        return [(s, n) for s in self.models.slots for n in s.spec.names if tenant.may_use(n)]
+        return [(s, n) for s in self.models.slots for n in s.spec.names if tenant.may_use(n)] + [
+            (self.models.find(a.base), a.name) for a in self.adapters.all()
+            if tenant.may_use(a.name) and self.models.find(a.base) is not None]
 
 
 @dataclass(eq=False)
@@ -70,6 +79,12 @@ class Call:
     priority: str = "standard"  # the latency class (tenancy.tenants.PRIORITIES)
     rank: int = 1  # the latency class as the engine numbers it: 0 interactive, 1 standard, 2 batch
     slot: Optional[Slot] = None  # the model, once held (gateway.conversation.start.hold)
+    adapter: Optional[str] = None  # the LoRA adapter the call's model names (gateway.models.lora)
+
+    @property
+    def model_name(self) -> str:
+        """The name the call's answers carry: its adapter's, else its held model's."""
+        return self.adapter or (self.slot.name if self.slot is not None else "")
 
 
 def sglang_priority(value: int) -> Optional[str]:

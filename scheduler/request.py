@@ -107,6 +107,8 @@ class EngineRequest:
             cache keeps each snapshot taken there (each is also in ``checkpoints``).
         processors: further logits processors of this request alone, applied before its
             ``mask`` (e.g. a :class:`scheduler.thinking.ThinkingBudget`).
+        adapter: the name of the LoRA adapter it runs under, None for the base model
+            (:mod:`scheduler.lora`; the engine moves it into the adapter's cache namespace).
     """
 
     id: str
@@ -122,6 +124,7 @@ class EngineRequest:
     priority: int = 1
     keep: dict = field(default_factory=dict)
     processors: list = field(default_factory=list)
+    adapter: Optional[str] = None
     arrival: float = field(default_factory=time.monotonic)
     prefix_key: Optional[Any] = field(default=None, repr=False, compare=False)  # set by the policy
     # Monotonic times (s) the engine passed its stages: engine_admitted, engine_restored,

@@ -142,7 +142,8 @@ class Books:
         """Precompute the next turn's prefix after ``reply`` (when configured; never raises)."""
         t, front = self.call.tenant, self.call.front
         if front.config.precompute_next_turn and not front.draining:
-            schedule_next_turn(self.model, self.prompt, reply, t.cache_group, t.name)
+            # under the request's namespace: an adapter's own (scheduler.lora) or the tenant's group
+            schedule_next_turn(self.model, self.prompt, reply, self.gen.request.namespace, t.name)
 
     def settle(self) -> None:
         """Book the outcome once (idempotent): completion tokens, ``finish_reason`` and

@@ -10,6 +10,7 @@ from typing import AsyncIterator
 
 from gateway.http.errors import APIError
 from scheduler import Engine, EngineDead, EngineOverloaded, EngineRequest, SamplingParams, TenantQueueFull
+from scheduler.lora import UnknownAdapter
 from scheduler.request import DoneEvent, ErrorEvent, Event
 
 
@@ -97,6 +98,9 @@ class Generation:
             raise APIError(503, f"the model engine is not available: {e}", code="engine_unavailable")
         except EngineOverloaded as e:
             raise APIError(503, f"the server is overloaded: {e}", code="overloaded", headers={"Retry-After": "1"})
+        except UnknownAdapter as e:  # unloaded to make room since the call made it resident
+            raise APIError(503, f"the LoRA adapter {e} was unloaded meanwhile", code="lora_unloaded",
+                           headers={"Retry-After": "1"})
         except TenantQueueFull as e:
             raise APIError(429, f"too many queued requests: {e}", code="queue_full", headers={"Retry-After": "1"})
 

@@ -61,6 +61,7 @@ class Run:
         gen = Generation(books.request_id, model.engine, prompt.tokens, params, prompt.checkpoints,
                          namespace=t.cache_group, tenant=t.name, weight=t.weight, max_queued=t.max_queued, mask=mask,
                          priority=call.rank, keep=prompt.breakpoints, processors=processors)
+        gen.request.adapter = call.adapter  # a LoRA adapter's name, or None (scheduler.lora)
         if prompt.images:  # in the engine's table until the request's last event (gateway.models.vision_images)
             table = model.vision.table
             table.add(prompt.images)

@@ -21,6 +21,7 @@ from gateway.conversation.run import Run
 from gateway.front import Call
 from gateway.http.errors import APIError
 from gateway.models.handle import ModelHandle
+from gateway.models.lora import ready_adapter
 from gateway.models.registry import ModelUnavailable, Slot
 
 LOADING_TICK = 1.0  # seconds between the ": loading model" comments of a stream that waits for its model
@@ -48,6 +49,8 @@ async def converse(call: Call, conv: Conversation) -> Answer:
             if not waited.done():
                 yield Comment(f"loading model {call.slot.name} ({time.monotonic() - started:.0f} s)")
     model = await ready(loaded)
+    if call.adapter is not None:  # read into the model's adapter stack (its first request, or after LRU)
+        await ready_adapter(model, call.front.config, call.front.adapters.get(call.adapter))
     if model.kind == "embedding":
         raise APIError(400, f"the model '{model.name}' is an embedding model: use POST /v1/embeddings",
                        param="model", code="model_not_generating")
@@ -83,14 +86,15 @@ def hold(call: Call, name: Optional[str]) -> Future:
     front, slot = call.front, find(call, name)
     future = front.models.hold(slot)
     call.slot = slot
-    call.record.model = slot.name
+    call.adapter = name if name is not None and front.adapters.get(name) is not None else None
+    call.record.model = call.adapter or slot.name  # an adapter's requests are counted under its name
     call.request.state.on_close.append(lambda: front.models.release(slot))
     return future
 
 
 def find(call: Call, name: Optional[str]) -> Slot:
-    """The model ``name`` names for this call's tenant (a served name or an alias; the first
-    model the tenant may use when None), not held.
+    """The model ``name`` names for this call's tenant (a served name, an alias, or a LoRA
+    adapter's name: its base model; the first model the tenant may use when None), not held.
 
     Raises:
         APIError: 404 ``model_not_found``, as :func:`hold`.
@@ -99,7 +103,7 @@ def find(call: Call, name: Optional[str]) -> Slot:
     if name is None:
         slot = next((s for s in front.models.slots if any(map(tenant.may_use, s.spec.names))), None)
     else:
-        slot = front.models.find(name)
+        slot = front.models.find(front.adapters.base_of(name))  # a LoRA adapter's: its base model
         slot = slot if slot is not None and tenant.may_use(name) else None
     if slot is None:
         raise APIError(404, f"the model '{name}' does not exist" if name is not None else

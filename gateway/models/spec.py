@@ -22,6 +22,7 @@ model, ``NAME`` the name clients send as ``model``::
     kv_bits = 8                    # quantized KV cache: 8 or 4 bits (default: float)
     kv_group_size = 64             # elements per quantization group
     kind = "embedding"             # "text", "vision" or "embedding" (default: found from its files)
+    lora_modules = { support = "adapters/support" }  # LoRA adapters on this model, by name (docs/lora.md)
 
 Every setting but ``path`` is optional; the ``serve`` flags of the same names are the
 defaults (``--keep-alive`` for ``keep_alive``).
@@ -42,7 +43,8 @@ DEFAULT_NAME = "SmolLM2-135M-Instruct"
 
 _FIELDS = {"path", "aliases", "pin", "keep_alive", "max_tokens", "max_tokens_limit", "temp", "top_p", "top_k",
            "min_p", "chat_template_args", "prompt_cache_bytes", "max_prompt_tokens", "checkpoint_every",
-           "speculative", "num_draft_tokens", "draft_model", "kv_bits", "kv_group_size", "kind"}
+           "speculative", "num_draft_tokens", "draft_model", "kv_bits", "kv_group_size", "kind",
+           "lora_modules"}
 KINDS = ("text", "vision", "embedding")
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
@@ -107,6 +109,7 @@ class ModelSpec:
     kv_bits: Optional[int] = None
     kv_group_size: int = 64
     kind: Optional[str] = None
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (adapter name, path) served on this model
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -302,7 +305,12 @@ def _spec(name: str, t, base: dict) -> ModelSpec:
         if not isinstance(t["chat_template_args"], dict):
             raise ModelsFileError(f"{where}: chat_template_args must be a table")
         settings["chat_template_args"] = {**base["chat_template_args"], **t["chat_template_args"]}
-    return ModelSpec(name=name, path=path, aliases=tuple(aliases), pin=pin, preload=pin, **settings)
+    lora = t.get("lora_modules", {})
+    if not isinstance(lora, dict) or not all(isinstance(k, str) and k and isinstance(v, str) and v
+                                             for k, v in lora.items()):
+        raise ModelsFileError(f"{where}: lora_modules must be a table of adapter names to paths")
+    return ModelSpec(name=name, path=path, aliases=tuple(aliases), pin=pin, preload=pin,
+                     lora_modules=tuple(lora.items()), **settings)
 
 
 def _number(value, kind: type, low: float):

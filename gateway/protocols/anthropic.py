@@ -252,7 +252,7 @@ class MessageFormat(Format):
         self.started = True
         u = Usage(len(run.prompt.tokens), 0, run.cached)
         return named_event("message_start", {"type": "message_start", "message": message(
-            self.mid, self.call.slot.name, [], None, usage(u, last_breakpoint(run)))}) + named_event(
+            self.mid, self.call.model_name, [], None, usage(u, last_breakpoint(run)))}) + named_event(
             "ping", {"type": "ping"})
 
     def piece(self, run: Run, piece: Piece) -> bytes:
@@ -271,7 +271,7 @@ class MessageFormat(Format):
         return named_event("error", e.anthropic_body())
 
     async def whole(self, run: Run, result: ChatResult) -> dict:
-        return message(self.mid, self.call.slot.name, content_blocks(result), result.finished,
+        return message(self.mid, self.call.model_name, content_blocks(result), result.finished,
                        usage(result.finished.usage, last_breakpoint(run)), self._edits(run))
 
 

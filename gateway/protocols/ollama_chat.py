@@ -154,7 +154,7 @@ class OllamaFormat(Format):
         return {"response": text, **({"thinking": thinking} if thinking else {})}
 
     def _last(self, run, fin, text: str = "", thinking: str = "", calls: Optional[list[ToolCall]] = None) -> dict:
-        body = {"model": self.call.slot.name, "created_at": timestamp(), **self._piece(text, thinking)}
+        body = {"model": self.call.model_name, "created_at": timestamp(), **self._piece(text, thinking)}
         if calls and self.chat:
             body["message"]["tool_calls"] = tool_calls(calls)
         body.update(done=True, done_reason=done_reason(fin.reason))
@@ -166,7 +166,7 @@ class OllamaFormat(Format):
     def piece(self, run, piece: Piece) -> bytes:
         self.tokens.extend(piece.tokens)
         if piece.text or piece.reasoning or (piece.tokens and self.conv.sampling.logprobs):
-            return _line({"model": self.call.slot.name, "created_at": timestamp(),
+            return _line({"model": self.call.model_name, "created_at": timestamp(),
                           **self._piece(piece.text, piece.reasoning), **self._logprobs(run, piece.tokens),
                           "done": False})
         return b""
@@ -174,7 +174,7 @@ class OllamaFormat(Format):
     async def finish(self, run, ev: Finished) -> bytes:
         out = b""
         if run.calls and self.chat:
-            out = _line({"model": self.call.slot.name, "created_at": timestamp(),
+            out = _line({"model": self.call.model_name, "created_at": timestamp(),
                          "message": {"role": "assistant", "content": "", "tool_calls": tool_calls(run.calls)},
                          "done": False})
         return out + _line(self._last(run, ev))

@@ -79,7 +79,7 @@ class ChatFormat(OpenAIFormat):
     """Chat completions' answer: ``chat.completion`` or its chunks."""
 
     def opening(self) -> bytes:
-        return sse(chat_chunk(self.rid, self.call.slot.name, self.created, {"role": "assistant", "content": ""}))
+        return sse(chat_chunk(self.rid, self.call.model_name, self.created, {"role": "assistant", "content": ""}))
 
     def _logprobs(self, run: Run, tokens: list) -> Optional[list]:
         if self.req.logprobs and self.logprobs is None:
@@ -88,17 +88,17 @@ class ChatFormat(OpenAIFormat):
 
     def piece(self, run: Run, piece: Piece) -> bytes:
         d, lps = _delta(piece), self._logprobs(run, piece.tokens)
-        return sse(chat_chunk(self.rid, self.call.slot.name, self.created, d, None, lps)) if d or lps else b""
+        return sse(chat_chunk(self.rid, self.call.model_name, self.created, d, None, lps)) if d or lps else b""
 
     async def finish(self, run: Run, ev: Finished) -> bytes:
-        model = self.call.slot.name
+        model = self.call.model_name
         out = sse(chat_chunk(self.rid, model, self.created, {}, finish_reason(ev.reason)))
         if self.req.stream_options and self.req.stream_options.include_usage:
             out += sse(usage_chunk(self.rid, model, self.created, "chat.completion.chunk", usage(ev.usage)))
         return out
 
     async def whole(self, run: Run, result: ChatResult) -> dict:
-        return chat_completion(self.rid, self.call.slot.name, result.text, result.reasoning,
+        return chat_completion(self.rid, self.call.model_name, result.text, result.reasoning,
                                finish_reason(result.finished.reason), self._logprobs(run, result.tokens),
                                usage(result.finished.usage), _tool_call_dicts(result.tool_calls))
 

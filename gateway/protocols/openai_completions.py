@@ -45,18 +45,18 @@ class CompletionFormat(OpenAIFormat):
     def piece(self, run: Run, piece: Piece) -> bytes:
         lp = self._logprobs(run, piece.tokens, self.offset) if piece.tokens else None
         self.offset += len(piece.text)
-        return sse(text_completion(self.rid, self.call.slot.name, piece.text, None, lp, None, self.created)
+        return sse(text_completion(self.rid, self.call.model_name, piece.text, None, lp, None, self.created)
                    ) if piece.text or lp else b""
 
     async def finish(self, run: Run, ev: Finished) -> bytes:
-        model = self.call.slot.name
+        model = self.call.model_name
         out = sse(text_completion(self.rid, model, "", finish_reason(ev.reason), None, None, self.created))
         if self.req.stream_options and self.req.stream_options.include_usage:
             out += sse(usage_chunk(self.rid, model, self.created, "text_completion", usage(ev.usage)))
         return out
 
     async def whole(self, run: Run, result: ChatResult) -> dict:
-        return text_completion(self.rid, self.call.slot.name, result.text, finish_reason(result.finished.reason),
+        return text_completion(self.rid, self.call.model_name, result.text, finish_reason(result.finished.reason),
                                self._logprobs(run, result.tokens, 0), usage(result.finished.usage))
 
 

@@ -165,7 +165,7 @@ def base_response(call, req: ResponsesRequest, rid: str) -> dict:
         "id": rid, "object": "response", "created_at": int(time.time()), "status": "in_progress",
         "background": False, "completed_at": None, "error": None, "incomplete_details": None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "max_tool_calls": None,
-        "model": call.slot.name, "output": [], "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "model": call.model_name, "output": [], "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id,
         "reasoning": req.reasoning.model_dump(exclude_none=True) if req.reasoning is not None else None,
         "store": req.store, "temperature": req.temperature if req.temperature is not None else spec.temp,

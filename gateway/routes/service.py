@@ -31,7 +31,10 @@ def model_object(front: Front, slot: Slot, name: str) -> dict:
            "loaded": slot.state == "loaded", "pinned": slot.spec.pin}
     if kind is not None:
         out["kind"] = kind
-    if name != slot.name:
+    adapter = front.adapters.get(name)
+    if adapter is not None:  # vLLM's fields of a LoRA adapter
+        out["parent"], out["root"] = slot.name, adapter.path
+    elif name != slot.name:
         out["alias_of"] = slot.name
     window = context_window(slot, hf_config(model_dir(slot)) if slot.handle is None else {})
     if window is not None:
@@ -61,7 +64,7 @@ async def model(request: Request) -> Response:
     front: Front = request.app.state.front
     tenant = authenticate(front.tenants, request)
     name = request.path_params["model_id"]
-    slot = front.models.find(name)
+    slot = front.models.find(front.adapters.base_of(name))
     if slot is None or not tenant.may_use(name):
         raise APIError(404, f"the model '{name}' does not exist", param="model", code="model_not_found")
     return JSONResponse(model_object(front, slot, name))

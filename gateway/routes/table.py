@@ -149,6 +149,18 @@ ROUTES: tuple[Route, ...] = (
     Route(("GET",), "/admin/models", A + "list_models", EVERY),
     Route(("POST",), "/admin/models/{name:path}/load", A + "load_model", EVERY),
     Route(("POST",), "/admin/models/{name:path}/unload", A + "unload_model", EVERY),
+    Route(("POST",), "/v1/load_lora_adapter", RT + "lora:load_lora_adapter", EVERY, Doc(
+        "loadLoraAdapter", "Load a LoRA adapter onto its base model (admin keys; vLLM's interface)",
+        "vLLM's text: the adapter was added", {"type": "string"},
+        {"type": "object", "required": ["lora_name", "lora_path"], "properties": {
+            "lora_name": {"type": "string"}, "lora_path": {"type": "string"},
+            "base_model_name": {"type": "string"}}},
+        errors=("400", "401", "403", "404", "408", "413", "415", "421", "431", "503"), media="text/plain")),
+    Route(("POST",), "/v1/unload_lora_adapter", RT + "lora:unload_lora_adapter", EVERY, Doc(
+        "unloadLoraAdapter", "Unload a LoRA adapter (admin keys; vLLM's interface)",
+        "vLLM's text: the adapter was removed", {"type": "string"},
+        {"type": "object", "required": ["lora_name"], "properties": {"lora_name": {"type": "string"}}},
+        errors=("400", "401", "403", "404", "408", "413", "415", "421", "431", "503"), media="text/plain")),
     Route(("GET",), "/health", S + "health", FRONT, Doc(
         "health", "Liveness and queue sizes", "the engine is running", "Health", security="open",
         more=(("503", "the model is loading, failed to load, or the engine stopped", "Health"),))),

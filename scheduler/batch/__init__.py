@@ -27,6 +27,7 @@ from scheduler.batch.first_tokens import FirstTokenStore, eligible
 from scheduler.batch.generator import JoiningBatchGenerator
 from scheduler.batch.insertion import RowInsertion
 from scheduler.batch.row_failures import RowFailures
+from scheduler.lora import rows_hook
 from scheduler.metrics import SchedulerMetrics
 from scheduler.admission.precompute import PrecomputeBook
 from scheduler.request import DoneEvent, EngineRequest, ErrorEvent, Event, ProgressEvent, TokenEvent
@@ -116,12 +117,14 @@ class Batch:
         self.gen = self._new_generator()
 
     def _new_generator(self) -> JoiningBatchGenerator:
-        return JoiningBatchGenerator(
+        gen = JoiningBatchGenerator(
             self.model, max_tokens=1 << 30, sampler=greedy, completion_batch_size=self.decode_concurrency,
             prefill_batch_size=self.prompt_concurrency, prefill_step_size=self.prefill_step_size,
             speculator=speculator(self.speculation, self.stats.speculation, self.metrics,
                                   DraftSnapshots(self.prompt_cache, self._namespace_of)),
         )
+        gen.adapter_rows = rows_hook(self.model, self._namespace_of, self.prompt_cache)  # each row's LoRA adapter
+        return gen
 
     def _namespace_of(self, uid: int) -> Optional[str]:
         """The prefix-cache namespace of the decoding row ``uid`` (None: not a request's)."""

@@ -22,6 +22,7 @@ architecture).
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Optional
 
 import mlx.core as mx
@@ -118,6 +119,8 @@ class JoiningBatchGenerator(BatchGenerator):
         # their caches as their own forward left them, for extract_cache until the next step.
         self._apart_responses: Optional[list] = None
         self._apart_caches: dict[int, tuple] = {}
+        # The adapter selection of a batch's forwards (scheduler.lora.rows_hook; set by the batch).
+        self.adapter_rows = lambda batch: nullcontext()
 
     def kv_bytes(self) -> int:
         """Bytes of the prompt and decode batch caches, a draft model's included
@@ -170,7 +173,8 @@ class JoiningBatchGenerator(BatchGenerator):
         elif len(gen) > 0 and not self.hold_decode:
             gen.prompts_waiting = self.prompts_waiting
             tic = time.perf_counter()
-            generation_responses = gen.next()
+            with self.adapter_rows(gen):
+                generation_responses = gen.next()
             self._counters.decode_time += time.perf_counter() - tic
             self._counters.generation_tokens += len(generation_responses)
             self._counters.generation_steps += 1
@@ -247,7 +251,8 @@ class JoiningBatchGenerator(BatchGenerator):
         apart = self.generation_batch_class.empty(self.model, self.sampler)
         apart.join(moving.uids, moving.prompt_cache, last_tokens, moving.tokens, moving.samplers,
                    moving.logits_processors, moving.stop_sequences, moving.max_tokens)
-        self._apart_responses = apart.plain_next()
+        with self.adapter_rows(apart):
+            self._apart_responses = apart.plain_next()
         uids = list(apart.uids)
         states = [apart.take(0) for _ in uids]
         self._apart_caches = {uid: (state.cache, state.tokens) for uid, state in zip(uids, states)}
@@ -270,6 +275,7 @@ class JoiningBatchGenerator(BatchGenerator):
         if prompts:
             self._counters.prompt_tokens += sum(len(p) for p in prompts)
             tic = time.perf_counter()
-            self._prompt_batch.prompt(prompts)
+            with self.adapter_rows(self._prompt_batch):
+                self._prompt_batch.prompt(prompts)
             self._counters.prompt_time += time.perf_counter() - tic
         return responses

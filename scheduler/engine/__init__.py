@@ -31,6 +31,7 @@ from scheduler.batch.forward_cost import ForwardCost
 from scheduler.engine.loop import EngineLoop
 from scheduler.admission.precompute import Precompute
 from scheduler.engine.prefetch import DiskPrefetch
+from scheduler.lora import admitted_adapter
 from scheduler.request import EngineRequest
 from scheduler.speculative import SpeculationConfig
 from scheduler.batch.rows import AdmissionRecord, EngineDead, EngineOverloaded, EngineStats, TenantQueueFull
@@ -152,7 +153,8 @@ class Engine(EngineCore):
         """
         if not self.alive:
             raise EngineDead(f"engine is not running: {self.error!r}")
-        self._waiting_counts.add(request, self.max_waiting)
+        with admitted_adapter(self.model, request):  # scheduler.lora: UnknownAdapter when not loaded
+            self._waiting_counts.add(request, self.max_waiting)
         with self._idle:
             self._is_idle = False
         if not self._prefetch.start(request):  # else handed over once its disk entry is read

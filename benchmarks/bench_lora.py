@@ -1,0 +1,191 @@
+"""LoRA adapters batched together: decode speed of mixed adapters against one adapter and
+the base, an adapter's load time and memory, and the decode gap while one loads. Prints
+figures (and writes them with ``--out``), asserts nothing.
+
+Model: ``--model PATH``, else the random-weight model of SmolLM2-135M's shape that
+``bench_speculative.py`` builds (llama, 30 layers, float32). Adapters: random, mlx-lm's
+format, as ``mlx_lm.lora``'s defaults make them (rank 8, scale 20, the last 16 layers, every
+linear layer of a block). An engine in process (no HTTP) serves each setting:
+
+* decode tokens/s of 4 and 16 streams (64-token prompts of fresh words, 48 tokens each):
+  every stream on the base, every stream on one adapter, the streams spread over four
+  adapters; tokens after each stream's first, over the time from the first first token to
+  the last token; the settings interleaved ``--rounds`` times, the best of each kept;
+* the same comparison on the decode forward alone (``step_seconds``: no scheduling, the
+  fastest median of three interleaved rounds), as speed ratios;
+* the time to load one adapter (read, check, restack; on the engine thread) and its bytes;
+* the decode gap while one loads: the longest gap between two tokens of 4 streams
+  decoding while an adapter loads, against their median step.
+
+On Linux, preload the system OpenBLAS (``gateway/cpu/blas.py``).
+
+Usage::
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
+        python benchmarks/bench_lora.py [--model PATH] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench_kv_quant import Sink  # noqa: E402
+from bench_speculative import smol_shaped_model  # noqa: E402
+from scenarios import words  # noqa: E402
+
+KEYS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+
+
+def write_adapter(path: Path, model, seed: int, rank: int = 8, num_layers: int = 16) -> str:
+    """A random mlx-lm adapter (``lora_b`` nonzero) for the last ``num_layers`` blocks."""
+    import mlx.core as mx
+
+    mx.random.seed(seed)
+    names = {id(m): n for n, m in model.named_modules()}
+    weights = {}
+    for layer in list(model.layers)[-num_layers:]:
+        modules = dict(layer.named_modules())
+        for k in KEYS:
+            out, inp = modules[k].weight.shape
+            weights[f"{names[id(layer)]}.{k}.lora_a"] = mx.random.normal((inp, rank)) * 0.02
+            weights[f"{names[id(layer)]}.{k}.lora_b"] = mx.random.normal((rank, out)) * 0.02
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "adapters.safetensors"), weights)
+    (path / "adapter_config.json").write_text(json.dumps({
+        "fine_tune_type": "lora", "num_layers": num_layers,
+        "lora_parameters": {"rank": rank, "scale": 20.0, "dropout": 0.0, "keys": KEYS}}))
+    return str(path)
+
+
+def submit(engine, prompts, adapters, max_tokens: int) -> list[Sink]:
+    from scheduler import EngineRequest, SamplingParams
+
+    sinks = [Sink() for _ in prompts]
+    with engine.arrivals.prepare():
+        for i, (p, a, s) in enumerate(zip(prompts, adapters, sinks)):
+            engine.submit(EngineRequest(f"b{time.monotonic()}-{i}", p, SamplingParams(max_tokens=max_tokens), s,
+                                        adapter=a))
+    return sinks
+
+
+def decode_rate(sinks: list[Sink]) -> float:
+    """Tokens after each stream's first, over first first token to last token (tokens/s)."""
+    for s in sinks:
+        s.done.wait(3600)
+    start = min(s.times[0] for s in sinks)
+    end = max(s.times[-1] for s in sinks)
+    return sum(len(s.times) - 1 for s in sinks) / (end - start)
+
+
+def step_seconds(model, lora, slots: list[int], steps: int = 12) -> float:
+    """Median seconds of one decode forward of ``len(slots)`` rows (row ``i`` under slot
+    ``slots[i]``, 0 the base) after a 32-token prompt: the forward alone, no scheduling."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    uids = list(range(len(slots)))
+    cache = make_prompt_cache(model)
+    with lora.rows.forward(lambda: uids, lambda u: slots[u]):
+        mx.eval(model(mx.array([[7 + i] * 32 for i in uids]), cache=cache))
+        x, times = mx.array([[11]] * len(uids)), []
+        for _ in range(steps):
+            t = time.perf_counter()
+            mx.eval(model(x, cache=cache))
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    import mlx_lm
+
+    from cache import PromptCacheManager
+    from gateway.cpu.paths import choose_cpu_paths
+    from gateway.cpu.weights import float32_weights_for_cpu_backend
+    from scheduler import Engine
+    from scheduler.lora import adapters_of
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    model_dir = args.model or smol_shaped_model()
+    model, tok = mlx_lm.load(model_dir)
+    float32_weights_for_cpu_backend(model)
+    choose_cpu_paths(model)
+    root = Path(tempfile.mkdtemp(prefix="bench-lora-"))
+    paths = [write_adapter(root / f"a{i}", model, i) for i in range(5)]
+    lora = adapters_of(model, create=True, max_loras=8, max_rank=64)
+    engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=16,
+                    decode_concurrency=16, gather_wait=30.0)
+    engine.start()
+    results: dict = {"model": model_dir, "decode_tokens_per_s": {}}
+    try:
+        t0 = time.perf_counter()
+        weights = engine.call(lambda: lora.load("a0", paths[0]))
+        results["load_seconds"] = time.perf_counter() - t0
+        results["adapter_bytes"] = weights.nbytes
+        for i in range(1, 4):
+            engine.call(lambda i=i: lora.load(f"a{i}", paths[i]))
+        seed = 0
+        best = results["decode_tokens_per_s"]
+        for _ in range(args.rounds):  # settings interleaved, the best of each kept (a shared machine's noise)
+            for streams in (4, 16):
+                for name, pick in (("base", lambda i: None), ("one adapter", lambda i: "a0"),
+                                   ("four adapters", lambda i: f"a{i % 4}")):
+                    seed += 1
+                    prompts = [tok.encode(words(64, seed * 100 + i))[:64] for i in range(streams)]
+                    rate = decode_rate(submit(engine, prompts, [pick(i) for i in range(streams)], args.max_tokens))
+                    key = f"{streams} streams, {name}"
+                    best[key] = max(best.get(key, 0.0), round(rate, 1))
+                    print(f"{key:26s}: {rate:7.1f} decode tokens/s", flush=True)
+        forward: dict = {}
+        for _ in range(3):  # interleaved, the fastest of each kept
+            for streams in (4, 16):
+                for name, slots in (("base", [0] * streams), ("one adapter", [1] * streams),
+                                    ("four adapters", [1 + i % 4 for i in range(streams)])):
+                    key = f"{streams} streams, {name}"
+                    s = engine.call(lambda slots=slots: step_seconds(model, lora, slots), timeout=600)
+                    forward[key] = min(forward.get(key, 1e9), s)
+        results["decode_forward_ms"] = {k: round(v * 1e3, 2) for k, v in forward.items()}
+        print(json.dumps(results["decode_forward_ms"], indent=1), flush=True)
+        prompts = [tok.encode(words(64, 9000 + i))[:64] for i in range(4)]
+        sinks = submit(engine, prompts, ["a0", "a1", None, "a2"], 200)
+        while min(len(s.times) for s in sinks) < 20:
+            time.sleep(0.01)
+        t_load = time.monotonic()
+        engine.call(lambda: lora.load("a4", paths[4]))
+        t_done = time.monotonic()
+        for s in sinks:
+            s.done.wait(3600)
+        gaps = [b - a for s in sinks for a, b in zip(s.times, s.times[1:])]
+        during = [b - a for s in sinks for a, b in zip(s.times, s.times[1:]) if b >= t_load and a <= t_done]
+        results["decode_gap_while_loading_s"] = round(max(during), 4) if during else 0.0
+        results["median_step_s"] = round(statistics.median(gaps), 4)
+    finally:
+        engine.stop()
+    r, f = results["decode_tokens_per_s"], results["decode_forward_ms"]
+    for n in (4, 16):
+        results[f"ratio {n} streams mixed / one"] = round(r[f"{n} streams, four adapters"] / r[f"{n} streams, one adapter"], 3)
+        results[f"ratio {n} streams one / base"] = round(r[f"{n} streams, one adapter"] / r[f"{n} streams, base"], 3)
+        results[f"forward ratio {n} streams mixed / one"] = round(f[f"{n} streams, one adapter"] / f[f"{n} streams, four adapters"], 3)
+        results[f"forward ratio {n} streams one / base"] = round(f[f"{n} streams, base"] / f[f"{n} streams, one adapter"], 3)
+    print(json.dumps(results, indent=1))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "lora.json").write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
