@@ -151,9 +151,9 @@ def test_each_adapter_and_the_base_alone_and_mixed_equal_mlx_lm_alone(arch, tmp_
         for name in names[1:]:
             engine.call(lambda name=name: lora.load(name, str(adapters[name][0])))
         for job, w in zip(jobs, want):  # alone
-            engine.call(engine.prompt_cache.flush)
+            engine.flush_cache()
             assert run(engine, [job], n) == [w], f"adapter {job[1]} alone"
-        engine.call(engine.prompt_cache.flush)
+        engine.flush_cache()
         assert run(engine, jobs, n) == want, "mixed in one batch"
         assert run(engine, jobs, n) == want, "mixed again, from the prefix cache"
     finally:
@@ -204,8 +204,8 @@ def test_the_same_prompt_under_two_adapters_shares_no_kv(qwen3, adapters):
         ns = [n for n in engine.prompt_cache._groups]
         assert any(MARK in n and "a#" in n for n in ns) and any("p#" in n for n in ns), ns
         # the adapters' namespaces count in the request's cache group (and stay off the disk tier)
-        assert all(engine.prompt_cache._quota_key(n) == "default" for n in ns)
-        assert all(n in engine.prompt_cache._owners for n in ns if MARK in n)
+        assert all(engine.prompt_cache.eviction.quota_key(n) == "default" for n in ns)
+        assert all(n in engine.prompt_cache.eviction.owners for n in ns if MARK in n)
         assert sink.tokens == reference_tokens(qwen3, adapters["p"][1], p, 4)
     finally:
         engine.stop()

@@ -260,7 +260,7 @@ def rows_hook(model, namespace_of: Callable[[int], Optional[str]], prompt_cache=
             for uid in batch.uids:
                 ns = namespace_of(uid)
                 if ns is not None and MARK in ns and ns not in known:
-                    prompt_cache.add_companion(ns, ns.rpartition(MARK)[0])
+                    prompt_cache.eviction.add_companion(ns, ns.rpartition(MARK)[0])
                     known.add(ns)
         return found.forward(lambda: batch.uids, namespace_of)
 
