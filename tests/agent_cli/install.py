@@ -16,6 +16,8 @@ The cache is ``$MLX_GATEWAY_TEST_AGENTS``, else ``.test-agents/`` at the reposit
 (git ignores it). A finished install carries a ``.complete`` stamp and is reused; an
 interrupted one is removed and redone. Each installer holds its own lock file (npm's and
 pip's installs run side by side), so parallel test runs share one cache. About 1.5 GB (npm, with Node.js) and 0.7 GB (aider); 30-60 s each.
+Other tests install their npm pins the same way, through :func:`npm_packages` (the
+``ollama`` npm package of ``tests/clients/test_ollama_js.py``).
 """
 
 from __future__ import annotations
@@ -203,6 +205,30 @@ def _check_versions(box: Toolbox) -> None:
             del box.argv[name]
 
 
+def npm_packages(specs: list[str], node_major: int, cache: Path = CACHE) -> tuple[Optional[Path], Optional[str], str]:
+    """Install (or reuse) the npm packages ``specs`` (exact pins, ``name@version``) under
+    ``cache`` with the machine's npm, and find a Node.js of at least ``node_major`` to run
+    them: the system's when it is new enough, else the pinned ``node-<os>-<arch>@NODE_PIN``
+    from the registry, installed alongside.
+
+    Returns ``(node_modules, node, "")``, or ``None`` in place of what is missing and why
+    (no npm, npm failed, no Node.js); never raises for that. Where the system's Node.js is
+    older and the registry has none for this platform, ``node`` is the older one and ``why``
+    says so (what needs less than ``node_major`` may still run on it).
+    """
+    plat = node_platform()
+    system_node = shutil.which("node")
+    system_major = _major(_run([system_node, "--version"], timeout=30).stdout) if system_node else 0
+    own_node = system_major < node_major and plat in NODE_PLATFORMS
+    modules, why = _npm_install(cache, [*specs, f"node-{plat}@{NODE_PIN}"] if own_node else list(specs))
+    if modules is None:
+        return None, None, why
+    node = str(modules / f"node-{plat}" / "bin" / "node") if own_node else system_node
+    if node is None or (not own_node and system_major < node_major):
+        return modules, node, f"no Node.js {node_major} or newer (the system's is {system_major or 'missing'})"
+    return modules, node, ""
+
+
 def install(cache: Path = CACHE) -> Toolbox:
     """Install (or reuse) every pinned CLI under ``cache`` and return where each one is.
 
@@ -210,26 +236,19 @@ def install(cache: Path = CACHE) -> Toolbox:
     reason (no npm, npm or pip failed, no binary for this platform, wrong version).
     """
     box = Toolbox()
-    plat = node_platform()
-    system_node = shutil.which("node")
-    system_major = _major(_run([system_node, "--version"], timeout=30).stdout) if system_node else 0
     specs = [f"{pkg}@{version}" for pkg, version in NPM_PINS.values()]
-    own_node = system_major < NODE_MAJOR and plat in NODE_PLATFORMS
-    if own_node:
-        specs.append(f"node-{plat}@{NODE_PIN}")
     with ThreadPoolExecutor(max_workers=2) as pool:  # npm and pip download side by side
-        npm = pool.submit(_npm_install, cache, specs)
+        npm = pool.submit(npm_packages, specs, NODE_MAJOR, cache)
         aider = pool.submit(_aider_install, cache)
-        (modules, why), (exe, aider_why) = npm.result(), aider.result()
+        (modules, node, why), (exe, aider_why) = npm.result(), aider.result()
     if modules is None:
         box.missing.update({name: why for name in NPM_PINS})
     else:
-        node = str(modules / f"node-{plat}" / "bin" / "node") if own_node else system_node
         if node is None:
-            box.missing.update({n: "no Node.js to run it" for n in ("codex", "qwen")})
+            box.missing.update({n: why for n in ("codex", "qwen")})
             node = "node"
         box.node = node
-        argv, missing = _locate(modules, node, plat)
+        argv, missing = _locate(modules, node, node_platform())
         box.argv.update(argv)
         box.missing.update(missing)
     if exe is None:
