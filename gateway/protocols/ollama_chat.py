@@ -185,18 +185,28 @@ class OllamaFormat(Format):
                 **self._logprobs(run, result.tokens)}
 
 
+async def _admitted(request: Request, endpoint: str, body: type) -> tuple[Call, _Generating]:
+    """Admit a generating request and parse its ``body``, its model named as served.
+
+    Raises:
+        APIError: 400 for a bad body or no ``model``, 401/403, 413/429.
+    """
+    front: Front = request.app.state.front
+    call = await admit(front, request, endpoint, "ollama")
+    req = parse(body, call.body)
+    if not req.model:
+        raise APIError(400, "model is required", param="model")
+    req.model = served_name(front, req.model)
+    return call, req
+
+
 async def chat(request: Request) -> Response:
     """``POST /api/chat`` (see the module docstring).
 
     Raises:
         APIError: 400 for a bad body, 401/403, 404 for the model, 413/429/503.
     """
-    front: Front = request.app.state.front
-    call = await admit(front, request, "ollama_chat", "ollama")
-    req = parse(ChatRequest, call.body)
-    if not req.model:
-        raise APIError(400, "model is required", param="model")
-    req.model = served_name(front, req.model)
+    call, req = await _admitted(request, "ollama_chat", ChatRequest)
     conv = chat_conversation(req)
     if not req.messages:  # Ollama's idiom: load the model (or let it go, with keep_alive 0)
         return await _load_or_unload(call, req, "message", {"role": "assistant", "content": ""})
@@ -214,12 +224,7 @@ async def generate(request: Request) -> Response:
     Raises:
         APIError: 400 for a bad body or a ``suffix``, 401/403, 404 for the model, 413/429/503.
     """
-    front: Front = request.app.state.front
-    call = await admit(front, request, "ollama_generate", "ollama")
-    req = parse(GenerateRequest, call.body)
-    if not req.model:
-        raise APIError(400, "model is required", param="model")
-    req.model = served_name(front, req.model)
+    call, req = await _admitted(request, "ollama_generate", GenerateRequest)
     if req.suffix:
         raise APIError(400, f"{req.model} does not support insert (fill-in-the-middle): send no suffix",
                        param="suffix")
