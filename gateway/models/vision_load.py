@@ -30,10 +30,14 @@ import numpy as np
 
 from gateway.models.vision_images import ImageInput, ImageTable, VisionModel, image_ids, pixel_digest
 from gateway.models.vision_model import VisionLanguageModel
+from gateway.models.vision_mrope import MROPE_TYPES, MRopeModel
 
-# Language models whose image tokens take 3-D (M-RoPE) positions: not servable in the batch.
-GRID_POSITION_TYPES = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe", "glm4v",
-                       "glm4v_moe", "ernie4_5_moe_vl", "paddleocr_vl", "kimi_vl"}
+# Language models whose image tokens take 3-D (M-RoPE) positions that are not served:
+# those of MROPE_TYPES are (gateway.models.vision_mrope); these place them by rules of their
+# own (GLM-4V, ERNIE-VL, PaddleOCR-VL, Kimi-VL, Qwen3-Omni, Qwen3.5's vision checkpoints)
+# that the positions layer does not reproduce.
+GRID_POSITION_TYPES = {"qwen3_omni_moe", "glm4v", "glm4v_moe", "ernie4_5_moe_vl", "paddleocr_vl", "kimi_vl",
+                       "qwen3_5", "qwen3_5_moe"}
 
 
 class VisionUnavailable(RuntimeError):
@@ -64,12 +68,14 @@ def load_vision_model(model_path: Path, config: dict):
 
     model_type = str(config.get("model_type", ""))
     if model_type in GRID_POSITION_TYPES:
-        raise VisionUnavailable(f"{model_type} places image tokens on a 2-D/3-D position grid (M-RoPE), which "
-                                "the shared batch (1-D positions from each row's cache offset) cannot run")
+        raise VisionUnavailable(f"{model_type} places image tokens on a position grid by rules of its own, which "
+                                "the gateway's M-RoPE positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) do not reproduce")
     try:
         from mlx_vlm.utils import load_model as vlm_load, load_processor
     except ImportError as e:
         raise VisionUnavailable("vision-language models need mlx-vlm: pip install 'mlx-gateway[vision]'") from e
+    if model_type in MROPE_TYPES:
+        return _load_mrope(model_path, config, vlm_load(model_path, lazy=True), load_processor)
     try:
         model_class, args_class = _text_class(config)
     except ValueError as e:
@@ -107,6 +113,18 @@ def load_vision_model(model_path: Path, config: dict):
     return model, VisionModel(processor, image_token_id, table, model_type)
 
 
+def _load_mrope(model_path: Path, config: dict, vlm, load_processor):
+    """``(MRopeModel, VisionModel)`` of an M-RoPE checkpoint (mlx-vlm's model, lazy)."""
+    image_token_id = config.get("image_token_id", config.get("image_token_index"))
+    if not isinstance(image_token_id, int):
+        raise VisionUnavailable(f"{config.get('model_type')}: its config names no image token (image_token_id)")
+    merge = int((config.get("vision_config") or {}).get("spatial_merge_size", 2))
+    table = ImageTable()
+    model = MRopeModel(vlm, image_token_id, merge, table)
+    processor = load_processor(model_path, add_detokenizer=False)
+    return model, VisionModel(processor, image_token_id, table, str(config["model_type"]))
+
+
 def _own_keys(model_path: Path) -> str:
     """The weight names of the checkpoint, joined (to see whether it has an lm_head)."""
     index = model_path / "model.safetensors.index.json"
@@ -128,6 +146,8 @@ def check_agreement(model: VisionLanguageModel, vision: VisionModel, tolerance: 
     features, mlx-lm's text model), must agree within ``tolerance`` (relative)."""
     import mlx.core as mx
 
+    if isinstance(model, MRopeModel):
+        return None  # its forward is mlx-vlm's own language model
     vlm, original = model._parts.vlm, model._parts.original
     model._parts.original = None  # its arrays (unread unless compared here) go after the probe
     size = _pixel_shape(vision)
