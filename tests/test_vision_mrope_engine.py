@@ -188,3 +188,40 @@ def test_image_turn_then_a_text_follow_up(served):
         got, cached = answer(c.post("/v1/chat/completions", json=body(convo)))
     assert cached > 16
     assert same(got, ref(convo), tok)
+
+
+def test_anthropic_and_responses_images_answer_as_chat_does(served):
+    import base64
+
+    srv, ref, tok = served
+    conv = [user("What is this?", IMG_A)]
+    want = ref(conv)
+    with srv.client() as c:
+        r = c.post("/v1/messages", json={"model": "vlm", "max_tokens": MAX_TOKENS, "temperature": 0, "messages": [
+            {"role": "user", "content": [{"type": "image", "source": {
+                "type": "base64", "media_type": "image/png", "data": base64.b64encode(IMG_A).decode()}},
+                {"type": "text", "text": "What is this?"}]}]})
+        assert r.status_code == 200, r.text
+        anthropic_text = "".join(b["text"] for b in r.json()["content"] if b["type"] == "text")
+        r = c.post("/v1/responses", json={"model": "vlm", "max_output_tokens": MAX_TOKENS, "temperature": 0, "input": [
+            {"role": "user", "content": [{"type": "input_image", "image_url": data_url(IMG_A)},
+                                         {"type": "input_text", "text": "What is this?"}]}]})
+        assert r.status_code == 200, r.text
+        responses_text = "".join(p["text"] for o in r.json()["output"] if o["type"] == "message"
+                                 for p in o["content"] if p["type"] == "output_text")
+    expected = tok.decode([t for t, _ in want if t not in tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])])
+    assert anthropic_text.strip() == expected.strip() and responses_text.strip() == expected.strip()
+
+
+def test_an_image_prefix_from_the_disk_tier(tmp_path):
+    """A row restored from disk (a fresh server) keeps its positions layer: same answer."""
+    path = model_path("qwen2_5_vl")
+    ref, conv = Reference(path), [user("What is this?", IMG_A)]
+    tok = ref.processor.tokenizer
+    specs = [ModelSpec(name="vlm", path=str(path), pin=True, preload=True)]
+    for k in range(2):
+        with live_server(path, specs=specs, prompt_cache_dir=str(tmp_path / "pc"), prefill_step_size=5,
+                         prefill_budget=0) as srv, srv.client() as c:
+            got, cached = answer(c.post("/v1/chat/completions", json=body([user("What is this?", IMG_A)])))
+        assert same(got, ref(conv), tok)
+        assert (cached > 16) == (k == 1), cached

@@ -218,7 +218,7 @@ def _last_delta(positions, rows: int):
         return mx.zeros((rows,), mx.int32)
     if isinstance(offset, int):
         return keys[:, 0, offset - 1, 0] if offset > 0 else mx.zeros((rows,), mx.int32)
-    idx = int(getattr(positions, "_idx", 0))
+    idx = int(positions._idx)  # a batch cache without it has no layout to read here: fail loudly
     if idx == 0:
         return mx.zeros((rows,), mx.int32)
     return mx.where(offset > 0, keys[:, 0, idx - 1, 0], 0).astype(mx.int32)
