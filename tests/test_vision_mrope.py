@@ -208,3 +208,36 @@ def test_ollama_images(served):
     out = r.json()
     assert same_text(out["message"]["content"], ref), (out, ref.text)
     assert out["prompt_eval_count"] == len(ref.prompt_ids)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def chunked(request):
+    """``(server, model dir, prefill step)`` of one tiny Qwen VL model whose prefill chunks end right after
+    image A's last token (and so one token before the end of image C, a token longer)."""
+    vlm = model_path(request.param)
+    ids = reference(vlm, [user("A")], N).prompt_ids
+    step = max(i for i, t in enumerate(ids) if t == IMAGE_PAD) + 1
+    specs = [ModelSpec(name="vlm", path=str(vlm), pin=True, preload=True)]
+    with live_server(vlm, specs=specs, prefill_step_size=step, max_image_bytes=300_000,
+                     max_image_pixels=2_000_000) as srv:
+        yield srv, vlm, step
+
+
+def test_a_prefill_chunk_boundary_just_after_and_inside_an_image(chunked):
+    srv, model, step = chunked
+    chats = [[user("A")], [user("C")], [user(None, "Just text, no image.")]]
+    refs = [reference(model, m, N) for m in chats]
+    pads = [i for i, t in enumerate(refs[1].prompt_ids) if t == IMAGE_PAD]
+    assert pads[0] < step == pads[-1]  # a boundary inside C's image
+    with srv.client() as c:
+        for messages, ref in zip(chats, refs):
+            flush(c)
+            check(c.post("/v1/chat/completions", json=body(messages)), ref)
+        flush(c)
+
+    async def together():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=300) as ac:
+            return await asyncio.gather(*(ac.post("/v1/chat/completions", json=body(m)) for m in chats))
+
+    for r, ref in zip(asyncio.run(together()), refs):
+        check(r, ref)
