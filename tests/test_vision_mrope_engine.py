@@ -22,7 +22,7 @@ from conftest import live_server, model_path  # noqa: E402
 from gateway.models.spec import ModelSpec  # noqa: E402
 
 MAX_TOKENS = 8
-ARCHS = ["qwen2_5_vl", "qwen3_vl"]
+ARCHS = ["qwen2_5_vl", "qwen3_vl", "qwen3_5_vl"]
 
 
 def png(seed: int, size: tuple[int, int]) -> bytes:

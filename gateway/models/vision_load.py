@@ -14,7 +14,8 @@ A load-time probe checks that the two agree on a prompt with an image
 Positions are 1-D (the image tokens take consecutive positions) on that path. Models
 whose language model places image tokens on a 3-D grid (M-RoPE: Qwen2-VL, Qwen2.5-VL,
 Qwen3-VL, :data:`MROPE_TYPES`) run mlx-vlm's own language model with each row's positions
-kept in its cache (:mod:`gateway.models.vision_mrope`); the other grid models
+kept in its cache (:mod:`gateway.models.vision_mrope`), Qwen3.5 (:data:`HYBRID_MROPE_TYPES`)
+mlx-lm's hybrid text model with mlx-vlm's M-RoPE rotations; the other grid models
 (:data:`GRID_POSITION_TYPES`) are refused at load, with the reason.
 
 The image ids and the table of images in flight are in :mod:`gateway.models.vision_images`,
@@ -31,17 +32,14 @@ import numpy as np
 
 from gateway.models.vision_images import ImageInput, ImageTable, VisionModel, image_ids, pixel_digest
 from gateway.models.vision_model import VisionLanguageModel
-from gateway.models.vision_mrope import MROPE_TYPES, MRopeModel
+from gateway.models.vision_mrope import HYBRID_MROPE_TYPES, MROPE_TYPES, MRopeModel
 
 # Vision-language models refused at load, and why. Those of MROPE_TYPES are served
 # (gateway.models.vision_mrope); these place image tokens on a position grid too.
 _GRID = "places image tokens on a position grid by rules of its own, which the gateway's M-RoPE positions " \
         "(those of Qwen2-VL, Qwen2.5-VL and Qwen3-VL) do not reproduce"
-_HYBRID = "its hybrid (Gated DeltaNet) language model runs batches in mlx-vlm by re-merging each row's caches " \
-          "per forward, which the engine's batch caches do not support; served as a text model it would " \
-          "give images 1-D positions"
 GRID_POSITION_TYPES = {"qwen3_omni_moe": _GRID, "glm4v": _GRID, "glm4v_moe": _GRID, "ernie4_5_moe_vl": _GRID,
-                       "paddleocr_vl": _GRID, "kimi_vl": _GRID, "qwen3_5": _HYBRID, "qwen3_5_moe": _HYBRID}
+                       "paddleocr_vl": _GRID, "kimi_vl": _GRID}
 
 
 class VisionUnavailable(RuntimeError):
@@ -106,6 +104,8 @@ def load_vision_model(model_path: Path, config: dict):
     except ValueError as e:
         raise VisionUnavailable(f"mlx-lm's {model_type} model does not take mlx-vlm's language weights: {e}"
                                 ) from None
+    if model_type in HYBRID_MROPE_TYPES:  # the same arrays in both language models
+        return _load_mrope(model_path, config, vlm, load_processor, text)
     original = vlm.language_model  # mlx-vlm's, kept for the load-time probe only (check_agreement)
     vlm.language_model = text.language_model if hasattr(text, "language_model") else text
     image_token_id = config.get("image_token_index", config.get("image_token_id"))
@@ -118,14 +118,15 @@ def load_vision_model(model_path: Path, config: dict):
     return model, VisionModel(processor, image_token_id, table, model_type)
 
 
-def _load_mrope(model_path: Path, config: dict, vlm, load_processor):
-    """``(MRopeModel, VisionModel)`` of an M-RoPE checkpoint (mlx-vlm's model, lazy)."""
+def _load_mrope(model_path: Path, config: dict, vlm, load_processor, text=None):
+    """``(MRopeModel, VisionModel)`` of an M-RoPE checkpoint (mlx-vlm's model, lazy; ``text``:
+    mlx-lm's text model holding its language weights, for Qwen3.5)."""
     image_token_id = config.get("image_token_id", config.get("image_token_index"))
     if not isinstance(image_token_id, int):
         raise VisionUnavailable(f"{config.get('model_type')}: its config names no image token (image_token_id)")
     merge = int((config.get("vision_config") or {}).get("spatial_merge_size", 2))
     table = ImageTable()
-    model = MRopeModel(vlm, image_token_id, merge, table)
+    model = MRopeModel(vlm, image_token_id, merge, table, text)
     processor = load_processor(model_path, add_detokenizer=False)
     return model, VisionModel(processor, image_token_id, table, str(config["model_type"]))
 

@@ -37,6 +37,9 @@ from gateway.models.vision_images import IMAGE_ID_BASE, ImageInput, ImageTable
 
 # model_type -> served with 3-D positions by :class:`MRopeModel`.
 MROPE_TYPES = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"}
+# model_type -> served by :class:`MRopeModel` over mlx-lm's text model (its recurrent layers
+# in mlx-lm's caches, which mlx-vlm's batched forward of these re-merges per row).
+HYBRID_MROPE_TYPES = {"qwen3_5", "qwen3_5_moe"}
 
 
 def _module_base():
@@ -88,28 +91,53 @@ class MRopeModel(_module_base()):
         table: the images in flight.
     """
 
-    def __init__(self, vlm, image_token_id: int, merge: int, table: ImageTable):
+    def __init__(self, vlm, image_token_id: int, merge: int, table: ImageTable, text=None):
         super().__init__()
         self.vision_tower = vlm.vision_tower
-        self.language_model = vlm.language_model
+        if text is None:
+            self.language_model = vlm.language_model
+        else:  # Qwen3.5: mlx-lm's hybrid text model, its rotations given 3-D positions (GridRope)
+            self.text = text
+            rotary = next(l.self_attn.rotary_emb for l in vlm.language_model.model.layers if not l.is_linear)
+            self._now: list = [None]  # the positions [3, B, L] of the forward in progress
+            for layer in text.layers:
+                if not layer.is_linear:
+                    layer.self_attn.rope = GridRope(rotary, self._now)
         self.image_token_id, self.merge = image_token_id, merge
-        self._vlm = [vlm]  # outside the module tree: its arrays are the two above
+        self._vlm = [vlm]  # outside the module tree: what is used of it is above
         self._table = table
         self._features: dict[int, tuple] = {}  # first id -> (features [n, D], deepstack [k, n, D] | None)
 
     @property
     def layers(self):
-        return self.language_model.model.layers
+        return self.text.layers if "text" in self else self.language_model.model.layers
 
     @property
     def args(self):
-        return self.language_model.args
+        return self.text.args if "text" in self else self.language_model.args
 
     def make_cache(self) -> list:
-        """One mlx-lm ``KVCache`` per decoder layer, then the :class:`MRopePositions` layer."""
-        from mlx_lm.models.cache import KVCache
+        """The decoder layers' mlx-lm caches (``KVCache``; Qwen3.5: its ``ArraysCache``
+        and ``KVCache`` layers), then the :class:`MRopePositions` layer."""
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-        return [KVCache() for _ in self.layers] + [MRopePositions()]
+        layers = make_prompt_cache(self.text) if "text" in self else [KVCache() for _ in self.layers]
+        return layers + [MRopePositions()]
+
+    def _embed(self, ids):
+        if "text" in self:
+            return self.text.language_model.model.embed_tokens(ids)
+        return self.language_model.model.embed_tokens(ids)
+
+    def _forward(self, ids, embeddings, cache, position_ids, extra):
+        if "text" not in self:
+            out = self.language_model(ids, inputs_embeds=embeddings, cache=cache, position_ids=position_ids, **extra)
+            return out.logits if hasattr(out, "logits") else out
+        self._now[0] = position_ids
+        try:
+            return self.text(ids, cache=cache, input_embeddings=embeddings)
+        finally:
+            self._now[0] = None
 
     def forget_features(self) -> None:
         """Drop the features of images no longer in flight (engine thread)."""
@@ -136,8 +164,7 @@ class MRopeModel(_module_base()):
         position_ids = rel + (offset.astype(mx.int32) + before)[None, :, None]
         after = (before[:, None] + acc).reshape(B, 1, L, 1)
         positions.update_and_fetch(after, after)
-        out = self.language_model(ids, inputs_embeds=embeddings, cache=text, position_ids=position_ids, **extra)
-        return out.logits if hasattr(out, "logits") else out
+        return self._forward(ids, embeddings, text, position_ids, extra)
 
     def _features_of(self, image: ImageInput):
         import mlx.core as mx
@@ -146,6 +173,12 @@ class MRopeModel(_module_base()):
         got = self._features.get(first)
         if got is None:
             n = image.tokens
+            if "text" in self:  # Qwen3.5: its vision tower alone (no deepstack)
+                dtype = self.vision_tower.patch_embed.proj.weight.dtype
+                f, _ = self.vision_tower(mx.array(image.pixels).astype(dtype), mx.array([list(image.grid)]))
+                mx.eval(f)
+                got = self._features[first] = (f, None)
+                return got
             out = self._vlm[0].get_input_embeddings(
                 mx.array([[self.image_token_id] * n]), mx.array(image.pixels),
                 image_grid_thw=mx.array([list(image.grid)]), mask=mx.ones((1, n)))
@@ -193,7 +226,7 @@ class MRopeModel(_module_base()):
                     deeps.append(deep[:, i])
                 where.append(b * L + j)
         ids = mx.where(inputs >= IMAGE_ID_BASE, self.image_token_id, inputs).astype(mx.int32)
-        text = self.language_model.model.embed_tokens(ids)
+        text = self._embed(ids)
         D = text.shape[-1]
         flat = text.reshape(B * L, D)
         flat[mx.array(where)] = mx.stack(feats).astype(flat.dtype)
@@ -204,6 +237,23 @@ class MRopeModel(_module_base()):
             extra = {"visual_pos_masks": mx.array(mask), "deepstack_visual_embeds": mx.stack(deeps, axis=1)}
         return (mx.array(rel.astype(np.int32)), mx.array(acc.astype(np.int32)), flat.reshape(B, L, D), ids,
                 extra)
+
+
+class GridRope(_module_base()):
+    """The rotation of a Qwen3.5 attention layer of mlx-lm's text model, by the 3-D positions
+    of the forward in progress (``now[0]``, ``[3, B, L]``) instead of its cache offset:
+    mlx-vlm's ``Qwen3_5RotaryEmbedding`` (interleaved M-RoPE, partial rotary) of the same
+    checkpoint. Called as mlx-lm's rope: ``rope(x [B, H, L, D], offset=...)``."""
+
+    def __init__(self, rotary, now: list):
+        super().__init__()
+        self._rotary, self._now = [rotary], now
+
+    def __call__(self, x, offset=0):
+        positions = self._now[0]
+        if positions is None:
+            raise RuntimeError("GridRope called outside an M-RoPE forward")
+        return self._rotary[0].apply_rotary(x, x, positions, unsqueeze_dim=1)[0]
 
 
 def _last_delta(positions, rows: int):
