@@ -1,10 +1,14 @@
 """Vision-language models whose image tokens sit on a 3-D position grid (M-RoPE: Qwen2-VL,
-Qwen2.5-VL, Qwen3-VL dense and MoE), in the shared batch.
+Qwen2.5-VL, Qwen3-VL dense and MoE, Qwen3.5 with a vision tower), in the shared batch.
 
-The forward is mlx-vlm's own language model, given explicit ``position_ids`` ``[3, B, L]``
-(mlx-lm's text models of these checkpoints rotate 1-D positions only). Its attention runs
-on mlx-lm's caches (``KVCache``, the engine's ``BatchKVCache``): mlx-vlm's masks come from
-their ``make_mask``.
+mlx-lm's text models of these checkpoints rotate 1-D positions only. For Qwen2-VL,
+Qwen2.5-VL and Qwen3-VL the forward is mlx-vlm's own language model, given explicit
+``position_ids`` ``[3, B, L]``; its attention runs on mlx-lm's caches (``KVCache``, the
+engine's ``BatchKVCache``: mlx-vlm's masks come from their ``make_mask``). For Qwen3.5
+(hybrid: Gated DeltaNet and attention layers) mlx-vlm's batched forward splits and
+re-merges each row's caches per call, so the forward is mlx-lm's text model (same weight
+arrays; its recurrent layers in mlx-lm's caches), each attention layer's rotation replaced
+by mlx-vlm's M-RoPE at the forward's positions (:class:`GridRope`).
 
 **Positions, row by row.** In mlx-vlm's ``get_rope_index`` a text token's three axes are
 equal: its cache position plus the row's *delta*, which starts at 0 and changes only at
@@ -80,8 +84,8 @@ def image_grid_positions(grid: tuple[int, int, int], merge: int) -> tuple[np.nda
 
 class MRopeModel(_module_base()):
     """The model the engine runs for an M-RoPE vision-language checkpoint (module
-    docstring): mlx-vlm's model (vision tower, language model), called with token ids
-    ``[B, L]`` (image positions as image ids, :mod:`gateway.models.vision_images`) and
+    docstring): mlx-vlm's vision tower and language model (or ``text``), called with token
+    ids ``[B, L]`` (image positions as image ids, :mod:`gateway.models.vision_images`) and
     the row caches of :meth:`make_cache`; returns logits ``[B, L, V]``.
 
     Args:
@@ -89,6 +93,12 @@ class MRopeModel(_module_base()):
         image_token_id: the placeholder token of an image position.
         merge: the vision tower's ``spatial_merge_size``.
         table: the images in flight.
+        text: Qwen3.5: mlx-lm's text model holding the language weights (its attention
+            layers' ``rope`` are replaced here); None: mlx-vlm's language model runs.
+
+    Raises (from a forward):
+        ValueError: an image of the input is no longer in the table, or the vision
+            tower gives another number of rows than the image has tokens.
     """
 
     def __init__(self, vlm, image_token_id: int, merge: int, table: ImageTable, text=None):
@@ -203,7 +213,9 @@ class MRopeModel(_module_base()):
         B, L = inputs.shape
         rel = np.zeros((3, B, L), np.int64)
         acc = np.zeros((B, L), np.int64)
-        feats, deeps, where = [], [], []
+        used: dict[int, tuple] = {}  # first id -> (offset in the stacked features, grid index, delta)
+        stacked, index, where = [], [], []
+        offset = 0
         for b, row in enumerate(rows):
             change = 0
             for j, t in enumerate(row):
@@ -215,26 +227,29 @@ class MRopeModel(_module_base()):
                 if found is None:
                     raise ValueError("an image of the prompt is no longer in flight")
                 image, i = found
-                index, delta = image_grid_positions(image.grid, self.merge)
-                rel[:, b, j] = j - i + change + index[:, i]
+                if image.ids[0] not in used:
+                    stacked.append(self._features_of(image))
+                    used[image.ids[0]] = (offset, *image_grid_positions(image.grid, self.merge))
+                    offset += image.tokens
+                start, grid_index, delta = used[image.ids[0]]
+                rel[:, b, j] = j - i + change + grid_index[:, i]
                 if i == image.tokens - 1:
                     change += delta
                 acc[b, j] = change
-                f, deep = self._features_of(image)
-                feats.append(f[i])
-                if deep is not None:
-                    deeps.append(deep[:, i])
+                index.append(start + i)
                 where.append(b * L + j)
         ids = mx.where(inputs >= IMAGE_ID_BASE, self.image_token_id, inputs).astype(mx.int32)
         text = self._embed(ids)
         D = text.shape[-1]
         flat = text.reshape(B * L, D)
-        flat[mx.array(where)] = mx.stack(feats).astype(flat.dtype)
+        take = mx.array(index)
+        flat[mx.array(where)] = mx.concatenate([f for f, _ in stacked])[take].astype(flat.dtype)
         extra = {}
-        if deeps:  # Qwen3-VL: image features added after the first decoder layers, row-major
+        if stacked[0][1] is not None:  # Qwen3-VL: image features added after the first decoder layers, row-major
             mask = np.zeros((B, L), bool)
             mask.reshape(-1)[where] = True
-            extra = {"visual_pos_masks": mx.array(mask), "deepstack_visual_embeds": mx.stack(deeps, axis=1)}
+            deep = mx.concatenate([d for _, d in stacked], axis=1)[:, take]
+            extra = {"visual_pos_masks": mx.array(mask), "deepstack_visual_embeds": deep}
         return (mx.array(rel.astype(np.int32)), mx.array(acc.astype(np.int32)), flat.reshape(B, L, D), ids,
                 extra)
 
