@@ -171,7 +171,6 @@ def reference(model_dir, messages: list[dict], max_tokens: int) -> Reference:
     """
     import mlx.core as mx
     from mlx_vlm import stream_generate
-    from mlx_vlm.utils import prepare_inputs, should_add_special_tokens
 
     key = json.dumps([str(Path(model_dir).resolve()), _digestible(messages), max_tokens])
     with _lock:
@@ -179,12 +178,15 @@ def reference(model_dir, messages: list[dict], max_tokens: int) -> Reference:
             return _answers[key]
         model, processor, tokenizer = _loaded(model_dir)
         hf_messages, images = split_chat(messages)
-        text = processor.apply_chat_template(hf_messages, tokenize=False, add_generation_prompt=True,
+        # the processor's template (chat_template.json), else its tokenizer's
+        templater = processor if getattr(processor, "chat_template", None) else processor.tokenizer
+        text = templater.apply_chat_template(hf_messages, tokenize=False, add_generation_prompt=True,
                                              enable_thinking=False)
-        inputs = prepare_inputs(processor, images=images or None, prompts=text,
-                                image_token_index=getattr(model.config, "image_token_index", None),
-                                add_special_tokens=should_add_special_tokens(model.config.model_type, processor))
-        ids = [int(t) for t in np.asarray(inputs["input_ids"]).reshape(-1).tolist()]
+        # mlx-vlm's processor, called as the gateway calls it (mlx-vlm's prepare_inputs adds a
+        # second <bos> to Gemma 3's rendered prompt; for Qwen it gives these same tensors)
+        out = processor(text=[text], images=images or None, add_special_tokens=False)
+        inputs = {k: mx.array(np.asarray(v)) for k, v in out.items() if v is not None}
+        ids = [int(t) for t in np.asarray(out["input_ids"]).reshape(-1).tolist()]
         want = gateway_prompt_ids(model_dir, messages)
         assert ids == want, f"mlx-vlm's prompt ({len(ids)} tokens) is not the gateway's ({len(want)})"
         extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
