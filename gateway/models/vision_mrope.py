@@ -183,18 +183,17 @@ class MRopeModel(_module_base()):
         got = self._features.get(first)
         if got is None:
             n = image.tokens
+            grid = mx.array([list(image.grid)])
             if "text" in self:  # Qwen3.5: its vision tower alone (no deepstack)
                 dtype = self.vision_tower.patch_embed.proj.weight.dtype
-                f, _ = self.vision_tower(mx.array(image.pixels).astype(dtype), mx.array([list(image.grid)]))
-                mx.eval(f)
-                got = self._features[first] = (f, None)
-                return got
-            out = self._vlm[0].get_input_embeddings(
-                mx.array([[self.image_token_id] * n]), mx.array(image.pixels),
-                image_grid_thw=mx.array([list(image.grid)]), mask=mx.ones((1, n)))
-            f = out.inputs_embeds[0] if hasattr(out, "inputs_embeds") else out[0]
-            deep = getattr(out, "deepstack_visual_embeds", None)
-            deep = mx.stack(list(deep)) if deep is not None else None
+                f, deep = self.vision_tower(mx.array(image.pixels).astype(dtype), grid)[0], None
+            else:
+                out = self._vlm[0].get_input_embeddings(mx.array([[self.image_token_id] * n]),
+                                                        mx.array(image.pixels), image_grid_thw=grid,
+                                                        mask=mx.ones((1, n)))
+                f = out.inputs_embeds[0] if hasattr(out, "inputs_embeds") else out[0]
+                deep = getattr(out, "deepstack_visual_embeds", None)
+                deep = mx.stack(list(deep)) if deep is not None else None
             if f.shape[0] != n:
                 raise ValueError(f"the vision model gave {f.shape[0]} rows for an image of {n} tokens")
             mx.eval(f, *([deep] if deep is not None else []))
