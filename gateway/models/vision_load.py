@@ -205,10 +205,13 @@ def _check_mrope(model: MRopeModel, vision: VisionModel, tolerance: float) -> Op
     import mlx.core as mx
 
     vlm = model._vlm[0]
-    vc = vlm.config.vision_config
+    vc = getattr(vlm.config, "vision_config", None)
     grid = (1, 2 * model.merge, 3 * model.merge)
-    dim = int(getattr(vc, "in_channels", getattr(vc, "in_chans", 3))) * int(vc.temporal_patch_size) * int(
-        vc.patch_size) ** 2
+    try:
+        dim = int(getattr(vc, "in_channels", getattr(vc, "in_chans", 3))) * int(vc.temporal_patch_size) * int(
+            vc.patch_size) ** 2
+    except (AttributeError, TypeError):
+        return None  # no patch layout to build a probe image from: nothing to compare
     pixels = np.random.default_rng(0).standard_normal((grid[1] * grid[2], dim)).astype(np.float32)
     digest = pixel_digest(pixels, grid)
     n = grid[1] * grid[2] // model.merge ** 2
