@@ -77,6 +77,8 @@ KINDS: dict[str, CacheKind] = {k.name: k for k in (
     CacheKind("ArraysCache", rollback="recurrent", batch="ArraysCache"),
     CacheKind("CacheList", "members", batch="CacheList"),
     CacheKind("ChunkedKVCache"),
+    # gateway/models/vision_mrope.py: an M-RoPE row's delta per token, a KVCache that --kv-bits leaves alone
+    CacheKind("MRopePositions", "any", paged=True, disk="kv", merge="kv", rollback="mask", batch="BatchKVCache"),
 )}
 UNKNOWN = CacheKind("unknown")
 _BY_BATCH = {k.batch: k for k in reversed(KINDS.values()) if k.batch}  # the first row naming a batch wins

@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
 
     demo_p.add_argument("--arch", default="qwen3", choices=all_archs(),
                         help="architecture (gemma3: a vision-language model, needs mlx-vlm and a Gemma 3 tokenizer (--tokenizer); "
+                             "qwen2_5_vl, qwen3_vl, qwen3_5_vl: Qwen vision-language models (M-RoPE), need mlx-vlm "
+                             "and a Qwen tokenizer with its vision tokens (--tokenizer); "
                              "qwen3_embedding: an embedding model, needs mlx-embeddings and a Qwen3 tokenizer)")
     demo_p.add_argument("--tokenizer", help="copy this tokenizer directory instead of the built-in one")
     demo_p.add_argument("--vocab-size", type=int, help="embedding rows (default: the tokenizer's size)")

@@ -117,6 +117,9 @@ ARCH_TOKENIZERS = {
     "mamba2": ("qwen3", 151936),
     "nemotron_h": ("qwen3", 151936),
     "gemma3": ("gemma3", 262208),  # a Gemma 3 vision-language model (mlx-vlm)
+    "qwen2_5_vl": ("qwen3", 151936),  # Qwen vision-language models (mlx-vlm, M-RoPE)
+    "qwen3_vl": ("qwen3", 151936),
+    "qwen3_5_vl": ("qwen3", 151936),
     "qwen3_embedding": ("qwen3", 151936),  # a Qwen3-Embedding model (mlx-embeddings)
 }
 

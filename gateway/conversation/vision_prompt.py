@@ -93,16 +93,22 @@ def render_vision_chat(tokenizer, vision: VisionModel, conv: Conversation, image
             raise APIError(400, f"the model's processor refused the images: {e}", param="messages")
         ids = [int(t) for t in np.asarray(out["input_ids"]).reshape(-1).tolist()]
         pixels = np.asarray(out["pixel_values"], dtype=np.float32)
+        grids = out.get("image_grid_thw") if hasattr(out, "get") else None
     runs = image_runs(ids, vision.image_token_id)
-    if len(runs) != len(images) or pixels.shape[0] != len(images):
+    if grids is not None:  # Qwen: one [t*h*w, patch values] block per image, by its grid
+        grids = [tuple(int(x) for x in g) for g in np.asarray(grids).reshape(-1, 3)]
+        ends = np.cumsum([0] + [t * h * w for t, h, w in grids])
+        pixels = [pixels[a:b] for a, b in zip(ends[:-1], ends[1:])] if ends[-1] == len(pixels) else []
+    if len(runs) != len(images) or len(pixels) != len(images):
         raise APIError(400, f"the chat template and processor placed {len(runs)} images for the "
                        f"{len(images)} given (this model's template may not show images in every role)",
                        param="messages", code="invalid_image")
     tokens = list(ids)
     inputs = []
-    for (a, b), px, img in zip(runs, pixels, images):
-        digest = pixel_digest(px)
-        im = ImageInput(px, digest, tuple(image_ids(digest, b - a)), tuple(img.size))
+    for k, ((a, b), px, img) in enumerate(zip(runs, pixels, images)):
+        grid = grids[k] if grids is not None else ()
+        digest = pixel_digest(px, grid)
+        im = ImageInput(px, digest, tuple(image_ids(digest, b - a)), tuple(img.size), grid)
         tokens[a:b] = im.ids
         inputs.append(im)
     if not tokens or tokens[-1] >= 1 << 31:

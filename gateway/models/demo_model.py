@@ -149,8 +149,9 @@ _TOKENIZER_FILES = (
 def all_archs() -> list[str]:
     """Every architecture :func:`build_model_dir` builds."""
     from gateway.models.demo_multimodal import EMBEDDING_CONFIGS, VISION_CONFIGS
+    from gateway.models.demo_qwen_vl import QWEN_VL_CONFIGS
 
-    return sorted({*ARCH_CONFIGS, *VISION_CONFIGS, *EMBEDDING_CONFIGS})
+    return sorted({*ARCH_CONFIGS, *VISION_CONFIGS, *EMBEDDING_CONFIGS, *QWEN_VL_CONFIGS})
 
 
 def default_demo_dir() -> Path:
@@ -243,8 +244,9 @@ def build_model_dir(
             with the same arguments, nothing is rewritten.
         arch: a key of :data:`ARCH_CONFIGS` (an ``mlx_lm.models`` module name), or a
             vision-language or embedding architecture of
-            :mod:`gateway.models.demo_multimodal` (``gemma3``, ``qwen3_embedding``: they
-            need mlx-vlm or mlx-embeddings, and a real tokenizer directory).
+            :mod:`gateway.models.demo_multimodal` (``gemma3``, ``qwen3_embedding``) or
+            :mod:`gateway.models.demo_qwen_vl` (``qwen2_5_vl``, ``qwen3_vl``, ``qwen3_5_vl``):
+            they need mlx-vlm or mlx-embeddings, and a real tokenizer directory.
         tokenizer_dir: a directory with real tokenizer files to copy; by default
             the project's own byte-level BPE (about 1,000 tokens) is trained.
         vocab_size: the embedding rows; defaults to the tokenizer's size rounded
@@ -263,7 +265,8 @@ def build_model_dir(
     Raises:
         ValueError: for an unknown architecture, or ``terse`` on one it is not defined for.
         gateway.models.demo_multimodal.TokenizerNeeded: (a ValueError) for a vision
-            architecture without a tokenizer of its family (``gemma3``: Gemma 3's); nothing
+            architecture without a tokenizer of its family (``gemma3``: Gemma 3's; the Qwen
+            vision models: a Qwen one with ``<|image_pad|>``); nothing
             is written.
     """
     import importlib
@@ -271,11 +274,12 @@ def build_model_dir(
     import mlx.core as mx
     import mlx.utils
 
-    from gateway.models.demo_multimodal import EMBEDDING_CONFIGS, VISION_CONFIGS, check_tokenizer
+    from gateway.models.demo_multimodal import check_tokenizer
+    from gateway.models.demo_qwen_vl import CHAT_TEMPLATE as QWEN_VL_TEMPLATE, QWEN_VL_CONFIGS
 
     if tokenizer_dir is None:
         check_tokenizer(arch, None, vocab_size or 0)
-    if arch not in ARCH_CONFIGS and arch not in VISION_CONFIGS and arch not in EMBEDDING_CONFIGS:
+    if arch not in all_archs():
         raise ValueError(f"unknown architecture {arch!r}; choose from {sorted(all_archs())}")
     if terse and arch not in TERSE_ARCHS:
         raise ValueError(f"terse weights are defined for {TERSE_ARCHS}, not {arch!r}")
@@ -284,6 +288,9 @@ def build_model_dir(
              "overrides": overrides or {}, "template": hashlib.sha256((CHAT_TEMPLATE + "".join(SPECIAL_TOKENS)).encode()).hexdigest()[:12]}
     if terse:  # (only then: the stamps of models built before the option stay valid)
         stamp["terse"] = TERSE_STAMP
+    if arch in QWEN_VL_CONFIGS:  # their own config and template: a change to either rebuilds
+        stamp["qwen_vl"] = hashlib.sha256((json.dumps(QWEN_VL_CONFIGS[arch]) + QWEN_VL_TEMPLATE).encode()
+                                          ).hexdigest()[:12]
     done = path / ".mlx-gateway-demo.json"
     if done.exists() and json.loads(done.read_text()) == stamp:
         return path

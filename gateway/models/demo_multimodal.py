@@ -24,6 +24,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from gateway.models.demo_qwen_vl import IMAGE_PAD, QWEN_VL_CONFIGS, QWEN_VL_TOKENIZER_NEEDS
+
 VISION_CONFIGS: dict[str, dict] = {
     "gemma3": {
         "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
@@ -46,7 +48,8 @@ VISION_CONFIGS: dict[str, dict] = {
 # config names (``image_token_index``), which the project's own tokenizer and other
 # families lack; and the embedding rows mlx-lm's text model takes (its gemma3 ``ModelArgs``
 # has ``vocab_size`` 262208 and no other).
-TOKENIZER_NEEDS: dict[str, tuple[str, str, int]] = {"gemma3": ("Gemma 3", "<image_soft_token>", 262208)}
+TOKENIZER_NEEDS: dict[str, tuple[str, str, int | None]] = {"gemma3": ("Gemma 3", "<image_soft_token>", 262208),
+                                                            **QWEN_VL_TOKENIZER_NEEDS}
 
 
 class TokenizerNeeded(ValueError):
@@ -65,7 +68,7 @@ def check_tokenizer(arch: str, tokenizer_json, vocab: int) -> None:
     if arch not in TOKENIZER_NEEDS:
         return
     family, token, rows = TOKENIZER_NEEDS[arch]
-    want = VISION_CONFIGS[arch]["image_token_index"]
+    want = VISION_CONFIGS[arch]["image_token_index"] if arch in VISION_CONFIGS else IMAGE_PAD
     if tokenizer_json is None:
         raise TokenizerNeeded(f"--arch {arch} needs a {family} tokenizer (its image token {token} is id {want}): "
                               f"give a directory holding its tokenizer.json and tokenizer_config.json with "
@@ -76,7 +79,7 @@ def check_tokenizer(arch: str, tokenizer_json, vocab: int) -> None:
     if got != want:
         raise TokenizerNeeded(f"--arch {arch} needs a {family} tokenizer: the one given has "
                               f"{'no ' + token if got is None else f'{token} at id {got}'}, its config wants id {want}")
-    if vocab != rows:
+    if rows is not None and vocab != rows:
         raise TokenizerNeeded(f"--arch {arch} takes {rows} embedding rows (mlx-lm's {arch} model reads no other), "
                               f"not --vocab-size {vocab}")
 
@@ -129,7 +132,8 @@ def _qwen3_embedding_files(path: Path) -> None:
 
 def write_multimodal(tmp: Path, arch: str, vocab: int, overrides: dict) -> None:
     """Write the config, random weights and side files of ``arch`` (a key of
-    :data:`VISION_CONFIGS` or :data:`EMBEDDING_CONFIGS`) into ``tmp``, whose tokenizer
+    :data:`VISION_CONFIGS`, :data:`EMBEDDING_CONFIGS` or
+    :data:`gateway.models.demo_qwen_vl.QWEN_VL_CONFIGS`) into ``tmp``, whose tokenizer
     files are already there.
 
     Raises:
@@ -138,6 +142,10 @@ def write_multimodal(tmp: Path, arch: str, vocab: int, overrides: dict) -> None:
     import mlx.core as mx
     import mlx.utils
 
+    if arch in QWEN_VL_CONFIGS:
+        from gateway.models.demo_qwen_vl import write_qwen_vl
+
+        return write_qwen_vl(tmp, arch, vocab, overrides)
     if arch in VISION_CONFIGS:
         from mlx_vlm.models.gemma3 import Model, ModelConfig
         from mlx_vlm.models.gemma3.config import TextConfig, VisionConfig

@@ -35,10 +35,11 @@ def image_ids(digest: bytes, n: int) -> list[int]:
     return [IMAGE_ID_BASE + (seed + i) % IMAGE_ID_SPAN for i in range(n)]
 
 
-def pixel_digest(pixels: np.ndarray) -> bytes:
-    """SHA-256 of an image's preprocessed pixels: their float32 bytes and shape."""
+def pixel_digest(pixels: np.ndarray, grid: tuple[int, ...] = ()) -> bytes:
+    """SHA-256 of an image's preprocessed pixels: their float32 bytes and shape, and its
+    patch grid if it has one (:class:`ImageInput`)."""
     a = np.ascontiguousarray(pixels, dtype=np.float32)
-    h = hashlib.sha256(json.dumps(list(a.shape)).encode())
+    h = hashlib.sha256(json.dumps(list(a.shape) + ([list(grid)] if grid else [])).encode())
     h.update(a.tobytes())
     return h.digest()
 
@@ -52,12 +53,15 @@ class ImageInput:
         digest: :func:`pixel_digest` of ``pixels``.
         ids: the token ids of its positions in the prompt (:func:`image_ids`).
         size: its decoded size ``(width, height)`` in pixels, before preprocessing.
+        grid: its patch grid ``(t, h, w)`` for processors that give one (Qwen's
+            ``image_grid_thw``; ``pixels`` is then ``[t*h*w, patch values]``), else ``()``.
     """
 
     pixels: np.ndarray
     digest: bytes
     ids: tuple[int, ...]
     size: tuple[int, int] = (0, 0)
+    grid: tuple[int, ...] = ()
 
     @property
     def tokens(self) -> int:

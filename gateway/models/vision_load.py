@@ -11,10 +11,12 @@ holding *the same weight arrays* as mlx-vlm's language model (nothing is read tw
 A load-time probe checks that the two agree on a prompt with an image
 (:func:`check_agreement`): a model for which they do not is refused.
 
-Positions are 1-D (the image tokens take consecutive positions). Models whose language
-model places image tokens on a 2-D/3-D grid (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: M-RoPE,
-with a per-request position offset after each image) cannot run in this batch, whose
-rows advance one position per token from their cache offset: they are refused at load.
+Positions are 1-D (the image tokens take consecutive positions) on that path. Models
+whose language model places image tokens on a 3-D grid (M-RoPE: Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL, :data:`MROPE_TYPES`) run mlx-vlm's own language model with each row's positions
+kept in its cache (:mod:`gateway.models.vision_mrope`), Qwen3.5 (:data:`HYBRID_MROPE_TYPES`)
+mlx-lm's hybrid text model with mlx-vlm's M-RoPE rotations; the other grid models
+(:data:`GRID_POSITION_TYPES`) are refused at load, with the reason.
 
 The image ids and the table of images in flight are in :mod:`gateway.models.vision_images`,
 the model the engine calls in :mod:`gateway.models.vision_model`.
@@ -30,10 +32,14 @@ import numpy as np
 
 from gateway.models.vision_images import ImageInput, ImageTable, VisionModel, image_ids, pixel_digest
 from gateway.models.vision_model import VisionLanguageModel
+from gateway.models.vision_mrope import HYBRID_MROPE_TYPES, MROPE_TYPES, MRopeModel
 
-# Language models whose image tokens take 3-D (M-RoPE) positions: not servable in the batch.
-GRID_POSITION_TYPES = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe", "glm4v",
-                       "glm4v_moe", "ernie4_5_moe_vl", "paddleocr_vl", "kimi_vl"}
+# Vision-language models refused at load, and why. Those of MROPE_TYPES are served
+# (gateway.models.vision_mrope); these place image tokens on a position grid too.
+_GRID = "places image tokens on a position grid by rules of its own, which the gateway's M-RoPE positions " \
+        "(those of Qwen2-VL, Qwen2.5-VL and Qwen3-VL) do not reproduce"
+GRID_POSITION_TYPES = {"qwen3_omni_moe": _GRID, "glm4v": _GRID, "glm4v_moe": _GRID, "ernie4_5_moe_vl": _GRID,
+                       "paddleocr_vl": _GRID, "kimi_vl": _GRID}
 
 
 class VisionUnavailable(RuntimeError):
@@ -51,12 +57,14 @@ def load_vision_model(model_path: Path, config: dict):
     """Build the served model of a vision-language checkpoint, its weights not yet read.
 
     Returns:
-        ``(VisionLanguageModel, VisionModel)``.
+        ``(VisionLanguageModel, VisionModel)``, or ``(MRopeModel, VisionModel)`` for an
+        M-RoPE checkpoint (:data:`MROPE_TYPES`).
 
     Raises:
         VisionUnavailable: mlx-vlm is not installed; mlx-lm has no text model for the
             ``model_type``, or it takes no ``input_embeddings``; the language model places
-            image tokens on a grid (M-RoPE); the weights do not fit.
+            image tokens on a grid it cannot serve (:data:`GRID_POSITION_TYPES`); the
+            weights do not fit.
     """
     import inspect
 
@@ -64,12 +72,13 @@ def load_vision_model(model_path: Path, config: dict):
 
     model_type = str(config.get("model_type", ""))
     if model_type in GRID_POSITION_TYPES:
-        raise VisionUnavailable(f"{model_type} places image tokens on a 2-D/3-D position grid (M-RoPE), which "
-                                "the shared batch (1-D positions from each row's cache offset) cannot run")
+        raise VisionUnavailable(f"{model_type} cannot be served with images: {GRID_POSITION_TYPES[model_type]}")
     try:
         from mlx_vlm.utils import load_model as vlm_load, load_processor
     except ImportError as e:
         raise VisionUnavailable("vision-language models need mlx-vlm: pip install 'mlx-gateway[vision]'") from e
+    if model_type in MROPE_TYPES:
+        return _load_mrope(model_path, config, vlm_load(model_path, lazy=True), load_processor)
     try:
         model_class, args_class = _text_class(config)
     except ValueError as e:
@@ -95,6 +104,8 @@ def load_vision_model(model_path: Path, config: dict):
     except ValueError as e:
         raise VisionUnavailable(f"mlx-lm's {model_type} model does not take mlx-vlm's language weights: {e}"
                                 ) from None
+    if model_type in HYBRID_MROPE_TYPES:  # the same arrays in both language models
+        return _load_mrope(model_path, config, vlm, load_processor, text)
     original = vlm.language_model  # mlx-vlm's, kept for the load-time probe only (check_agreement)
     vlm.language_model = text.language_model if hasattr(text, "language_model") else text
     image_token_id = config.get("image_token_index", config.get("image_token_id"))
@@ -105,6 +116,19 @@ def load_vision_model(model_path: Path, config: dict):
     model._parts.original = original
     processor = load_processor(model_path, add_detokenizer=False)
     return model, VisionModel(processor, image_token_id, table, model_type)
+
+
+def _load_mrope(model_path: Path, config: dict, vlm, load_processor, text=None):
+    """``(MRopeModel, VisionModel)`` of an M-RoPE checkpoint (mlx-vlm's model, lazy; ``text``:
+    mlx-lm's text model holding its language weights, for Qwen3.5)."""
+    image_token_id = config.get("image_token_id", config.get("image_token_index"))
+    if not isinstance(image_token_id, int):
+        raise VisionUnavailable(f"{config.get('model_type')}: its config names no image token (image_token_id)")
+    merge = int((config.get("vision_config") or {}).get("spatial_merge_size", 2))
+    table = ImageTable()
+    model = MRopeModel(vlm, image_token_id, merge, table, text)
+    processor = load_processor(model_path, add_detokenizer=False)
+    return model, VisionModel(processor, image_token_id, table, str(config["model_type"]))
 
 
 def _own_keys(model_path: Path) -> str:
@@ -128,6 +152,8 @@ def check_agreement(model: VisionLanguageModel, vision: VisionModel, tolerance: 
     features, mlx-lm's text model), must agree within ``tolerance`` (relative)."""
     import mlx.core as mx
 
+    if isinstance(model, MRopeModel):
+        return _check_mrope(model, vision, tolerance)
     vlm, original = model._parts.vlm, model._parts.original
     model._parts.original = None  # its arrays (unread unless compared here) go after the probe
     size = _pixel_shape(vision)
@@ -170,3 +196,47 @@ def _pixel_shape(vision: VisionModel) -> Optional[tuple[int, ...]]:
 
 def _image_tokens(vision: VisionModel) -> int:
     return int(getattr(vision.processor, "image_seq_length", 0) or 1)
+
+
+def _check_mrope(model: MRopeModel, vision: VisionModel, tolerance: float) -> Optional[str]:
+    """:func:`check_agreement` for an M-RoPE model: mlx-vlm's own forward of a prompt with a
+    random 1 x 4 x 6 patch image (its ``get_rope_index`` positions) against ``model``'s
+    (positions from the positions layer), fed in chunks of 5 tokens, one cut inside the image."""
+    import mlx.core as mx
+
+    vlm = model._vlm[0]
+    vc = getattr(vlm.config, "vision_config", None)
+    grid = (1, 2 * model.merge, 3 * model.merge)
+    try:
+        dim = int(getattr(vc, "in_channels", getattr(vc, "in_chans", 3))) * int(vc.temporal_patch_size) * int(
+            vc.patch_size) ** 2
+    except (AttributeError, TypeError):
+        return None  # no patch layout to build a probe image from: nothing to compare
+    pixels = np.random.default_rng(0).standard_normal((grid[1] * grid[2], dim)).astype(np.float32)
+    digest = pixel_digest(pixels, grid)
+    n = grid[1] * grid[2] // model.merge ** 2
+    image = ImageInput(pixels, digest, tuple(image_ids(digest, n)), grid=grid)
+    start = int(getattr(vlm.config, "vision_start_token_id", 1))
+    head, tail = [1, start], [2, 3, 4]
+    try:
+        want = vlm(mx.array([head + [vision.image_token_id] * n + tail]), mx.array(pixels),
+                   mask=None, image_grid_thw=mx.array([list(grid)]))
+        want = (want.logits if hasattr(want, "logits") else want)[0, -1]
+        vlm.language_model._rope_deltas = vlm.language_model._position_ids = None
+        ids = head + list(image.ids) + tail
+        vision.table.add([image])
+        try:
+            cache = model.make_cache()
+            for k in range(0, len(ids), 5):
+                got = model(mx.array([ids[k:k + 5]], dtype=mx.int64), cache=cache)
+            got = got[0, -1]
+        finally:
+            vision.table.release([image])
+            model.forget_features()
+        scale = float(mx.abs(want).max().item()) or 1.0
+        diff = float(mx.abs(got - want).max().item())
+    except Exception as e:
+        return f"the image path failed on a probe: {e!r}"
+    if diff > tolerance * scale:
+        return f"the image path differs from mlx-vlm's by {diff:.3g} on a probe"
+    return None
