@@ -1,0 +1,472 @@
+"""The engine's host cost per decode step (everything outside the model's forward),
+split by phase, against mlx-lm's ``BatchGenerator`` loop on the same model in the same
+process and, with ``--http``, against ``mlx_lm.server`` over HTTP; prints figures and
+ratios, asserts nothing.
+
+The model's forward is made negligible on purpose (``--model tiny``: the 2-layer test
+model of ``tests/conftest.py``, a few hundred microseconds a step; ``medium``: the
+benchmarks' medium model, ``benchmarks/scenarios.py``; or a model directory), so what a
+step costs beyond it is the host's: Python bookkeeping, graph building, sampling, stop
+checks, the hop to the event loop, and over HTTP detokenizing and SSE.
+
+For each ``--streams`` count S, each side decodes S greedy streams of ``--decode``
+tokens (distinct random prompts of ``--prompt`` tokens, EOS never ending them) in turns:
+
+* forward: S rows' forward and argmax alone, evaluated each step (a prefilled mlx-lm
+  ``KVCache``), no pipelining: what a step cannot cost less than;
+* mlx-lm: ``BatchGenerator.next_generated`` in a loop (what ``batch_generate`` runs);
+* engine: :class:`scheduler.Engine` (speculation off), each stream a
+  :class:`gateway.conversation.generation.Generation` read by a task on this thread's
+  asyncio loop, so the hop from the engine thread to the event loop is counted;
+* with ``--http``: ``mlx-gateway serve`` and ``mlx_lm.server`` streaming
+  ``/v1/completions`` to S concurrent clients.
+
+A step's time is the wall time from every stream's first token to the last token, over
+``decode - 1`` steps; host cost is a step's time less the forward's. The engine's split
+comes from timers wrapped around its functions for the duration of a run only
+(:class:`Phases`; exclusive time, a phase's callees not counted in it), so serving
+carries no timing code of its own; the gateway's split over HTTP is taken the same way
+in its process (started through this script, ``--profiled-serve``). The forward's own
+compute shows up as "wait for the step's result" (``mx.eval``/``tolist``). Figures are
+medians of ``--repeat`` runs, the sides alternating; ratios are of the medians.
+
+Usage::
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
+        python benchmarks/bench_host_cost.py [--model tiny|medium|DIR] [--streams 1,4,16,32] \\
+        [--decode 128] [--repeat 3] [--http] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+# ----------------------------------------------------------------------------- the timers
+class Phases:
+    """Exclusive CPU time of the calling thread per phase of functions wrapped by
+    :meth:`wrap` (seconds, ``time.thread_time``, per thread's call stack: a phase's
+    callees are not counted in it), until :meth:`remove`; ``counts[phase]`` counts the
+    calls. CPU time, not wall time: the machine's other load, which preempts the thread,
+    is left out (mostly)."""
+
+    def __init__(self):
+        self.acc: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
+        self._stacks = threading.local()
+        self._wrapped: list = []
+
+    def wrap(self, owner, attr: str, phase: str) -> None:
+        """Time ``owner.attr`` (a class's function or a module's) as ``phase``."""
+        fn = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+        acc, counts, stacks, clock = self.acc, self.counts, self._stacks, time.thread_time
+
+        def timed(*args, **kwargs):
+            stack = getattr(stacks, "s", None)
+            if stack is None:
+                stack = stacks.s = []
+            stack.append(0.0)
+            t = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = clock() - t
+                inner = stack.pop()
+                acc[phase] += dt - inner
+                counts[phase] += 1
+                if stack:
+                    stack[-1] += dt
+
+        timed.__wrapped__ = fn
+        setattr(owner, attr, timed)
+        self._wrapped.append((owner, attr, fn))
+
+    def remove(self) -> None:
+        for owner, attr, fn in reversed(self._wrapped):
+            setattr(owner, attr, fn)
+        self._wrapped.clear()
+
+    def snapshot(self) -> dict:
+        return {"acc": dict(self.acc), "counts": dict(self.counts)}
+
+
+class _TimedMx:
+    """``mlx.core`` as mlx-lm's generate module sees it, its ``eval`` and ``async_eval``
+    timed (the wait for a step's result, the dispatch of the next)."""
+
+    def __init__(self, mx, phases: Phases):
+        self._mx = mx
+        self.__dict__["eval"] = mx.eval
+        self.__dict__["async_eval"] = mx.async_eval
+        phases.wrap(self, "eval", "wait for the step's result (forward compute)")
+        phases.wrap(self, "async_eval", "dispatch of the next step")
+
+    def __getattr__(self, name):
+        return getattr(self._mx, name)
+
+
+STEP_PHASE = "step graph: sampling, logits processors, token lists"
+
+
+def install(phases: Phases, model) -> None:
+    """Wrap the functions of a decode step, the engine's and mlx-lm's (shared parts
+    count under the same names on both sides)."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator, GenerationBatch
+
+    generate = sys.modules[GenerationBatch.__module__]  # (mlx_lm.generate is also a function's name)
+
+    generate.mx = _TimedMx(mx, phases)
+    phases.wrap(type(model), "__call__", "forward graph building")
+    phases.wrap(GenerationBatch, "_step", STEP_PHASE)
+    phases.wrap(GenerationBatch, "next", "stop/EOS checks, responses")
+    phases.wrap(GenerationBatch, "filter", "row insert/filter")
+    phases.wrap(BatchGenerator, "_next", "scheduling (generator)")
+    try:
+        from scheduler.batch import Batch
+        from scheduler.batch.decode_batch import JoiningGenerationBatch
+        from scheduler.batch.generator import JoiningBatchGenerator
+        from scheduler.batch.insertion import RowInsertion
+        from scheduler.engine.core import EngineCore
+        from scheduler.engine.loop import EngineLoop
+    except ImportError:  # mlx-lm alone
+        return
+    phases.wrap(JoiningGenerationBatch, "plain_next", "stop/EOS checks, responses")
+    phases.wrap(JoiningGenerationBatch, "filter", "row insert/filter")
+    phases.wrap(JoiningBatchGenerator, "_next", "scheduling (generator)")
+    phases.wrap(RowInsertion, "join_ready", "row insert/filter")
+    phases.wrap(Batch, "step", "scheduling (batch: chunk plan, accounting)")
+    phases.wrap(Batch, "_token_event", "token events (counters, metrics, fair share)")
+    phases.wrap(Batch, "_save_snapshot", "snapshot of a finished row")
+    phases.wrap(EngineCore, "_send", "hop to the event loop")
+    phases.wrap(EngineLoop, "_turn_once", "scheduling (loop: admission, turns)")
+    try:
+        from gateway.conversation.textout import TextAssembler
+        from gateway.protocols.openai_completions import CompletionFormat
+    except ImportError:
+        return
+    phases.wrap(TextAssembler, "feed", "detokenizing")
+    phases.wrap(CompletionFormat, "piece", "SSE encoding")
+
+
+def per_step(before: dict, after: dict) -> tuple[dict, int]:
+    """Seconds per decode step of each phase between two snapshots, and the steps."""
+    steps = after["counts"].get(STEP_PHASE, 0) - before["counts"].get(STEP_PHASE, 0)
+    out = {k: (v - before["acc"].get(k, 0.0)) / max(steps, 1) for k, v in after["acc"].items()}
+    return {k: v for k, v in out.items() if v > 0}, steps
+
+
+# ----------------------------------------------------------------------------- the sides
+def prompts(vocab: int, streams: int, n: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab - 1) for _ in range(n)] for _ in range(streams)]
+
+
+def forward_only(model, rows: list[list[int]], decode: int) -> float:
+    """Seconds per step of the rows' forward and argmax alone, evaluated each step."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.array(rows), cache=cache)
+    y = mx.argmax(logits[:, -1], axis=-1)
+    mx.eval(y)
+    t = time.perf_counter()
+    for _ in range(decode - 1):
+        y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+        mx.eval(y)
+    return (time.perf_counter() - t) / (decode - 1)
+
+
+def step_seconds(firsts: list[float], last: float, decode: int) -> float:
+    return (last - max(firsts)) / (decode - 1)
+
+
+def thread_cpu(thread: threading.Thread) -> float:
+    """CPU seconds ``thread`` has run so far (Linux, macOS: its pthread CPU clock)."""
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+def mlx_lm_side(model, rows: list[list[int]], decode: int) -> float:
+    from mlx_lm.generate import BatchGenerator
+
+    from scheduler.sampling import greedy
+
+    gen = BatchGenerator(model, max_tokens=decode, stop_tokens=None, sampler=greedy,
+                         completion_batch_size=max(32, len(rows)), prefill_batch_size=8)
+    gen.insert(rows, [decode] * len(rows))
+    firsts: dict[int, float] = {}
+    last = 0.0
+    while responses := gen.next_generated():
+        now = time.perf_counter()
+        for r in responses:
+            firsts.setdefault(r.uid, now)
+        last = now
+    gen.close()
+    return step_seconds(list(firsts.values()), last, decode)
+
+
+def engine_side(engine, rows: list[list[int]], decode: int) -> float:
+    from gateway.conversation.generation import Generation
+    from scheduler import SamplingParams
+    from scheduler.request import TokenEvent
+
+    async def run() -> float:
+        params = SamplingParams(max_tokens=decode, ignore_eos=True)
+        gens = [Generation(f"h-{uuid.uuid4().hex[:12]}", engine, r, params, []) for r in rows]
+        firsts, last = [], [0.0]
+
+        async def read(g) -> None:
+            first = None
+            async for ev in g.events():
+                if isinstance(ev, TokenEvent):
+                    last[0] = time.perf_counter()
+                    first = first or last[0]
+            firsts.append(first)
+
+        with engine.arrivals.prepare():
+            for g in gens:
+                g.submit()
+        await asyncio.gather(*(read(g) for g in gens))
+        return step_seconds(firsts, last[0], decode)
+
+    return asyncio.run(run())
+
+
+# ----------------------------------------------------------------------------- over HTTP
+def profiled_serve(out: str, argv: list[str]) -> None:
+    """``mlx-gateway serve argv`` with :class:`Phases` installed; the phases' running
+    totals go to ``out`` (JSON) every 0.2 s."""
+    phases = Phases()
+    import mlx_lm.utils
+
+    load = mlx_lm.utils.load
+
+    def load_and_install(*a, **k):  # the model's class is known once it is loaded
+        loaded = load(*a, **k)
+        install(phases, loaded[0])
+        return loaded
+
+    import mlx_lm
+
+    mlx_lm.load = mlx_lm.utils.load = load_and_install
+
+    def dump() -> None:
+        while True:
+            time.sleep(0.2)
+            tmp = out + ".tmp"
+            Path(tmp).write_text(json.dumps(phases.snapshot()))
+            os.replace(tmp, out)
+
+    threading.Thread(target=dump, daemon=True).start()
+    from gateway.cli import main as cli_main
+
+    sys.exit(cli_main(["serve", *argv]))
+
+
+async def http_streams(url: str, rows: list[list[int]], decode: int, bias: dict) -> float:
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+        firsts, last = [], [0.0]
+
+        async def one(tokens: list[int]) -> None:
+            body = {"model": "m", "prompt": tokens, "max_tokens": decode, "temperature": 0, "stream": True,
+                    "logit_bias": bias}
+            first = None
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
+                        last[0] = time.perf_counter()
+                        first = first or last[0]
+            firsts.append(first)
+
+        await asyncio.gather(*(one(r) for r in rows))
+        return step_seconds(firsts, last[0], decode)
+
+
+# ----------------------------------------------------------------------------- the run
+def model_dir_of(name: str) -> str:
+    if name == "tiny":
+        from tests.conftest import model_path
+
+        return str(model_path("qwen3"))
+    if name == "medium":
+        from scenarios import medium_model
+
+        return medium_model()
+    return name
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny", help="tiny, medium or a model directory")
+    ap.add_argument("--streams", default="1,4,16,32")
+    ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--http", action="store_true", help="also over HTTP: mlx-gateway serve and mlx_lm.server")
+    ap.add_argument("--out", help="directory for host_cost.json and host_cost.md")
+    ap.add_argument("--profiled-serve", help=argparse.SUPPRESS)
+    args, rest = ap.parse_known_args()
+    if args.profiled_serve:
+        profiled_serve(args.profiled_serve, [a for a in rest if a != "--"])
+        return
+
+    import mlx.core as mx
+    import mlx_lm
+
+    from cache import PromptCacheManager
+    from scheduler import Engine
+    from scheduler.speculative import SpeculationConfig
+
+    model_dir = model_dir_of(args.model)
+    model, tok = mlx_lm.load(model_dir)
+    vocab = model.args.vocab_size if hasattr(model, "args") else 1000
+    streams = [int(s) for s in args.streams.split(",")]
+    engine = Engine(model, tok.eos_token_ids, PromptCacheManager(max_bytes=1 << 30, max_entries=8),
+                    decode_concurrency=max(32, max(streams)), speculation=SpeculationConfig(method="off"))
+    engine.start()
+    servers = []
+    if args.http:
+        from scenarios import free_port, start, steady_stream_bias
+
+        bias = steady_stream_bias(model_dir)
+        profile_file = Path(tempfile.mkdtemp()) / "gateway-phases.json"
+        gport, mport = free_port(), free_port()
+        gw, _ = start([sys.executable, __file__, "--profiled-serve", str(profile_file), "--",
+                       "--model", model_dir, "--served-model-name", "m", "--port", str(gport),
+                       "--speculative", "off", "--decode-concurrency", str(max(32, max(streams))),
+                       "--no-precompute-next-turn"], gport, env=dict(os.environ))
+        ml, _ = start([sys.executable, "-m", "mlx_lm.server", "--model", model_dir, "--port", str(mport),
+                       "--decode-concurrency", str(max(32, max(streams))), "--log-level", "WARNING"], mport)
+        servers = [gw, ml]
+        urls = {"gateway http": f"http://127.0.0.1:{gport}", "mlx_lm.server": f"http://127.0.0.1:{mport}"}
+    phases = Phases()
+    results: dict = {}
+    try:
+        warm = prompts(vocab, 2, args.prompt, 999)
+        mlx_lm_side(model, warm, 8)
+        engine_side(engine, warm, 8)
+        if args.http:
+            for url in urls.values():
+                asyncio.run(http_streams(url, warm, 8, bias))
+        install(phases, model)
+        seed = 0
+        for s in streams:
+            runs: dict = defaultdict(list)
+            cpu: dict = defaultdict(list)
+            split: dict = defaultdict(lambda: defaultdict(list))
+            for rep in range(args.repeat):
+                sides = ["forward", "mlx-lm", "engine"] + (["gateway http", "mlx_lm.server"] if args.http else [])
+                if rep % 2:
+                    sides = sides[:1] + sides[1:][::-1]
+                for side in sides:
+                    seed += 1
+                    rows = prompts(vocab, s, args.prompt, seed)
+                    before = phases.snapshot()
+                    host = [threading.main_thread()] + ([engine.loop._thread] if side == "engine" else [])
+                    cpu0 = sum(thread_cpu(t) for t in host)
+                    if side == "forward":
+                        sec = forward_only(model, rows, args.decode)
+                    elif side == "mlx-lm":
+                        sec = mlx_lm_side(model, rows, args.decode)
+                    elif side == "engine":
+                        sec = engine_side(engine, rows, args.decode)
+                    else:
+                        if side == "gateway http":
+                            time.sleep(0.3)
+                            before = json.loads(profile_file.read_text())
+                        sec = asyncio.run(http_streams(urls[side], rows, args.decode, bias))
+                    runs[side].append(sec)
+                    if side in ("forward", "mlx-lm", "engine"):  # the host threads' CPU per decode step
+                        cpu[side].append((sum(thread_cpu(t) for t in host) - cpu0) / args.decode)
+                    if side in ("mlx-lm", "engine"):
+                        for k, v in per_step(before, phases.snapshot())[0].items():
+                            split[side][k].append(v)
+                    elif side == "gateway http":
+                        time.sleep(0.3)
+                        for k, v in per_step(before, json.loads(profile_file.read_text()))[0].items():
+                            split[side][k].append(v)
+            med = {k: statistics.median(v) for k, v in runs.items()}
+            results[s] = {"step_s": med, "runs": dict(runs), "cpu_s": {k: statistics.median(v) for k, v in cpu.items()},
+                          "phases": {side: {k: statistics.median(v) for k, v in ph.items()}
+                                     for side, ph in split.items()}}
+            report(s, results[s])
+    finally:
+        phases.remove()
+        engine.stop()
+        for p in servers:
+            p.terminate()
+            p.wait(60)
+    md = table(results, args.model)
+    print(md)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "host_cost.json").write_text(json.dumps({str(k): v for k, v in results.items()}, indent=2))
+        (out / "host_cost.md").write_text(md + "\n")
+
+
+def report(s: int, r: dict) -> None:
+    med, fwd, cpu = r["step_s"], r["step_s"]["forward"], r["cpu_s"]
+    print(f"\n{s} streams: forward alone {fwd * 1e3:.3f} ms/step, its thread's CPU {cpu['forward'] * 1e3:.3f} ms/step")
+    for side in ("mlx-lm", "engine"):
+        print(f"  {side:14s} host threads' CPU {cpu[side] * 1e3:7.3f} ms/step, "
+              f"{(cpu[side] - cpu['forward']) * 1e3:7.3f} ms beyond the forward's")
+    print(f"  engine host CPU beyond the forward ÷ mlx-lm's: "
+          f"{(cpu['engine'] - cpu['forward']) / max(1e-9, cpu['mlx-lm'] - cpu['forward']):.2f}")
+    for side, sec in med.items():
+        if side != "forward":
+            print(f"  {side:14s} {sec * 1e3:7.3f} ms/step, host {max(0.0, sec - fwd) * 1e3:7.3f} ms, "
+                  f"{s / sec:8.1f} tok/s, {med['mlx-lm'] / sec:.2f}x mlx-lm's rate")
+    if "mlx_lm.server" in med:
+        print(f"  gateway over HTTP: {med['mlx_lm.server'] / med['gateway http']:.2f}x mlx_lm.server's rate")
+    for side, ph in r["phases"].items():
+        print(f"  {side} per step (exclusive, us):")
+        for k, v in sorted(ph.items(), key=lambda kv: -kv[1]):
+            print(f"      {v * 1e6:9.1f}  {k}")
+
+
+def table(results: dict, model: str) -> str:
+    cols = ["engine"] + (["gateway http", "mlx_lm.server"] if "gateway http" in next(iter(results.values()))["step_s"]
+                         else [])
+    head = ("| streams | forward ms/step | host CPU beyond the forward, mlx-lm ms/step | engine ms/step | "
+            "engine ÷ mlx-lm | " + " | ".join(f"{c} tok/s ÷ mlx-lm's" for c in cols)
+            + (" | gateway http ÷ mlx_lm.server |" if len(cols) > 1 else " |"))
+    lines = [f"Model: {model}. Host CPU: the CPU time of the stepping threads (the engine's and the "
+             "event loop's; mlx-lm's loop) per decode step, less that of the forward's own loop.", "", head,
+             "|" + "---|" * (5 + len(cols) + (len(cols) > 1))]
+    for s, r in results.items():
+        med, cpu = r["step_s"], r["cpu_s"]
+        fwd = med["forward"]
+        ml, en = cpu["mlx-lm"] - cpu["forward"], cpu["engine"] - cpu["forward"]
+        cells = [f"{s}", f"{fwd * 1e3:.3f}", f"{ml * 1e3:.3f}", f"{en * 1e3:.3f}", f"{en / max(ml, 1e-9):.2f}"]
+        for c in cols:
+            cells += [f"{med['mlx-lm'] / med[c]:.2f}"]
+        if len(cols) > 1:
+            cells += [f"{med['mlx_lm.server'] / med['gateway http']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
