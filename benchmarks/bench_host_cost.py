@@ -63,9 +63,10 @@ class Phases:
     :meth:`wrap` (seconds, ``time.thread_time``, per thread's call stack: a phase's
     callees are not counted in it), until :meth:`remove`; ``counts[phase]`` counts the
     calls. CPU time, not wall time: the machine's other load, which preempts the thread,
-    is left out (mostly)."""
+    is left out (mostly); ``clock=time.perf_counter`` times wall time instead."""
 
-    def __init__(self):
+    def __init__(self, clock=time.thread_time):
+        self.clock = clock  # time.perf_counter: wall time (a latency's split)
         self.acc: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
         self._stacks = threading.local()
@@ -74,7 +75,7 @@ class Phases:
     def wrap(self, owner, attr: str, phase: str) -> None:
         """Time ``owner.attr`` (a class's function or a module's) as ``phase``."""
         fn = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
-        acc, counts, stacks, clock = self.acc, self.counts, self._stacks, time.thread_time
+        acc, counts, stacks, clock = self.acc, self.counts, self._stacks, self.clock
 
         def timed(*args, **kwargs):
             stack = getattr(stacks, "s", None)
@@ -121,19 +122,24 @@ class _TimedMx:
 
 
 STEP_PHASE = "step graph: sampling, logits processors, token lists"
+PREFILL_PHASE = "prefill (not a decode step's)"
+# The forward's part of a step on the stepping thread: what a loop around the model alone costs too.
+FORWARD_PHASES = ("forward graph building", "dispatch of the next step", "wait for the step's result (forward compute)",
+                  PREFILL_PHASE)
 
 
 def install(phases: Phases, model) -> None:
     """Wrap the functions of a decode step, the engine's and mlx-lm's (shared parts
     count under the same names on both sides)."""
     import mlx.core as mx
-    from mlx_lm.generate import BatchGenerator, GenerationBatch
+    from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 
     generate = sys.modules[GenerationBatch.__module__]  # (mlx_lm.generate is also a function's name)
 
     generate.mx = _TimedMx(mx, phases)
     phases.wrap(type(model), "__call__", "forward graph building")
     phases.wrap(GenerationBatch, "_step", STEP_PHASE)
+    phases.wrap(PromptProcessingBatch, "prompt", PREFILL_PHASE)
     phases.wrap(GenerationBatch, "next", "stop/EOS checks, responses")
     phases.wrap(GenerationBatch, "filter", "row insert/filter")
     phases.wrap(BatchGenerator, "_next", "scheduling (generator)")
@@ -400,8 +406,12 @@ def main() -> None:
                     if side in ("forward", "mlx-lm", "engine"):  # the host threads' CPU per decode step
                         cpu[side].append((sum(thread_cpu(t) for t in host) - cpu0) / args.decode)
                     if side in ("mlx-lm", "engine"):
-                        for k, v in per_step(before, phases.snapshot())[0].items():
+                        ph, steps = per_step(before, phases.snapshot())
+                        for k, v in ph.items():
                             split[side][k].append(v)
+                        # the host threads' CPU per step, the forward's part on them (timed in the same run) left out
+                        cpu[side][-1] = cpu[side][-1] * args.decode / max(steps, 1) - sum(
+                            ph.get(k, 0.0) for k in FORWARD_PHASES)
                     elif side == "gateway http":
                         time.sleep(0.3)
                         for k, v in per_step(before, json.loads(profile_file.read_text()))[0].items():
@@ -430,10 +440,8 @@ def report(s: int, r: dict) -> None:
     med, fwd, cpu = r["step_s"], r["step_s"]["forward"], r["cpu_s"]
     print(f"\n{s} streams: forward alone {fwd * 1e3:.3f} ms/step, its thread's CPU {cpu['forward'] * 1e3:.3f} ms/step")
     for side in ("mlx-lm", "engine"):
-        print(f"  {side:14s} host threads' CPU {cpu[side] * 1e3:7.3f} ms/step, "
-              f"{(cpu[side] - cpu['forward']) * 1e3:7.3f} ms beyond the forward's")
-    print(f"  engine host CPU beyond the forward ÷ mlx-lm's: "
-          f"{(cpu['engine'] - cpu['forward']) / max(1e-9, cpu['mlx-lm'] - cpu['forward']):.2f}")
+        print(f"  {side:14s} host CPU beyond the forward {cpu[side] * 1e3:7.3f} ms/step")
+    print(f"  engine host CPU ÷ mlx-lm's: {cpu['engine'] / max(1e-9, cpu['mlx-lm']):.2f}")
     for side, sec in med.items():
         if side != "forward":
             print(f"  {side:14s} {sec * 1e3:7.3f} ms/step, host {max(0.0, sec - fwd) * 1e3:7.3f} ms, "
@@ -453,12 +461,13 @@ def table(results: dict, model: str) -> str:
             "engine ÷ mlx-lm | " + " | ".join(f"{c} tok/s ÷ mlx-lm's" for c in cols)
             + (" | gateway http ÷ mlx_lm.server |" if len(cols) > 1 else " |"))
     lines = [f"Model: {model}. Host CPU: the CPU time of the stepping threads (the engine's and the "
-             "event loop's; mlx-lm's loop) per decode step, less that of the forward's own loop.", "", head,
+             "event loop's; mlx-lm's loop) per decode step, less the forward's part on them (graph building, "
+             "dispatch, the wait for its result, prefill; timed in the same run).", "", head,
              "|" + "---|" * (5 + len(cols) + (len(cols) > 1))]
     for s, r in results.items():
         med, cpu = r["step_s"], r["cpu_s"]
         fwd = med["forward"]
-        ml, en = cpu["mlx-lm"] - cpu["forward"], cpu["engine"] - cpu["forward"]
+        ml, en = cpu["mlx-lm"], cpu["engine"]
         cells = [f"{s}", f"{fwd * 1e3:.3f}", f"{ml * 1e3:.3f}", f"{en * 1e3:.3f}", f"{en / max(ml, 1e-9):.2f}"]
         for c in cols:
             cells += [f"{med['mlx-lm'] / med[c]:.2f}"]
