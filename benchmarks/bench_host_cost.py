@@ -130,14 +130,15 @@ FORWARD_PHASES = ("forward graph building", "dispatch of the next step", "wait f
 
 def install(phases: Phases, model) -> None:
     """Wrap the functions of a decode step, the engine's and mlx-lm's (shared parts
-    count under the same names on both sides)."""
+    count under the same names on both sides), and ``model``'s forward (None: not)."""
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 
     generate = sys.modules[GenerationBatch.__module__]  # (mlx_lm.generate is also a function's name)
 
     generate.mx = _TimedMx(mx, phases)
-    phases.wrap(type(model), "__call__", "forward graph building")
+    if model is not None:
+        phases.wrap(type(model), "__call__", "forward graph building")
     phases.wrap(GenerationBatch, "_step", STEP_PHASE)
     phases.wrap(PromptProcessingBatch, "prompt", PREFILL_PHASE)
     phases.wrap(GenerationBatch, "next", "stop/EOS checks, responses")
@@ -261,18 +262,7 @@ def profiled_serve(out: str, argv: list[str]) -> None:
     """``mlx-gateway serve argv`` with :class:`Phases` installed; the phases' running
     totals go to ``out`` (JSON) every 0.2 s."""
     phases = Phases()
-    import mlx_lm.utils
-
-    load = mlx_lm.utils.load
-
-    def load_and_install(*a, **k):  # the model's class is known once it is loaded
-        loaded = load(*a, **k)
-        install(phases, loaded[0])
-        return loaded
-
-    import mlx_lm
-
-    mlx_lm.load = mlx_lm.utils.load = load_and_install
+    install(phases, None)  # (the forward's graph building counts in the step's graph here)
 
     def dump() -> None:
         while True:
@@ -287,15 +277,20 @@ def profiled_serve(out: str, argv: list[str]) -> None:
     sys.exit(cli_main(["serve", *argv]))
 
 
-async def http_streams(url: str, rows: list[list[int]], decode: int, bias: dict) -> float:
+async def http_streams(url: str, model: str, rows: list[list[int]], decode: int, bias: dict) -> float:
+    """Seconds per step of ``len(rows)`` concurrent streamed ``/v1/completions`` of
+    ``decode`` tokens, each prompt the text of random words (as many as its row's
+    tokens; mlx_lm.server takes no token ids)."""
     import httpx
+
+    from scenarios import words
 
     async with httpx.AsyncClient(base_url=url, timeout=600) as c:
         firsts, last = [], [0.0]
 
         async def one(tokens: list[int]) -> None:
-            body = {"model": "m", "prompt": tokens, "max_tokens": decode, "temperature": 0, "stream": True,
-                    "logit_bias": bias}
+            body = {"model": model, "prompt": words(len(tokens), tokens[0]), "max_tokens": decode, "temperature": 0,
+                    "stream": True, "logit_bias": bias}
             first = None
             async with c.stream("POST", "/v1/completions", json=body) as r:
                 r.raise_for_status()
@@ -365,7 +360,7 @@ def main() -> None:
         ml, _ = start([sys.executable, "-m", "mlx_lm.server", "--model", model_dir, "--port", str(mport),
                        "--decode-concurrency", str(max(32, max(streams))), "--log-level", "WARNING"], mport)
         servers = [gw, ml]
-        urls = {"gateway http": f"http://127.0.0.1:{gport}", "mlx_lm.server": f"http://127.0.0.1:{mport}"}
+        urls = {"gateway http": (f"http://127.0.0.1:{gport}", "m"), "mlx_lm.server": (f"http://127.0.0.1:{mport}", model_dir)}
     phases = Phases()
     results: dict = {}
     try:
@@ -373,8 +368,8 @@ def main() -> None:
         mlx_lm_side(model, warm, 8)
         engine_side(engine, warm, 8)
         if args.http:
-            for url in urls.values():
-                asyncio.run(http_streams(url, warm, 8, bias))
+            for url, name in urls.values():
+                asyncio.run(http_streams(url, name, warm, 8, bias))
         install(phases, model)
         seed = 0
         for s in streams:
@@ -401,7 +396,7 @@ def main() -> None:
                         if side == "gateway http":
                             time.sleep(0.3)
                             before = json.loads(profile_file.read_text())
-                        sec = asyncio.run(http_streams(urls[side], rows, args.decode, bias))
+                        sec = asyncio.run(http_streams(*urls[side], rows, args.decode, bias))
                     runs[side].append(sec)
                     if side in ("forward", "mlx-lm", "engine"):  # the host threads' CPU per decode step
                         cpu[side].append((sum(thread_cpu(t) for t in host) - cpu0) / args.decode)
