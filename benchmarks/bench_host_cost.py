@@ -300,7 +300,8 @@ async def http_streams(url: str, model: str, rows: list[list[int]], decode: int,
                             last[0] = time.perf_counter()
                             first = first or last[0]
             except httpx.HTTPError as e:  # counted, left out of the figure (mlx_lm.server drops some)
-                print(f"  {url}: a stream failed: {e!r}", flush=True)
+                print(f"  {'gateway' if model == 'm' else 'mlx_lm.server'} ({url}): a stream failed: {e!r}",
+                      flush=True)
                 return
             firsts.append(first)
 
