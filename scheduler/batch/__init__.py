@@ -250,7 +250,8 @@ class Batch:
         # the most tokens a prompt has to prefill before its last (fed as it joins the decoding rows)
         left = max((a.prompt_left - 1 for a in prefill_rows), default=None)
         decoding = len(self.active) - prefilling
-        hold = not decode_only and holds_decode(self.active.values(), self._held)
+        # (a step with no prompt prefilling never holds: holds_decode scans every row for one)
+        hold = not decode_only and bool(prefill_rows) and holds_decode(self.active.values(), self._held)
         if hold:
             decoding = 0
         if decode_only:
