@@ -44,7 +44,7 @@ from scheduler.request import PromptEvent  # noqa: E402
 from tests.conftest import EventSink, model_path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_host_cost import Phases  # noqa: E402
+from phases import Phases  # noqa: E402
 
 
 def hit_phases() -> Phases:

@@ -55,127 +55,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-
-
-# ----------------------------------------------------------------------------- the timers
-class Phases:
-    """Exclusive CPU time of the calling thread per phase of functions wrapped by
-    :meth:`wrap` (seconds, ``time.thread_time``, per thread's call stack: a phase's
-    callees are not counted in it), until :meth:`remove`; ``counts[phase]`` counts the
-    calls. CPU time, not wall time: the machine's other load, which preempts the thread,
-    is left out (mostly); ``clock=time.perf_counter`` times wall time instead."""
-
-    def __init__(self, clock=time.thread_time):
-        self.clock = clock  # time.perf_counter: wall time (a latency's split)
-        self.acc: dict[str, float] = defaultdict(float)
-        self.counts: dict[str, int] = defaultdict(int)
-        self._stacks = threading.local()
-        self._wrapped: list = []
-
-    def wrap(self, owner, attr: str, phase: str) -> None:
-        """Time ``owner.attr`` (a class's function or a module's) as ``phase``."""
-        fn = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
-        acc, counts, stacks, clock = self.acc, self.counts, self._stacks, self.clock
-
-        def timed(*args, **kwargs):
-            stack = getattr(stacks, "s", None)
-            if stack is None:
-                stack = stacks.s = []
-            stack.append(0.0)
-            t = clock()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                dt = clock() - t
-                inner = stack.pop()
-                acc[phase] += dt - inner
-                counts[phase] += 1
-                if stack:
-                    stack[-1] += dt
-
-        timed.__wrapped__ = fn
-        setattr(owner, attr, timed)
-        self._wrapped.append((owner, attr, fn))
-
-    def remove(self) -> None:
-        for owner, attr, fn in reversed(self._wrapped):
-            setattr(owner, attr, fn)
-        self._wrapped.clear()
-
-    def snapshot(self) -> dict:
-        return {"acc": dict(self.acc), "counts": dict(self.counts)}
-
-
-class _TimedMx:
-    """``mlx.core`` as mlx-lm's generate module sees it, its ``eval`` and ``async_eval``
-    timed (the wait for a step's result, the dispatch of the next)."""
-
-    def __init__(self, mx, phases: Phases):
-        self._mx = mx
-        self.__dict__["eval"] = mx.eval
-        self.__dict__["async_eval"] = mx.async_eval
-        phases.wrap(self, "eval", "wait for the step's result (forward compute)")
-        phases.wrap(self, "async_eval", "dispatch of the next step")
-
-    def __getattr__(self, name):
-        return getattr(self._mx, name)
-
-
-STEP_PHASE = "step graph: sampling, logits processors, token lists"
-PREFILL_PHASE = "prefill (not a decode step's)"
-# The forward's part of a step on the stepping thread: what a loop around the model alone costs too.
-FORWARD_PHASES = ("forward graph building", "dispatch of the next step", "wait for the step's result (forward compute)",
-                  PREFILL_PHASE)
-
-
-def install(phases: Phases, model) -> None:
-    """Wrap the functions of a decode step, the engine's and mlx-lm's (shared parts
-    count under the same names on both sides), and ``model``'s forward (None: not)."""
-    import mlx.core as mx
-    from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
-
-    generate = sys.modules[GenerationBatch.__module__]  # (mlx_lm.generate is also a function's name)
-
-    generate.mx = _TimedMx(mx, phases)
-    if model is not None:
-        phases.wrap(type(model), "__call__", "forward graph building")
-    phases.wrap(GenerationBatch, "_step", STEP_PHASE)
-    phases.wrap(PromptProcessingBatch, "prompt", PREFILL_PHASE)
-    phases.wrap(GenerationBatch, "next", "stop/EOS checks, responses")
-    phases.wrap(GenerationBatch, "filter", "row insert/filter")
-    phases.wrap(BatchGenerator, "_next", "scheduling (generator)")
-    try:
-        from scheduler.batch import Batch
-        from scheduler.batch.decode_batch import JoiningGenerationBatch
-        from scheduler.batch.generator import JoiningBatchGenerator
-        from scheduler.batch.insertion import RowInsertion
-        from scheduler.engine.core import EngineCore
-        from scheduler.engine.loop import EngineLoop
-    except ImportError:  # mlx-lm alone
-        return
-    phases.wrap(JoiningGenerationBatch, "plain_next", "stop/EOS checks, responses")
-    phases.wrap(JoiningGenerationBatch, "filter", "row insert/filter")
-    phases.wrap(JoiningBatchGenerator, "_next", "scheduling (generator)")
-    phases.wrap(RowInsertion, "join_ready", "row insert/filter")
-    phases.wrap(Batch, "step", "scheduling (batch: chunk plan, accounting)")
-    phases.wrap(Batch, "_token_event", "token events (counters, metrics, fair share)")
-    phases.wrap(Batch, "_save_snapshot", "snapshot of a finished row")
-    phases.wrap(EngineCore, "_send", "hop to the event loop")
-    phases.wrap(EngineLoop, "_turn_once", "scheduling (loop: admission, turns)")
-    try:
-        from gateway.conversation.textout import TextAssembler
-        from gateway.protocols.openai_completions import CompletionFormat
-    except ImportError:
-        return
-    phases.wrap(TextAssembler, "feed", "detokenizing")
-    phases.wrap(CompletionFormat, "piece", "SSE encoding")
-
-
-def per_step(before: dict, after: dict) -> tuple[dict, int]:
-    """Seconds per decode step of each phase between two snapshots, and the steps."""
-    steps = after["counts"].get(STEP_PHASE, 0) - before["counts"].get(STEP_PHASE, 0)
-    out = {k: (v - before["acc"].get(k, 0.0)) / max(steps, 1) for k, v in after["acc"].items()}
-    return {k: v for k, v in out.items() if v > 0}, steps
+from phases import FORWARD_PHASES, Phases, install, per_step  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- the sides
@@ -277,36 +157,40 @@ def profiled_serve(out: str, argv: list[str]) -> None:
     sys.exit(cli_main(["serve", *argv]))
 
 
-async def http_streams(url: str, model: str, rows: list[list[int]], decode: int, bias: dict) -> float:
+async def http_streams(url: str, model: str, rows: list[list[int]], decode: int, bias: dict) -> tuple[float, list]:
     """Seconds per step of ``len(rows)`` concurrent streamed ``/v1/completions`` of
     ``decode`` tokens, each prompt the text of random words (as many as its row's
-    tokens; mlx_lm.server takes no token ids)."""
+    tokens; mlx_lm.server takes no token ids), and the errors of the streams that failed
+    (left out of the figure; see :data:`DROPS`)."""
     import httpx
 
     from scenarios import words
 
-    async with httpx.AsyncClient(base_url=url, timeout=600) as c:
-        firsts, last = [], [0.0]
+    firsts, last, failed = [], [0.0], []
 
-        async def one(tokens: list[int]) -> None:
-            body = {"model": model, "prompt": words(len(tokens), tokens[0]), "max_tokens": decode, "temperature": 0,
-                    "stream": True, "logit_bias": bias}
-            first = None
-            try:
-                async with c.stream("POST", "/v1/completions", json=body) as r:
-                    r.raise_for_status()
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
-                            last[0] = time.perf_counter()
-                            first = first or last[0]
-            except httpx.HTTPError as e:  # counted, left out of the figure (mlx_lm.server drops some)
-                print(f"  {'gateway' if model == 'm' else 'mlx_lm.server'} ({url}): a stream failed: {e!r}",
-                      flush=True)
-                return
+    async def one(c, tokens: list[int]) -> None:
+        body = {"model": model, "prompt": words(len(tokens), tokens[0]), "max_tokens": decode, "temperature": 0,
+                "stream": True, "logit_bias": bias}
+        first = None
+        try:
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
+                        last[0] = time.perf_counter()
+                        first = first or last[0]
             firsts.append(first)
+        except httpx.HTTPError as e:
+            failed.append(repr(e))
 
-        await asyncio.gather(*(one(r) for r in rows))
-        return step_seconds(firsts, last[0], decode) if firsts else float("nan")
+    async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+        await asyncio.gather(*(one(c, r) for r in rows))
+    return (step_seconds(firsts, last[0], decode) if firsts else float("nan")), failed
+
+
+# Why streams fail over HTTP at 16 and 32 streams (httpx ReadError); the gateway (uvicorn) completes them all.
+DROPS = ("mlx_lm.server resets the connections that arrive at once beyond its listen backlog of 5 "
+         "(a ThreadingHTTPServer: socketserver's request_queue_size)")
 
 
 # ----------------------------------------------------------------------------- the run
@@ -337,7 +221,6 @@ def main() -> None:
         profiled_serve(args.profiled_serve, [a for a in rest if a != "--"])
         return
 
-    import mlx.core as mx
     import mlx_lm
 
     from cache import PromptCacheManager
@@ -351,7 +234,7 @@ def main() -> None:
     engine = Engine(model, tok.eos_token_ids, PromptCacheManager(max_bytes=1 << 30, max_entries=8),
                     decode_concurrency=max(32, max(streams)), speculation=SpeculationConfig(method="off"))
     engine.start()
-    servers = []
+    servers, urls = [], {}
     if args.http:
         from scenarios import free_port, start, steady_stream_bias
 
@@ -370,19 +253,18 @@ def main() -> None:
     results: dict = {}
     try:
         warm = prompts(vocab, 2, args.prompt, 999)
-        mlx_lm_side(model, warm, 8)
-        engine_side(engine, warm, 8)
-        if args.http:
-            for url, name in urls.values():
-                asyncio.run(http_streams(url, name, warm, 8, bias))
+        mlx_lm_side(model, warm, 8), engine_side(engine, warm, 8)
+        for url, name in urls.values():
+            asyncio.run(http_streams(url, name, warm, 8, bias))
         install(phases, model)
-        seed = 0
+        seed, in_process = 0, {"forward": lambda rows, n: forward_only(model, rows, n),
+                               "mlx-lm": lambda rows, n: mlx_lm_side(model, rows, n),
+                               "engine": lambda rows, n: engine_side(engine, rows, n)}
         for s in streams:
-            runs: dict = defaultdict(list)
-            cpu: dict = defaultdict(list)
+            runs, cpu, dropped = defaultdict(list), defaultdict(list), defaultdict(int)
             split: dict = defaultdict(lambda: defaultdict(list))
             for rep in range(args.repeat):
-                sides = ["forward", "mlx-lm", "engine"] + (["gateway http", "mlx_lm.server"] if args.http else [])
+                sides = ["forward", "mlx-lm", "engine", *urls]
                 if rep % 2:
                     sides = sides[:1] + sides[1:][::-1]
                 for side in sides:
@@ -391,20 +273,18 @@ def main() -> None:
                     before = phases.snapshot()
                     host = [threading.main_thread()] + ([engine.loop._thread] if side == "engine" else [])
                     cpu0 = sum(thread_cpu(t) for t in host)
-                    if side == "forward":
-                        sec = forward_only(model, rows, args.decode)
-                    elif side == "mlx-lm":
-                        sec = mlx_lm_side(model, rows, args.decode)
-                    elif side == "engine":
-                        sec = engine_side(engine, rows, args.decode)
+                    if side in in_process:
+                        sec = in_process[side](rows, args.decode)
+                        cpu[side].append((sum(thread_cpu(t) for t in host) - cpu0) / args.decode)  # per decode step
                     else:
                         if side == "gateway http":
                             time.sleep(0.3)
                             before = json.loads(profile_file.read_text())
-                        sec = asyncio.run(http_streams(*urls[side], rows, args.decode, bias))
+                        sec, failed = asyncio.run(http_streams(*urls[side], rows, args.decode, bias))
+                        dropped[side] += len(failed)
+                        if failed:  # counted, left out of the figure
+                            print(f"  {side}: {len(failed)} of {s} streams failed: {failed[0]}", flush=True)
                     runs[side].append(sec)
-                    if side in ("forward", "mlx-lm", "engine"):  # the host threads' CPU per decode step
-                        cpu[side].append((sum(thread_cpu(t) for t in host) - cpu0) / args.decode)
                     if side in ("mlx-lm", "engine"):
                         ph, steps = per_step(before, phases.snapshot())
                         for k, v in ph.items():
@@ -418,6 +298,7 @@ def main() -> None:
                             split[side][k].append(v)
             med = {k: statistics.median(v) for k, v in runs.items()}
             results[s] = {"step_s": med, "runs": dict(runs), "cpu_s": {k: statistics.median(v) for k, v in cpu.items()},
+                          "dropped": {k: f"{n} of {s * args.repeat}" for k, n in dropped.items() if n},
                           "phases": {side: {k: statistics.median(v) for k, v in ph.items()}
                                      for side, ph in split.items()}}
             report(s, results[s])
@@ -448,6 +329,8 @@ def report(s: int, r: dict) -> None:
                   f"{s / sec:8.1f} tok/s, {med['mlx-lm'] / sec:.2f}x mlx-lm's rate")
     if "mlx_lm.server" in med:
         print(f"  gateway over HTTP: {med['mlx_lm.server'] / med['gateway http']:.2f}x mlx_lm.server's rate")
+    for side, n in r["dropped"].items():
+        print(f"  {side}: {n} streams failed, left out of its figure")
     for side, ph in r["phases"].items():
         print(f"  {side} per step (exclusive, us):")
         for k, v in sorted(ph.items(), key=lambda kv: -kv[1]):
@@ -474,6 +357,10 @@ def table(results: dict, model: str) -> str:
         if len(cols) > 1:
             cells += [f"{med['mlx_lm.server'] / med['gateway http']:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
+    drops = [f"{side} {n} at {s} streams" for s, r in results.items() for side, n in r["dropped"].items()]
+    if drops:  # the cause named where it is known
+        cause = f" {DROPS}." if all(d.startswith("mlx_lm.server") for d in drops) else ""
+        lines += ["", f"Streams that failed, left out of the figures: {'; '.join(drops)}.{cause}"]
     return "\n".join(lines)
 
 
