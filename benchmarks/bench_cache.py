@@ -1,8 +1,8 @@
 """Prefix-cache benchmark (a script, not a test).
 
-Usage:  python benchmarks/bench_cache.py [--lengths 2048 20480]
+Usage:  python benchmarks/bench_cache.py [--lengths 2048 20480] [--new 128] [--model DIR]
 
-Model: the tiny random-weight ``qwen3`` test model (2 layers, hidden 64, 2 KV heads
+Model (``--model``, default): the tiny random-weight ``qwen3`` test model (2 layers, hidden 64, 2 KV heads
 of dim 16, float32, ~1K vocabulary; ``tests/conftest.py``), run on whatever MLX
 backend is present. Absolute times are those of a toy model; the point is the ratio
 cold / hot and the size of the fetch overhead (lookup, copy, restore).
@@ -13,7 +13,12 @@ the first token of a greedy one-token request):
   - exact-prefix hot TTFT: the same prompt again (what the engine stored of it restored);
   - nearest-prefix hot TTFT: the stored prompt shares all but its last 128 tokens
     with the query (snapshot trimmed, 128 new tokens run);
-  - fetch overhead split into lookup / copy / restore (seconds, the manager's own fetch).
+  - fetch overhead split into lookup / copy / restore (seconds, the manager's own fetch);
+  - the nearest-prefix hit's time split by phase (wall time of the engine's functions,
+    exclusive of their callees, timed for that request alone: the restore, the row's
+    insertion, the prompt batch's setup, the prefill forward of its new tokens, the join
+    into the decode batch, the first decode step, snapshots), beside the forward of its
+    new tokens alone on a copy of the restored cache.
 Then: memory (mx.get_active_memory) and time to hand out a copy of a 100K-token
 snapshot, for the tiny model's layer shapes and for 4 layers of a Qwen3-0.6B-like
 shape (8 KV heads x 128 dims, float16), and the memory of the first write to it.
@@ -38,6 +43,44 @@ from scheduler import Engine, EngineRequest, SamplingParams  # noqa: E402
 from scheduler.request import PromptEvent  # noqa: E402
 from tests.conftest import EventSink, model_path  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from phases import Phases  # noqa: E402
+
+
+def hit_phases() -> Phases:
+    """Wall-time timers on the functions a prefix-cache hit runs through (engine thread)."""
+    from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+
+    from scheduler.batch import Batch
+    from scheduler.batch.decode_batch import JoiningGenerationBatch
+    from scheduler.batch.generator import JoiningBatchGenerator
+    from scheduler.batch.insertion import RowInsertion
+
+    ph = Phases(clock=time.perf_counter)
+    ph.wrap(PromptCacheManager, "fetch", "restore (lookup, copy, trim)")
+    ph.wrap(RowInsertion, "start_row", "row insertion (segments, sampler)")
+    ph.wrap(BatchGenerator, "_make_batch", "prompt batch setup (caches merged)")
+    ph.wrap(PromptProcessingBatch, "prompt", "prefill forward of the new tokens")
+    ph.wrap(JoiningBatchGenerator, "_join_finished_prompts", "join into the decode batch")
+    ph.wrap(JoiningGenerationBatch, "plain_next", "first decode step")
+    ph.wrap(GenerationBatch, "extract_cache", "snapshots (extract, store)")
+    ph.wrap(Batch, "_save_snapshot", "snapshots (extract, store)")
+    ph.wrap(Batch, "step", "scheduling (the rest of the steps)")
+    return ph
+
+
+def forward_alone(model, hit, tokens: list[int]) -> float:
+    """Seconds of the forward of ``tokens`` alone over a copy of a fetched prefix (its
+    layer caches), evaluated, and its greedy first token."""
+    import copy
+
+    cache = copy.deepcopy(hit.cache)
+    mx.eval([c.state for c in cache])
+    t = time.perf_counter()
+    logits = model(mx.array([tokens]), cache=cache)
+    mx.eval(mx.argmax(logits[:, -1], axis=-1))
+    return time.perf_counter() - t
+
 
 def prompt_tokens(tok, n: int, seed: int) -> list[int]:
     import random
@@ -61,38 +104,50 @@ def first_token(engine: Engine, tokens: list[int], namespace: str) -> tuple[floa
     return seconds, next(e.cached_tokens for e in sink.events if isinstance(e, PromptEvent))
 
 
-def bench_ttft(model, tok, n: int, reps: int) -> None:
+def bench_ttft(model, tok, n: int, reps: int, new: int = 128) -> None:
     toks = prompt_tokens(tok, n, seed=n)
-    query = toks[: n - 128] + prompt_tokens(tok, 128, seed=n + 1)
-    query[n - 128] = (toks[n - 128] + 1) % 900 + 5  # diverge exactly at n-128
+    query = toks[: n - new] + prompt_tokens(tok, new, seed=n + 1)
+    query[n - new] = (toks[n - new] + 1) % 900 + 5  # diverge exactly at n-new
 
     mgr = PromptCacheManager(max_bytes=8 << 30, max_entries=64)
     engine = Engine(model, tok.eos_token_ids, mgr)
     engine.start()
     cold_runs, hot_runs, near_runs = [], [], []
+    splits: list[dict] = []
+    ph = hit_phases()
     try:
         for i in range(max(reps, 3)):
             # fresh namespaces per run, each holding only what the cold run stored
             for kind, q, runs in (("exact", toks, hot_runs), ("near", query, near_runs)):
                 ns = f"{kind}-{i}"
                 cold_runs.append(first_token(engine, toks, ns))
+                before = ph.snapshot()["acc"]
                 runs.append(first_token(engine, q, ns))
+                if kind == "near":
+                    splits.append({k: v - before.get(k, 0.0) for k, v in ph.snapshot()["acc"].items()})
         hits = {kind: mgr.fetch(f"{kind}-0", q) for kind, q in (("exact", toks), ("near", query))}
+        ph.remove()
+        alone = statistics.median(forward_alone(model, hits["near"], query[near_runs[-1][1]:]) for _ in range(3))
         for hit in hits.values():
             mgr.release(hit.lease)
     finally:
+        ph.remove()
         engine.stop()
     cold_s = statistics.median(t for t, _ in cold_runs)
     hot_s = statistics.median(t for t, _ in hot_runs)
     near_s = statistics.median(t for t, _ in near_runs)
     hot, near = hot_runs[-1][1], near_runs[-1][1]
-    assert near == n - 128, near
+    assert near == n - new, near
 
     def fmt(t):
         return {k: f"{v * 1e3:.3f}ms" for k, v in t.items() if k != "prefill"}
 
     print(f"prefix {n:>6} tokens: cold TTFT {cold_s:.3f}s | exact hot {hot_s * 1e3:.1f}ms "
-          f"(reused {hot}) | nearest hot {near_s * 1e3:.1f}ms (reused {near}, ran {n - near})")
+          f"(reused {hot}) | nearest hot {near_s * 1e3:.1f}ms (reused {near}, ran {n - near}) | "
+          f"nearest ÷ (exact + forward of {n - near} tokens alone, {alone * 1e3:.1f}ms): {near_s / (hot_s + alone):.2f}")
+    keys = sorted({k for sp in splits for k in sp}, key=lambda k: -statistics.median(sp.get(k, 0.0) for sp in splits))
+    print("    nearest hit by phase (median ms): " + ", ".join(
+        f"{k} {statistics.median(sp.get(k, 0.0) for sp in splits) * 1e3:.2f}" for k in keys))
     print(f"    fetch overhead exact:   {fmt(hits['exact'].timings)}")
     print(f"    fetch overhead nearest: {fmt(hits['near'].timings)}")
 
@@ -141,11 +196,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", type=int, nargs="*", default=[2048, 20480])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--new", type=int, default=128, help="tokens a nearest-prefix hit leaves to compute")
+    ap.add_argument("--model", help="model directory (default: the tiny qwen3 test model)")
     args = ap.parse_args()
     print(f"mlx {mx.__version__}, device {mx.default_device()}")
-    model, tok = mlx_lm.load(str(model_path("qwen3")))
+    model, tok = mlx_lm.load(args.model or str(model_path("qwen3")))
     for n in args.lengths:
-        bench_ttft(model, tok, n, reps=args.reps if n <= 4096 else 1)
+        bench_ttft(model, tok, n, reps=args.reps if n <= 4096 else 1, new=args.new)
     bench_copy("tiny qwen3 (2 layers x 2 KV heads x 16, fp32)", 2, 2, 16, mx.float32)
     bench_copy("Qwen3-0.6B-like, 4 of 28 layers (8 KV heads x 128, fp16)", 4, 8, 128, mx.float16)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 import uuid
 import weakref
@@ -27,11 +28,41 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
+class _Hop:
+    """The way from the engine thread to one event loop: events posted for any of its
+    generations while a delivery is pending ride with it, so a decode step that sends a
+    token to each of 32 streams wakes the loop once (one ``call_soon_threadsafe``, one
+    write to its self-pipe) rather than 32 times. Each queue gets its batches in order."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._pending: collections.deque = collections.deque()
+        self._scheduled = False
+
+    def post(self, queue: asyncio.Queue, events: list[Event]) -> None:
+        """Deliver ``events`` to ``queue`` on the loop (any thread)."""
+        self._pending.append((queue, events))
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        self._scheduled = False  # before draining: a batch posted meanwhile schedules anew
+        pending = self._pending
+        while pending:
+            queue, events = pending.popleft()
+            queue.put_nowait(events)
+
+
+_hops: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Hop]" = weakref.WeakKeyDictionary()
+
+
 class Generation:
     """One request running in the engine, seen from the event loop.
 
     Events posted by the engine thread are delivered through
-    ``loop.call_soon_threadsafe`` into an ``asyncio.Queue``: no polling.
+    ``loop.call_soon_threadsafe`` into an ``asyncio.Queue`` (one call for all the
+    generations an engine step reaches, :class:`_Hop`): no polling.
     Iterating yields :mod:`scheduler.request` events until a ``DoneEvent`` or
     ``ErrorEvent``. :meth:`cancel` is idempotent and is called when the client leaves.
     ``id`` is the request's (:class:`gateway.conversation.books.Books` makes it).
@@ -58,6 +89,7 @@ class Generation:
         self.arrival = time.monotonic()
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[list[Event]] = asyncio.Queue()
+        self._hop = _hops.get(self._loop) or _hops.setdefault(self._loop, _Hop(self._loop))
         self.finished = False
         self.request = EngineRequest(
             id=self.id,
@@ -77,7 +109,7 @@ class Generation:
         live.add(self)
 
     def _sink(self, events: list[Event]) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, events)
+        self._hop.post(self._queue, events)
 
     def fail(self, status: int, message: str) -> None:
         """End the request with an error event from outside the engine (any thread): the

@@ -250,7 +250,8 @@ class Batch:
         # the most tokens a prompt has to prefill before its last (fed as it joins the decoding rows)
         left = max((a.prompt_left - 1 for a in prefill_rows), default=None)
         decoding = len(self.active) - prefilling
-        hold = not decode_only and holds_decode(self.active.values(), self._held)
+        # (a step with no prompt prefilling never holds: holds_decode scans every row for one)
+        hold = not decode_only and bool(prefill_rows) and holds_decode(self.active.values(), self._held)
         if hold:
             decoding = 0
         if decode_only:
@@ -293,6 +294,7 @@ class Batch:
             self.metrics.decode_holds.inc()
         self.failures.fail_faulty(list(self.active.values()), self._fail_row)
         events: dict[int, list[Event]] = {}
+        counted: dict = {}  # (tenant, weight): tokens, accounted once for the step
         for gr in gen_responses:
             a = self.active.get(gr.uid)
             if a is None:
@@ -303,7 +305,7 @@ class Batch:
                 except Exception:  # a repeat then takes the forward; the row goes on
                     log.exception("keeping the first-token logits of request %s failed", a.request.id)
             try:
-                events.setdefault(gr.uid, []).append(self._token_event(a, gr))
+                events.setdefault(gr.uid, []).append(self._token_event(a, gr, counted))
             except Exception as e:
                 log.exception("request %s failed while decoding", a.request.id)
                 self._fail_row(a, f"decoding failed: {e}")
@@ -313,6 +315,7 @@ class Batch:
                 self._save_snapshot(a, gr.all_tokens, gr.prompt_cache)
                 self.stats.finished += 1
                 self._finish(a, DoneEvent(gr.finish_reason, max(0, a.stored - a.cached)), events.pop(gr.uid))
+        self._count_tokens(counted)
         for uid, evs in events.items():
             a = self.active.get(uid)
             if a is not None:
@@ -332,19 +335,22 @@ class Batch:
             self.metrics.decode_rate.set(dec / (now - start))
             self._rate_window = [now, 0, 0]
 
-    def _token_event(self, a: Row, gr) -> TokenEvent:
+    def _token_event(self, a: Row, gr, counted: Optional[dict] = None) -> TokenEvent:
+        """The event of ``a``'s token ``gr.token``; the token is counted (stats, metrics,
+        its tenant's fair share) into ``counted`` for :meth:`_count_tokens`, or now when
+        that is None."""
         if not a.generated:
             a.request.timings["engine_first_token"] = time.monotonic()
         a.generated += 1
-        self.stats.decode_tokens += 1
         recent = self.stats.generated_by_request
         recent[a.request.id] = a.generated
         if len(recent) > RECENT:
             del recent[next(iter(recent))]
-        self.metrics.decode_tokens.inc()
-        self.metrics.work.labels(a.request.tenant).inc()
-        self.fair.charge(a.request.tenant, 1, a.request.weight)
-        self._rate_window[2] += 1
+        key = (a.request.tenant, a.request.weight)
+        if counted is None:
+            self._count_tokens({key: 1})
+        else:
+            counted[key] = counted.get(key, 0) + 1
         p = a.request.params
         if not p.logprobs:
             return TokenEvent(gr.token)
@@ -358,6 +364,19 @@ class Batch:
             order = mx.argsort(-vals)
             top = list(zip(idx[order].tolist(), vals[order].tolist()))
         return TokenEvent(gr.token, chosen, top)
+
+    def _count_tokens(self, counted: dict) -> None:
+        """Account generated tokens, ``{(tenant, weight): tokens}``: one update per tenant
+        and step rather than per token."""
+        if not counted:
+            return
+        n = sum(counted.values())
+        self.stats.decode_tokens += n
+        self.metrics.decode_tokens.inc(n)
+        self._rate_window[2] += n
+        for (tenant, weight), k in counted.items():
+            self.metrics.work.labels(tenant).inc(k)
+            self.fair.charge(tenant, k, weight)
 
     def _on_prompt_progress(self, a: Row, pr) -> int:
         """Account ``a``'s prefill progress; returns the prompt tokens prefilled this step."""

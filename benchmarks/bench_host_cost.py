@@ -1,0 +1,368 @@
+"""The engine's host cost per decode step (everything outside the model's forward),
+split by phase, against mlx-lm's ``BatchGenerator`` loop on the same model in the same
+process and, with ``--http``, against ``mlx_lm.server`` over HTTP; prints figures and
+ratios, asserts nothing.
+
+The model's forward is made negligible on purpose (``--model tiny``: the 2-layer test
+model of ``tests/conftest.py``, a few hundred microseconds a step; ``medium``: the
+benchmarks' medium model, ``benchmarks/scenarios.py``; or a model directory), so what a
+step costs beyond it is the host's: Python bookkeeping, graph building, sampling, stop
+checks, the hop to the event loop, and over HTTP detokenizing and SSE.
+
+For each ``--streams`` count S, each side decodes S greedy streams of ``--decode``
+tokens (distinct random prompts of ``--prompt`` tokens, EOS never ending them) in turns:
+
+* forward: S rows' forward and argmax alone, evaluated each step (a prefilled mlx-lm
+  ``KVCache``), no pipelining: what a step cannot cost less than;
+* mlx-lm: ``BatchGenerator.next_generated`` in a loop (what ``batch_generate`` runs);
+* engine: :class:`scheduler.Engine` (speculation off), each stream a
+  :class:`gateway.conversation.generation.Generation` read by a task on this thread's
+  asyncio loop, so the hop from the engine thread to the event loop is counted;
+* with ``--http``: ``mlx-gateway serve`` and ``mlx_lm.server`` streaming
+  ``/v1/completions`` to S concurrent clients.
+
+A step's time is the wall time from every stream's first token to the last token, over
+``decode - 1`` steps; host cost is a step's time less the forward's. The engine's split
+comes from timers wrapped around its functions for the duration of a run only
+(:class:`Phases`; exclusive time, a phase's callees not counted in it), so serving
+carries no timing code of its own; the gateway's split over HTTP is taken the same way
+in its process (started through this script, ``--profiled-serve``). The forward's own
+compute shows up as "wait for the step's result" (``mx.eval``/``tolist``). Figures are
+medians of ``--repeat`` runs, the sides alternating; ratios are of the medians.
+
+Usage::
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
+        python benchmarks/bench_host_cost.py [--model tiny|medium|DIR] [--streams 1,4,16,32] \\
+        [--decode 128] [--repeat 3] [--http] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from phases import FORWARD_PHASES, Phases, install, per_step  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- the sides
+def prompts(vocab: int, streams: int, n: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab - 1) for _ in range(n)] for _ in range(streams)]
+
+
+def forward_only(model, rows: list[list[int]], decode: int) -> float:
+    """Seconds per step of the rows' forward and argmax alone, evaluated each step."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.array(rows), cache=cache)
+    y = mx.argmax(logits[:, -1], axis=-1)
+    mx.eval(y)
+    t = time.perf_counter()
+    for _ in range(decode - 1):
+        y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+        mx.eval(y)
+    return (time.perf_counter() - t) / (decode - 1)
+
+
+def step_seconds(firsts: list[float], last: float, decode: int) -> float:
+    return (last - max(firsts)) / (decode - 1)
+
+
+def thread_cpu(thread: threading.Thread) -> float:
+    """CPU seconds ``thread`` has run so far (Linux, macOS: its pthread CPU clock)."""
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+def mlx_lm_side(model, rows: list[list[int]], decode: int) -> float:
+    from mlx_lm.generate import BatchGenerator
+
+    from scheduler.sampling import greedy
+
+    gen = BatchGenerator(model, max_tokens=decode, stop_tokens=None, sampler=greedy,
+                         completion_batch_size=max(32, len(rows)), prefill_batch_size=8)
+    gen.insert(rows, [decode] * len(rows))
+    firsts: dict[int, float] = {}
+    last = 0.0
+    while responses := gen.next_generated():
+        now = time.perf_counter()
+        for r in responses:
+            firsts.setdefault(r.uid, now)
+        last = now
+    gen.close()
+    return step_seconds(list(firsts.values()), last, decode)
+
+
+def engine_side(engine, rows: list[list[int]], decode: int) -> float:
+    from gateway.conversation.generation import Generation
+    from scheduler import SamplingParams
+    from scheduler.request import TokenEvent
+
+    async def run() -> float:
+        params = SamplingParams(max_tokens=decode, ignore_eos=True)
+        gens = [Generation(f"h-{uuid.uuid4().hex[:12]}", engine, r, params, []) for r in rows]
+        firsts, last = [], [0.0]
+
+        async def read(g) -> None:
+            first = None
+            async for ev in g.events():
+                if isinstance(ev, TokenEvent):
+                    last[0] = time.perf_counter()
+                    first = first or last[0]
+            firsts.append(first)
+
+        with engine.arrivals.prepare():
+            for g in gens:
+                g.submit()
+        await asyncio.gather(*(read(g) for g in gens))
+        return step_seconds(firsts, last[0], decode)
+
+    return asyncio.run(run())
+
+
+# ----------------------------------------------------------------------------- over HTTP
+def profiled_serve(out: str, argv: list[str]) -> None:
+    """``mlx-gateway serve argv`` with :class:`Phases` installed; the phases' running
+    totals go to ``out`` (JSON) every 0.2 s."""
+    phases = Phases()
+    install(phases, None)  # (the forward's graph building counts in the step's graph here)
+
+    def dump() -> None:
+        while True:
+            time.sleep(0.2)
+            tmp = out + ".tmp"
+            Path(tmp).write_text(json.dumps(phases.snapshot()))
+            os.replace(tmp, out)
+
+    threading.Thread(target=dump, daemon=True).start()
+    from gateway.cli import main as cli_main
+
+    sys.exit(cli_main(["serve", *argv]))
+
+
+async def http_streams(url: str, model: str, rows: list[list[int]], decode: int, bias: dict) -> tuple[float, list]:
+    """Seconds per step of ``len(rows)`` concurrent streamed ``/v1/completions`` of
+    ``decode`` tokens, each prompt the text of random words (as many as its row's
+    tokens; mlx_lm.server takes no token ids), and the errors of the streams that failed
+    (left out of the figure; see :data:`DROPS`)."""
+    import httpx
+
+    from scenarios import words
+
+    firsts, last, failed = [], [0.0], []
+
+    async def one(c, tokens: list[int]) -> None:
+        body = {"model": model, "prompt": words(len(tokens), tokens[0]), "max_tokens": decode, "temperature": 0,
+                "stream": True, "logit_bias": bias}
+        first = None
+        try:
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
+                        last[0] = time.perf_counter()
+                        first = first or last[0]
+            firsts.append(first)
+        except httpx.HTTPError as e:
+            failed.append(repr(e))
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+        await asyncio.gather(*(one(c, r) for r in rows))
+    return (step_seconds(firsts, last[0], decode) if firsts else float("nan")), failed
+
+
+# Why streams fail over HTTP at 16 and 32 streams (httpx ReadError); the gateway (uvicorn) completes them all.
+DROPS = ("mlx_lm.server resets the connections that arrive at once beyond its listen backlog of 5 "
+         "(a ThreadingHTTPServer: socketserver's request_queue_size)")
+
+
+# ----------------------------------------------------------------------------- the run
+def model_dir_of(name: str) -> str:
+    if name == "tiny":
+        from tests.conftest import model_path
+
+        return str(model_path("qwen3"))
+    if name == "medium":
+        from scenarios import medium_model
+
+        return medium_model()
+    return name
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny", help="tiny, medium or a model directory")
+    ap.add_argument("--streams", default="1,4,16,32")
+    ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--http", action="store_true", help="also over HTTP: mlx-gateway serve and mlx_lm.server")
+    ap.add_argument("--out", help="directory for host_cost.json and host_cost.md")
+    ap.add_argument("--profiled-serve", help=argparse.SUPPRESS)
+    args, rest = ap.parse_known_args()
+    if args.profiled_serve:
+        profiled_serve(args.profiled_serve, [a for a in rest if a != "--"])
+        return
+
+    import mlx_lm
+
+    from cache import PromptCacheManager
+    from scheduler import Engine
+    from scheduler.speculative import SpeculationConfig
+
+    model_dir = model_dir_of(args.model)
+    model, tok = mlx_lm.load(model_dir)
+    vocab = model.args.vocab_size if hasattr(model, "args") else 1000
+    streams = [int(s) for s in args.streams.split(",")]
+    engine = Engine(model, tok.eos_token_ids, PromptCacheManager(max_bytes=1 << 30, max_entries=8),
+                    decode_concurrency=max(32, max(streams)), speculation=SpeculationConfig(method="off"))
+    engine.start()
+    servers, urls = [], {}
+    if args.http:
+        from scenarios import free_port, start, steady_stream_bias
+
+        bias = steady_stream_bias(model_dir)
+        profile_file = Path(tempfile.mkdtemp()) / "gateway-phases.json"
+        gport, mport = free_port(), free_port()
+        gw, _ = start([sys.executable, __file__, "--profiled-serve", str(profile_file), "--",
+                       "--model", model_dir, "--served-model-name", "m", "--port", str(gport),
+                       "--speculative", "off", "--decode-concurrency", str(max(32, max(streams))),
+                       "--no-precompute-next-turn"], gport, env=dict(os.environ))
+        ml, _ = start([sys.executable, "-m", "mlx_lm.server", "--model", model_dir, "--port", str(mport),
+                       "--decode-concurrency", str(max(32, max(streams))), "--log-level", "WARNING"], mport)
+        servers = [gw, ml]
+        urls = {"gateway http": (f"http://127.0.0.1:{gport}", "m"), "mlx_lm.server": (f"http://127.0.0.1:{mport}", model_dir)}
+    phases = Phases()
+    results: dict = {}
+    try:
+        warm = prompts(vocab, 2, args.prompt, 999)
+        mlx_lm_side(model, warm, 8), engine_side(engine, warm, 8)
+        for url, name in urls.values():
+            asyncio.run(http_streams(url, name, warm, 8, bias))
+        install(phases, model)
+        seed, in_process = 0, {"forward": lambda rows, n: forward_only(model, rows, n),
+                               "mlx-lm": lambda rows, n: mlx_lm_side(model, rows, n),
+                               "engine": lambda rows, n: engine_side(engine, rows, n)}
+        for s in streams:
+            runs, cpu, dropped = defaultdict(list), defaultdict(list), defaultdict(int)
+            split: dict = defaultdict(lambda: defaultdict(list))
+            for rep in range(args.repeat):
+                sides = ["forward", "mlx-lm", "engine", *urls]
+                if rep % 2:
+                    sides = sides[:1] + sides[1:][::-1]
+                for side in sides:
+                    seed += 1
+                    rows = prompts(vocab, s, args.prompt, seed)
+                    before = phases.snapshot()
+                    host = [threading.main_thread()] + ([engine.loop._thread] if side == "engine" else [])
+                    cpu0 = sum(thread_cpu(t) for t in host)
+                    if side in in_process:
+                        sec = in_process[side](rows, args.decode)
+                        cpu[side].append((sum(thread_cpu(t) for t in host) - cpu0) / args.decode)  # per decode step
+                    else:
+                        if side == "gateway http":
+                            time.sleep(0.3)
+                            before = json.loads(profile_file.read_text())
+                        sec, failed = asyncio.run(http_streams(*urls[side], rows, args.decode, bias))
+                        dropped[side] += len(failed)
+                        if failed:  # counted, left out of the figure
+                            print(f"  {side}: {len(failed)} of {s} streams failed: {failed[0]}", flush=True)
+                    runs[side].append(sec)
+                    if side in ("mlx-lm", "engine"):
+                        ph, steps = per_step(before, phases.snapshot())
+                        for k, v in ph.items():
+                            split[side][k].append(v)
+                        # the host threads' CPU per step, the forward's part on them (timed in the same run) left out
+                        cpu[side][-1] = cpu[side][-1] * args.decode / max(steps, 1) - sum(
+                            ph.get(k, 0.0) for k in FORWARD_PHASES)
+                    elif side == "gateway http":
+                        time.sleep(0.3)
+                        for k, v in per_step(before, json.loads(profile_file.read_text()))[0].items():
+                            split[side][k].append(v)
+            med = {k: statistics.median(v) for k, v in runs.items()}
+            results[s] = {"step_s": med, "runs": dict(runs), "cpu_s": {k: statistics.median(v) for k, v in cpu.items()},
+                          "dropped": {k: f"{n} of {s * args.repeat}" for k, n in dropped.items() if n},
+                          "phases": {side: {k: statistics.median(v) for k, v in ph.items()}
+                                     for side, ph in split.items()}}
+            report(s, results[s])
+    finally:
+        phases.remove()
+        engine.stop()
+        for p in servers:
+            p.terminate()
+            p.wait(60)
+    md = table(results, args.model)
+    print(md)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "host_cost.json").write_text(json.dumps({str(k): v for k, v in results.items()}, indent=2))
+        (out / "host_cost.md").write_text(md + "\n")
+
+
+def report(s: int, r: dict) -> None:
+    med, fwd, cpu = r["step_s"], r["step_s"]["forward"], r["cpu_s"]
+    print(f"\n{s} streams: forward alone {fwd * 1e3:.3f} ms/step, its thread's CPU {cpu['forward'] * 1e3:.3f} ms/step")
+    for side in ("mlx-lm", "engine"):
+        print(f"  {side:14s} host CPU beyond the forward {cpu[side] * 1e3:7.3f} ms/step")
+    print(f"  engine host CPU ÷ mlx-lm's: {cpu['engine'] / max(1e-9, cpu['mlx-lm']):.2f}")
+    for side, sec in med.items():
+        if side != "forward":
+            print(f"  {side:14s} {sec * 1e3:7.3f} ms/step, host {max(0.0, sec - fwd) * 1e3:7.3f} ms, "
+                  f"{s / sec:8.1f} tok/s, {med['mlx-lm'] / sec:.2f}x mlx-lm's rate")
+    if "mlx_lm.server" in med:
+        print(f"  gateway over HTTP: {med['mlx_lm.server'] / med['gateway http']:.2f}x mlx_lm.server's rate")
+    for side, n in r["dropped"].items():
+        print(f"  {side}: {n} streams failed, left out of its figure")
+    for side, ph in r["phases"].items():
+        print(f"  {side} per step (exclusive, us):")
+        for k, v in sorted(ph.items(), key=lambda kv: -kv[1]):
+            print(f"      {v * 1e6:9.1f}  {k}")
+
+
+def table(results: dict, model: str) -> str:
+    cols = ["engine"] + (["gateway http", "mlx_lm.server"] if "gateway http" in next(iter(results.values()))["step_s"]
+                         else [])
+    head = ("| streams | forward ms/step | host CPU beyond the forward, mlx-lm ms/step | engine ms/step | "
+            "engine ÷ mlx-lm | " + " | ".join(f"{c} tok/s ÷ mlx-lm's" for c in cols)
+            + (" | gateway http ÷ mlx_lm.server |" if len(cols) > 1 else " |"))
+    lines = [f"Model: {model}. Host CPU: the CPU time of the stepping threads (the engine's and the "
+             "event loop's; mlx-lm's loop) per decode step, less the forward's part on them (graph building, "
+             "dispatch, the wait for its result, prefill; timed in the same run).", "", head,
+             "|" + "---|" * (5 + len(cols) + (len(cols) > 1))]
+    for s, r in results.items():
+        med, cpu = r["step_s"], r["cpu_s"]
+        fwd = med["forward"]
+        ml, en = cpu["mlx-lm"], cpu["engine"]
+        cells = [f"{s}", f"{fwd * 1e3:.3f}", f"{ml * 1e3:.3f}", f"{en * 1e3:.3f}", f"{en / max(ml, 1e-9):.2f}"]
+        for c in cols:
+            cells += [f"{med['mlx-lm'] / med[c]:.2f}"]
+        if len(cols) > 1:
+            cells += [f"{med['mlx_lm.server'] / med['gateway http']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    drops = [f"{side} {n} at {s} streams" for s, r in results.items() for side, n in r["dropped"].items()]
+    if drops:  # the cause named where it is known
+        cause = f" {DROPS}." if all(d.startswith("mlx_lm.server") for d in drops) else ""
+        lines += ["", f"Streams that failed, left out of the figures: {'; '.join(drops)}.{cause}"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
