@@ -18,8 +18,6 @@ import logging
 import time
 from typing import Callable, Optional
 
-import mlx.core as mx
-
 from cache import PromptCacheManager
 from scheduler.batch.chunking import ChunkPlanner
 from scheduler.admission.fairness import FairShare
@@ -31,8 +29,8 @@ from scheduler.lora import rows_hook
 from scheduler.metrics import SchedulerMetrics
 from scheduler.admission.precompute import PrecomputeBook
 from scheduler.request import DoneEvent, EngineRequest, ErrorEvent, Event, ProgressEvent, TokenEvent
-from scheduler.batch.rows import RECENT, EngineStats, Row, holds_decode
-from scheduler.sampling import greedy
+from scheduler.batch.rows import RECENT, EngineStats, Row, TokenRates, holds_decode
+from scheduler.sampling import greedy, token_logprobs
 from scheduler.speculative import DraftSnapshots, SpeculationConfig, speculator
 
 log = logging.getLogger("mlx_gateway.engine")
@@ -109,7 +107,7 @@ class Batch:
             stats=stats, send=send, finish=self._finish, token_event=self._token_event)
         self._step_prefilled_at = 0.0
         self._held = 0  # steps in a row that held the decoding rows back (scheduler.batch.rows.holds_decode)
-        self._rate_window = [time.monotonic(), 0, 0]  # [start, prefill tokens, decode tokens]
+        self.rates = TokenRates(metrics)  # prefill and decode tokens per second
 
     # ----------------------------------------------------------------- the generator
     def open(self) -> None:
@@ -318,20 +316,6 @@ class Batch:
             if a is not None:
                 self._send(a.request, evs)
 
-    def update_rates(self, idle: bool) -> None:
-        """Publish prefill/decode tokens per second once a second of work has passed;
-        0 when the engine goes idle."""
-        start, pre, dec = self._rate_window
-        now = time.monotonic()
-        if idle:
-            self.metrics.prefill_rate.set(0)
-            self.metrics.decode_rate.set(0)
-            self._rate_window = [now, 0, 0]
-        elif now - start >= 1.0:
-            self.metrics.prefill_rate.set(pre / (now - start))
-            self.metrics.decode_rate.set(dec / (now - start))
-            self._rate_window = [now, 0, 0]
-
     def _token_event(self, a: Row, gr) -> TokenEvent:
         if not a.generated:
             a.request.timings["engine_first_token"] = time.monotonic()
@@ -344,20 +328,11 @@ class Batch:
         self.metrics.decode_tokens.inc()
         self.metrics.work.labels(a.request.tenant).inc()
         self.fair.charge(a.request.tenant, 1, a.request.weight)
-        self._rate_window[2] += 1
+        self.rates.decoded += 1
         p = a.request.params
         if not p.logprobs:
             return TokenEvent(gr.token)
-        lp = gr.logprobs
-        chosen = lp[gr.token].item()
-        top = None
-        if p.top_logprobs:
-            k = min(p.top_logprobs, lp.shape[-1])
-            idx = mx.argpartition(-lp, k - 1)[:k]
-            vals = lp[idx]
-            order = mx.argsort(-vals)
-            top = list(zip(idx[order].tolist(), vals[order].tolist()))
-        return TokenEvent(gr.token, chosen, top)
+        return TokenEvent(gr.token, *token_logprobs(gr.logprobs, gr.token, p.top_logprobs))
 
     def _on_prompt_progress(self, a: Row, pr) -> int:
         """Account ``a``'s prefill progress; returns the prompt tokens prefilled this step."""
@@ -366,7 +341,7 @@ class Batch:
         if done > a.processed:
             self.stats.prefill_tokens += done - a.processed
             self.metrics.prefill_tokens.inc(done - a.processed)
-            self._rate_window[1] += done - a.processed
+            self.rates.prefilled += done - a.processed
             a.processed = done
             if not pr.end_of_prompt and a.progress_due(len(a.request.tokens), time.monotonic()):
                 self._send(a.request, [ProgressEvent(a.cached + done, len(a.request.tokens))])

@@ -293,7 +293,7 @@ class EngineCore:
             queued[a.request.priority] = queued.get(a.request.priority, 0) + 1
         for c in range(3):
             self.metrics.queued_by_class.labels(str(c)).set(queued.get(c, 0))
-        self.batch.update_rates(idle=not self.batch.active)
+        self.batch.rates.publish(idle=not self.batch.active)
         self._notify_idle_state()
 
     def _notify_idle_state(self) -> None:
