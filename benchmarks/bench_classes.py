@@ -67,8 +67,7 @@ def text(words: int, seed: int) -> str:
 async def chat(c: httpx.AsyncClient, key: str, content: str, max_tokens: int) -> dict:
     """One streamed greedy chat: its text, TTFT, the gaps between its chunks and usage."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-            "logit_bias": {}}
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "logit_bias": {}}
     t0 = time.monotonic()
     times, out, use = [], [], {}
     async with c.stream("POST", "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:

@@ -143,8 +143,7 @@ def plot(results: dict, path: Path) -> bool:
         return False
     panels = [("stall", ["gap_max", "gap_p50", "long_ttft"], "seconds"),
               ("burst", ["cold_wall", "cold_ttft_p50", "warm_ttft_p50", "warm_ttft_p95"], "seconds"),
-              ("conversation", ["ttft_p50", "ttft_p95"], "seconds"),
-              ("load", ["ttft_p50", "ttft_p95"], "seconds"),
+              ("conversation", ["ttft_p50", "ttft_p95"], "seconds"), ("load", ["ttft_p50", "ttft_p95"], "seconds"),
               ("load", ["tok_s"], "output tokens/s")]
     panels = [p for p in panels if p[0] in results["mlx-gateway"]]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)

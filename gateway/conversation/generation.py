@@ -59,21 +59,10 @@ class Generation:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[list[Event]] = asyncio.Queue()
         self.finished = False
-        self.request = EngineRequest(
-            id=self.id,
-            tokens=tokens,
-            params=params,
-            sink=self._sink,
-            checkpoints=checkpoints,
-            namespace=namespace,
-            tenant=tenant,
-            weight=weight,
-            max_queued=max_queued,
-            mask=mask,
-            priority=priority,
-            keep=dict(keep or {}),
-            processors=list(processors or []),
-        )
+        self.request = EngineRequest(id=self.id, tokens=tokens, params=params, sink=self._sink,
+                                     checkpoints=checkpoints, namespace=namespace, tenant=tenant, weight=weight,
+                                     max_queued=max_queued, mask=mask, priority=priority, keep=dict(keep or {}),
+                                     processors=list(processors or []))
         live.add(self)
 
     def _sink(self, events: list[Event]) -> None:

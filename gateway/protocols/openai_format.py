@@ -37,13 +37,9 @@ class OpenAIFormat(Format):
 def usage(u: Usage) -> dict:
     """The ``usage`` object, with ``prompt_tokens_details.cached_tokens`` and
     ``completion_tokens_details.reasoning_tokens`` (generated tokens that carried only thinking)."""
-    return {
-        "prompt_tokens": u.prompt,
-        "completion_tokens": u.completion,
-        "total_tokens": u.prompt + u.completion,
-        "prompt_tokens_details": {"cached_tokens": u.cached},
-        "completion_tokens_details": {"reasoning_tokens": u.reasoning},
-    }
+    return {"prompt_tokens": u.prompt, "completion_tokens": u.completion, "total_tokens": u.prompt + u.completion,
+            "prompt_tokens_details": {"cached_tokens": u.cached},
+            "completion_tokens_details": {"reasoning_tokens": u.reasoning}}
 
 
 # OpenAI's logprob for a token that is practically impossible (its API reference: "-9999.0
@@ -186,13 +182,8 @@ def text_completion(
     rid: str, model: str, text: str, finish: Optional[str], logprobs: Optional[dict],
     use: Optional[dict], obj_created: Optional[int] = None,
 ) -> dict:
-    body = {
-        "id": rid,
-        "object": "text_completion",
-        "created": obj_created or int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-    }
+    body = {"id": rid, "object": "text_completion", "created": obj_created or int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
     if use is not None:
         body["usage"] = use
     return body

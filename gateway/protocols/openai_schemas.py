@@ -262,11 +262,9 @@ class CompletionRequest(_Common):
 
 
 # pydantic's type errors -> the JSON type expected, in OpenAI's words.
-EXPECTED = {
-    "string_type": "a string", "int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",
-    "list_type": "an array", "dict_type": "an object", "model_type": "an object",
-    "model_attributes_type": "an object", "none_required": "null",
-}
+EXPECTED = {"string_type": "a string", "int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",
+            "list_type": "an array", "dict_type": "an object", "model_type": "an object",
+            "model_attributes_type": "an object", "none_required": "null"}
 
 
 def json_type(value: Any) -> str:

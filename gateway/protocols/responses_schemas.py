@@ -287,8 +287,7 @@ class ResponsesRequest(SamplingExtras):
 
 
 TOOL_TAGS = frozenset({"function", "namespace", "custom", "local_shell", "hosted"})
-TAGS = frozenset({"message", "function_call", "custom_tool_call", "local_shell_call", "output", "reasoning",
-                  "hosted"})
+TAGS = frozenset({"message", "function_call", "custom_tool_call", "local_shell_call", "output", "reasoning", "hosted"})
 
 
 def _loc(err: dict, prefix: tuple = ()) -> str:

@@ -45,11 +45,9 @@ DRAFT_GROUP = "/draft"
 KEY_PREFIX = "mgw-"
 OPEN_TENANT = "default"
 
-_TENANT_FIELDS = {
-    "key_sha256", "models", "requests_per_minute", "prompt_tokens_per_minute",
-    "completion_tokens_per_minute", "max_concurrent", "max_queued", "max_tokens", "weight",
-    "cache_group", "cache_bytes", "priority", "origins", "allow_no_origin", "image_tokens_per_minute",
-}
+_TENANT_FIELDS = {"key_sha256", "models", "requests_per_minute", "prompt_tokens_per_minute",
+                  "completion_tokens_per_minute", "max_concurrent", "max_queued", "max_tokens", "weight",
+                  "cache_group", "cache_bytes", "priority", "origins", "allow_no_origin", "image_tokens_per_minute"}
 # Latency classes, served in this order (scheduler.admission.policy); the index is the engine's priority.
 PRIORITIES = ("interactive", "standard", "batch")
 
