@@ -37,22 +37,10 @@ class Generation:
     ``id`` is the request's (:class:`gateway.conversation.books.Books` makes it).
     """
 
-    def __init__(
-        self,
-        id: str,
-        engine: Engine,
-        tokens: list[int],
-        params: SamplingParams,
-        checkpoints: list[int],
-        namespace: str = "default",
-        tenant: str = "default",
-        weight: float = 1.0,
-        max_queued: int | None = None,
-        mask=None,
-        priority: int = 1,
-        keep: dict | None = None,
-        processors: list | None = None,
-    ):
+    def __init__(self, id: str, engine: Engine, tokens: list[int], params: SamplingParams, checkpoints: list[int],
+                 namespace: str = "default", tenant: str = "default", weight: float = 1.0,
+                 max_queued: int | None = None, mask=None, priority: int = 1, keep: dict | None = None,
+                 processors: list | None = None):
         self.engine = engine
         self.id = id
         self.arrival = time.monotonic()

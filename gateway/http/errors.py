@@ -39,15 +39,8 @@ class APIError(Exception):
     ``headers`` are added to the response (e.g. ``Retry-After``).
     """
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: Optional[str] = None,
-        code: Optional[str] = None,
-        headers: Optional[dict[str, str]] = None,
-        anthropic_message: Optional[str] = None,
-    ):
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[dict[str, str]] = None, anthropic_message: Optional[str] = None):
         super().__init__(message)
         self.status = status
         self.message = message

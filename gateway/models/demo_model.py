@@ -213,15 +213,9 @@ def _copy_tokenizer(src: Path, dst: Path) -> int:
     return Tokenizer.from_file(str(dst / "tokenizer.json")).get_vocab_size()
 
 
-def build_model_dir(
-    path: str | os.PathLike,
-    arch: str = "qwen3",
-    tokenizer_dir: str | os.PathLike | None = None,
-    vocab_size: int | None = None,
-    seed: int = 0,
-    overrides: dict | None = None,
-    terse: bool = False,
-) -> Path:
+def build_model_dir(path: str | os.PathLike, arch: str = "qwen3", tokenizer_dir: str | os.PathLike | None = None,
+                    vocab_size: int | None = None, seed: int = 0, overrides: dict | None = None,
+                    terse: bool = False) -> Path:
     """Write a tiny random-weight model directory for ``arch``, idempotently.
 
     Args:

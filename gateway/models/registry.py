@@ -61,9 +61,8 @@ class ModelRegistry:
         prompt_cache_bytes: the most every prefix cache may hold together (bytes).
     """
 
-    def __init__(self, specs: list[ModelSpec], loader: Loader, loop: EngineLoop, metrics: ModelMetrics,
-                 budget: int, max_loaded: int = 0, cache_budget: Optional[CacheBudget] = None,
-                 prompt_cache_bytes: int = 8 << 30):
+    def __init__(self, specs: list[ModelSpec], loader: Loader, loop: EngineLoop, metrics: ModelMetrics, budget: int,
+                 max_loaded: int = 0, cache_budget: Optional[CacheBudget] = None, prompt_cache_bytes: int = 8 << 30):
         self.slots = [Slot(s) for s in specs]
         self._by_name = {n: slot for slot in self.slots for n in slot.spec.names}
         self._loader = loader

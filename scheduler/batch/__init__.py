@@ -64,25 +64,12 @@ class Batch:
             forward (:mod:`scheduler.batch.first_tokens`); None: not kept.
     """
 
-    def __init__(
-        self,
-        model,
-        eos_token_ids: set[int],
-        *,
-        prompt_concurrency: int,
-        decode_concurrency: int,
-        prefill_step_size: int,
-        trimmable: bool,
-        prompt_cache: PromptCacheManager,
-        chunks: ChunkPlanner,
-        metrics: SchedulerMetrics,
-        stats: EngineStats,
-        precomputes: PrecomputeBook,
-        fair: FairShare,
-        send: Callable[[EngineRequest, list[Event]], None],
-        speculation: SpeculationConfig = SpeculationConfig(),
-        first_tokens: Optional[FirstTokenStore] = None,
-    ):
+    def __init__(self, model, eos_token_ids: set[int], *, prompt_concurrency: int, decode_concurrency: int,
+                 prefill_step_size: int, trimmable: bool, prompt_cache: PromptCacheManager, chunks: ChunkPlanner,
+                 metrics: SchedulerMetrics, stats: EngineStats, precomputes: PrecomputeBook, fair: FairShare,
+                 send: Callable[[EngineRequest, list[Event]], None],
+                 speculation: SpeculationConfig = SpeculationConfig(),
+                 first_tokens: Optional[FirstTokenStore] = None):
         self.model = model
         self.prompt_concurrency = prompt_concurrency
         self.decode_concurrency = decode_concurrency

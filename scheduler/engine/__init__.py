@@ -74,25 +74,12 @@ class Engine:
             more than 20 % above the best chunk's; None: no such floor.
     """
 
-    def __init__(
-        self,
-        model,
-        eos_token_ids: set[int],
-        prompt_cache: PromptCacheManager,
-        *,
-        prompt_concurrency: int = 8,
-        decode_concurrency: int = 32,
-        prefill_step_size: int = 2048,
-        prefill_budget: float = 0.0,
-        max_waiting: int = 1024,
-        registry: Optional[CollectorRegistry] = None,
-        pad_free_prefill: bool = False,
-        gather_wait: float = 0.0,
-        loop: Optional[EngineLoop] = None,
-        name: str = "model",
-        speculation: SpeculationConfig = SpeculationConfig(),
-        forward_cost: Optional[ForwardCost] = None,
-    ):
+    def __init__(self, model, eos_token_ids: set[int], prompt_cache: PromptCacheManager, *,
+                 prompt_concurrency: int = 8, decode_concurrency: int = 32, prefill_step_size: int = 2048,
+                 prefill_budget: float = 0.0, max_waiting: int = 1024, registry: Optional[CollectorRegistry] = None,
+                 pad_free_prefill: bool = False, gather_wait: float = 0.0, loop: Optional[EngineLoop] = None,
+                 name: str = "model", speculation: SpeculationConfig = SpeculationConfig(),
+                 forward_cost: Optional[ForwardCost] = None):
         own = loop is None
         loop = loop or EngineLoop(gather_wait=gather_wait)
         self.core = EngineCore(model, eos_token_ids, prompt_cache, loop, prompt_concurrency=prompt_concurrency,
