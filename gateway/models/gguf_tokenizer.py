@@ -174,12 +174,9 @@ def write_tokenizer(meta: dict, out_dir: str | Path, context_length: int | None 
     tok, special = build_tokenizer(meta)
     out_dir = Path(out_dir)
     tok.save(str(out_dir / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        **{k: v for k, v in special.items() if k != "chat_template"},
-        "model_max_length": context_length or 32768,
-        "clean_up_tokenization_spaces": False,
-    }
+    config = {"tokenizer_class": "PreTrainedTokenizerFast",
+              **{k: v for k, v in special.items() if k != "chat_template"},
+              "model_max_length": context_length or 32768, "clean_up_tokenization_spaces": False}
     if special["chat_template"]:
         config["chat_template"] = special["chat_template"]
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
