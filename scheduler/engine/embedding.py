@@ -183,14 +183,9 @@ class EmbeddingEngine:
             return self._count == 0
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
-        deadline = time.monotonic() + timeout
+        """Block until every request is answered; False after ``timeout`` seconds."""
         with self._idle:
-            while self._count:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
+            return self._idle.wait_for(lambda: not self._count, timeout)
 
     @property
     def num_running(self) -> int:
@@ -205,15 +200,7 @@ class EmbeddingEngine:
     def busy(self) -> bool:
         return bool(self._queue)
 
-    has_waiting = busy
-
-    @property
-    def has_rows(self) -> bool:
-        return bool(self._queue)
-
-    @property
-    def serving(self) -> bool:
-        return bool(self._queue)
+    has_waiting = has_rows = serving = busy  # every waiting input is a request's, prefilled in turn
 
     @property
     def num_prefilling(self) -> int:
