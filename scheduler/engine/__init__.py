@@ -40,7 +40,9 @@ __all__ = ["PERSIST_SECONDS", "AdmissionRecord", "Engine", "EngineDead", "Engine
 
 
 class Engine:
-    """Serves :class:`EngineRequest` s on one model, from an :class:`EngineLoop` thread.
+    """Serves :class:`EngineRequest` s on one model, from an :class:`EngineLoop` thread. Its
+    parts: :attr:`core` (:class:`~scheduler.engine.core.EngineCore`, what the loop steps) and
+    :attr:`seat` (:class:`~scheduler.engine.seat.LoopSeat`, its place on the loop).
 
     Args:
         model: an mlx-lm model (``mlx_lm.load``).
