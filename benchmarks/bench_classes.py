@@ -67,8 +67,7 @@ def text(words: int, seed: int) -> str:
 async def chat(c: httpx.AsyncClient, key: str, content: str, max_tokens: int) -> dict:
     """One streamed greedy chat: its text, TTFT, the gaps between its chunks and usage."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-            "logit_bias": {}}
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "logit_bias": {}}
     t0 = time.monotonic()
     times, out, use = [], [], {}
     async with c.stream("POST", "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
@@ -142,21 +141,17 @@ def run_mode(mode: str, seconds: float, model: str, extra: list[str], log_dir: P
     same = [both_ext[k]["text"] == alone_ext[k]["text"] for k in both_ext if k in alone_ext]
     same += [both_agents[k]["text"] == alone_agents[k]["text"] for k in both_agents if k in alone_agents]
     tok_s = lambda res, wall: sum(r["prompt"] for r in res.values()) / wall  # noqa: E731
-    return {
-        "mode": mode,
-        "ext_ttft_p50_alone": pct([r["ttft"] for r in alone_ext.values()], 0.5),
-        "ext_ttft_p95_alone": pct([r["ttft"] for r in alone_ext.values()], 0.95),
-        "ext_ttft_p50": pct([r["ttft"] for r in both_ext.values()], 0.5),
-        "ext_ttft_p95": pct([r["ttft"] for r in both_ext.values()], 0.95),
-        "ext_gap_max_alone": max((g for r in alone_ext.values() for g in r["gaps"]), default=0.0),
-        "ext_gap_max": max((g for r in both_ext.values() for g in r["gaps"]), default=0.0),
-        "agent_prompt_tok_s_alone": tok_s(alone_agents, agents_wall),
-        "agent_prompt_tok_s": tok_s(both_agents, both_wall),
-        "ext_requests": len(both_ext), "agent_requests": len(both_agents),
-        "outputs_compared": len(same), "outputs_identical": all(same),
-        "ext_prompt_tokens": statistics.mean(r["prompt"] for r in both_ext.values()),
-        "agent_prompt_tokens": statistics.mean(r["prompt"] for r in both_agents.values()),
-    }
+    return {"mode": mode, "ext_ttft_p50_alone": pct([r["ttft"] for r in alone_ext.values()], 0.5),
+            "ext_ttft_p95_alone": pct([r["ttft"] for r in alone_ext.values()], 0.95),
+            "ext_ttft_p50": pct([r["ttft"] for r in both_ext.values()], 0.5),
+            "ext_ttft_p95": pct([r["ttft"] for r in both_ext.values()], 0.95),
+            "ext_gap_max_alone": max((g for r in alone_ext.values() for g in r["gaps"]), default=0.0),
+            "ext_gap_max": max((g for r in both_ext.values() for g in r["gaps"]), default=0.0),
+            "agent_prompt_tok_s_alone": tok_s(alone_agents, agents_wall),
+            "agent_prompt_tok_s": tok_s(both_agents, both_wall), "ext_requests": len(both_ext),
+            "agent_requests": len(both_agents), "outputs_compared": len(same), "outputs_identical": all(same),
+            "ext_prompt_tokens": statistics.mean(r["prompt"] for r in both_ext.values()),
+            "agent_prompt_tokens": statistics.mean(r["prompt"] for r in both_agents.values())}
 
 
 def table(rows: list[dict]) -> str:

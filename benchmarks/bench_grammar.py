@@ -129,8 +129,7 @@ class XGrammarEngine:
         """Schema -> fresh matcher (compile_json_schema precomputes the token-mask cache)."""
         # any_whitespace=False alone means separators (", ", ": "); compact needs them explicit
         seps = None if self.any_ws else (",", ":")
-        compiled = self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=self.any_ws,
-                                                     separators=seps)
+        compiled = self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=self.any_ws, separators=seps)
         return self.xgr.GrammarMatcher(compiled)
 
     def alloc(self):
@@ -174,8 +173,7 @@ def bench_engine(cls, tok, args) -> list[str]:
             t0 = time.perf_counter()
             m = engine.compile(schema)
             times.append((time.perf_counter() - t0) * 1e3)
-        ids = tok.encode(json.dumps(instance, separators=(",", ":"), ensure_ascii=False),
-                         add_special_tokens=False)
+        ids = tok.encode(json.dumps(instance, separators=(",", ":"), ensure_ascii=False), add_special_tokens=False)
         m = engine.compile(schema)
         try:
             cold_f, cold_c = walk(engine, m, ids)
@@ -203,8 +201,7 @@ def bench_apply(n_vocab: int, iters: int = 200) -> list[str]:
     sparse = np.zeros((1, words), np.int32)
     sparse[0, [3, 150, words - 1]] = 1
     rng = np.random.default_rng(0)
-    masks = {"random": rng.integers(-2**31, 2**31, (1, words), dtype=np.int64).astype(np.int32),
-             "sparse": sparse}
+    masks = {"random": rng.integers(-2 ** 31, 2 ** 31, (1, words), dtype=np.int64).astype(np.int32), "sparse": sparse}
     logits = mx.random.normal((1, n_vocab))
     mx.eval(logits)
     rows = []

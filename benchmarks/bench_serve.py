@@ -95,20 +95,18 @@ def fmt(d: dict) -> str:
 
 # (scenario, metric, goal as text, check on the gateway/mlx_lm ratio or on the gateway's
 # own value, "ratio" or "value"): issue-13 goals, measured side by side in one run.
-GOALS = [
-    ("stall", "gap_max", "<= 0.35 s", lambda v: v <= 0.35, "value"),
-    ("stall", "gap_p50 / gap_alone_p50", "<= 1.5", lambda v: v <= 1.5, "value"),
-    ("stall", "long_ttft", "<= 1.0x", lambda v: v <= 1.0, "ratio"),
-    ("stall", "long_ttft / long_alone_ttft", "<= 1.25 (>= 0.8x alone)", lambda v: v <= 1.25, "value"),
-    ("burst", "warm_ttft_p50", "<= 0.6x", lambda v: v <= 0.6, "ratio"),
-    ("burst", "cold_wall", "<= 0.5x", lambda v: v <= 0.5, "ratio"),
-    ("conversation", "ttft_p50", "<= 0.9x", lambda v: v <= 0.9, "ratio"),
-    ("load", "tok_s", ">= 1.2x", lambda v: v >= 1.2, "ratio"),
-    ("load", "ttft_p50", "<= 0.8x", lambda v: v <= 0.8, "ratio"),
-    ("load", "ttft_p95", "<= 0.5x", lambda v: v <= 0.5, "ratio"),
-    ("load", "errors", "0", lambda v: v == 0, "value"),
-    ("load", "computed / ideal", "<= 1.05", lambda v: v <= 1.05, "value"),
-]
+GOALS = [("stall", "gap_max", "<= 0.35 s", lambda v: v <= 0.35, "value"),
+         ("stall", "gap_p50 / gap_alone_p50", "<= 1.5", lambda v: v <= 1.5, "value"),
+         ("stall", "long_ttft", "<= 1.0x", lambda v: v <= 1.0, "ratio"),
+         ("stall", "long_ttft / long_alone_ttft", "<= 1.25 (>= 0.8x alone)", lambda v: v <= 1.25, "value"),
+         ("burst", "warm_ttft_p50", "<= 0.6x", lambda v: v <= 0.6, "ratio"),
+         ("burst", "cold_wall", "<= 0.5x", lambda v: v <= 0.5, "ratio"),
+         ("conversation", "ttft_p50", "<= 0.9x", lambda v: v <= 0.9, "ratio"),
+         ("load", "tok_s", ">= 1.2x", lambda v: v >= 1.2, "ratio"),
+         ("load", "ttft_p50", "<= 0.8x", lambda v: v <= 0.8, "ratio"),
+         ("load", "ttft_p95", "<= 0.5x", lambda v: v <= 0.5, "ratio"),
+         ("load", "errors", "0", lambda v: v == 0, "value"),
+         ("load", "computed / ideal", "<= 1.05", lambda v: v <= 1.05, "value")]
 SCENARIOS = {"stall": stall, "burst": burst, "conversation": conversation, "load": load}
 
 
@@ -143,8 +141,7 @@ def plot(results: dict, path: Path) -> bool:
         return False
     panels = [("stall", ["gap_max", "gap_p50", "long_ttft"], "seconds"),
               ("burst", ["cold_wall", "cold_ttft_p50", "warm_ttft_p50", "warm_ttft_p95"], "seconds"),
-              ("conversation", ["ttft_p50", "ttft_p95"], "seconds"),
-              ("load", ["ttft_p50", "ttft_p95"], "seconds"),
+              ("conversation", ["ttft_p50", "ttft_p95"], "seconds"), ("load", ["ttft_p50", "ttft_p95"], "seconds"),
               ("load", ["tok_s"], "output tokens/s")]
     panels = [p for p in panels if p[0] in results["mlx-gateway"]]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)

@@ -180,14 +180,11 @@ async def workload(url: str, model: str, kind: str, streams: int, answer: int) -
         after = (await c.get("/metrics")).text
     delta = {s: metric(after, s) - metric(before, s) for s in SERIES}
     drafted, accepted = delta[SERIES[0]], delta[SERIES[1]]
-    return {
-        "decode_tok_s": sum((r["completion"] - 1) / r["decode_s"] for r in rs if r["decode_s"] > 0),
-        "texts": [r["text"] for r in rs],
-        "tokens": sum(r["completion"] for r in rs),
-        "drafted": drafted, "accepted": accepted,
-        "tokens_per_row_step": delta[SERIES[3]] / delta[SERIES[5]] if delta[SERIES[5]] else None,
-        "verify_steps": delta[SERIES[2]], "decode_steps": delta[SERIES[4]],
-    }
+    return {"decode_tok_s": sum((r["completion"] - 1) / r["decode_s"] for r in rs if r["decode_s"] > 0),
+            "texts": [r["text"] for r in rs], "tokens": sum(r["completion"] for r in rs), "drafted": drafted,
+            "accepted": accepted,
+            "tokens_per_row_step": delta[SERIES[3]] / delta[SERIES[5]] if delta[SERIES[5]] else None,
+            "verify_steps": delta[SERIES[2]], "decode_steps": delta[SERIES[4]]}
 
 
 def run_setting(model_dir: str, speculative: str, streams: list[int], answer: int, k: int,

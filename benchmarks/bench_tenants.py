@@ -77,9 +77,8 @@ def main() -> None:
         for label, browser_key in (("fair share (two tenants)", KEYS["browser"]),
                                    ("one tenant (no fair share)", KEYS["agent"])):
             port = free_port()
-            cmd = [sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--port", str(port),
-                   "--tenants", str(tenants), "--served-model-name", "bench",
-                   "--prompt-concurrency", str(args.prompt_concurrency)]
+            cmd = [sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--port", str(port), "--tenants",
+                   str(tenants), "--served-model-name", "bench", "--prompt-concurrency", str(args.prompt_concurrency)]
             proc, _ = start(cmd, port)
             try:
                 r = asyncio.run(run(f"http://127.0.0.1:{port}", browser_key, args.agent_requests,

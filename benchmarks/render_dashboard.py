@@ -36,12 +36,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 from promstack import Prometheus, free_port, load_dashboard, substitute, words  # noqa: E402
 
 # Dashboard panels drawn, in grid order (titles as in the dashboard).
-PANELS = [
-    "Token hit rate", "Hit rate per tenant", "Prompt tokens saved / s", "Cache memory by group",
-    "Time to first token", "Queue time", "Time per output token", "Evictions / s",
-    "Tokens / s", "Batch sizes", "Running and waiting", "Memory",
-    "Requests / s by status", "Rate limited (429) / s", "Usage tokens / s by tenant", "Scheduled work share",
-]
+PANELS = ["Token hit rate", "Hit rate per tenant", "Prompt tokens saved / s", "Cache memory by group",
+          "Time to first token", "Queue time", "Time per output token", "Evictions / s", "Tokens / s", "Batch sizes",
+          "Running and waiting", "Memory", "Requests / s by status", "Rate limited (429) / s",
+          "Usage tokens / s by tenant", "Scheduled work share"]
 RATE_WINDOW = "10s"  # $__rate_interval for 1 s scrapes: ten samples per rate
 TENANTS = {  # name -> (API key, tenants file settings, agents per load level)
     "alice": ("mgw-render-alice", 'cache_group = "alice"\ncache_bytes = "64M"\n', 1),
@@ -183,8 +181,7 @@ def render(data: dict, out: Path) -> None:
             ax.legend(fontsize=6.5, loc="upper left", frameon=False, ncol=2)
     for ax in axes.flat[len(data["panels"]):]:
         ax.set_visible(False)
-    fig.suptitle("MLX Gateway (seconds since the workload started)", x=0.01, ha="left", fontsize=11,
-                 color="#d8d9da")
+    fig.suptitle("MLX Gateway (seconds since the workload started)", x=0.01, ha="left", fontsize=11, color="#d8d9da")
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90, facecolor=fig.get_facecolor())

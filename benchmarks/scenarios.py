@@ -135,8 +135,7 @@ def summarize(results: list[dict], wall: float) -> dict:
     prompt = sum(r["prompt"] for r in results)
     cached = sum(r["cached"] for r in results)
     return {"ttft_p50": statistics.median(ttfts), "ttft_p95": p95, "computed": prompt - cached,
-            "cached_frac": cached / prompt if prompt else 0.0,
-            "tok_s": sum(r["completion"] for r in results) / wall}
+            "cached_frac": cached / prompt if prompt else 0.0, "tok_s": sum(r["completion"] for r in results) / wall}
 
 
 async def burst(url: str, model: str, rounds: int = 3) -> dict:

@@ -17,7 +17,7 @@ request snapshots), ``metrics`` (prometheus). Prefill runs in the engine
 """
 
 from .budget import CacheBudget
-from .entries import CacheHit
+from .leases import CacheHit
 from .manager import PromptCacheManager
 from .restore import is_trimmable, safe_copy
 

@@ -33,9 +33,8 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 
-def row_snapshots(n: int, cached: int, checkpoints: Iterable[int], extra: Iterable[int] = (),
-                  trimmable: bool = False, precompute: bool = False,
-                  whole: bool = False) -> tuple[list[int], list[int]]:
+def row_snapshots(n: int, cached: int, checkpoints: Iterable[int], extra: Iterable[int] = (), trimmable: bool = False,
+                  precompute: bool = False, whole: bool = False) -> tuple[list[int], list[int]]:
     """Where a request starting its prefill cuts its prompt, and where it snapshots.
 
     Args:

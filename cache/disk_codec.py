@@ -134,11 +134,8 @@ def encode_snapshot(cache: Sequence[Any]) -> tuple[dict[str, np.ndarray], dict[s
         dtypes[path] = dname
         bits = _AS_BITS.get(dname)
         arrays[path] = np.array(arr.view(bits) if bits is not None else arr, copy=True)
-    metadata = {
-        "codec": CODEC_VERSION,
-        "layers": json.dumps(layers, separators=(",", ":")),
-        "dtypes": json.dumps(dtypes, separators=(",", ":"), sort_keys=True),
-    }
+    metadata = {"codec": CODEC_VERSION, "layers": json.dumps(layers, separators=(",", ":")),
+                "dtypes": json.dumps(dtypes, separators=(",", ":"), sort_keys=True)}
     return arrays, metadata
 
 

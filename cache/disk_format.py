@@ -109,8 +109,7 @@ def build_file(arrays: dict[str, np.ndarray], metadata: dict[str, str], *, model
     meta = dict(metadata)
     meta.update(disk_format=FORMAT_VERSION, model=model, group=group,
                 tokens=json.dumps([int(t) for t in tokens], separators=(",", ":")),
-                trimmable="1" if trimmable else "0",
-                data_bytes=str(sum(int(a.nbytes) for a in arrays.values())))
+                trimmable="1" if trimmable else "0", data_bytes=str(sum(int(a.nbytes) for a in arrays.values())))
     meta["checksum"] = payload_checksum(arrays, meta)
     try:
         return st_numpy.save(arrays, meta)

@@ -1,9 +1,8 @@
 """What the prompt-cache manager stores: snapshot entries, per-namespace groups whose
-radix tree edges own KV pages, leases, and fetch results (``manager.py`` is the policy)."""
+radix tree edges own KV pages (``manager.py`` is the policy; ``leases.py`` the holds on them)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -74,49 +73,19 @@ class Group:
         self.tokens -= len(node.edge)
         node.pages = None
 
+    def count(self, entry: Entry, sign: int) -> None:
+        """Count ``entry``'s own bytes in the totals: stored (+1) or dropped (-1)."""
+        self.private_bytes += sign * entry.private_bytes
+        for typ, b in entry.by_type.items():
+            g = self.by_type.setdefault(typ, [0, 0])
+            g[0] += sign * b
+            g[1] += sign
+
     def add_pages(self, node: Node, cache: list[Any]) -> None:
         """Give a new leaf the pages of its edge, cut from ``cache``."""
         node.pages = [cut(cache, node.parent.depth, node.depth)]
         self.page_bytes += node.pages[0].nbytes
         self.tokens += len(node.edge)
-
-
-class Lease:
-    """An opaque hold on one snapshot; pass it to :meth:`PromptCacheManager.release`."""
-
-    __slots__ = ("_entry", "id", "released")
-
-    def __init__(self, entry: Entry, lease_id: int):
-        self._entry = entry
-        self.id = lease_id
-        self.released = False
-
-    def __repr__(self) -> str:
-        state = "released" if self.released else "held"
-        return f"<Lease {self.id} {state} {self._entry.num_tokens} tokens>"
-
-
-@dataclass
-class CacheHit:
-    """Result of :meth:`PromptCacheManager.fetch`.
-
-    Attributes:
-        cache: a private copy of the layer caches restored to exactly
-            ``cached_tokens`` tokens, or None when nothing usable was found.
-        cached_tokens: tokens covered by ``cache`` (0 on a miss; ``<= len(tokens)-1``,
-            or ``len(tokens)`` for a ``whole`` fetch).
-        lease: the lease to release when the request no longer needs the snapshot
-            kept (None on a miss).
-        timings: seconds per phase: ``lookup``, ``copy``, ``restore``.
-        source: ``"memory"``, or ``"disk"`` when the snapshot was read from the disk
-            tier for this fetch.
-    """
-
-    cache: list[Any] | None = None
-    cached_tokens: int = 0
-    lease: Lease | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-    source: str = "memory"
 
 
 def path_pages(node: Node) -> list[Page]:

@@ -54,7 +54,7 @@ def check_manager(mgr: Any) -> None:
                 s[1] += 1
         assert {t: g for t, g in group.by_type.items() if g != [0, 0]} == sums, f"gauges of {ns}"
     assert len(seen) == mgr._entries
-    assert sum(e.leases for e in seen) == mgr._num_leases
+    assert sum(e.leases for e in seen) == mgr.leases.count
     assert len(mgr.eviction) == sum(1 for e in seen if e.leases == 0)
     assert mgr.nbytes <= mgr.max_bytes, "byte bound broken"
     assert mgr._entries <= mgr.max_entries, "entry bound broken"

@@ -34,7 +34,6 @@ Rules:
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -46,10 +45,11 @@ from mlx.utils import tree_map
 from prometheus_client import CollectorRegistry
 
 from . import restore as rules
-from .entries import CacheHit, Entry, Group, Lease, compact, path_pages
+from .entries import Entry, Group, compact, path_pages
 from .budget import CacheBudget
 from .eviction import EvictionDryRun, NewKey
 from .invariants import check_manager
+from .leases import CacheHit, Lease, Leases
 from .lru import LRUEviction
 from .metrics import CacheMetrics
 from .pages import PAGED_TYPE, assemble, is_paged, layout, token_bytes
@@ -101,13 +101,12 @@ class PromptCacheManager:
         self.version = 0
         self._groups: dict[str, Group] = {}
         self._entries = 0
-        self._num_leases = 0
-        self._lease_ids = itertools.count(1)
         self.disk: DiskLink | None = None
         self.eviction = LRUEviction(  # late-bound calls: the distributed ranks replace _drop
             self._lock, self.metrics, self.max_bytes, self.max_entries, nbytes=lambda: self.nbytes,
             namespace_bytes=self.namespace_bytes, num_entries=lambda: self._entries,
             drop=lambda e, spill: self._drop(e, spill), disk=lambda: self.disk)
+        self.leases = Leases(self.eviction, self.metrics)
         self.budget = budget
         if budget is not None:
             budget.join(self.eviction)
@@ -133,7 +132,7 @@ class PromptCacheManager:
     @property
     def num_leases(self) -> int:
         """Leases handed out and not yet released."""
-        return self._num_leases
+        return self.leases.count
 
     def namespace_bytes(self, namespace: str) -> int:
         """Bytes held for ``namespace``."""
@@ -190,8 +189,7 @@ class PromptCacheManager:
             lease = None
             if sel is not None:
                 entry, _ = sel
-                lease = Lease(entry, next(self._lease_ids))
-                self._acquire(entry)
+                lease = self.leases.take(entry)
                 path = path_pages(entry.node)
                 private = entry.private
             if count:
@@ -234,29 +232,11 @@ class PromptCacheManager:
             log.exception("restoring a snapshot from the disk tier failed")
             return False
 
-    # -- leases ---------------------------------------------------------------
-    def _acquire(self, entry: Entry) -> None:
-        if entry.leases == 0:
-            self.eviction.discard(entry)
-        entry.leases += 1
-        self._num_leases += 1
-        self.metrics.leases.set(self._num_leases)
-
     def release(self, lease: Lease | None) -> None:
         """Release a lease from :meth:`fetch`. Idempotent; ``None`` is ignored."""
-        if lease is None:
-            return
-        with self._lock:
-            if lease.released:
-                return
-            lease.released = True
-            entry = lease._entry
-            entry.leases -= 1
-            self._num_leases -= 1
-            if entry.leases == 0 and entry.alive:
-                self.eviction.add(entry)  # most recently used end
-                self.eviction.shed(entry.namespace)  # its quota shrank while it was leased
-            self.metrics.leases.set(self._num_leases)
+        if lease is not None:
+            with self._lock:
+                self.leases.give_back(lease)
 
     # -- insert ---------------------------------------------------------------
     def refresh(self, namespace: str, tokens: Sequence[int], keep_for: float | None = None) -> bool:
@@ -368,11 +348,7 @@ class PromptCacheManager:
 
     def _account(self, group: Group, entry: Entry, sign: int) -> None:
         """Update totals and gauges after ``entry`` was stored (+1) or dropped (-1). Lock held."""
-        group.private_bytes += sign * entry.private_bytes
-        for typ, b in entry.by_type.items():
-            g = group.by_type.setdefault(typ, [0, 0])
-            g[0] += sign * b
-            g[1] += sign
+        group.count(entry, sign)
         ns = entry.namespace
         for typ, (b, count) in group.by_type.items():
             paged = group.page_bytes if typ == PAGED_TYPE else 0
@@ -406,10 +382,7 @@ class PromptCacheManager:
             live = [e for e in (*self.eviction, *self._leased()) if e.alive]
             spills = [self._spill_of(self._groups[e.namespace], e) for e in reversed(live)
                       if not (e.trimmable and e.node.children) and self.eviction.spills(e.namespace)]
-        sent = self.disk.spill(spills)
-        if not self.disk.close(timeout):
-            log.warning("the disk tier did not finish its writes in %s s", timeout)
-        return sent
+        return self.disk.persist(spills, timeout)
 
     def _leased(self) -> list[Entry]:
         """Entries with leases (not in the LRU). Lock held."""

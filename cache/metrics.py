@@ -39,49 +39,33 @@ class CacheMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         # prometheus-client appends "_total" to counter names.
-        self.query_tokens = Counter(
-            "mlx_gateway_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache",
-            ["cache_group"], registry=r,
-        )
-        self.hit_tokens = Counter(
-            "mlx_gateway_prefix_cache_hits_tokens", "Prompt tokens restored from the prefix cache",
-            ["cache_group"], registry=r,
-        )
-        self.queries = Counter(
-            "mlx_gateway_prefix_cache_queries", "Prefix cache lookups (requests)", ["cache_group"], registry=r
-        )
-        self.hits = Counter(
-            "mlx_gateway_prefix_cache_hits", "Prefix cache lookups that restored at least one token",
-            ["cache_group"], registry=r,
-        )
-        self.evictions = Counter(
-            "mlx_gateway_prompt_cache_evictions", "Snapshots dropped from the prompt cache", ["reason"], registry=r
-        )
-        self.bytes = Gauge(
-            "mlx_gateway_prompt_cache_bytes", "Bytes held by stored snapshots", ["cache_type", "cache_group"], registry=r
-        )
-        self.entries = Gauge(
-            "mlx_gateway_prompt_cache_entries", "Stored snapshots", ["cache_type", "cache_group"], registry=r
-        )
-        self.tokens = Gauge(
-            "mlx_gateway_prompt_cache_tokens", "Unique tokens whose KV the prompt cache holds",
-            ["cache_group"], registry=r,
-        )
-        self.quota = Gauge(
-            "mlx_gateway_prompt_cache_quota_bytes", "Byte quota of a cache group", ["cache_group"], registry=r
-        )
+        self.query_tokens = Counter("mlx_gateway_prefix_cache_queries_tokens",
+                                    "Prompt tokens looked up in the prefix cache", ["cache_group"], registry=r)
+        self.hit_tokens = Counter("mlx_gateway_prefix_cache_hits_tokens",
+                                  "Prompt tokens restored from the prefix cache", ["cache_group"], registry=r)
+        self.queries = Counter("mlx_gateway_prefix_cache_queries", "Prefix cache lookups (requests)", ["cache_group"],
+                               registry=r)
+        self.hits = Counter("mlx_gateway_prefix_cache_hits", "Prefix cache lookups that restored at least one token",
+                            ["cache_group"], registry=r)
+        self.evictions = Counter("mlx_gateway_prompt_cache_evictions", "Snapshots dropped from the prompt cache",
+                                 ["reason"], registry=r)
+        self.bytes = Gauge("mlx_gateway_prompt_cache_bytes", "Bytes held by stored snapshots",
+                           ["cache_type", "cache_group"], registry=r)
+        self.entries = Gauge("mlx_gateway_prompt_cache_entries", "Stored snapshots", ["cache_type", "cache_group"],
+                             registry=r)
+        self.tokens = Gauge("mlx_gateway_prompt_cache_tokens", "Unique tokens whose KV the prompt cache holds",
+                            ["cache_group"], registry=r)
+        self.quota = Gauge("mlx_gateway_prompt_cache_quota_bytes", "Byte quota of a cache group", ["cache_group"],
+                           registry=r)
         self.kept_evicted = Counter(
             "mlx_gateway_prompt_cache_breakpoints_evicted",
             "Snapshots kept by a cache breakpoint (cache_control) that memory forced out before their ttl",
             registry=r,
         )
-        self.leases = Gauge(
-            "mlx_gateway_prompt_cache_active_leases", "Snapshots leased by running requests (lease count)", registry=r
-        )
-        self.fetch_seconds = Histogram(
-            "mlx_gateway_prompt_cache_fetch_seconds", "Time spent in fetch, by phase", ["phase"],
-            buckets=_BUCKETS, registry=r,
-        )
+        self.leases = Gauge("mlx_gateway_prompt_cache_active_leases",
+                            "Snapshots leased by running requests (lease count)", registry=r)
+        self.fetch_seconds = Histogram("mlx_gateway_prompt_cache_fetch_seconds", "Time spent in fetch, by phase",
+                                       ["phase"], buckets=_BUCKETS, registry=r)
         for reason in ("bytes", "entries", "quota", "flush", "budget"):
             self.evictions.labels(reason=reason)
         for phase in ("lookup", "copy", "restore"):

@@ -161,10 +161,13 @@ class DiskLink:
             return None
         return key, cache
 
-    def close(self, timeout: float | None = None) -> bool:
-        """Wait up to ``timeout`` seconds for the queued writes, then stop the writer.
-        False if writes were still going when the time was up."""
-        done = self.tier.flush(timeout)
-        if done:
+    def persist(self, spills: Sequence[Spill], timeout: float | None = None) -> int:
+        """:meth:`spill` the queued snapshots and ``spills``, wait up to ``timeout`` seconds
+        for the writes, then stop the writer (a graceful shutdown); returns how many were
+        submitted."""
+        sent = self.spill(spills)
+        if self.tier.flush(timeout):
             self.tier.close()
-        return done
+        else:
+            log.warning("the disk tier did not finish its writes in %s s", timeout)
+        return sent

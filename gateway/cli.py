@@ -10,9 +10,8 @@ from gateway.config import add_serve_arguments, config_from_args
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="mlx-gateway", description="A multi-tenant, OpenAI-compatible serving gateway for MLX models."
-    )
+    parser = argparse.ArgumentParser(prog="mlx-gateway",
+                                     description="A multi-tenant, OpenAI-compatible serving gateway for MLX models.")
     sub = parser.add_subparsers(dest="command", required=True)
     serve_p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_serve_arguments(serve_p)

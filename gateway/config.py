@@ -328,8 +328,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a client has to send its body (408 after) or to take a streamed chunk "
                    "(the stream is dropped after) (default %(default)s)")
     p.add_argument("--sse-keepalive", type=float, default=d.sse_keepalive,
-                   help="seconds of silence after which a stream gets a ': keep-alive' comment "
-                   "(default %(default)s)")
+                   help="seconds of silence after which a stream gets a ': keep-alive' comment (default %(default)s)")
     add_responses_arguments(p)
     add_lora_arguments(p)
 
@@ -368,8 +367,7 @@ def add_responses_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: sqlite:responses.sqlite3 in the data directory: $MLX_GATEWAY_DATA_DIR, else "
                    "$MLX_GATEWAY_HOME, else ~/.local/share/mlx-gateway or the platform's equivalent)")
     p.add_argument("--responses-store-ttl", type=parse_duration, default=d.responses_store_ttl, metavar="DURATION",
-                   help="a stored response unused for this long expires, e.g. 30d, 12h; 0 = never "
-                   "(default 30d)")
+                   help="a stored response unused for this long expires, e.g. 30d, 12h; 0 = never (default 30d)")
     p.add_argument("--responses-store-count", type=int, default=d.responses_store_count,
                    help="stored responses kept per tenant for previous_response_id and GET /v1/responses/{id}; "
                    "the least recently used go first (default %(default)s)")

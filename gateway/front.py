@@ -19,7 +19,8 @@ from gateway.config import ServeConfig
 from gateway.http.body import read_json
 from gateway.http.errors import APIError
 from gateway.models.lora import Adapter, AdapterCatalog, lora_modules
-from gateway.models.registry import ModelRegistry, Slot
+from gateway.models.registry import ModelRegistry
+from gateway.models.slot import Slot
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.request_log import RequestRecord
 from gateway.tenancy.auth import authenticate

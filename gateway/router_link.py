@@ -167,8 +167,7 @@ class RouterLink:
         self.client.close()
 
     def _failed(self, what: str, e: Exception) -> None:
-        (log.debug if self._warned else log.warning)("router link: %s at %s failed: %s", what,
-                                                     self.router_url, e)
+        (log.debug if self._warned else log.warning)("router link: %s at %s failed: %s", what, self.router_url, e)
         self._warned = True
 
     def run(self) -> None:

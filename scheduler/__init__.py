@@ -4,7 +4,5 @@ from scheduler.engine import Engine
 from scheduler.request import EngineRequest, SamplingParams
 from scheduler.batch.rows import AdmissionRecord, EngineDead, EngineOverloaded, TenantQueueFull
 
-__all__ = [
-    "AdmissionRecord", "Engine", "EngineDead", "EngineOverloaded", "EngineRequest", "SamplingParams",
-    "TenantQueueFull",
-]
+__all__ = ["AdmissionRecord", "Engine", "EngineDead", "EngineOverloaded", "EngineRequest", "SamplingParams",
+           "TenantQueueFull"]

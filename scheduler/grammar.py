@@ -75,9 +75,8 @@ class Grammars:
             if self._lltok is None:
                 import llguidance.hf
 
-                self._lltok = llguidance.hf.from_tokenizer(
-                    self._hf, n_vocab=self.n_vocab, eos_token=self.eos_token_ids or None
-                )
+                self._lltok = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.n_vocab,
+                                                           eos_token=self.eos_token_ids or None)
             return self._lltok
 
     def lark_literal(self, text: str) -> str:

@@ -5,10 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Seconds: from 1 ms to 2 minutes, so both 10 ms and 60 s waits land in a bucket.
-LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-    20.0, 40.0, 60.0, 120.0,
-)
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0,
+                   120.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 
 
@@ -16,61 +14,32 @@ class SchedulerMetrics:
     """Queue, batch and token metrics of one engine, registered on ``registry``."""
 
     def __init__(self, registry: CollectorRegistry):
-        self.waiting = Gauge(
-            "mlx_gateway_requests_waiting", "Requests waiting for admission.", registry=registry
-        )
-        self.running = Gauge(
-            "mlx_gateway_requests_running",
-            "Requests admitted to the engine (prefill or decode).",
-            registry=registry,
-        )
-        self.queue_time = Histogram(
-            "mlx_gateway_queue_time_seconds",
-            "Time from submission to admission into a prefill batch, seconds.",
-            ["tenant"],
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
+        self.waiting = Gauge("mlx_gateway_requests_waiting", "Requests waiting for admission.", registry=registry)
+        self.running = Gauge("mlx_gateway_requests_running", "Requests admitted to the engine (prefill or decode).",
+                             registry=registry)
+        self.queue_time = Histogram("mlx_gateway_queue_time_seconds",
+                                    "Time from submission to admission into a prefill batch, seconds.", ["tenant"],
+                                    buckets=LATENCY_BUCKETS, registry=registry)
         self.gather_wait = Histogram(
             "mlx_gateway_gather_wait_seconds",
             "Seconds an idle engine waited for requests the gateway was still preparing "
             "before starting them (--gather-wait).",
             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2), registry=registry)
-        self.prefill_batch = Histogram(
-            "mlx_gateway_prefill_batch_size",
-            "Prompts in a prefill step.",
-            buckets=BATCH_BUCKETS,
-            registry=registry,
-        )
-        self.decode_batch = Histogram(
-            "mlx_gateway_decode_batch_size",
-            "Sequences in a decode step.",
-            buckets=BATCH_BUCKETS,
-            registry=registry,
-        )
-        self.prefill_tokens = Counter(
-            "mlx_gateway_prefill_tokens",
-            "Prompt tokens computed by the model (cache hits excluded).",
-            registry=registry,
-        )
-        self.decode_tokens = Counter(
-            "mlx_gateway_decode_tokens", "Tokens generated.", registry=registry
-        )
-        self.prefill_rate = Gauge(
-            "mlx_gateway_prefill_tokens_per_second",
-            "Prompt tokens computed per second over the last second of work (0 when idle).",
-            registry=registry,
-        )
-        self.decode_rate = Gauge(
-            "mlx_gateway_decode_tokens_per_second",
-            "Tokens generated per second over the last second of work (0 when idle).",
-            registry=registry,
-        )
-        self.prefill_remaining = Gauge(
-            "mlx_gateway_prefill_remaining_tokens",
-            "Prompt tokens of admitted requests still to be prefilled.",
-            registry=registry,
-        )
+        self.prefill_batch = Histogram("mlx_gateway_prefill_batch_size", "Prompts in a prefill step.",
+                                       buckets=BATCH_BUCKETS, registry=registry)
+        self.decode_batch = Histogram("mlx_gateway_decode_batch_size", "Sequences in a decode step.",
+                                      buckets=BATCH_BUCKETS, registry=registry)
+        self.prefill_tokens = Counter("mlx_gateway_prefill_tokens",
+                                      "Prompt tokens computed by the model (cache hits excluded).", registry=registry)
+        self.decode_tokens = Counter("mlx_gateway_decode_tokens", "Tokens generated.", registry=registry)
+        self.prefill_rate = Gauge("mlx_gateway_prefill_tokens_per_second",
+                                  "Prompt tokens computed per second over the last second of work (0 when idle).",
+                                  registry=registry)
+        self.decode_rate = Gauge("mlx_gateway_decode_tokens_per_second",
+                                 "Tokens generated per second over the last second of work (0 when idle).",
+                                 registry=registry)
+        self.prefill_remaining = Gauge("mlx_gateway_prefill_remaining_tokens",
+                                       "Prompt tokens of admitted requests still to be prefilled.", registry=registry)
         self.work = Counter(
             "mlx_gateway_scheduled_work_tokens",
             "Work given to a tenant by the fair-share scheduler: uncached prompt tokens at "
@@ -84,11 +53,9 @@ class SchedulerMetrics:
             "that another request in its burst was prefilling.",
             registry=registry,
         )
-        self.cancelled = Counter(
-            "mlx_gateway_requests_cancelled",
-            "Requests cancelled before they finished because the client left.",
-            registry=registry,
-        )
+        self.cancelled = Counter("mlx_gateway_requests_cancelled",
+                                 "Requests cancelled before they finished because the client left.",
+                                 registry=registry)
         self.queued_by_class = Gauge(
             "mlx_gateway_requests_queued_by_class",
             "Requests waiting for admission or paused (their prefill or decoding), by latency class "
@@ -98,9 +65,8 @@ class SchedulerMetrics:
             "mlx_gateway_prefill_pauses",
             "Prefills paused between two chunks for a better latency class (their KV kept), "
             "by the paused row's class.", ["priority"], registry=registry)
-        self.resumes = Counter(
-            "mlx_gateway_prefill_resumes",
-            "Paused prefills put back into the batch, by class.", ["priority"], registry=registry)
+        self.resumes = Counter("mlx_gateway_prefill_resumes", "Paused prefills put back into the batch, by class.",
+                               ["priority"], registry=registry)
         self.decode_holds = Counter(
             "mlx_gateway_decode_holds",
             "Engine steps in which the decoding rows (all of lower latency classes) waited "
@@ -121,9 +87,8 @@ class SchedulerMetrics:
         self.accepted_tokens = Counter(
             "mlx_gateway_speculative_accepted_tokens",
             "Drafted tokens the model accepted (each one a decode step saved).", registry=registry)
-        self.verify_steps = Counter(
-            "mlx_gateway_speculative_verify_steps",
-            "Decode steps that verified drafts (a [B, 1 + K] forward).", registry=registry)
+        self.verify_steps = Counter("mlx_gateway_speculative_verify_steps",
+                                    "Decode steps that verified drafts (a [B, 1 + K] forward).", registry=registry)
         self.repeat_first_tokens = Counter(
             "mlx_gateway_repeat_first_tokens",
             "Exact repeats of a recent prompt whose first token was sampled from the "
@@ -134,8 +99,5 @@ class SchedulerMetrics:
             "Bytes of log-probabilities kept for the first tokens of exact repeats "
             "(at most scheduler.batch.first_tokens.MAX_BYTES).",
             registry=registry)
-        self.engine_errors = Counter(
-            "mlx_gateway_engine_step_errors",
-            "Engine steps that raised; the requests in that step failed.",
-            registry=registry,
-        )
+        self.engine_errors = Counter("mlx_gateway_engine_step_errors",
+                                     "Engine steps that raised; the requests in that step failed.", registry=registry)

@@ -17,6 +17,19 @@ def greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
+def token_logprobs(logprobs: mx.array, token: int, top: int = 0) -> tuple[float, list[tuple[int, float]] | None]:
+    """The log-probability of ``token`` under ``logprobs [V]``, and the ``top`` most likely
+    tokens with theirs, best first (None when ``top`` is 0)."""
+    chosen = logprobs[token].item()
+    if not top:
+        return chosen, None
+    k = min(top, logprobs.shape[-1])
+    idx = mx.argpartition(-logprobs, k - 1)[:k]
+    vals = logprobs[idx]
+    order = mx.argsort(-vals)
+    return chosen, list(zip(idx[order].tolist(), vals[order].tolist()))
+
+
 class TemperatureSampler:
     """Samples ``logprobs [n, V] -> tokens [n]`` at a temperature, after mlx-lm's filters
     (top-p, min-p, top-k, ``mlx_lm.sample_utils``). With a ``seed`` it draws from its own
@@ -78,9 +91,7 @@ def make_sampler(params: SamplingParams) -> Sampler:
 
 def make_processors(params: SamplingParams) -> list:
     """mlx-lm logits processors for the request's penalties and ``logit_bias`` (may be empty)."""
-    return make_logits_processors(
-        logit_bias=dict(params.logit_bias) or None,
-        repetition_penalty=params.repetition_penalty or None,
-        presence_penalty=params.presence_penalty or None,
-        frequency_penalty=params.frequency_penalty or None,
-    )
+    return make_logits_processors(logit_bias=dict(params.logit_bias) or None,
+                                  repetition_penalty=params.repetition_penalty or None,
+                                  presence_penalty=params.presence_penalty or None,
+                                  frequency_penalty=params.frequency_penalty or None)

@@ -214,7 +214,7 @@ def test_stopping_while_gathering_fails_the_waiting_request(model):
     a, sa = request("a", 1)
     submit_prepared(engine, a)
     # Answered from inside the gather: a is in the engine's queue, not admitted.
-    wait_until(lambda: engine.call(lambda: len(engine._waiting)) == 1, 10, "a to wait in the engine")
+    wait_until(lambda: engine.call(lambda: len(engine.core.waiting)) == 1, 10, "a to wait in the engine")
     t = time.monotonic()
     engine.stop(timeout=20)
     assert time.monotonic() - t < 10 and not engine.alive

@@ -301,7 +301,7 @@ def test_a_draft_of_another_tokenizer_is_refused_and_a_good_one_serves(tmp_path_
 
         engine = server.engine
         assert server.handle("test-model").weights_bytes == (
-            nbytes(engine._batch.model) + nbytes(engine._batch.speculation.draft.model))
+            nbytes(engine.core.batch.model) + nbytes(engine.core.batch.speculation.draft.model))
 
 
 def test_a_quantized_cache_takes_a_draft_model():
@@ -316,6 +316,6 @@ def test_a_quantized_cache_takes_a_draft_model():
     path = wide_head_model("qwen3")
     with live_server(path, kv_bits=8, draft_model=str(path)) as server:
         engine = server.engine
-        assert engine._batch.speculation.method == "draft"
+        assert engine.core.batch.speculation.method == "draft"
         assert server.handle("test-model").weights_bytes == 2 * sum(
-            p.nbytes for _, p in tree_flatten(engine._batch.model.parameters()))
+            p.nbytes for _, p in tree_flatten(engine.core.batch.model.parameters()))

@@ -49,7 +49,7 @@ def test_dead_engine_gives_503_not_a_hang():
         def crash(*a, **k):
             raise SystemExit("simulated crash of the engine thread")
 
-        engine.call(lambda: setattr(engine._batch.gen, "next", crash))
+        engine.call(lambda: setattr(engine.core.batch.gen, "next", crash))
         with server.client(timeout=30) as c:
             r = c.post("/v1/completions", json={"model": "test-model", "prompt": "hello", "max_tokens": 4})
             assert r.status_code == 503, r.text

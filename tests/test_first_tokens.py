@@ -38,7 +38,7 @@ def _engine(arch: str, speculation: SpeculationConfig = SpeculationConfig(), dty
                     decode_concurrency=8, gather_wait=30.0, speculation=speculation, registry=registry)
     engine.start()
     try:
-        yield engine, [tok.encode(t) for t in TEXTS], engine._batch.first_tokens
+        yield engine, [tok.encode(t) for t in TEXTS], engine.core.batch.first_tokens
     finally:
         engine.stop()
 

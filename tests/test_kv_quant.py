@@ -48,7 +48,7 @@ def test_every_path_gives_the_cold_single_tokens(arch, bits):
         assert engine_tokens(engine, prompts, [12] * len(prompts)) == solo  # batched, left-padded, chunked
         warm = engine_tokens(engine, prompts, [12] * len(prompts))  # every prompt cached (quantized snapshots)
         assert warm == solo
-        assert engine._batch.first_tokens.hits == len(prompts)  # exact repeats: quantized rows joined whole
+        assert engine.core.batch.first_tokens.hits == len(prompts)  # exact repeats: quantized rows joined whole
         assert engine.stats.cached_tokens > 0
         assert engine.wait_idle(60) and engine.prompt_cache.num_leases == 0
     finally:

@@ -96,8 +96,8 @@ def test_no_precompute_while_streams_decode():
             next(line for line in lines if line.startswith("data: {"))  # decoding now
             chat(c, [{"role": "user", "content": "Short one."}], max_tokens=4)
             for _ in range(20):  # engine steps while the long stream decodes
-                assert not engine.call(lambda: any(a.precompute is not None for a in engine._batch.active.values()))
-            assert engine.call(lambda: len(engine._batch.active)) >= 1  # the long stream was still decoding
+                assert not engine.call(lambda: any(a.precompute is not None for a in engine.core.batch.active.values()))
+            assert engine.call(lambda: len(engine.core.batch.active)) >= 1  # the long stream was still decoding
             assert sample(reg, "mlx_gateway_precompute_total", outcome="stored") == 0
             for _ in lines:  # read to its end
                 pass
@@ -122,7 +122,7 @@ def test_a_request_preempts_a_running_precompute():
             req = EngineRequest(f"other-{cold}", other, SamplingParams(max_tokens=8, logprobs=True), sink)
 
             def submit_if_precompute_runs():
-                if not cold and not any(a.precompute is not None for a in engine._batch.active.values()):
+                if not cold and not any(a.precompute is not None for a in engine.core.batch.active.values()):
                     return False
                 engine.submit(req)
                 return True

@@ -421,7 +421,7 @@ def test_engine_failure_mid_stream_is_response_failed():
         def crash(*a, **k):
             raise SystemExit("simulated crash of the engine thread")
 
-        engine.call(lambda: setattr(engine._batch.gen, "next", crash))  # breaks at the next step
+        engine.call(lambda: setattr(engine.core.batch.gen, "next", crash))  # breaks at the next step
         client = server.openai()
         events = list(client.responses.create(model="test-model", input="hi", max_output_tokens=8, stream=True))
         assert [e.type for e in events][:2] == ["response.created", "response.in_progress"]

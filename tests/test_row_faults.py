@@ -90,15 +90,15 @@ def test_a_failing_cache_extraction_fails_its_row_alone():
     with live_server(model_path("qwen3")) as server:
         engine = server.engine
         refs = solo(engine)
-        real = engine._batch.gen.extract_cache
+        real = engine.core.batch.gen.extract_cache
 
         def extract(uids):
-            victim = engine._batch.by_id.get("bad")
+            victim = engine.core.batch.by_id.get("bad")
             if victim is not None and victim.uid in uids:
                 raise RuntimeError("injected extraction fault")
             return real(uids)
 
-        engine.call(lambda: setattr(engine._batch.gen, "extract_cache", extract))
+        engine.call(lambda: setattr(engine.core.batch.gen, "extract_cache", extract))
         bad = ("bad", list(range(3, 80)), SamplingParams(max_tokens=24), {"checkpoints": [40]})
         got = run(engine, good_rows() + [bad])
         err = got["bad"].events[-1]

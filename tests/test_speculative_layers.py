@@ -263,10 +263,10 @@ def test_a_model_refused_at_load_never_reads_its_draft(caplog, monkeypatch):
     draft = model_path("qwen3", tokenizer="qwen3")  # Nemotron-H's tokenizer, full attention
     with caplog.at_level(logging.WARNING), live_server(model_path("nemotron_h"), draft_model=str(draft)) as server:
         engine = server.engine
-        assert not engine._batch.speculation.enabled
-        own = sum(p.nbytes for _, p in tree_flatten(engine._batch.model.parameters()))
+        assert not engine.core.batch.speculation.enabled
+        own = sum(p.nbytes for _, p in tree_flatten(engine.core.batch.model.parameters()))
         assert server.handle("test-model").weights_bytes == own
-        assert reserved == [own] and converted == [engine._batch.model]  # the draft: never
+        assert reserved == [own] and converted == [engine.core.batch.model]  # the draft: never
         body = {"model": "test-model", "prompt": "one two three " * 10, "max_tokens": 10, "temperature": 0}
         r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text

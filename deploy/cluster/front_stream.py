@@ -27,10 +27,8 @@ from typing import Optional
 
 # The event that ends a stream, per protocol: once forwarded, nothing is missing.
 OPENAI_END = b"data: [DONE]"
-ENDING_EVENTS = {
-    "anthropic": {b"message_stop", b"error"},
-    "responses": {b"response.completed", b"response.incomplete", b"response.failed", b"error"},
-}
+ENDING_EVENTS = {"anthropic": {b"message_stop", b"error"},
+                 "responses": {b"response.completed", b"response.incomplete", b"response.failed", b"error"}}
 SEQUENCE = re.compile(rb'"sequence_number"\s*:\s*(\d+)')
 
 
@@ -106,8 +104,7 @@ class StreamWatch:
         if self.protocol == "responses":
             n = self.sequence + 1
             if isinstance(self.created, dict):
-                response = {**self.created, "status": "failed",
-                            "error": {"code": "server_error", "message": message}}
+                response = {**self.created, "status": "failed", "error": {"code": "server_error", "message": message}}
                 return _event(b"response.failed", {"type": "response.failed", "sequence_number": n,
                                                    "response": response})
             return _event(b"error", {"type": "error", "code": "server_error", "message": message, "param": None,

@@ -100,9 +100,8 @@ def thin_boundaries(indices: Iterable[int], keep_last: int = KEEP_LAST, keep_eve
     return [i for n, i in enumerate(idx) if n >= cut or i % max(1, keep_every) == 0]
 
 
-def periodic_checkpoints(
-    num_tokens: int, interval: int = DEFAULT_INTERVAL, boundaries: Iterable[int] = (), snap: float = 0.25
-) -> list[int]:
+def periodic_checkpoints(num_tokens: int, interval: int = DEFAULT_INTERVAL, boundaries: Iterable[int] = (),
+                         snap: float = 0.25) -> list[int]:
     """Offsets every ``interval`` tokens, each snapped back to the latest boundary in
     ``(target - snap * interval, target]`` when there is one.
 
@@ -137,18 +136,10 @@ def plan_completion_checkpoints(prompt_tokens: Sequence[int], interval: int = DE
     return periodic_checkpoints(len(prompt_tokens), interval)
 
 
-def plan_chat_checkpoints(
-    tokenizer: Any,
-    messages: Sequence[Mapping[str, Any]],
-    prompt_tokens: Sequence[int],
-    template_kwargs: Mapping[str, Any] | None = None,
-    interval: int = DEFAULT_INTERVAL,
-    *,
-    prompt_text: Optional[str] = None,
-    token_ends: Optional[Sequence[int]] = None,
-    boundaries: bool = False,
-    trimmable: bool = False,
-) -> list[int]:
+def plan_chat_checkpoints(tokenizer: Any, messages: Sequence[Mapping[str, Any]], prompt_tokens: Sequence[int],
+                          template_kwargs: Mapping[str, Any] | None = None, interval: int = DEFAULT_INTERVAL, *,
+                          prompt_text: Optional[str] = None, token_ends: Optional[Sequence[int]] = None,
+                          boundaries: bool = False, trimmable: bool = False) -> list[int]:
     """Plan snapshot offsets for a chat prompt (see the module docstring).
 
     Args:

@@ -68,22 +68,10 @@ class Generation:
     ``id`` is the request's (:class:`gateway.conversation.books.Books` makes it).
     """
 
-    def __init__(
-        self,
-        id: str,
-        engine: Engine,
-        tokens: list[int],
-        params: SamplingParams,
-        checkpoints: list[int],
-        namespace: str = "default",
-        tenant: str = "default",
-        weight: float = 1.0,
-        max_queued: int | None = None,
-        mask=None,
-        priority: int = 1,
-        keep: dict | None = None,
-        processors: list | None = None,
-    ):
+    def __init__(self, id: str, engine: Engine, tokens: list[int], params: SamplingParams, checkpoints: list[int],
+                 namespace: str = "default", tenant: str = "default", weight: float = 1.0,
+                 max_queued: int | None = None, mask=None, priority: int = 1, keep: dict | None = None,
+                 processors: list | None = None):
         self.engine = engine
         self.id = id
         self.arrival = time.monotonic()
@@ -91,21 +79,10 @@ class Generation:
         self._queue: asyncio.Queue[list[Event]] = asyncio.Queue()
         self._hop = _hops.get(self._loop) or _hops.setdefault(self._loop, _Hop(self._loop))
         self.finished = False
-        self.request = EngineRequest(
-            id=self.id,
-            tokens=tokens,
-            params=params,
-            sink=self._sink,
-            checkpoints=checkpoints,
-            namespace=namespace,
-            tenant=tenant,
-            weight=weight,
-            max_queued=max_queued,
-            mask=mask,
-            priority=priority,
-            keep=dict(keep or {}),
-            processors=list(processors or []),
-        )
+        self.request = EngineRequest(id=self.id, tokens=tokens, params=params, sink=self._sink,
+                                     checkpoints=checkpoints, namespace=namespace, tenant=tenant, weight=weight,
+                                     max_queued=max_queued, mask=mask, priority=priority, keep=dict(keep or {}),
+                                     processors=list(processors or []))
         live.add(self)
 
     def _sink(self, events: list[Event]) -> None:

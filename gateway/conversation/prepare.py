@@ -49,21 +49,13 @@ def sampling_params(model: ModelHandle, tenant: Tenant, s: Sampling) -> Sampling
         if int(k) >= model.vocab_size:
             raise APIError(400, f"logit_bias token id {k} is outside the vocabulary (size {model.vocab_size})",
                            param="logit_bias")
-    return SamplingParams(
-        max_tokens=wanted,
-        temperature=s.temperature if s.temperature is not None else spec.temp,
-        top_p=s.top_p if s.top_p is not None else spec.top_p,
-        top_k=max(0, top_k),
-        min_p=s.min_p if s.min_p is not None else spec.min_p,
-        seed=s.seed,
-        logprobs=s.logprobs,
-        top_logprobs=s.top_logprobs if s.logprobs else 0,
-        presence_penalty=s.presence_penalty or 0.0,
-        frequency_penalty=s.frequency_penalty or 0.0,
-        repetition_penalty=s.repetition_penalty or 0.0,
-        logit_bias=tuple((int(k), v) for k, v in bias.items()),
-        ignore_eos=s.ignore_eos,
-    )
+    return SamplingParams(max_tokens=wanted, temperature=s.temperature if s.temperature is not None else spec.temp,
+                          top_p=s.top_p if s.top_p is not None else spec.top_p, top_k=max(0, top_k),
+                          min_p=s.min_p if s.min_p is not None else spec.min_p, seed=s.seed, logprobs=s.logprobs,
+                          top_logprobs=s.top_logprobs if s.logprobs else 0,
+                          presence_penalty=s.presence_penalty or 0.0, frequency_penalty=s.frequency_penalty or 0.0,
+                          repetition_penalty=s.repetition_penalty or 0.0,
+                          logit_bias=tuple((int(k), v) for k, v in bias.items()), ignore_eos=s.ignore_eos)
 
 
 def fit_context(model: ModelHandle, prompt: Prompt, params: SamplingParams) -> SamplingParams:

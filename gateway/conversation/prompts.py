@@ -39,10 +39,8 @@ class Prompt:
     images: list = field(default_factory=list)  # gateway.models.vision_images.ImageInput of its image positions
 
 
-def render_chat(
-    tokenizer, conv: Conversation, default_template_kwargs: dict, checkpoint_every: int,
-    tools: Optional[ToolPlan] = None, trimmable: bool = False,
-) -> Prompt:
+def render_chat(tokenizer, conv: Conversation, default_template_kwargs: dict, checkpoint_every: int,
+                tools: Optional[ToolPlan] = None, trimmable: bool = False) -> Prompt:
     """Apply the chat template (with ``tools`` as :mod:`gateway.conversation.tools` renders them),
     tokenize, and plan the prompt's checkpoints (:mod:`gateway.conversation.checkpoints`). A model whose
     cache can be trimmed (``trimmable``) needs only the system end and the periodic ones of

@@ -22,7 +22,7 @@ from gateway.front import Call
 from gateway.http.errors import APIError
 from gateway.models.handle import ModelHandle
 from gateway.models.lora import ready_adapter
-from gateway.models.registry import ModelUnavailable, Slot
+from gateway.models.slot import ModelUnavailable, Slot
 
 LOADING_TICK = 1.0  # seconds between the ": loading model" comments of a stream that waits for its model
 

@@ -34,9 +34,8 @@ def render_text(tokenizer: Any, messages: Sequence[Mapping[str, Any]], add_gener
         whatever the template raises (jinja errors, ``raise_exception``).
     """
     kw = {k: v for k, v in dict(template_kwargs or {}).items() if k not in ("add_generation_prompt", "tokenize")}
-    return tokenizer.apply_chat_template(
-        [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt, **kw
-    )
+    return tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
+                                         add_generation_prompt=add_generation_prompt, **kw)
 
 
 def encode_with_ends(tokenizer: Any, text: str) -> tuple[list[int], Optional[list[int]]]:

@@ -110,8 +110,7 @@ class ToolPlan:
 def model_call_format(tokenizer) -> CallFormat:
     """The model's own call format, from mlx-lm's ``TokenizerWrapper``."""
     if getattr(tokenizer, "has_tool_calling", False):
-        return CallFormat("tagged", tokenizer.tool_call_start, tokenizer.tool_call_end or "",
-                          tokenizer.tool_parser)
+        return CallFormat("tagged", tokenizer.tool_call_start, tokenizer.tool_call_end or "", tokenizer.tool_parser)
     return JSON_FORMAT
 
 
@@ -136,8 +135,7 @@ def custom_parameters(tool: FunctionTool) -> dict:
     what = "The tool's input, as free-form text"
     if tool.grammar is not None:
         what += f" following this {tool.grammar[0]} grammar:\n{tool.grammar[1]}"
-    return {"type": "object", "properties": {"input": {"type": "string", "description": what}},
-            "required": ["input"]}
+    return {"type": "object", "properties": {"input": {"type": "string", "description": what}}, "required": ["input"]}
 
 
 def _shown(tool: FunctionTool, name: str) -> dict:

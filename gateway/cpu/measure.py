@@ -70,9 +70,8 @@ def pick(seconds: Mapping[str, float], default: str, margin: float = MARGIN) -> 
     return best if seconds[best] < base * (1.0 - margin) else default
 
 
-def race(candidates: Mapping[str, Callable[[], object]], rounds: int = 3,
-         budget: Optional[float] = None, sync: Optional[Callable[[object], None]] = None,
-         warmup: int = 1) -> dict[str, float]:
+def race(candidates: Mapping[str, Callable[[], object]], rounds: int = 3, budget: Optional[float] = None,
+         sync: Optional[Callable[[object], None]] = None, warmup: int = 1) -> dict[str, float]:
     """Each candidate's fastest run, in seconds, after ``warmup`` untimed calls each (a
     fresh process's first calls also pay for growing the heap and loading kernels).
 

@@ -8,40 +8,17 @@ from typing import Optional
 
 from starlette.responses import JSONResponse
 
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    409: "invalid_request_error",
-    413: "invalid_request_error",
-    408: "invalid_request_error",
-    415: "invalid_request_error",
-    421: "invalid_request_error",
-    429: "rate_limit_error",
-    431: "invalid_request_error",
-    500: "server_error",
-    503: "service_unavailable",
-}
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+          405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+          408: "invalid_request_error", 415: "invalid_request_error", 421: "invalid_request_error",
+          429: "rate_limit_error", 431: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
 
 
 # Anthropic's error types by status (docs.anthropic.com, "Errors").
-_ANTHROPIC_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    408: "invalid_request_error",
-    409: "invalid_request_error",
-    413: "request_too_large",
-    415: "invalid_request_error",
-    421: "invalid_request_error",
-    429: "rate_limit_error",
-    431: "invalid_request_error",
-    500: "api_error",
-    503: "overloaded_error",
-}
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 408: "invalid_request_error", 409: "invalid_request_error",
+                    413: "request_too_large", 415: "invalid_request_error", 421: "invalid_request_error",
+                    429: "rate_limit_error", 431: "invalid_request_error", 500: "api_error", 503: "overloaded_error"}
 
 
 def context_too_long(prompt: int, limit: int, param: str = "messages") -> APIError:
@@ -62,15 +39,8 @@ class APIError(Exception):
     ``headers`` are added to the response (e.g. ``Retry-After``).
     """
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: Optional[str] = None,
-        code: Optional[str] = None,
-        headers: Optional[dict[str, str]] = None,
-        anthropic_message: Optional[str] = None,
-    ):
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[dict[str, str]] = None, anthropic_message: Optional[str] = None):
         super().__init__(message)
         self.status = status
         self.message = message

@@ -93,8 +93,7 @@ class GatewayMiddleware:
                 ticket = local.get("ticket")
                 if ticket is not None and ticket.headers:
                     present = {k.lower() for k, _ in message.get("headers", [])}
-                    extra = [(k.encode(), v.encode()) for k, v in ticket.headers.items()
-                             if k.encode() not in present]
+                    extra = [(k.encode(), v.encode()) for k, v in ticket.headers.items() if k.encode() not in present]
                     message = {**message, "headers": list(message.get("headers", [])) + extra}
             await send(message)
             if message["type"] == "http.response.body":

@@ -22,8 +22,7 @@ from pathlib import Path
 
 from gateway.models.terse_weights import TERSE_ARCHS, TERSE_STAMP, make_terse
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
-                  "</tool_call>"]
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
 
 # ChatML with Qwen3-style thinking and tools: the tools are described in the system turn
 # (so a conversation's prefix does not change when it grows), calls are
@@ -140,10 +139,8 @@ ARCH_CONFIGS: dict[str, dict] = {
     },
 }
 
-_TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "generation_config.json", "added_tokens.json", "chat_template.jinja",
-)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                    "added_tokens.json", "chat_template.jinja")
 
 
 def all_archs() -> list[str]:
@@ -179,24 +176,13 @@ def _write_own_tokenizer(path: Path, vocab_size: int) -> int:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_corpus(), trainer=trainer)
     tok.save(str(path / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "model_max_length": 32768,
-        "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
-    }
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
+              "pad_token": "<|endoftext|>", "unk_token": None, "model_max_length": 32768,
+              "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return tok.get_vocab_size()
 
@@ -228,15 +214,9 @@ def _copy_tokenizer(src: Path, dst: Path) -> int:
     return Tokenizer.from_file(str(dst / "tokenizer.json")).get_vocab_size()
 
 
-def build_model_dir(
-    path: str | os.PathLike,
-    arch: str = "qwen3",
-    tokenizer_dir: str | os.PathLike | None = None,
-    vocab_size: int | None = None,
-    seed: int = 0,
-    overrides: dict | None = None,
-    terse: bool = False,
-) -> Path:
+def build_model_dir(path: str | os.PathLike, arch: str = "qwen3", tokenizer_dir: str | os.PathLike | None = None,
+                    vocab_size: int | None = None, seed: int = 0, overrides: dict | None = None,
+                    terse: bool = False) -> Path:
     """Write a tiny random-weight model directory for ``arch``, idempotently.
 
     Args:

@@ -98,14 +98,12 @@ def _gemma3_processor_files(path: Path, config: dict) -> None:
     """google/gemma-3-4b-it's processor files, sized for ``config``'s vision tower."""
     size = config["vision_config"]["image_size"]
     tokens = config["mm_tokens_per_image"]
-    pre = {
-        "do_convert_rgb": None, "do_normalize": True, "do_pan_and_scan": None, "do_rescale": True,
-        "do_resize": True, "image_mean": [0.5, 0.5, 0.5], "image_processor_type": "Gemma3ImageProcessor",
-        "image_seq_length": tokens, "image_std": [0.5, 0.5, 0.5], "pan_and_scan_max_num_crops": None,
-        "pan_and_scan_min_crop_size": None, "pan_and_scan_min_ratio_to_activate": None,
-        "processor_class": "Gemma3Processor", "resample": 2, "rescale_factor": 0.00392156862745098,
-        "size": {"height": size, "width": size},
-    }
+    pre = {"do_convert_rgb": None, "do_normalize": True, "do_pan_and_scan": None, "do_rescale": True,
+           "do_resize": True, "image_mean": [0.5, 0.5, 0.5], "image_processor_type": "Gemma3ImageProcessor",
+           "image_seq_length": tokens, "image_std": [0.5, 0.5, 0.5], "pan_and_scan_max_num_crops": None,
+           "pan_and_scan_min_crop_size": None, "pan_and_scan_min_ratio_to_activate": None,
+           "processor_class": "Gemma3Processor", "resample": 2, "rescale_factor": 0.00392156862745098,
+           "size": {"height": size, "width": size}}
     (path / "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
     (path / "processor_config.json").write_text(json.dumps({"image_seq_length": tokens,
                                                             "processor_class": "Gemma3Processor"}, indent=2))

@@ -245,14 +245,8 @@ def _default_progress(done: int, total: int) -> None:
     log.info("converting: %d/%d MLX arrays written", done, total)
 
 
-def convert_gguf(
-    gguf_path: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    *,
-    overwrite: bool = False,
-    progress: Optional[Callable[[int, int], None]] = None,
-    source: Optional[dict] = None,
-) -> Path:
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
+                 progress: Optional[Callable[[int, int], None]] = None, source: Optional[dict] = None) -> Path:
     """Convert the llama GGUF file ``gguf_path`` into the MLX model directory ``out_dir``.
 
     Args:

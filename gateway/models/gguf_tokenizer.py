@@ -27,12 +27,9 @@ _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?
 _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _PRE_GPT2, _PRE_DIGITS, _PRE_LLAMA3, _PRE_QWEN2 = "gpt2", "digits", "llama3", "qwen2"
-PRE_TOKENIZERS = {
-    "default": _PRE_GPT2, "gpt2": _PRE_GPT2, "gpt-2": _PRE_GPT2,
-    "smollm": _PRE_DIGITS, "starcoder": _PRE_DIGITS, "refact": _PRE_DIGITS,
-    "llama-bpe": _PRE_LLAMA3, "llama3": _PRE_LLAMA3, "smaug-bpe": _PRE_LLAMA3,
-    "qwen2": _PRE_QWEN2, "deepseek-r1-qwen": _PRE_QWEN2,
-}
+PRE_TOKENIZERS = {"default": _PRE_GPT2, "gpt2": _PRE_GPT2, "gpt-2": _PRE_GPT2, "smollm": _PRE_DIGITS,
+                  "starcoder": _PRE_DIGITS, "refact": _PRE_DIGITS, "llama-bpe": _PRE_LLAMA3, "llama3": _PRE_LLAMA3,
+                  "smaug-bpe": _PRE_LLAMA3, "qwen2": _PRE_QWEN2, "deepseek-r1-qwen": _PRE_QWEN2}
 
 
 class GGUFTokenizerError(ValueError):
@@ -177,12 +174,9 @@ def write_tokenizer(meta: dict, out_dir: str | Path, context_length: int | None 
     tok, special = build_tokenizer(meta)
     out_dir = Path(out_dir)
     tok.save(str(out_dir / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        **{k: v for k, v in special.items() if k != "chat_template"},
-        "model_max_length": context_length or 32768,
-        "clean_up_tokenization_spaces": False,
-    }
+    config = {"tokenizer_class": "PreTrainedTokenizerFast",
+              **{k: v for k, v in special.items() if k != "chat_template"},
+              "model_max_length": context_length or 32768, "clean_up_tokenization_spaces": False}
     if special["chat_template"]:
         config["chat_template"] = special["chat_template"]
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))

@@ -18,21 +18,21 @@ threads of their own, and one lock guards the slots. Nothing here uses MLX.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
-import sys
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator, Optional
+from dataclasses import replace
+from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry
 
 from cache import CacheBudget
 from gateway.models.budget import Holder, NoRoom, gib, plan_room
 from gateway.models.handle import ModelHandle
+from gateway.models.loader import load_switch_interval
+from gateway.models.slot import ModelUnavailable, Slot
 from gateway.models.spec import ModelSpec
 from gateway.telemetry.model_metrics import ModelMetrics
 from scheduler.engine import PERSIST_SECONDS
@@ -42,81 +42,7 @@ log = logging.getLogger("mlx_gateway.models")
 
 # (spec, registry for its metrics, reserve(bytes)) -> the loaded model; see loader.load_model.
 Loader = Callable[[ModelSpec, CollectorRegistry, Callable[[int], None]], ModelHandle]
-RETRY_AFTER = 5  # seconds a client is told to wait when a model cannot be loaded now
 KEEPER_TICK = 0.5  # seconds between keep_alive checks
-
-
-LOAD_SWITCH_INTERVAL = 0.001  # seconds: Python's thread switch interval while a load runs (default 0.005)
-_loads_lock = threading.Lock()
-_loads = [0, 0.005]  # loads running, the switch interval before the first
-
-
-@contextlib.contextmanager
-def load_switch_interval() -> Iterator[None]:
-    """Let a model's load (on the calling thread) hand the GIL back to the engine loop
-    quickly: while any load runs, Python's thread switch interval is
-    :data:`LOAD_SWITCH_INTERVAL`, so the engine thread waits at most that long for the
-    GIL between its MLX calls while the loader runs Python (the tokenizer's set-up),
-    instead of 5 ms each time.
-
-    The thread keeps its CPU priority. A load thread at the lowest priority (nice 19,
-    as it once was) stalled the others' decoding longer wherever a third process took
-    a core: starved, it held the GIL the engine waited for. Measured on 2 cores (a
-    512-hidden 8-layer qwen3 decoding while a second loads, a busy-loop process beside
-    them): the largest gap 131-184 ms at nice 19 against 67-80 ms at the usual
-    priority; without the busy process 35-259 against 41-52 ms.
-    """
-    with _loads_lock:
-        if _loads[0] == 0:
-            _loads[1] = sys.getswitchinterval()
-            sys.setswitchinterval(LOAD_SWITCH_INTERVAL)
-        _loads[0] += 1
-    try:
-        yield
-    finally:
-        with _loads_lock:
-            _loads[0] -= 1
-            if _loads[0] == 0:
-                sys.setswitchinterval(_loads[1])
-
-
-class ModelUnavailable(RuntimeError):
-    """A model could not be loaded (HTTP 503; ``retry_after`` seconds when waiting helps)."""
-
-    def __init__(self, message: str, code: str = "model_unavailable", retry_after: Optional[int] = RETRY_AFTER):
-        super().__init__(message)
-        self.message, self.code, self.retry_after = message, code, retry_after
-
-
-@dataclass(eq=False)
-class Slot:
-    """One served model's place in the registry (see the module docstring)."""
-
-    spec: ModelSpec
-    state: str = "unloaded"  # unloaded | loading | loaded | unloading
-    handle: Optional[ModelHandle] = None
-    loading: Optional[Future] = None  # the load in progress: its result is the handle
-    error: Optional[str] = None  # why the last load failed
-    in_flight: int = 0
-    last_used: float = 0.0  # monotonic seconds of its last hold or release
-    last_used_wall: Optional[float] = None
-    reserved: int = 0  # bytes a load in progress holds under the budget
-    unloaded: threading.Event = field(default_factory=threading.Event)  # set unless unloading
-    kind: Optional[str] = None  # text | vision | embedding: the spec's, else found at its first load
-    keep_alive: Optional[float] = None  # seconds idle before unloading: the spec's, or a request's (keep_for)
-
-    def __post_init__(self) -> None:
-        self.unloaded.set()
-        self.kind = self.spec.kind
-        self.keep_alive = self.spec.keep_alive
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def weights(self) -> int:
-        return self.handle.weights_bytes if self.handle is not None else self.reserved
 
 
 class ModelRegistry:
@@ -135,9 +61,8 @@ class ModelRegistry:
         prompt_cache_bytes: the most every prefix cache may hold together (bytes).
     """
 
-    def __init__(self, specs: list[ModelSpec], loader: Loader, loop: EngineLoop, metrics: ModelMetrics,
-                 budget: int, max_loaded: int = 0, cache_budget: Optional[CacheBudget] = None,
-                 prompt_cache_bytes: int = 8 << 30):
+    def __init__(self, specs: list[ModelSpec], loader: Loader, loop: EngineLoop, metrics: ModelMetrics, budget: int,
+                 max_loaded: int = 0, cache_budget: Optional[CacheBudget] = None, prompt_cache_bytes: int = 8 << 30):
         self.slots = [Slot(s) for s in specs]
         self._by_name = {n: slot for slot in self.slots for n in slot.spec.names}
         self._loader = loader
@@ -438,8 +363,7 @@ class ModelRegistry:
                     if s.state != "loaded" or s.in_flight:
                         continue
                     dead = not s.handle.engine.alive
-                    expired = (s.keep_alive is not None and not s.spec.pin
-                               and now - s.last_used >= s.keep_alive)
+                    expired = (s.keep_alive is not None and not s.spec.pin and now - s.last_used >= s.keep_alive)
                     if dead or expired:
                         due.append((s, self._begin_unload(s), "failed" if dead else "keep_alive"))
             for s, handle, reason in due:

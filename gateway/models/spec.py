@@ -43,8 +43,7 @@ DEFAULT_NAME = "SmolLM2-135M-Instruct"
 
 _FIELDS = {"path", "aliases", "pin", "keep_alive", "max_tokens", "max_tokens_limit", "temp", "top_p", "top_k",
            "min_p", "chat_template_args", "prompt_cache_bytes", "max_prompt_tokens", "checkpoint_every",
-           "speculative", "num_draft_tokens", "draft_model", "kv_bits", "kv_group_size", "kind",
-           "lora_modules"}
+           "speculative", "num_draft_tokens", "draft_model", "kv_bits", "kv_group_size", "kind", "lora_modules"}
 KINDS = ("text", "vision", "embedding")
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 

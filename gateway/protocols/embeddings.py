@@ -25,7 +25,7 @@ from typing import Literal, Optional, Union
 
 import anyio
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import Field, StrictInt, StrictStr
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -34,7 +34,7 @@ from gateway.front import Call, Front, admit
 from gateway.http.errors import APIError
 from gateway.models.embedding import truncate as truncate_dims
 from gateway.models.handle import ModelHandle
-from gateway.protocols.openai_schemas import MAX_TOKEN_ID, parse
+from gateway.protocols.openai_schemas import MAX_TOKEN_ID, Strict, parse
 from scheduler.engine.embedding import EmbeddingRequest, EmbeddingsEvent
 from scheduler.request import ErrorEvent
 from scheduler.batch.rows import EngineDead, EngineOverloaded
@@ -42,8 +42,7 @@ from scheduler.batch.rows import EngineDead, EngineOverloaded
 MAX_INPUTS = 2048  # OpenAI's bound on the inputs of one request
 
 
-class EmbeddingsRequest(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class EmbeddingsRequest(Strict):
     input: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
     model: Optional[str] = None
     encoding_format: Literal["float", "base64"] = "float"

@@ -59,9 +59,8 @@ def _conversation(req: _Generating, turns: list[Turn]) -> Conversation:
     opts = req.opts()
     sampling = opts.sampling()
     sampling.logprobs, sampling.top_logprobs = bool(req.logprobs), req.top_logprobs or 0
-    return Conversation(turns, sampling, output_schema=req.output_schema(), output_param="format",
-                        stop=opts.stops(), template_kwargs=req.template_kwargs(), model=req.model,
-                        stream=req.stream is not False)
+    return Conversation(turns, sampling, output_schema=req.output_schema(), output_param="format", stop=opts.stops(),
+                        template_kwargs=req.template_kwargs(), model=req.model, stream=req.stream is not False)
 
 
 def chat_conversation(req: ChatRequest) -> Conversation:

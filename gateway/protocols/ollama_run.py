@@ -37,14 +37,10 @@ def stats(run, usage: Usage) -> dict:
     start = marks.get("received", run.gen.arrival)
     loaded = marks.get("render_start", marks.get("admitted", start))
     first = books.first_at if books.first_at is not None else now
-    return {
-        "total_duration": _ns(now - start),
-        "load_duration": _ns(loaded - marks.get("admitted", start)),
-        "prompt_eval_count": max(1, usage.prompt - usage.cached) if usage.prompt else 0,
-        "prompt_eval_duration": _ns(first - run.gen.arrival),
-        "eval_count": usage.completion,
-        "eval_duration": _ns((books.last_at or first) - first),
-    }
+    return {"total_duration": _ns(now - start), "load_duration": _ns(loaded - marks.get("admitted", start)),
+            "prompt_eval_count": max(1, usage.prompt - usage.cached) if usage.prompt else 0,
+            "prompt_eval_duration": _ns(first - run.gen.arrival), "eval_count": usage.completion,
+            "eval_duration": _ns((books.last_at or first) - first)}
 
 
 def context_of(run, tokens: list) -> list[int]:

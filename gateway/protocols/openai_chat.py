@@ -41,17 +41,15 @@ def to_conversation(req: ChatRequest) -> Conversation:
             raise APIError(400, "response_format of type json_schema needs a json_schema object",
                            param="response_format.json_schema")
         schema = fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {"type": "object"}
-    sampling = Sampling(
-        max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-        top_k=req.top_k, min_p=req.min_p, seed=req.seed, presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-        logit_bias=req.logit_bias, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
-        ignore_eos=req.ignore_eos)
+    sampling = Sampling(max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
+                        top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
+                        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                        repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias, logprobs=req.logprobs,
+                        top_logprobs=req.top_logprobs or 0, ignore_eos=req.ignore_eos)
     strict = fmt is not None and fmt.json_schema is not None and fmt.json_schema.strict is True
-    return Conversation(
-        turns, sampling, tools, choice, forced, req.parallel_tool_calls is not False, schema,
-        "response_format.json_schema.schema", strict, list(req.stop or []), dict(req.chat_template_kwargs or {}),
-        req.model, req.stream)
+    return Conversation(turns, sampling, tools, choice, forced, req.parallel_tool_calls is not False, schema,
+                        "response_format.json_schema.schema", strict, list(req.stop or []),
+                        dict(req.chat_template_kwargs or {}), req.model, req.stream)
 
 
 def _tool_call_dicts(calls: list[ToolCall]) -> list[dict]:

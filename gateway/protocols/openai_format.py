@@ -37,13 +37,9 @@ class OpenAIFormat(Format):
 def usage(u: Usage) -> dict:
     """The ``usage`` object, with ``prompt_tokens_details.cached_tokens`` and
     ``completion_tokens_details.reasoning_tokens`` (generated tokens that carried only thinking)."""
-    return {
-        "prompt_tokens": u.prompt,
-        "completion_tokens": u.completion,
-        "total_tokens": u.prompt + u.completion,
-        "prompt_tokens_details": {"cached_tokens": u.cached},
-        "completion_tokens_details": {"reasoning_tokens": u.reasoning},
-    }
+    return {"prompt_tokens": u.prompt, "completion_tokens": u.completion, "total_tokens": u.prompt + u.completion,
+            "prompt_tokens_details": {"cached_tokens": u.cached},
+            "completion_tokens_details": {"reasoning_tokens": u.reasoning}}
 
 
 # OpenAI's logprob for a token that is practically impossible (its API reference: "-9999.0
@@ -135,10 +131,8 @@ class LogprobFormatter:
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_completion(
-    rid: str, model: str, content: str, reasoning: str, finish: str,
-    logprobs: Optional[list[dict]], use: dict, tool_calls: Optional[list[dict]] = None,
-) -> dict:
+def chat_completion(rid: str, model: str, content: str, reasoning: str, finish: str, logprobs: Optional[list[dict]],
+                    use: dict, tool_calls: Optional[list[dict]] = None) -> dict:
     """A ``chat.completion``; with ``tool_calls``, ``content`` is null when empty."""
     message = {"role": "assistant", "content": content if content or not tool_calls else None}
     if reasoning:
@@ -162,10 +156,8 @@ def chat_completion(
     }
 
 
-def chat_chunk(
-    rid: str, model: str, created: int, delta: dict, finish: Optional[str] = None,
-    logprobs: Optional[list[dict]] = None,
-) -> dict:
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: Optional[str] = None,
+               logprobs: Optional[list[dict]] = None) -> dict:
     return {
         "id": rid,
         "object": "chat.completion.chunk",
@@ -182,17 +174,10 @@ def chat_chunk(
     }
 
 
-def text_completion(
-    rid: str, model: str, text: str, finish: Optional[str], logprobs: Optional[dict],
-    use: Optional[dict], obj_created: Optional[int] = None,
-) -> dict:
-    body = {
-        "id": rid,
-        "object": "text_completion",
-        "created": obj_created or int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-    }
+def text_completion(rid: str, model: str, text: str, finish: Optional[str], logprobs: Optional[dict],
+                    use: Optional[dict], obj_created: Optional[int] = None) -> dict:
+    body = {"id": rid, "object": "text_completion", "created": obj_created or int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
     if use is not None:
         body["usage"] = use
     return body

@@ -43,22 +43,25 @@ def _document(kind: str, **constraints: Any) -> Callable[[dict], None]:
     return hook
 
 
-class TextPart(BaseModel):
+class Strict(BaseModel):
+    """A body part as the real API reads it: unknown fields are kept, known ones are not coerced."""
+
     model_config = ConfigDict(extra="allow", strict=True)
+
+
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class ImageURL(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class ImageURL(Strict):
     url: str
     detail: Optional[str] = None
 
 
-class ImagePart(BaseModel):
+class ImagePart(Strict):
     """An image (``image_url``: a data: URL, or an http(s) URL the server may fetch)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["image_url"]
     image_url: ImageURL
 
@@ -66,23 +69,20 @@ class ImagePart(BaseModel):
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function and schema names
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class FunctionCall(Strict):
     name: str
     arguments: str = Field(description="the arguments as a JSON text")
 
 
-class ToolCall(BaseModel):
+class ToolCall(Strict):
     """A call the assistant made earlier in the conversation."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class Message(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]], None] = None
     reasoning_content: Optional[str] = None
@@ -104,31 +104,27 @@ class Message(BaseModel):
                            if isinstance(p, ImagePart) else p.text for j, p in enumerate(self.content)])
 
 
-class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class FunctionDef(Strict):
     name: str = Field(pattern=TOOL_NAME)
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = Field(default=None, description="a JSON Schema of the arguments object")
     strict: Optional[StrictBool] = None
 
 
-class Tool(BaseModel):
+class Tool(Strict):
     """A function the model may call (``tools`` item)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["function"]
     function: FunctionDef
 
 
-class ChosenFunction(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class ChosenFunction(Strict):
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(Strict):
     """``tool_choice`` naming one function the model must call."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["function"]
     function: ChosenFunction
 
@@ -141,16 +137,14 @@ class JSONSchemaFormat(BaseModel):
     strict: Optional[StrictBool] = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(Strict):
     """``response_format``: free text, any JSON object, or JSON valid for a schema."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JSONSchemaFormat] = None
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
@@ -262,11 +256,9 @@ class CompletionRequest(_Common):
 
 
 # pydantic's type errors -> the JSON type expected, in OpenAI's words.
-EXPECTED = {
-    "string_type": "a string", "int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",
-    "list_type": "an array", "dict_type": "an object", "model_type": "an object",
-    "model_attributes_type": "an object", "none_required": "null",
-}
+EXPECTED = {"string_type": "a string", "int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",
+            "list_type": "an array", "dict_type": "an object", "model_type": "an object",
+            "model_attributes_type": "an object", "none_required": "null"}
 
 
 def json_type(value: Any) -> str:

@@ -181,17 +181,15 @@ def base_response(call, req: ResponsesRequest, rid: str) -> dict:
 def final_response(base: dict, out: OutputBuilder, finished: Finished) -> dict:
     """The finished response object: ``completed``, or ``incomplete`` when cut by length."""
     cut = finished.reason == "length"
-    return {**base, "status": "incomplete" if cut else "completed",
-            "completed_at": None if cut else int(time.time()),
-            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
-            "output": out.items, "usage": usage(finished.usage)}
+    return {**base, "status": "incomplete" if cut else "completed", "completed_at": None if cut else int(time.time()),
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "output": out.items,
+            "usage": usage(finished.usage)}
 
 
 def failed_response(base: dict, out: OutputBuilder, error: APIError) -> dict:
     """The response object of a generation that failed after the stream began."""
     code = "rate_limit_exceeded" if error.status == 429 else "server_error"
-    return {**base, "status": "failed", "output": out.items,
-            "error": {"code": code, "message": error.message}}
+    return {**base, "status": "failed", "output": out.items, "error": {"code": code, "message": error.message}}
 
 
 # ---------------------------------------------------------------------- routes

@@ -66,8 +66,7 @@ class OutputBuilder:
         self.kind, self.text = item["type"], ""
         out.append(self.event("response.output_item.added", output_index=len(self.items) - 1, item=dict(item)))
         if self.kind == "message":
-            out.append(self.event("response.content_part.added", **self._where(), content_index=0,
-                                  part=_text_part("")))
+            out.append(self.event("response.content_part.added", **self._where(), content_index=0, part=_text_part("")))
         elif self.kind == "reasoning":
             out.append(self.event("response.content_part.added", **self._where(), content_index=0,
                                   part={"type": "reasoning_text", "text": ""}))
@@ -80,8 +79,7 @@ class OutputBuilder:
         item, where, out = self.items[-1], self._where(), []
         if self.kind == "message":
             part = _text_part(self.text)
-            out.append(self.event("response.output_text.done", **where, content_index=0, text=self.text,
-                                  logprobs=[]))
+            out.append(self.event("response.output_text.done", **where, content_index=0, text=self.text, logprobs=[]))
             out.append(self.event("response.content_part.done", **where, content_index=0, part=part))
             item["content"] = [part]
         elif self.kind == "reasoning":
@@ -131,8 +129,7 @@ class OutputBuilder:
             if d.arguments and self.kind in ("function_call", "custom_tool_call", "local_shell_call"):
                 self.text += d.arguments
                 if self.kind == "function_call":
-                    out.append(self.event("response.function_call_arguments.delta", **self._where(),
-                                          delta=d.arguments))
+                    out.append(self.event("response.function_call_arguments.delta", **self._where(), delta=d.arguments))
         return out
 
     def _call_item(self, call_id: str, name: str) -> dict:

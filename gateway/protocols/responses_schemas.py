@@ -21,36 +21,33 @@ from pydantic_core import PydanticCustomError
 
 from gateway.conversation.form import ImageRef, join_parts
 from gateway.http.errors import APIError
-from gateway.protocols.openai_schemas import TOOL_NAME, SamplingExtras, deepest, describe
+from gateway.protocols.openai_schemas import TOOL_NAME, SamplingExtras, Strict, deepest, describe
 from gateway.protocols.responses_tools import AllowedTools, HostedChoice, NamedFunction, ToolParam
 
 MAX_METADATA = 16  # OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512
 
 
-class TextContent(BaseModel):
+class TextContent(Strict):
     """A text part of a message: ``input_text`` (any role) or ``output_text`` (an
     assistant's earlier answer, as the API returns it)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["input_text", "output_text"]
     text: StrictStr
 
 
-class ImageContent(BaseModel):
+class ImageContent(Strict):
     """An ``input_image`` part: ``image_url`` is a data: URL or an http(s) URL (a
     ``file_id`` is refused: this server keeps no files)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["input_image"]
     image_url: Optional[StrictStr] = None
     file_id: Optional[StrictStr] = None
     detail: Optional[StrictStr] = None
 
 
-class MessageItem(BaseModel):
+class MessageItem(Strict):
     """A ``message`` input item (``type`` may be left out)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: Union[StrictStr, list[Union[TextContent, ImageContent]]]
@@ -90,11 +87,10 @@ def parts_text_and_images(content, param: str) -> tuple[str, list[ImageRef]]:
     return join_parts(parts)
 
 
-class FunctionCallItem(BaseModel):
+class FunctionCallItem(Strict):
     """A call the assistant made earlier (``function_call`` item; ``namespace`` for a
     namespace tool's function)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["function_call"]
     call_id: StrictStr
     name: StrictStr
@@ -103,10 +99,9 @@ class FunctionCallItem(BaseModel):
     id: Optional[str] = None
 
 
-class CustomToolCallItem(BaseModel):
+class CustomToolCallItem(Strict):
     """A call of a ``custom`` tool the assistant made earlier: ``input`` is its free-form text."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["custom_tool_call"]
     call_id: StrictStr
     name: StrictStr
@@ -114,22 +109,20 @@ class CustomToolCallItem(BaseModel):
     id: Optional[str] = None
 
 
-class LocalShellCallItem(BaseModel):
+class LocalShellCallItem(Strict):
     """A ``local_shell`` call the assistant made earlier: ``action`` is what it ran
     (``{"type": "exec", "command": [...], ...}``)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["local_shell_call"]
     call_id: StrictStr
     action: dict[str, Any]
     id: Optional[str] = None
 
 
-class FunctionCallOutputItem(BaseModel):
+class FunctionCallOutputItem(Strict):
     """The result of call ``call_id`` (``function_call_output``, ``custom_tool_call_output``
     or ``local_shell_call_output``, whose call is named by ``call_id`` or ``id``)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["function_call_output", "custom_tool_call_output", "local_shell_call_output"]
     call_id: Optional[StrictStr] = None
     id: Optional[StrictStr] = None
@@ -160,20 +153,18 @@ class FunctionCallOutputItem(BaseModel):
         return parts_text_and_images(self.output, f"{param}.output")
 
 
-class ReasoningPart(BaseModel):
+class ReasoningPart(Strict):
     """A text part of a ``reasoning`` item (its content or its summary)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["reasoning_text", "summary_text"]
     text: StrictStr
 
 
-class ReasoningItem(BaseModel):
+class ReasoningItem(Strict):
     """An earlier answer's reasoning (``reasoning`` item, as the API returns it): its
     sealed ``encrypted_content`` (opened by the gateway that made it), else its
     ``content``, else its ``summary``, becomes the next assistant turn's reasoning."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["reasoning"]
     summary: list[ReasoningPart] = Field(default_factory=list)
     content: Optional[list[ReasoningPart]] = None
@@ -192,10 +183,9 @@ HOSTED_CALLS = ("web_search_call", "file_search_call", "image_generation_call", 
                 "mcp_approval_response")
 
 
-class HostedCallItem(BaseModel):
+class HostedCallItem(Strict):
     """A hosted tool's call or result in an earlier answer: accepted, left out."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal[HOSTED_CALLS]
     id: Optional[str] = None
 
@@ -234,18 +224,16 @@ class TextFormat(BaseModel):
     strict: Optional[StrictBool] = None
 
 
-class TextConfig(BaseModel):
+class TextConfig(Strict):
     """``text``: the output's ``format`` (``verbosity`` and the rest are ignored)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     format: Optional[TextFormat] = None
 
 
-class ReasoningConfig(BaseModel):
+class ReasoningConfig(Strict):
     """``reasoning``: ``effort`` ``none`` turns thinking off, any other effort turns it
     on (the chat template's ``enable_thinking``); ``summary`` is accepted and ignored."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = None
     summary: Optional[str] = None
 
@@ -287,8 +275,7 @@ class ResponsesRequest(SamplingExtras):
 
 
 TOOL_TAGS = frozenset({"function", "namespace", "custom", "local_shell", "hosted"})
-TAGS = frozenset({"message", "function_call", "custom_tool_call", "local_shell_call", "output", "reasoning",
-                  "hosted"})
+TAGS = frozenset({"message", "function_call", "custom_tool_call", "local_shell_call", "output", "reasoning", "hosted"})
 
 
 def _loc(err: dict, prefix: tuple = ()) -> str:

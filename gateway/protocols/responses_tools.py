@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictStr, Tag, model_validator
+from pydantic import Discriminator, Field, StrictBool, StrictStr, Tag, model_validator
 
 from gateway.conversation.form import FunctionTool
 from gateway.conversation.tools import namespaced
 from gateway.http.errors import APIError
-from gateway.protocols.openai_schemas import TOOL_NAME
+from gateway.protocols.openai_schemas import TOOL_NAME, Strict
 
 # The action of a local_shell call, as OpenAI's local_shell_call items carry it.
 LOCAL_SHELL_PARAMETERS = {
@@ -36,11 +36,10 @@ LOCAL_SHELL_PARAMETERS = {
 LOCAL_SHELL_DESCRIPTION = "Runs a command on the user's machine and returns its output."
 
 
-class FunctionToolParam(BaseModel):
+class FunctionToolParam(Strict):
     """A function the model may call (flat, unlike chat completions' ``function`` object).
     ``strict`` defaults to true, as on OpenAI's Responses API."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["function"]
     name: str = Field(pattern=TOOL_NAME)
     description: Optional[str] = None
@@ -48,22 +47,20 @@ class FunctionToolParam(BaseModel):
     strict: Optional[StrictBool] = None
 
 
-class NamespaceToolParam(BaseModel):
+class NamespaceToolParam(Strict):
     """A group of function tools (``namespace``): the model calls each as a function,
     answered as a ``function_call`` with the ``namespace``."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["namespace"]
     name: str = Field(pattern=TOOL_NAME)
     description: Optional[str] = None
     tools: list[FunctionToolParam] = Field(default_factory=list)
 
 
-class GrammarFormat(BaseModel):
+class GrammarFormat(Strict):
     """A custom tool's input ``format``: free ``text``, or a ``grammar`` (``syntax``
     ``lark`` or ``regex``, and its ``definition``)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["text", "grammar"]
     syntax: Optional[Literal["lark", "regex"]] = None
     definition: Optional[StrictStr] = None
@@ -75,28 +72,25 @@ class GrammarFormat(BaseModel):
         return self
 
 
-class CustomToolParam(BaseModel):
+class CustomToolParam(Strict):
     """A tool whose input is free-form text (``custom``), held to its ``format``."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["custom"]
     name: str = Field(pattern=TOOL_NAME)
     description: Optional[str] = None
     format: Optional[GrammarFormat] = None
 
 
-class LocalShellToolParam(BaseModel):
+class LocalShellToolParam(Strict):
     """``local_shell``: the client runs the commands the model asks for."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["local_shell"]
 
 
-class HostedToolParam(BaseModel):
+class HostedToolParam(Strict):
     """A tool OpenAI runs itself (``web_search``, ``file_search``, ``code_interpreter``,
     ``image_generation``, ``computer_use_preview``, remote ``mcp``, ...): accepted, not run."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     type: StrictStr
     name: Optional[str] = None
     server_label: Optional[str] = None
@@ -124,32 +118,29 @@ ToolParam = Annotated[
 ]
 
 
-class NamedFunction(BaseModel):
+class NamedFunction(Strict):
     """``tool_choice`` naming one function (of a ``namespace``, when given) or ``custom``
     tool the model must call."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["function", "custom"]
     name: StrictStr
     namespace: Optional[StrictStr] = None
 
 
-class AllowedTools(BaseModel):
+class AllowedTools(Strict):
     """``tool_choice`` ``allowed_tools``: ``mode`` ``auto`` or ``required``, calls held to
     the ``tools`` it lists (each ``{"type", "name"}``, ``namespace`` for a namespace's
     function); the prompt still shows every tool, so it stays cacheable."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["allowed_tools"]
     mode: Literal["auto", "required"] = "auto"
     tools: list[dict[str, Any]] = Field(default_factory=list)
 
 
-class HostedChoice(BaseModel):
+class HostedChoice(Strict):
     """``tool_choice`` forcing a hosted tool (``{"type": "web_search"}``, ...), which the
     gateway cannot run."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     type: StrictStr
 
 

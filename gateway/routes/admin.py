@@ -23,7 +23,7 @@ from gateway.conversation.start import unavailable
 from gateway.front import Front
 from gateway.http.body import read_json
 from gateway.http.errors import APIError
-from gateway.models.registry import ModelUnavailable, Slot
+from gateway.models.slot import ModelUnavailable, Slot
 from gateway.tenancy.auth import authenticate_admin
 from scheduler import EngineDead
 
@@ -83,17 +83,14 @@ async def flush_cache(request: Request) -> Response:
 def model_report(slot: Slot) -> dict:
     """What ``GET /admin/models`` says of one model."""
     h = slot.handle
-    return {
-        "id": slot.name, "aliases": list(slot.spec.aliases), "path": slot.spec.path, "state": slot.state,
-        "pinned": slot.spec.pin, "keep_alive": slot.keep_alive,
-        "weights_bytes": h.weights_bytes if h is not None else 0,
-        "prefix_cache_bytes": h.engine.cache_bytes if h is not None else 0,
-        "requests_in_flight": slot.in_flight,
-        "running": h.engine.num_running if h is not None else 0,
-        "waiting": h.engine.num_waiting if h is not None else 0,
-        "last_used": slot.last_used_wall, "idle_seconds": (time.monotonic() - slot.last_used) if slot.last_used
-        else None, "loaded_at": h.loaded_at if h is not None else None, "error": slot.error,
-    }
+    return {"id": slot.name, "aliases": list(slot.spec.aliases), "path": slot.spec.path, "state": slot.state,
+            "pinned": slot.spec.pin, "keep_alive": slot.keep_alive,
+            "weights_bytes": h.weights_bytes if h is not None else 0,
+            "prefix_cache_bytes": h.engine.cache_bytes if h is not None else 0, "requests_in_flight": slot.in_flight,
+            "running": h.engine.num_running if h is not None else 0,
+            "waiting": h.engine.num_waiting if h is not None else 0, "last_used": slot.last_used_wall,
+            "idle_seconds": (time.monotonic() - slot.last_used) if slot.last_used else None,
+            "loaded_at": h.loaded_at if h is not None else None, "error": slot.error}
 
 
 async def list_models(request: Request) -> Response:

@@ -22,7 +22,7 @@ from gateway.conversation.start import unavailable
 from gateway.front import Front
 from gateway.http.errors import APIError
 from gateway.models.lora import Adapter, load_on_engine, unload_on_engine
-from gateway.models.registry import ModelUnavailable
+from gateway.models.slot import ModelUnavailable
 from gateway.routes.admin import _body, on_engine
 from gateway.tenancy.auth import authenticate_admin
 

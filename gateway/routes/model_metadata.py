@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from gateway.models.registry import Slot
+from gateway.models.slot import Slot
 
 # Codex's reasoning levels, offered for models whose template thinks; each only turns
 # thinking on (the template has no budget levels).

@@ -22,7 +22,7 @@ from gateway.front import Front
 from gateway.http.body import read_json
 from gateway.http.errors import APIError
 from gateway.http.sse import SSEResponse, to_json
-from gateway.models.registry import ModelUnavailable, Slot
+from gateway.models.slot import ModelUnavailable, Slot
 from gateway.protocols.ollama_schemas import (OLLAMA_VERSION, CopyRequest, CreateRequest, ModelRequest, parse,
                                               served_name, timestamp)
 from gateway.routes.model_metadata import capabilities, context_window

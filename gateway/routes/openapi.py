@@ -79,9 +79,8 @@ def _ref(name: str) -> dict:
 def _completion(obj: str, required: Sequence[str], choice: dict, finish: list) -> dict:
     """An OpenAI completion object (or stream chunk) with ``choices`` items ``choice``."""
     choice = {**choice, "properties": {**choice["properties"], "index": _INT, "finish_reason": {"enum": finish}}}
-    return _obj(["id", "object", "created", "model", "choices", *required],
-                id=_STR, object={"const": obj}, created=_INT, model=_STR,
-                choices={"type": "array", "items": choice}, usage=_ref("Usage"))
+    return _obj(["id", "object", "created", "model", "choices", *required], id=_STR, object={"const": obj},
+                created=_INT, model=_STR, choices={"type": "array", "items": choice}, usage=_ref("Usage"))
 
 
 _FINISHED, _ANY_FINISH = ["stop", "length"], ["stop", "length", None]

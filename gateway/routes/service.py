@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.front import Front
 from gateway.http.errors import APIError
-from gateway.models.registry import Slot
+from gateway.models.slot import Slot
 from gateway.routes.model_metadata import capabilities, codex_entry, context_window
 from gateway.tenancy.auth import authenticate, identify
 

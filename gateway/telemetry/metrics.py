@@ -21,47 +21,23 @@ class GatewayMetrics:
 
     def __init__(self, registry: CollectorRegistry):
         registry.register(MLXMemoryCollector())
-        self.requests = Counter(
-            "mlx_gateway_requests",
-            "Requests answered, by endpoint and HTTP status.",
-            ["tenant", "model", "endpoint", "status"],
-            registry=registry,
-        )
-        self.ttft = Histogram(
-            "mlx_gateway_time_to_first_token_seconds",
-            "Time from request arrival to its first generated token, seconds.",
-            ["tenant", "model", "api"],
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.e2e = Histogram(
-            "mlx_gateway_request_duration_seconds",
-            "Time from request arrival to its last token, seconds.",
-            ["tenant", "model", "api"],
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.tpot = Histogram(
-            "mlx_gateway_time_per_output_token_seconds",
-            "Mean time between generated tokens of a request after the first, seconds.",
-            ["tenant", "model", "api"],
-            buckets=TPOT_BUCKETS,
-            registry=registry,
-        )
-        self.prompt_tokens = Counter(
-            "mlx_gateway_prompt_tokens", "Prompt tokens of admitted requests.", ["tenant", "model", "api"],
-            registry=registry,
-        )
-        self.cached_tokens = Counter(
-            "mlx_gateway_cached_tokens",
-            "Prompt tokens restored from the prefix cache.",
-            ["tenant", "model", "api"],
-            registry=registry,
-        )
-        self.completion_tokens = Counter(
-            "mlx_gateway_completion_tokens", "Generated tokens.", ["tenant", "model", "api"],
-            registry=registry,
-        )
+        self.requests = Counter("mlx_gateway_requests", "Requests answered, by endpoint and HTTP status.",
+                                ["tenant", "model", "endpoint", "status"], registry=registry)
+        self.ttft = Histogram("mlx_gateway_time_to_first_token_seconds",
+                              "Time from request arrival to its first generated token, seconds.",
+                              ["tenant", "model", "api"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.e2e = Histogram("mlx_gateway_request_duration_seconds",
+                             "Time from request arrival to its last token, seconds.", ["tenant", "model", "api"],
+                             buckets=LATENCY_BUCKETS, registry=registry)
+        self.tpot = Histogram("mlx_gateway_time_per_output_token_seconds",
+                              "Mean time between generated tokens of a request after the first, seconds.",
+                              ["tenant", "model", "api"], buckets=TPOT_BUCKETS, registry=registry)
+        self.prompt_tokens = Counter("mlx_gateway_prompt_tokens", "Prompt tokens of admitted requests.",
+                                     ["tenant", "model", "api"], registry=registry)
+        self.cached_tokens = Counter("mlx_gateway_cached_tokens", "Prompt tokens restored from the prefix cache.",
+                                     ["tenant", "model", "api"], registry=registry)
+        self.completion_tokens = Counter("mlx_gateway_completion_tokens", "Generated tokens.",
+                                         ["tenant", "model", "api"], registry=registry)
         self.generations = Counter(
             "mlx_gateway_generations",
             "Generations by how they ended (finish_reason): stop (end of sequence or a stop string), "
@@ -92,12 +68,10 @@ class GatewayMetrics:
             registry=registry,
         )
         # By modality: image input of the generating APIs, and embeddings.
-        self.image_requests = Counter(
-            "mlx_gateway_image_requests", "Generation requests with at least one image.",
-            ["tenant", "model", "api"], registry=registry)
-        self.images = Counter(
-            "mlx_gateway_images", "Images received in generation requests.", ["tenant", "model", "api"],
-            registry=registry)
+        self.image_requests = Counter("mlx_gateway_image_requests", "Generation requests with at least one image.",
+                                      ["tenant", "model", "api"], registry=registry)
+        self.images = Counter("mlx_gateway_images", "Images received in generation requests.",
+                              ["tenant", "model", "api"], registry=registry)
         self.image_tokens = Counter(
             "mlx_gateway_image_tokens", "Prompt tokens that stand for images (included in prompt_tokens).",
             ["tenant", "model", "api"], registry=registry)
@@ -105,9 +79,8 @@ class GatewayMetrics:
             "mlx_gateway_images_refused",
             "Requests refused for their images, by reason (too_large|too_many_pixels|too_many_images|"
             "malformed|fetch|not_vision|rate_limited).", ["tenant", "reason"], registry=registry)
-        self.embedding_inputs = Counter(
-            "mlx_gateway_embedding_inputs", "Inputs embedded by /v1/embeddings.", ["tenant", "model"],
-            registry=registry)
+        self.embedding_inputs = Counter("mlx_gateway_embedding_inputs", "Inputs embedded by /v1/embeddings.",
+                                        ["tenant", "model"], registry=registry)
         self.embedding_tokens = Counter(
             "mlx_gateway_embedding_tokens", "Tokens of the inputs embedded by /v1/embeddings.",
             ["tenant", "model"], registry=registry)

@@ -45,8 +45,7 @@ class PerModelCollector:
             for family in registry.collect():
                 out = merged.get(family.name)
                 if out is None:
-                    out = merged[family.name] = Metric(family.name, family.documentation, family.type,
-                                                       family.unit)
+                    out = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
                 for s in family.samples:
                     out.add_sample(s.name, {**s.labels, "model": model}, s.value, s.timestamp, s.exemplar)
         yield from merged.values()

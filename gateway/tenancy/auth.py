@@ -21,8 +21,7 @@ def api_key(request: Request) -> Optional[str]:
 
 
 def _unauthorized(key: Optional[str]) -> APIError:
-    msg = ("no API key given: send 'Authorization: Bearer KEY'" if key is None
-           else "the API key is not valid")
+    msg = ("no API key given: send 'Authorization: Bearer KEY'" if key is None else "the API key is not valid")
     return APIError(401, msg, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 

@@ -45,11 +45,9 @@ DRAFT_GROUP = "/draft"
 KEY_PREFIX = "mgw-"
 OPEN_TENANT = "default"
 
-_TENANT_FIELDS = {
-    "key_sha256", "models", "requests_per_minute", "prompt_tokens_per_minute",
-    "completion_tokens_per_minute", "max_concurrent", "max_queued", "max_tokens", "weight",
-    "cache_group", "cache_bytes", "priority", "origins", "allow_no_origin", "image_tokens_per_minute",
-}
+_TENANT_FIELDS = {"key_sha256", "models", "requests_per_minute", "prompt_tokens_per_minute",
+                  "completion_tokens_per_minute", "max_concurrent", "max_queued", "max_tokens", "weight",
+                  "cache_group", "cache_bytes", "priority", "origins", "allow_no_origin", "image_tokens_per_minute"}
 # Latency classes, served in this order (scheduler.admission.policy); the index is the engine's priority.
 PRIORITIES = ("interactive", "standard", "batch")
 
@@ -256,25 +254,17 @@ def _tenant(name: str, spec, admin_hashes: tuple[bytes, ...]) -> Tenant:
     allow_no_origin = spec.get("allow_no_origin", False)
     if not isinstance(allow_no_origin, bool):
         raise TenantsFileError(f"{where}: allow_no_origin must be true or false")
-    return Tenant(
-        name=name,
-        key_hashes=hashes,
-        models=None if "*" in models else tuple(models),
-        requests_per_minute=_positive(spec, "requests_per_minute", where),
-        prompt_tokens_per_minute=_positive(spec, "prompt_tokens_per_minute", where),
-        completion_tokens_per_minute=_positive(spec, "completion_tokens_per_minute", where),
-        image_tokens_per_minute=_positive(spec, "image_tokens_per_minute", where),
-        max_concurrent=_positive(spec, "max_concurrent", where),
-        max_queued=_positive(spec, "max_queued", where),
-        max_tokens=_positive(spec, "max_tokens", where),
-        weight=_positive(spec, "weight", where, float) or 1.0,
-        cache_group=group,
-        cache_bytes=_size(spec["cache_bytes"], where) if "cache_bytes" in spec else None,
-        priority=priority,
-        origins=tuple(o.rstrip("/") for o in origins) if origins is not None else None,
-        allow_no_origin=allow_no_origin,
-        admin=bool(set(hashes) & set(admin_hashes)),
-    )
+    return Tenant(name=name, key_hashes=hashes, models=None if "*" in models else tuple(models),
+                  requests_per_minute=_positive(spec, "requests_per_minute", where),
+                  prompt_tokens_per_minute=_positive(spec, "prompt_tokens_per_minute", where),
+                  completion_tokens_per_minute=_positive(spec, "completion_tokens_per_minute", where),
+                  image_tokens_per_minute=_positive(spec, "image_tokens_per_minute", where),
+                  max_concurrent=_positive(spec, "max_concurrent", where),
+                  max_queued=_positive(spec, "max_queued", where), max_tokens=_positive(spec, "max_tokens", where),
+                  weight=_positive(spec, "weight", where, float) or 1.0, cache_group=group,
+                  cache_bytes=_size(spec["cache_bytes"], where) if "cache_bytes" in spec else None, priority=priority,
+                  origins=tuple(o.rstrip("/") for o in origins) if origins is not None else None,
+                  allow_no_origin=allow_no_origin, admin=bool(set(hashes) & set(admin_hashes)))
 
 
 def load_tenants(path: str | Path) -> TenantTable:

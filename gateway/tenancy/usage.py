@@ -52,9 +52,6 @@ class UsageBook:
         """The JSON answer for one tenant."""
         total, window = self._current(tenant)
         start = self._window[tenant][0]
-        return {
-            "object": "usage",
-            "tenant": tenant,
-            "window": {"start": start, "seconds": self.window_seconds, **asdict(window)},
-            "total": {"since": self.started, **asdict(total)},
-        }
+        return {"object": "usage", "tenant": tenant,
+                "window": {"start": start, "seconds": self.window_seconds, **asdict(window)},
+                "total": {"since": self.started, **asdict(total)}}

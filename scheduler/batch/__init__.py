@@ -18,8 +18,6 @@ import logging
 import time
 from typing import Callable, Optional
 
-import mlx.core as mx
-
 from cache import PromptCacheManager
 from scheduler.batch.chunking import ChunkPlanner
 from scheduler.admission.fairness import FairShare
@@ -31,8 +29,8 @@ from scheduler.lora import rows_hook
 from scheduler.metrics import SchedulerMetrics
 from scheduler.admission.precompute import PrecomputeBook
 from scheduler.request import DoneEvent, EngineRequest, ErrorEvent, Event, ProgressEvent, TokenEvent
-from scheduler.batch.rows import RECENT, EngineStats, Row, holds_decode
-from scheduler.sampling import greedy
+from scheduler.batch.rows import RECENT, EngineStats, Row, TokenRates, holds_decode
+from scheduler.sampling import greedy, token_logprobs
 from scheduler.speculative import DraftSnapshots, SpeculationConfig, speculator
 
 log = logging.getLogger("mlx_gateway.engine")
@@ -66,25 +64,12 @@ class Batch:
             forward (:mod:`scheduler.batch.first_tokens`); None: not kept.
     """
 
-    def __init__(
-        self,
-        model,
-        eos_token_ids: set[int],
-        *,
-        prompt_concurrency: int,
-        decode_concurrency: int,
-        prefill_step_size: int,
-        trimmable: bool,
-        prompt_cache: PromptCacheManager,
-        chunks: ChunkPlanner,
-        metrics: SchedulerMetrics,
-        stats: EngineStats,
-        precomputes: PrecomputeBook,
-        fair: FairShare,
-        send: Callable[[EngineRequest, list[Event]], None],
-        speculation: SpeculationConfig = SpeculationConfig(),
-        first_tokens: Optional[FirstTokenStore] = None,
-    ):
+    def __init__(self, model, eos_token_ids: set[int], *, prompt_concurrency: int, decode_concurrency: int,
+                 prefill_step_size: int, trimmable: bool, prompt_cache: PromptCacheManager, chunks: ChunkPlanner,
+                 metrics: SchedulerMetrics, stats: EngineStats, precomputes: PrecomputeBook, fair: FairShare,
+                 send: Callable[[EngineRequest, list[Event]], None],
+                 speculation: SpeculationConfig = SpeculationConfig(),
+                 first_tokens: Optional[FirstTokenStore] = None):
         self.model = model
         self.prompt_concurrency = prompt_concurrency
         self.decode_concurrency = decode_concurrency
@@ -109,7 +94,7 @@ class Batch:
             stats=stats, send=send, finish=self._finish, token_event=self._token_event)
         self._step_prefilled_at = 0.0
         self._held = 0  # steps in a row that held the decoding rows back (scheduler.batch.rows.holds_decode)
-        self._rate_window = [time.monotonic(), 0, 0]  # [start, prefill tokens, decode tokens]
+        self.rates = TokenRates(metrics)  # prefill and decode tokens per second
 
     # ----------------------------------------------------------------- the generator
     def open(self) -> None:
@@ -321,20 +306,6 @@ class Batch:
             if a is not None:
                 self._send(a.request, evs)
 
-    def update_rates(self, idle: bool) -> None:
-        """Publish prefill/decode tokens per second once a second of work has passed;
-        0 when the engine goes idle."""
-        start, pre, dec = self._rate_window
-        now = time.monotonic()
-        if idle:
-            self.metrics.prefill_rate.set(0)
-            self.metrics.decode_rate.set(0)
-            self._rate_window = [now, 0, 0]
-        elif now - start >= 1.0:
-            self.metrics.prefill_rate.set(pre / (now - start))
-            self.metrics.decode_rate.set(dec / (now - start))
-            self._rate_window = [now, 0, 0]
-
     def _token_event(self, a: Row, gr, counted: Optional[dict] = None) -> TokenEvent:
         """The event of ``a``'s token ``gr.token``; the token is counted (stats, metrics,
         its tenant's fair share) into ``counted`` for :meth:`_count_tokens`, or now when
@@ -354,16 +325,7 @@ class Batch:
         p = a.request.params
         if not p.logprobs:
             return TokenEvent(gr.token)
-        lp = gr.logprobs
-        chosen = lp[gr.token].item()
-        top = None
-        if p.top_logprobs:
-            k = min(p.top_logprobs, lp.shape[-1])
-            idx = mx.argpartition(-lp, k - 1)[:k]
-            vals = lp[idx]
-            order = mx.argsort(-vals)
-            top = list(zip(idx[order].tolist(), vals[order].tolist()))
-        return TokenEvent(gr.token, chosen, top)
+        return TokenEvent(gr.token, *token_logprobs(gr.logprobs, gr.token, p.top_logprobs))
 
     def _count_tokens(self, counted: dict) -> None:
         """Account generated tokens, ``{(tenant, weight): tokens}``: one update per tenant
@@ -373,7 +335,7 @@ class Batch:
         n = sum(counted.values())
         self.stats.decode_tokens += n
         self.metrics.decode_tokens.inc(n)
-        self._rate_window[2] += n
+        self.rates.decoded += n
         for (tenant, weight), k in counted.items():
             self.metrics.work.labels(tenant).inc(k)
             self.fair.charge(tenant, k, weight)
@@ -385,7 +347,7 @@ class Batch:
         if done > a.processed:
             self.stats.prefill_tokens += done - a.processed
             self.metrics.prefill_tokens.inc(done - a.processed)
-            self._rate_window[1] += done - a.processed
+            self.rates.prefilled += done - a.processed
             a.processed = done
             if not pr.end_of_prompt and a.progress_due(len(a.request.tokens), time.monotonic()):
                 self._send(a.request, [ProgressEvent(a.cached + done, len(a.request.tokens))])

@@ -5,6 +5,7 @@ it keeps, and the waiting counts behind the errors :meth:`Engine.submit
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
@@ -181,6 +182,25 @@ class EngineStats:
     max_decode_batch: int = 0
     generated_by_request: dict[str, int] = field(default_factory=dict)  # last 4096 requests
     speculation: SpeculationStats = field(default_factory=SpeculationStats)
+
+
+class TokenRates:
+    """Prefill and decode tokens per second, published once a second of work has passed
+    (the ``prefill_rate`` and ``decode_rate`` gauges of :class:`scheduler.metrics.SchedulerMetrics`).
+    The batch adds to :attr:`prefilled` and :attr:`decoded` (tokens) as rows advance."""
+
+    def __init__(self, metrics):
+        self.metrics = metrics
+        self.start, self.prefilled, self.decoded = time.monotonic(), 0, 0
+
+    def publish(self, idle: bool) -> None:
+        """Publish the rates if a second has passed since the last (0 when ``idle``: the engine has no rows)."""
+        now = time.monotonic()
+        if idle or now - self.start >= 1.0:
+            seconds = now - self.start
+            self.metrics.prefill_rate.set(0 if idle else self.prefilled / seconds)
+            self.metrics.decode_rate.set(0 if idle else self.decoded / seconds)
+            self.start, self.prefilled, self.decoded = now, 0, 0
 
 
 def holds_decode(rows: Iterable[Row], held: int = 0) -> bool:

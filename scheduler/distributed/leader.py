@@ -194,7 +194,7 @@ def lead(engine, cluster: Cluster) -> None:
     recorder = Recorder(cluster)
     cache.__class__ = LeaderCache
     cache._lead(recorder)
-    batch = engine._batch
+    batch = engine.core.batch
     batch.__class__ = LeaderBatch
     batch._lead(cluster, recorder)
     threading.Thread(target=_heartbeat, args=(engine, cluster, recorder), name="cluster-heartbeat",
@@ -204,10 +204,10 @@ def lead(engine, cluster: Cluster) -> None:
 def _end_requests(engine, reason: str) -> None:
     """End the requests in the batch with a 503 (any thread: the engine thread may be
     stuck in a collective; their sinks only post to the event loop)."""
-    rows = list(engine._batch.active.values()) + list(engine._classes.paused)
+    rows = list(engine.core.batch.active.values()) + list(engine.core.classes.paused)
     for a in rows:
         if a.precompute is None:
-            engine._send(a.request, [ErrorEvent(503, f"a rank of the cluster failed: {reason}")])
+            engine.core.send(a.request, [ErrorEvent(503, f"a rank of the cluster failed: {reason}")])
 
 
 def _heartbeat(engine, cluster: Cluster, recorder: Recorder) -> None:

@@ -17,9 +17,6 @@ the gateway asks it to flush, set quotas, close or report (:meth:`Engine.flush_c
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
 from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
@@ -31,6 +28,7 @@ from scheduler.batch.forward_cost import ForwardCost
 from scheduler.engine.loop import EngineLoop
 from scheduler.admission.precompute import Precompute
 from scheduler.engine.prefetch import DiskPrefetch
+from scheduler.engine.seat import LoopSeat
 from scheduler.lora import admitted_adapter
 from scheduler.request import EngineRequest
 from scheduler.speculative import SpeculationConfig
@@ -40,11 +38,11 @@ from scheduler.batch.rows import AdmissionRecord, EngineDead, EngineOverloaded, 
 __all__ = ["PERSIST_SECONDS", "AdmissionRecord", "Engine", "EngineDead", "EngineOverloaded", "EngineStats",
            "TenantQueueFull"]
 
-log = logging.getLogger("mlx_gateway.engine")
 
-
-class Engine(EngineCore):
-    """Serves :class:`EngineRequest` s on one model, from an :class:`EngineLoop` thread.
+class Engine:
+    """Serves :class:`EngineRequest` s on one model, from an :class:`EngineLoop` thread. Its
+    parts: :attr:`core` (:class:`~scheduler.engine.core.EngineCore`, what the loop steps) and
+    :attr:`seat` (:class:`~scheduler.engine.seat.LoopSeat`, its place on the loop).
 
     Args:
         model: an mlx-lm model (``mlx_lm.load``).
@@ -78,44 +76,42 @@ class Engine(EngineCore):
             more than 20 % above the best chunk's; None: no such floor.
     """
 
-    def __init__(
-        self,
-        model,
-        eos_token_ids: set[int],
-        prompt_cache: PromptCacheManager,
-        *,
-        prompt_concurrency: int = 8,
-        decode_concurrency: int = 32,
-        prefill_step_size: int = 2048,
-        prefill_budget: float = 0.0,
-        max_waiting: int = 1024,
-        registry: Optional[CollectorRegistry] = None,
-        pad_free_prefill: bool = False,
-        gather_wait: float = 0.0,
-        loop: Optional[EngineLoop] = None,
-        name: str = "model",
-        speculation: SpeculationConfig = SpeculationConfig(),
-        forward_cost: Optional[ForwardCost] = None,
-    ):
-        self._own_loop = loop is None
-        super().__init__(model, eos_token_ids, prompt_cache, loop or EngineLoop(gather_wait=gather_wait),
-                         prompt_concurrency=prompt_concurrency, decode_concurrency=decode_concurrency,
-                         prefill_step_size=prefill_step_size, prefill_budget=prefill_budget,
-                         max_waiting=max_waiting, registry=registry, pad_free_prefill=pad_free_prefill, name=name,
-                         speculation=speculation, forward_cost=forward_cost)
-        self._started = False
+    def __init__(self, model, eos_token_ids: set[int], prompt_cache: PromptCacheManager, *,
+                 prompt_concurrency: int = 8, decode_concurrency: int = 32, prefill_step_size: int = 2048,
+                 prefill_budget: float = 0.0, max_waiting: int = 1024, registry: Optional[CollectorRegistry] = None,
+                 pad_free_prefill: bool = False, gather_wait: float = 0.0, loop: Optional[EngineLoop] = None,
+                 name: str = "model", speculation: SpeculationConfig = SpeculationConfig(),
+                 forward_cost: Optional[ForwardCost] = None):
+        own = loop is None
+        loop = loop or EngineLoop(gather_wait=gather_wait)
+        self.core = EngineCore(model, eos_token_ids, prompt_cache, loop, prompt_concurrency=prompt_concurrency,
+                               decode_concurrency=decode_concurrency, prefill_step_size=prefill_step_size,
+                               prefill_budget=prefill_budget, max_waiting=max_waiting, registry=registry,
+                               pad_free_prefill=pad_free_prefill, name=name, speculation=speculation,
+                               forward_cost=forward_cost)
+        self.seat = LoopSeat(self.core, loop, own)
+        core = self.core  # its books and parts, shared with every thread
+        self.model, self.name, self.prompt_cache, self.trimmable = model, name, prompt_cache, core.trimmable
+        self.metrics, self.stats, self.admission_log = core.metrics, core.stats, core.admission_log
+        self.precomputes, self.chunks, self.arrivals = core.precomputes, core.chunks, core.arrivals
+        self.pad_free_prefill, self.max_waiting = core.pad_free_prefill, core.max_waiting
         self._prefetch = DiskPrefetch(prompt_cache, self._hand_over)
 
     # ----------------------------------------------------------------- public API
     @property
     def loop(self) -> EngineLoop:
         """The loop this engine runs on."""
-        return self._loop
+        return self.seat.loop
 
     @property
     def alive(self) -> bool:
         """True while the engine is served by a running loop."""
-        return self._started and not self._closed and self.error is None and self._loop.alive
+        return self.seat.alive
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        """What stopped the engine (set on the loop thread), or None."""
+        return self.core.error
 
     def start(self, timeout: float = 60.0) -> None:
         """Start serving: on a loop of its own (started here), or attached to the shared
@@ -124,10 +120,7 @@ class Engine(EngineCore):
         Raises:
             EngineDead, TimeoutError: the shared loop is not running or did not take it.
         """
-        self._loop.attach(self, timeout)
-        self._started = True
-        if self._own_loop:
-            self._loop.start()
+        self.seat.start(timeout)
 
     def stop(self, timeout: float = 10.0, reason: str = "engine stopped") -> None:
         """Stop serving; requests still waiting or running end with a 503 error event
@@ -135,13 +128,7 @@ class Engine(EngineCore):
         first. An engine on a loop of its own stops that loop; one on a shared loop
         leaves it (the model is unloaded) and the loop serves the others."""
         self._prefetch.close()
-        if self._own_loop:
-            self._loop.stop(timeout, reason)
-        elif self._started:
-            try:
-                self._loop.detach(self, reason, timeout)
-            except TimeoutError:
-                log.warning("the engine loop did not release %s within %g s", self.name, timeout)
+        self.seat.stop(timeout, reason)
 
     def submit(self, request: EngineRequest) -> None:
         """Queue a request (thread-safe).
@@ -154,36 +141,29 @@ class Engine(EngineCore):
         if not self.alive:
             raise EngineDead(f"engine is not running: {self.error!r}")
         with admitted_adapter(self.model, request):  # scheduler.lora: UnknownAdapter when not loaded
-            self._waiting_counts.add(request, self.max_waiting)
-        with self._idle:
-            self._is_idle = False
+            self.core.enqueue(request)
         if not self._prefetch.start(request):  # else handed over once its disk entry is read
-            self._post("submit", request)
+            self.seat.post("submit", request)
 
     def _hand_over(self, request: EngineRequest, cancelled: Optional[str]) -> None:
         """A request whose disk entry was read ahead (:mod:`scheduler.engine.prefetch`) goes in."""
-        self._post("submit", request)
+        self.seat.post("submit", request)
         if cancelled is not None:
-            self._post("cancel", (request.id, cancelled))
+            self.seat.post("cancel", (request.id, cancelled))
 
     def reserve_precompute(self, limit: int = 8) -> bool:
         """Announce a next-turn precompute that is being rendered (thread-safe): until its
         :meth:`submit_precompute`, the engine does not count as idle. False (nothing
         reserved) when ``limit`` renders are already in flight or the engine is not running."""
-        with self._idle:
-            if self._reserved >= limit or not self.alive:
-                return False
-            self._reserved += 1
-            self._is_idle = False
-            return True
+        return self.alive and self.core.reserve(limit)
 
     def submit_precompute(self, p: Optional[Precompute]) -> None:
         """Queue a reserved next-turn precompute, or None when its render gave nothing
         (thread-safe; see :mod:`scheduler.admission.precompute`). It runs only while no engine of the
         loop has anything else to do, and is dropped when a request arrives."""
-        self._post("precompute", p)  # the reservation ends when the engine takes it
+        self.seat.post("precompute", p)  # the reservation ends when the engine takes it
         if not self.alive:  # stopped meanwhile: nothing will take it
-            self._end_reservation()
+            self.core.end_reservation()
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         """End a request early (thread-safe); it leaves the batch on the engine's next step
@@ -191,7 +171,7 @@ class Engine(EngineCore):
         client left; counted as a cancellation) or ``"stop"`` (the gateway matched a stop
         string; counted as finished, and its prompt + completion are cached)."""
         self._prefetch.cancel(request_id, reason)
-        self._post("cancel", (request_id, reason))
+        self.seat.post("cancel", (request_id, reason))
 
     def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
         """Run ``fn()`` on the engine thread between steps and return its result.
@@ -200,9 +180,7 @@ class Engine(EngineCore):
             EngineDead: the engine is not running.
             TimeoutError: no answer within ``timeout`` seconds.
         """
-        if not self.alive:
-            raise EngineDead("engine is not running")
-        return self._loop.call(fn, timeout)
+        return self.seat.call(fn, timeout)
 
     # The prefix cache, asked for through the engine (its snapshots are MLX arrays:
     # whatever may free them runs on the engine thread).
@@ -226,8 +204,8 @@ class Engine(EngineCore):
             A Future done once they are applied; it holds :class:`EngineDead`,
             :class:`TimeoutError` or the error raised (ValueError: a negative quota).
         """
-        if self._started:
-            return self._post_call(lambda: self.prompt_cache.eviction.set_quotas(quotas()), timeout)
+        if self.seat.started:
+            return self.seat.post_call(lambda: self.prompt_cache.eviction.set_quotas(quotas()), timeout)
         done: Future = Future()
         try:
             done.set_result(self.prompt_cache.eviction.set_quotas(quotas()))
@@ -246,7 +224,7 @@ class Engine(EngineCore):
         Raises:
             EngineDead, TimeoutError: see :meth:`call`.
         """
-        return self.call(self._batch.kv_bytes, timeout)
+        return self.call(self.core.batch.kv_bytes, timeout)
 
     @property
     def cache_bytes(self) -> int:
@@ -256,19 +234,11 @@ class Engine(EngineCore):
     @property
     def idle(self) -> bool:
         """No request waiting or running, no next-turn precompute pending (thread-safe)."""
-        with self._idle:
-            return self._is_idle
+        return self.core.idle
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Block until no request is waiting or running; False on timeout."""
-        deadline = time.monotonic() + timeout
-        with self._idle:
-            while not self._is_idle:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
+        return self.core.wait_idle(timeout)
 
     def prime_metrics(self, tenants, cache_groups) -> None:
         """Create the per-tenant and per-cache-group series at 0 (thread-safe)."""
@@ -279,28 +249,10 @@ class Engine(EngineCore):
 
     @property
     def num_running(self) -> int:
-        return len(self._batch.active)
+        """Rows in the batch (a snapshot)."""
+        return len(self.core.batch.active)
 
     @property
     def num_waiting(self) -> int:
-        return self._waiting_counts.total
-
-    # ----------------------------------------------------------------- posting
-    def _post(self, kind: str, payload) -> None:
-        self._loop.post(("engine", (self, kind, payload)))
-        if not self._loop.alive and self._started:  # the loop died between the check and the put
-            self._loop.drain_after_stop(f"engine stopped: {self._loop.error!r}")
-
-    def _post_call(self, fn: Callable[[], Any], timeout: float) -> Future:
-        done: Future = Future()
-
-        def wait() -> None:
-            try:
-                done.set_result(self.call(fn, timeout))
-            except BaseException as e:
-                log.warning("a call posted to the engine of %s failed: %r", self.name, e)
-                done.set_exception(e)
-
-        threading.Thread(target=wait, name="engine-call-waiter", daemon=True).start()
-        return done
-
+        """Requests submitted, not yet admitted or cancelled (thread-safe)."""
+        return self.core.num_waiting

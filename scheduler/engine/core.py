@@ -1,6 +1,6 @@
 """What one model's engine does on the engine loop's thread: admission, stepping, the
-idle books. :class:`EngineCore` is the side the loop sees (:class:`scheduler.engine.loop.Engine`);
-:class:`scheduler.engine.Engine` adds what other threads call.
+idle books. :class:`EngineCore` is the part the loop steps (:class:`scheduler.engine.loop.Engine`);
+:class:`scheduler.engine.Engine` holds it and offers what other threads call.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ PERSIST_SECONDS = 60.0
 
 class EngineCore:
     """One model's waiting queue, batch and prefix cache, as the engine loop drives them
-    (every method here runs on the loop's thread). See :class:`scheduler.engine.Engine`
-    for the arguments."""
+    (every method runs on the loop's thread but the idle books', which say so). See
+    :class:`scheduler.engine.Engine` for the arguments."""
 
     def __init__(self, model, eos_token_ids: set[int], prompt_cache: PromptCacheManager, loop: EngineLoop, *,
                  prompt_concurrency: int, decode_concurrency: int, prefill_step_size: int, prefill_budget: float,
@@ -63,17 +63,16 @@ class EngineCore:
         self.stats = EngineStats()
         # Recent admissions in order, for tests, benchmarks and debugging; bounded.
         self.admission_log: deque[AdmissionRecord] = deque(maxlen=RECENT)
-        self._waiting = WaitingQueue(loop.fair)
-        self._batch = Batch(
-            model, self.eos_token_ids, prompt_concurrency=self.prompt_concurrency,
-            decode_concurrency=self.decode_concurrency, prefill_step_size=prefill_step_size,
-            trimmable=self.trimmable, prompt_cache=prompt_cache, chunks=self.chunks, metrics=self.metrics,
-            stats=self.stats, precomputes=self.precomputes, fair=loop.fair, send=self._send,
-            speculation=speculation, first_tokens=FirstTokenStore(metrics=self.metrics),
-        )
-        self._classes = LatencyClasses(self._waiting, self._batch, loop, self.metrics, self.prompt_concurrency,
+        self.waiting = WaitingQueue(loop.fair)
+        self.batch = Batch(model, self.eos_token_ids, prompt_concurrency=self.prompt_concurrency,
+                           decode_concurrency=self.decode_concurrency, prefill_step_size=prefill_step_size,
+                           trimmable=self.trimmable, prompt_cache=prompt_cache, chunks=self.chunks,
+                           metrics=self.metrics, stats=self.stats, precomputes=self.precomputes, fair=loop.fair,
+                           send=self.send, speculation=speculation,
+                           first_tokens=FirstTokenStore(metrics=self.metrics))
+        self.classes = LatencyClasses(self.waiting, self.batch, loop, self.metrics, self.prompt_concurrency,
                                        self.decode_concurrency)
-        self._closed = False  # set on the loop thread when the engine leaves it
+        self.closed = False  # set on the loop thread when the engine leaves it
         self._idle = threading.Condition()
         self._is_idle = True  # updated between steps only, so readers see a consistent state
         self.error: Optional[BaseException] = None
@@ -82,43 +81,79 @@ class EngineCore:
         # Requests the gateway is rendering and tokenizing; each one ending wakes the loop.
         self.arrivals = Arrivals(lambda: self._loop.post(("arrived", None)))
 
+    # ----------------------------------------------------------------- the idle books (any thread)
+    def enqueue(self, request: EngineRequest) -> None:
+        """Count a submitted request as waiting (thread-safe).
+
+        Raises:
+            EngineOverloaded, TenantQueueFull: see :meth:`scheduler.engine.Engine.submit`.
+        """
+        self._waiting_counts.add(request, self.max_waiting)
+        with self._idle:
+            self._is_idle = False
+
+    def reserve(self, limit: int) -> bool:
+        """Count a next-turn precompute being rendered, unless ``limit`` already are (thread-safe)."""
+        with self._idle:
+            if self._reserved >= limit:
+                return False
+            self._reserved += 1
+            self._is_idle = False
+            return True
+
+    @property
+    def idle(self) -> bool:
+        """No request waiting or running, no next-turn precompute pending (thread-safe)."""
+        with self._idle:
+            return self._is_idle
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block until :attr:`idle`; False after ``timeout`` seconds."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._is_idle, timeout)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted, not yet admitted or cancelled (thread-safe)."""
+        return self._waiting_counts.total
+
     # ----------------------------------------------------------------- on the loop thread
     @property
     def has_waiting(self) -> bool:
-        return bool(len(self._waiting))
+        return bool(len(self.waiting))
 
     @property
     def has_rows(self) -> bool:
-        return bool(self._batch.active)
+        return bool(self.batch.active)
 
     @property
     def busy(self) -> bool:
         """Rows in the batch, paused or requests waiting."""
-        return self.has_rows or self.has_waiting or bool(self._classes.paused)
+        return self.has_rows or self.has_waiting or bool(self.classes.paused)
 
     @property
     def serving(self) -> bool:
         """Some row is a request (not a next-turn precompute)."""
-        return self._batch.serving()
+        return self.batch.serving()
 
     @property
     def num_prefilling(self) -> int:
-        return self._batch.num_prefilling()
+        return self.batch.num_prefilling()
 
     @property
     def prefill_class(self) -> int:
         """The best latency class among the rows prefilling (a next-turn precompute ranks
         below every class); 3 when none prefills."""
-        return min((a.rank for a in self._batch.active.values() if not a.decoding), default=3)
+        return min((a.rank for a in self.batch.active.values() if not a.decoding), default=3)
 
     @property
     def interactive_busy(self) -> bool:
         """An interactive request waits for admission, prefills or decodes."""
-        return 0 in self._waiting.classes() or any(a.rank == 0 for a in self._batch.active.values())
+        return 0 in self.waiting.classes() or any(a.rank == 0 for a in self.batch.active.values())
 
     @property
     def num_decoding(self) -> int:
-        return len(self._batch.active) - self._batch.num_prefilling()
+        return len(self.batch.active) - self.batch.num_prefilling()
 
     def precompute_due(self) -> Optional[float]:
         """Seconds until a pending next-turn precompute may start; None if none."""
@@ -126,22 +161,22 @@ class EngineCore:
 
     def open_on_loop(self) -> None:
         """Make the batch generator (loop thread)."""
-        self._batch.open()
+        self.batch.open()
 
     def close_on_loop(self, reason: str, persist: bool) -> None:
         """Leave the loop (loop thread): every waiting and running request ends with a 503
         ``reason``; with ``persist`` the prompt cache is written to its disk tier."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
-        self._batch.drop_all(reason)
-        for a in self._classes.paused:
-            self._send(a.request, [ErrorEvent(503, reason)])
-            self._batch.insertion.drop_paused(a)
-        self._classes.paused.clear()
-        for r in self._waiting.drain():
-            self._send(r, [ErrorEvent(503, reason)])
-        self._batch.close()
+        self.closed = True
+        self.batch.drop_all(reason)
+        for a in self.classes.paused:
+            self.send(a.request, [ErrorEvent(503, reason)])
+            self.batch.insertion.drop_paused(a)
+        self.classes.paused.clear()
+        for r in self.waiting.drain():
+            self.send(r, [ErrorEvent(503, reason)])
+        self.batch.close()
         self.precomputes.clear()
         if persist:
             self._persist_cache()
@@ -153,9 +188,9 @@ class EngineCore:
     def handle(self, kind: str, payload) -> None:
         """An inbox item for this engine (loop thread)."""
         if kind == "submit":
-            self._waiting.add(payload)
+            self.waiting.add(payload)
         elif kind == "precompute":
-            self._end_reservation()
+            self.end_reservation()
             if payload is not None:
                 self.precomputes.add(payload)
         elif kind == "cancel":
@@ -165,9 +200,9 @@ class EngineCore:
         """An inbox item that arrived after the engine left its loop (any thread)."""
         if kind == "submit":
             self._waiting_counts.remove(payload)
-            self._send(payload, [ErrorEvent(503, reason)])
+            self.send(payload, [ErrorEvent(503, reason)])
         elif kind == "precompute":
-            self._end_reservation()
+            self.end_reservation()
 
     def admit(self, preempt: bool, quiet: bool) -> None:
         """Admit waiting requests into free batch slots (loop thread).
@@ -178,25 +213,22 @@ class EngineCore:
                 prepared: a due next-turn precompute may start.
         """
         if preempt:
-            self._batch.preempt_precomputes()
-        back = self._classes.resume_streams()
-        allowed = self._classes.allowed()
-        self._classes.make_room(spare=back)
-        prefilling = self._batch.num_prefilling()
-        free = min(
-            self.prompt_concurrency - prefilling,
-            self.decode_concurrency - len(self._batch.active),
-        )
+            self.batch.preempt_precomputes()
+        back = self.classes.resume_streams()
+        allowed = self.classes.allowed()
+        self.classes.make_room(spare=back)
+        prefilling = self.batch.num_prefilling()
+        free = min(self.prompt_concurrency - prefilling, self.decode_concurrency - len(self.batch.active))
         if free <= 0:
             return
-        if not len(self._waiting):
-            if quiet and not self._batch.active and self.precomputes.seconds_until_due() == 0:
+        if not len(self.waiting):
+            if quiet and not self.batch.active and self.precomputes.seconds_until_due() == 0:
                 self._start_precompute()
             return
         if self.pad_free_prefill and prefilling:
             return
         n = 1 if self.pad_free_prefill else free
-        lower_room = self._classes.lower_room()
+        lower_room = self.classes.lower_room()
         if lower_room is not None:  # interactive first, then the lower classes within their room
             classes = {0, 1, 2} if allowed is None else allowed
             picks = self._pick(n, classes & {0})
@@ -210,7 +242,7 @@ class EngineCore:
     def _pick(self, n: int, classes: Optional[set[int]]) -> list[Admission]:
         if n <= 0 or (classes is not None and not classes):
             return []
-        return self._waiting.pick(n, lambda r: self.prompt_cache.match_length(r.namespace, r.tokens),
+        return self.waiting.pick(n, lambda r: self.prompt_cache.match_length(r.namespace, r.tokens),
                                   self._in_flight(), self.prompt_cache.version, classes)
 
     def step(self, decode_only: bool = False, decoding_elsewhere: int = 0, share: float = 1.0) -> None:
@@ -221,12 +253,12 @@ class EngineCore:
         while an interactive row decodes, lower classes do not prefill
         (:meth:`LatencyClasses.streams_first <scheduler.admission.classes.LatencyClasses.streams_first>`)."""
         cap = None
-        lower = any(a.rank > 0 for a in self._batch.active.values() if not a.decoding)
-        if lower and not decode_only and self._classes.streams_first():
+        lower = any(a.rank > 0 for a in self.batch.active.values() if not a.decoding)
+        if lower and not decode_only and self.classes.streams_first():
             decode_only = True
         if lower and self._loop.interactive_recent():
             cap = max(self._loop.interactive_budget, self.chunks.decode_step)
-        self._batch.step(decode_only=decode_only, decoding_elsewhere=decoding_elsewhere, cap=cap, share=share)
+        self.batch.step(decode_only=decode_only, decoding_elsewhere=decoding_elsewhere, cap=cap, share=share)
 
     def end_turn(self, hold: bool) -> None:
         """After a loop turn: hold precomputes back while some engine serves (``hold``),
@@ -235,8 +267,8 @@ class EngineCore:
             self.precomputes.hold()
         self._notify_idle()
 
-    # ----------------------------------------------------------------- internals
-    def _end_reservation(self) -> None:
+    def end_reservation(self) -> None:
+        """A reserved next-turn precompute was taken or dropped (any thread)."""
         with self._idle:
             self._reserved = max(0, self._reserved - 1)
         self._notify_idle_state()
@@ -253,27 +285,25 @@ class EngineCore:
 
     def _notify_idle(self) -> None:
         # After every loop turn, so that a cancelled or failed prefill leaves the gauge too.
-        self.metrics.prefill_remaining.set(sum(
-            a.prompt_left for a in self._batch.active.values() if not a.decoding
-        ))
-        self.metrics.running.set(len(self._batch.active))
+        self.metrics.prefill_remaining.set(sum(a.prompt_left for a in self.batch.active.values() if not a.decoding))
+        self.metrics.running.set(len(self.batch.active))
         self.metrics.waiting.set(self._waiting_counts.total)
-        queued = self._waiting.count_by_class()
-        for a in self._classes.paused:
+        queued = self.waiting.count_by_class()
+        for a in self.classes.paused:
             queued[a.request.priority] = queued.get(a.request.priority, 0) + 1
         for c in range(3):
             self.metrics.queued_by_class.labels(str(c)).set(queued.get(c, 0))
-        self._batch.update_rates(idle=not self._batch.active)
+        self.batch.rates.publish(idle=not self.batch.active)
         self._notify_idle_state()
 
     def _notify_idle_state(self) -> None:
         with self._idle:
-            running = not self._closed and self.error is None
-            self._is_idle = not (self._batch.active or self._classes.paused or len(self._waiting)
+            running = not self.closed and self.error is None
+            self._is_idle = not (self.batch.active or self.classes.paused or len(self.waiting)
                                  or self._waiting_counts.total or (running and (len(self.precomputes) or self._reserved)))
             self._idle.notify_all()
 
-    def _send(self, request: EngineRequest, events: list[Event]) -> None:
+    def send(self, request: EngineRequest, events: list[Event]) -> None:
         try:
             request.sink(events)
         except Exception:  # a broken sink fails only its own request
@@ -281,13 +311,11 @@ class EngineCore:
 
     # ----------------------------------------------------------------- admission
     def _in_flight(self) -> list[InFlight]:
-        return [
-            InFlight(a.request, a.pending_snapshots) for a in self._batch.active.values() if not a.decoding
-        ]
+        return [InFlight(a.request, a.pending_snapshots) for a in self.batch.active.values() if not a.decoding]
 
     def _insert(self, admission: Admission) -> None:
         r = admission.request
-        a = self._batch.insertion.start_row(r, admission.extra_checkpoints)
+        a = self.batch.insertion.start_row(r, admission.extra_checkpoints)
         if a is None:
             self.stats.failed += 1
             return
@@ -304,7 +332,7 @@ class EngineCore:
         self.metrics.queue_time.labels(r.tenant).observe(time.monotonic() - r.arrival)
         if cached:
             self.precomputes.on_hit(r.namespace, r.tokens, cached)
-        self._send(r, [PromptEvent(cached, a.cache_source), ProgressEvent(cached, len(r.tokens))])
+        self.send(r, [PromptEvent(cached, a.cache_source), ProgressEvent(cached, len(r.tokens))])
 
     # ----------------------------------------------------------------- precompute
     def _start_precompute(self) -> None:
@@ -319,27 +347,27 @@ class EngineCore:
             return
         r = EngineRequest(p.id, p.tokens, SamplingParams(max_tokens=1), sink=lambda events: None,
                           checkpoints=[n], namespace=p.namespace, tenant=p.tenant)
-        a = self._batch.insertion.start_row(r, background=True)  # snapshots at n, the one it exists for
+        a = self.batch.insertion.start_row(r, background=True)  # snapshots at n, the one it exists for
         if a is None:
             self.precomputes.outcome("failed")
             return
         a.precompute = p
 
     def _cancel(self, request_id: str, reason: str = "cancelled") -> None:
-        paused = next((a for a in self._classes.paused if a.request.id == request_id), None)
+        paused = next((a for a in self.classes.paused if a.request.id == request_id), None)
         if paused is not None:
-            self._classes.paused.remove(paused)
-            self._batch.insertion.drop_paused(paused)
-            self._send(paused.request, [DoneEvent(reason)])
+            self.classes.paused.remove(paused)
+            self.batch.insertion.drop_paused(paused)
+            self.send(paused.request, [DoneEvent(reason)])
             self._count_early_end(reason)
             return
-        r = self._waiting.remove(request_id)
+        r = self.waiting.remove(request_id)
         if r is not None:
             self._waiting_counts.remove(r)
-            self._send(r, [DoneEvent(reason)])
+            self.send(r, [DoneEvent(reason)])
             self._count_early_end(reason)
             return
-        if self._batch.cancel(request_id, reason):
+        if self.batch.cancel(request_id, reason):
             self._count_early_end(reason)
 
     def _count_early_end(self, reason: str) -> None:

@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry
 
 from scheduler.admission.arrivals import Arrivals
 from scheduler.engine.loop import EngineLoop
+from scheduler.engine.seat import LoopSeat
 from scheduler.metrics import SchedulerMetrics
 from scheduler.request import ErrorEvent
 from scheduler.batch.rows import EngineDead, EngineOverloaded, EngineStats
@@ -97,41 +98,31 @@ class EmbeddingEngine:
         self.metrics = SchedulerMetrics(registry or CollectorRegistry())
         self.stats = EngineStats()
         self.error: Optional[BaseException] = None
-        self._own_loop = loop is None
-        self._loop = loop or EngineLoop()
+        self.seat = LoopSeat(self, loop or EngineLoop(), own=loop is None)
         self._queue: deque[EmbeddingRequest] = deque()  # loop thread only
         self._count = 0  # submitted and not yet answered (any thread, under _idle)
         self._idle = threading.Condition()
-        self._started = False
-        self._closed = False
-        self.arrivals = Arrivals(lambda: self._loop.post(("arrived", None)))
+        self.closed = False  # set on the loop thread when it leaves the loop
+        self.arrivals = Arrivals(lambda: self.seat.loop.post(("arrived", None)))
 
     # ----------------------------------------------------------------- thread-safe API
     @property
     def loop(self) -> EngineLoop:
-        return self._loop
+        """The loop this engine runs on."""
+        return self.seat.loop
 
     @property
     def alive(self) -> bool:
         """True while the engine is served by a running loop."""
-        return self._started and not self._closed and self.error is None and self._loop.alive
+        return self.seat.alive
 
     def start(self, timeout: float = 60.0) -> None:
         """Attach to the loop (and start it, when it is this engine's own)."""
-        self._loop.attach(self, timeout)
-        self._started = True
-        if self._own_loop:
-            self._loop.start()
+        self.seat.start(timeout)
 
     def stop(self, timeout: float = 10.0, reason: str = "engine stopped") -> None:
         """Leave the loop; waiting requests end with a 503 ``reason``."""
-        if self._own_loop:
-            self._loop.stop(timeout, reason)
-        elif self._started:
-            try:
-                self._loop.detach(self, reason, timeout)
-            except TimeoutError:
-                log.warning("the engine loop did not release %s within %g s", self.name, timeout)
+        self.seat.stop(timeout, reason)
 
     def submit(self, request: EmbeddingRequest) -> None:
         """Queue a request (thread-safe).
@@ -146,17 +137,15 @@ class EmbeddingEngine:
             if self._count >= self.max_waiting:
                 raise EngineOverloaded(f"{self._count} requests are already waiting")
             self._count += 1
-        self._loop.post(("engine", (self, "submit", request)))
+        self.seat.post("submit", request)
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         """Drop a request that has not been answered (thread-safe); its sink gets nothing more."""
-        self._loop.post(("engine", (self, "cancel", request_id)))
+        self.seat.post("cancel", request_id)
 
     def call(self, fn, timeout: float = 60.0):
-        """Run ``fn()`` on the engine thread (see :meth:`scheduler.engine.loop.EngineLoop.call`)."""
-        if not self.alive:
-            raise EngineDead("engine is not running")
-        return self._loop.call(fn, timeout)
+        """Run ``fn()`` on the engine thread (see :meth:`scheduler.engine.seat.LoopSeat.call`)."""
+        return self.seat.call(fn, timeout)
 
     # What the gateway asks of every engine; an embedding model has no prefix cache.
     def flush_cache(self, cache_group: Optional[str] = None, timeout: float = 60.0) -> int:
@@ -194,14 +183,9 @@ class EmbeddingEngine:
             return self._count == 0
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
-        deadline = time.monotonic() + timeout
+        """Block until every request is answered; False after ``timeout`` seconds."""
         with self._idle:
-            while self._count:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
+            return self._idle.wait_for(lambda: not self._count, timeout)
 
     @property
     def num_running(self) -> int:
@@ -216,15 +200,7 @@ class EmbeddingEngine:
     def busy(self) -> bool:
         return bool(self._queue)
 
-    has_waiting = busy
-
-    @property
-    def has_rows(self) -> bool:
-        return bool(self._queue)
-
-    @property
-    def serving(self) -> bool:
-        return bool(self._queue)
+    has_waiting = has_rows = serving = busy  # every waiting input is a request's, prefilled in turn
 
     @property
     def num_prefilling(self) -> int:
@@ -247,9 +223,9 @@ class EmbeddingEngine:
         return None
 
     def close_on_loop(self, reason: str, persist: bool) -> None:
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         while self._queue:
             self._answer(self._queue.popleft(), [ErrorEvent(503, reason)])
 

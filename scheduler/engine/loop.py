@@ -51,8 +51,9 @@ INTERACTIVE_ARRIVAL_WAIT = 0.02
 
 
 class Engine(Protocol):
-    """What the loop sees of a model's engine (:class:`scheduler.engine.Engine`); every
-    method runs on the loop's thread."""
+    """What the loop sees of a model's engine (:class:`scheduler.engine.core.EngineCore`, which
+    :class:`scheduler.engine.Engine` holds; :class:`scheduler.engine.embedding.EmbeddingEngine`);
+    every method runs on the loop's thread."""
 
     name: str
     error: Optional[BaseException]

@@ -33,8 +33,7 @@ class DiskPrefetch:
             (``cancel_reason`` None unless the request was cancelled meanwhile).
     """
 
-    def __init__(self, prompt_cache: PromptCacheManager,
-                 hand_over: Callable[[EngineRequest, Optional[str]], None]):
+    def __init__(self, prompt_cache: PromptCacheManager, hand_over: Callable[[EngineRequest, Optional[str]], None]):
         self._cache = prompt_cache
         self._hand_over = hand_over
         self._pool: Optional[ThreadPoolExecutor] = None
