@@ -108,7 +108,7 @@ class MRopeModel(_module_base()):
             self.language_model = vlm.language_model
         else:  # Qwen3.5: mlx-lm's hybrid text model, its rotations given 3-D positions (GridRope)
             self.text = text
-            rotary = next(l.self_attn.rotary_emb for l in vlm.language_model.model.layers if not l.is_linear)
+            rotary = next(m.self_attn.rotary_emb for m in vlm.language_model.model.layers if not m.is_linear)
             self._now: list = [None]  # the positions [3, B, L] of the forward in progress
             for layer in text.layers:
                 if not layer.is_linear:
