@@ -58,6 +58,13 @@ class GatewayMetrics:
             ["tenant", "model", "api"],
             registry=registry,
         )
+        self.cache_misses = Counter(
+            "mlx_gateway_cache_misses",
+            "Requests whose prompt left the prefix cache before its new content, by cause "
+            "(gateway/telemetry/cache_explain.py CAUSES).",
+            ["tenant", "model", "cause"],
+            registry=registry,
+        )
         self.completion_tokens = Counter(
             "mlx_gateway_completion_tokens", "Generated tokens.", ["tenant", "model", "api"],
             registry=registry,
