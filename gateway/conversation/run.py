@@ -152,7 +152,7 @@ class Run:
                 break
             elif isinstance(ev, ErrorEvent):
                 books.end("error", ev.status)
-                raise APIError(ev.status, ev.message)
+                raise APIError(ev.status, ev.message, headers={"Retry-After": "1"} if ev.status == 503 else None)
         tail = self.asm.finish()
         if tail:
             yield Piece(tail.content, tail.reasoning)
