@@ -27,9 +27,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.soak import Gateway, parse_metrics, rss_bytes  # noqa: E402
 
 
-def weights_bytes(model: str) -> int:
-    """Bytes of the model's safetensors files (its weights as stored)."""
-    return sum(p.stat().st_size for p in Path(model).glob("*.safetensors"))
+def weights_bytes(model: str, port: int) -> int:
+    """Bytes of the model's weights as this backend serves them (a gateway started
+    without a budget reports them: ``mlx_gateway_model_weights_bytes``)."""
+    gw = Gateway(model, None, None, [], port)
+    try:
+        gw.wait_healthy()
+        with httpx.Client(base_url=gw.url, timeout=10) as c:
+            text = c.get("/metrics").text
+    finally:
+        gw.close()
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("mlx_gateway_model_weights_bytes{")))
 
 
 def main(argv=None) -> int:
@@ -46,7 +55,7 @@ def main(argv=None) -> int:
         from gateway.models.default_model import ensure_default_model
 
         a.model = str(ensure_default_model())
-    budget = int(weights_bytes(a.model) + a.headroom)
+    budget = int(weights_bytes(a.model, a.port) + a.headroom)
     gw = Gateway(a.model, None, None, ["--memory-budget", str(budget), "--max-tokens", str(a.max_tokens)], a.port)
     peaks = {"mlx_active_mb": 0.0, "cache_mb": 0.0, "rss_mb": 0.0, "active_plus_cache_mb": 0.0}
     stop = threading.Event()

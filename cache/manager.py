@@ -168,9 +168,8 @@ class PromptCacheManager:
     def report(self, namespace: str, tokens: Sequence[int]) -> PrefixReport:
         """Where ``tokens`` leave the cache of ``namespace`` and what else holds them
         (:func:`cache.prefix_report.prefix_report`); leases, copies and refreshes nothing."""
-        with self._lock:
-            sel = self._select(namespace, tokens)
-            return prefix_report(self._groups, self.eviction.evicted, namespace, tokens, 0 if sel is None else sel[1])
+        return prefix_report(self._lock, self._groups, self.eviction.evicted, namespace, tokens,
+                             lambda: self.match_length(namespace, tokens))
 
     def namespaces(self) -> list[str]:
         """The namespaces that hold snapshots now."""

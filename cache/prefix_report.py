@@ -8,7 +8,7 @@ stored keys end there, the prompt only adds to them), the other namespace holdin
 longer prefix of it, and the longest evicted key that is a prefix of it
 (:class:`EvictedKeys`, a bounded record the eviction part keeps).
 
-Only token ids are read (no MLX array), under the manager's lock. The gateway turns the
+Only token ids are read (no MLX array), under the manager's lock (taken per tree walk). The gateway turns the
 answer into a cause (``gateway.telemetry.cache_explain``).
 """
 
@@ -18,7 +18,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -51,16 +51,20 @@ class EvictedKeys:
         while len(self._keys) > self.kept:
             self._keys.popitem(last=False)
 
-    def longest_prefix(self, namespace: str, tokens: Sequence[int], above: int) -> Optional[tuple[int, float]]:
-        """The longest remembered key of ``namespace`` that is a prefix of ``tokens`` and
-        longer than ``above`` tokens: ``(tokens, evicted_at)``, or None. Compares at most
-        :data:`EVICTED_CHECKED` keys."""
-        cands = sorted(((n, h, t) for (ns, n, h), t in self._keys.items()
-                        if ns == namespace and above < n <= len(tokens)), reverse=True)[:EVICTED_CHECKED]
-        if not cands:
+    def candidates(self, namespace: str, length: int, above: int) -> list[tuple[int, int, float]]:
+        """``(tokens, hash, evicted_at)`` of the longest :data:`EVICTED_CHECKED` remembered
+        keys of ``namespace`` longer than ``above`` and at most ``length`` tokens (lock held)."""
+        return sorted(((n, h, t) for (ns, n, h), t in self._keys.items()
+                       if ns == namespace and above < n <= length), reverse=True)[:EVICTED_CHECKED]
+
+    @staticmethod
+    def longest_prefix(candidates: list[tuple[int, int, float]], tokens: Sequence[int]) -> Optional[tuple[int, float]]:
+        """The first of ``candidates`` (:meth:`candidates`) that is a prefix of ``tokens``:
+        ``(tokens, evicted_at)``, or None (no lock needed)."""
+        if not candidates:
             return None
         raw = np.asarray(tokens, dtype=np.int64).tobytes()
-        return next(((n, t) for n, h, t in cands if _digest(raw, n) == h), None)
+        return next(((n, t) for n, h, t in candidates if _digest(raw, n) == h), None)
 
 
 @dataclass
@@ -97,26 +101,34 @@ def _stored_next(match: Any) -> list[int]:
     return [] if child is None else list(child.edge[:STORED_NEXT])
 
 
-def prefix_report(groups: dict[str, Any], evicted: EvictedKeys, namespace: str, tokens: Sequence[int],
-                  restorable: int) -> PrefixReport:
-    """The :class:`PrefixReport` of ``tokens`` in ``namespace`` (the manager's lock held).
+def prefix_report(lock: Any, groups: dict[str, Any], evicted: EvictedKeys, namespace: str, tokens: Sequence[int],
+                  restorable: Callable[[], int]) -> PrefixReport:
+    """The :class:`PrefixReport` of ``tokens`` in ``namespace``. The manager's ``lock`` is
+    taken for each tree walk on its own (the engine thread is not held up for all of them);
+    other namespaces are walked only while the prompt's own leaves tokens to find.
 
     Args:
+        lock: the manager's lock.
         groups: the manager's namespaces (name -> ``entries.Group``).
         evicted: the eviction part's record of dropped keys.
         namespace: the prompt's namespace.
         tokens: the prompt (token ids).
-        restorable: what a fetch would restore now (the manager's ``match_length``).
+        restorable: what a fetch would restore now (the manager's ``match_length``; lock held).
     """
-    group = groups.get(namespace)
-    matched, nxt = 0, []
-    if group is not None:
-        m = group.tree.match(tokens)
-        matched, nxt = m.matched, _stored_next(m) if m.matched < len(tokens) else []
+    with lock:
+        group = groups.get(namespace)
+        matched, nxt = 0, []
+        if group is not None:
+            m = group.tree.match(tokens)
+            matched, nxt = m.matched, _stored_next(m) if m.matched < len(tokens) else []
+        restore = restorable()
+        others = [ns for ns in groups if ns != namespace][:OTHER_GROUPS]
+        cands = evicted.candidates(namespace, len(tokens), matched)
     best = None
-    for ns, g in list(groups.items())[:OTHER_GROUPS + 1]:
-        if ns != namespace:
-            n = g.tree.match(tokens).matched
-            if n > matched and (best is None or n > best[1]):
-                best = (ns, n)
-    return PrefixReport(matched, min(restorable, matched), nxt, best, evicted.longest_prefix(namespace, tokens, matched))
+    for ns in others if matched < len(tokens) - 1 else ():
+        with lock:
+            g = groups.get(ns)
+            n = g.tree.match(tokens).matched if g is not None else 0
+        if n > matched and (best is None or n > best[1]):
+            best = (ns, n)
+    return PrefixReport(matched, min(restore, matched), nxt, best, EvictedKeys.longest_prefix(cands, tokens))

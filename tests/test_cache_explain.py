@@ -35,7 +35,9 @@ TOOL2 = {"type": "function", "function": {"name": "list_dir", "description": "Li
 def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("explain") / "tenants.toml"
     path.write_text(TENANTS)
-    with live_server(model_path("qwen3", "qwen3"), tenants=str(path), max_tokens=3, log_format="json") as s:
+    # no next-turn precompute: it would store prefixes after a test's flush (the eviction test)
+    with live_server(model_path("qwen3", "qwen3"), tenants=str(path), max_tokens=3, log_format="json",
+                     precompute_next_turn=False) as s:
         yield s
 
 

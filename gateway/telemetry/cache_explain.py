@@ -70,7 +70,9 @@ class Explanation:
     since the epoch). ``at``: the token where the cached text stops serving the prompt;
     ``cached_tokens``: what the engine restored (set when its prefill starts). Excerpts:
     ``before`` (shared text up to ``at``), ``prompt`` (this prompt's from ``at``),
-    ``cached`` (the stored text from ``at``, within the same cache group only)."""
+    ``cached`` (the stored text from ``at``, within the same cache group only). ``part``
+    is a :class:`~gateway.conversation.prompt_parts.Place`'s, or ``new`` for cause
+    ``none`` (the prompt's new content: the template is not rendered again for it)."""
 
     request_id: str = ""
     tenant: str = ""
@@ -226,6 +228,9 @@ class CacheExplainer:
             why.evicted_at = round(rep.evicted[1], 3)
             why.detail = f"a snapshot of {rep.evicted[0]} tokens was evicted"
         at = why.at
+        if why.cause == "none":  # the prompt only adds to what is stored: no part to find (no renders)
+            why.part = "new"
+            return why
         place: Place = locate(tok, prompt.messages, prompt.template_kwargs, tokens, at)
         why.part, why.message, why.role, why.content_part = place.part, place.message, place.role, place.content_part
         why.before = _text(tok, tokens[max(0, at - EXCERPT_TOKENS):at])
