@@ -73,9 +73,10 @@ def main(argv=None) -> int:
                     time.sleep(0.02)
 
         words = " ".join(f"w{i % 97}" for i in range(a.prompt_tokens))
-        with httpx.Client(base_url=gw.url, timeout=10) as c:  # cut the prompt to about the tokens asked
-            n = c.post("/v1/completions", json={"model": "chat", "prompt": words, "max_tokens": 1}).json()
-            ratio = a.prompt_tokens / max(1, n["usage"]["prompt_tokens"])
+        with httpx.Client(base_url=gw.url, timeout=60) as c:  # tokens per word, on 100 words
+            probe = " ".join(words.split()[:100])
+            n = c.post("/v1/completions", json={"model": "chat", "prompt": probe, "max_tokens": 1}).json()
+            ratio = 100 / max(1, n["usage"]["prompt_tokens"])
         words = " ".join(words.split()[:max(1, int(a.prompt_tokens * ratio))])
 
         def ask(i: int):
