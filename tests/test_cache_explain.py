@@ -161,3 +161,19 @@ def test_no_checkpoint_on_a_recurrent_model():
         header = ask("Please summarise the following notes about the garden: ferns, mosses, lichens.")
         assert header.startswith("no_checkpoint;"), header
         assert "part=message" in header and "message=1" in header, header
+
+
+def test_a_tool_added_on_a_template_that_renders_tools_in_the_user_turn():
+    """Llama 3.1's template writes the tools into the first user message (and a line into
+    the system header): the cause comes from the previous request's tools, not the span."""
+    with live_server(model_path("llama"), max_tokens=3, precompute_next_turn=False) as s:
+        def ask(tools):
+            with s.client() as c:
+                r = c.post("/v1/chat/completions", json={"model": "test-model", "max_tokens": 3, "tools": tools,
+                           "messages": [system("You are the llama agent. " + FILLER), user("Read the README.")]})
+            assert r.status_code == 200, r.text
+            return r.headers["x-cache-miss"]
+
+        ask([TOOL])
+        header = ask([TOOL, TOOL2])
+        assert header.startswith("tools_changed;"), header

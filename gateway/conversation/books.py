@@ -128,7 +128,7 @@ class Books:
     def seen(self, reply: str) -> None:
         """The generation ended with ``reply``: later requests of its cache group are compared with it."""
         self.call.front.explainer.seen(self.model.name, self.gen.request.namespace, self.prompt.tokens,
-                                       self.prompt.messages, reply)
+                                       self.prompt.messages, reply, self.prompt.template_kwargs.get("tools"))
 
     def token(self) -> None:
         """One more token: time to first token, inter-token time, the completion charge."""

@@ -105,11 +105,12 @@ class Explanation:
 @dataclass
 class Seen:
     """An ended request, as later ones are compared with it: its first tokens, its
-    template messages and the text of its answer."""
+    template messages, the text of its answer and its tools."""
 
     tokens: np.ndarray
     messages: Optional[list[dict]]
     reply: Optional[str] = None
+    tools: Any = None  # the tools the template rendered
 
 
 def _common(a: np.ndarray, b: np.ndarray) -> int:
@@ -179,9 +180,9 @@ class CacheExplainer:
 
     # -- the ended requests ---------------------------------------------------
     def seen(self, model: str, namespace: str, tokens: list[int], messages: Optional[list[dict]],
-             reply: Optional[str]) -> None:
+             reply: Optional[str], tools: Any = None) -> None:
         """Remember an ended request of ``model`` in cache group ``namespace``."""
-        s = Seen(np.asarray(tokens[:SEEN_TOKENS], dtype=np.int64), messages, reply)
+        s = Seen(np.asarray(tokens[:SEEN_TOKENS], dtype=np.int64), messages, reply, tools)
         with self._lock:
             self._seen.setdefault((model, namespace), deque(maxlen=SEEN)).append(s)
 
@@ -241,7 +242,7 @@ class CacheExplainer:
                 and place.into == 0:
             why.cause = "never_seen"  # only the template's own text before the first message is shared
         elif why.cause == "change":
-            why.cause, why.detail = self._change(place, prompt.messages, prev, why)
+            why.cause, why.detail = self._change(place, prompt.messages, prev, why, prompt.template_kwargs.get("tools"))
         return why
 
     def _cause(self, rep, prev: Optional[Seen], shared: int, tokens, ns: str, trimmable: bool) -> str:
@@ -267,9 +268,12 @@ class CacheExplainer:
         return "change"
 
     @staticmethod
-    def _change(place: Place, messages: Optional[list[dict]], prev: Optional[Seen], why: Explanation) -> tuple[str, Optional[str]]:
+    def _change(place: Place, messages: Optional[list[dict]], prev: Optional[Seen], why: Explanation,
+                tools: Any = None) -> tuple[str, Optional[str]]:
         """What changed where the stored text goes on differently: by the part the
-        divergence falls in and, where there is one, the previous request's messages."""
+        divergence falls in and, where there is one, the previous request's messages and
+        tools (a template may render tools in several places: Llama 3.1's system header
+        and first user message)."""
         k = place.message
         mine = messages[k] if messages is not None and k is not None else None
         before = prev.messages[k] if prev is not None and prev.messages and k is not None \
@@ -282,6 +286,9 @@ class CacheExplainer:
         if why.cached is not None and _changing(why.prompt, why.cached):
             x, y = _differing(why.prompt, why.cached)
             return "changing_value", f"{y.strip()!r} became {x.strip()!r}"
+        if prev is not None and prev.tools != tools and place.part != "generation" \
+                and (before is None or _content(before) == _content(mine)):
+            return "tools_changed", None
         if place.part == "system":
             return "system_changed", None
         if place.part == "tools":
