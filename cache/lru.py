@@ -26,6 +26,7 @@ from typing import Callable
 from .entries import Entry
 from .eviction import EvictionDryRun
 from .metrics import CacheMetrics
+from .prefix_report import EvictedKeys
 
 
 class LRUEviction:
@@ -64,6 +65,7 @@ class LRUEviction:
         self._order: OrderedDict[Entry, None] = OrderedDict()  # unleased entries, oldest first
         self.quotas: dict[str, int] = {}  # namespace -> byte quota
         self.owners: dict[str, str] = {}  # companion namespace -> its owner (add_companion)
+        self.evicted = EvictedKeys()  # the dropped snapshots' keys, for explaining misses (prefix_report.py)
 
     @property
     def nbytes(self) -> int:

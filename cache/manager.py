@@ -53,6 +53,7 @@ from .leases import CacheHit, Lease, Leases
 from .lru import LRUEviction
 from .metrics import CacheMetrics
 from .pages import PAGED_TYPE, assemble, is_paged, layout, token_bytes
+from .prefix_report import PrefixReport, prefix_report
 from .tiering import DiskLink, Spill
 
 log = logging.getLogger(__name__)
@@ -162,6 +163,17 @@ class PromptCacheManager:
         with self._lock:
             sel = self._select(namespace, tokens)
         return 0 if sel is None else sel[1]
+
+    def report(self, namespace: str, tokens: Sequence[int]) -> PrefixReport:
+        """Where ``tokens`` leave the cache of ``namespace`` and what else holds them
+        (:func:`cache.prefix_report.prefix_report`); leases, copies and refreshes nothing."""
+        return prefix_report(self._lock, self._groups, self.eviction.evicted, namespace, tokens,
+                             lambda: self.match_length(namespace, tokens))
+
+    def namespaces(self) -> list[str]:
+        """The namespaces that hold snapshots now."""
+        with self._lock:
+            return [ns for ns, g in self._groups.items() if g.tree.size]
 
     def fetch(self, namespace: str, tokens: Sequence[int], count: bool = True, whole: bool = False) -> CacheHit:
         """Find, lease, assemble and restore the best snapshot for ``tokens``.
@@ -336,6 +348,7 @@ class PromptCacheManager:
             self.metrics.kept_evicted.inc()  # memory forced out a breakpoint's prefix before its ttl
         self.eviction.discard(entry)
         group = self._groups[entry.namespace]
+        self.eviction.evicted.add(entry.namespace, group.tree.key(entry.node))
         if spill and self.eviction.spills(entry.namespace):
             self.disk.evicted(self._spill_of(group, entry))
         group.tree.remove_value(entry.node)  # prunes the pages no snapshot needs any more

@@ -21,6 +21,7 @@ from gateway.http.errors import APIError
 from gateway.models.lora import Adapter, AdapterCatalog, lora_modules
 from gateway.models.registry import ModelRegistry
 from gateway.models.slot import Slot
+from gateway.telemetry.cache_explain import CacheExplainer
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.request_log import RequestRecord
 from gateway.tenancy.auth import authenticate
@@ -47,8 +48,10 @@ class Front:
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     adapters: AdapterCatalog = field(default_factory=AdapterCatalog)  # LoRA adapters (gateway.models.lora)
+    explainer: CacheExplainer = field(init=False)  # why each prompt left the prefix cache where it did
 
     def __post_init__(self) -> None:
+        self.explainer = CacheExplainer(self.metrics)
         self.limiter.on_limited = lambda tenant, limit: self.metrics.rate_limited.labels(tenant, limit).inc()
         for name, path in lora_modules(self.config.lora_modules):  # on the first model
             self.adapters.add(Adapter(name, path, self.models.slots[0].name))

@@ -53,6 +53,14 @@ class SchedulerMetrics:
             "that another request in its burst was prefilling.",
             registry=registry,
         )
+        self.memory_refused = Counter(
+            "mlx_gateway_memory_refused",
+            "Requests answered 503 because their predicted memory (prompt + max_tokens of KV) cannot fit the "
+            "memory budget even alone.", registry=registry)
+        self.memory_waits = Counter(
+            "mlx_gateway_memory_waits",
+            "Admission rounds in which the next request waited for running rows to end: its predicted memory "
+            "did not fit beside theirs.", registry=registry)
         self.cancelled = Counter("mlx_gateway_requests_cancelled",
                                  "Requests cancelled before they finished because the client left.",
                                  registry=registry)

@@ -19,6 +19,7 @@ from gateway.conversation.prompts import Prompt
 from gateway.front import Call
 from gateway.http.errors import APIError
 from gateway.models.handle import ModelHandle
+from gateway.telemetry.cache_explain import Explanation
 from gateway.tenancy.limits import TokenBucket
 from scheduler.request import PromptEvent
 
@@ -36,8 +37,8 @@ class Books:
     tool calls, ``error`` when it failed, and ``cancelled`` when the client left (or the
     answer was dropped) before it ended."""
 
-    def __init__(self, call: Call, model: ModelHandle, prompt: Prompt):
-        self.call, self.model, self.prompt = call, model, prompt
+    def __init__(self, call: Call, model: ModelHandle, prompt: Prompt, why: Optional[Explanation] = None):
+        self.call, self.model, self.prompt, self.why = call, model, prompt, why
         self.labels = (call.tenant.name, model.name, call.api)
         self.request_id = f"req-{next(_ids)}-{uuid.uuid4().hex[:8]}"
         self.gen: Optional[Generation] = None  # once submitted
@@ -68,6 +69,9 @@ class Books:
         if self.call.front.config.log_prompts:
             rec.prompt = self.model.tokenizer.decode(self.prompt.tokens)
         rec.marks["submitted"] = time.monotonic()
+        if self.why is not None:
+            self.why.request_id = self.request_id
+            self.call.front.explainer.keep(self.why)
 
     def _charge_images(self) -> None:
         tenant, m, images = self.call.tenant, self.call.front.metrics, self.prompt.images
@@ -112,6 +116,19 @@ class Books:
         m.prompt_tokens.labels(*self.labels).inc(n)
         m.cached_tokens.labels(*self.labels).inc(ev.cached_tokens)
         call.front.usage.add(call.tenant.name, prompt=n, cached=ev.cached_tokens)
+        if self.why is not None:
+            self.why.cached_tokens = ev.cached_tokens
+            if ev.cached_tokens > self.why.at:  # stored after it was explained (while it waited)
+                if self.why.cause != "none":
+                    self.why.cause, self.why.detail = "none", "stored while it waited"
+                self.why.at = ev.cached_tokens
+            call.front.explainer.count(self.why)
+            rec.cache_miss = self.why.record()
+
+    def seen(self, reply: str) -> None:
+        """The generation ended with ``reply``: later requests of its cache group are compared with it."""
+        self.call.front.explainer.seen(self.model.name, self.gen.request.namespace, self.prompt.tokens,
+                                       self.prompt.messages, reply, self.prompt.template_kwargs.get("tools"))
 
     def token(self) -> None:
         """One more token: time to first token, inter-token time, the completion charge."""

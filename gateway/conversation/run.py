@@ -22,6 +22,7 @@ from gateway.conversation.tool_stream import ToolCallStream
 from gateway.conversation.tools import ToolPlan
 from gateway.front import Call
 from gateway.http.errors import APIError
+from gateway.telemetry.cache_explain import Explanation
 from gateway.models.handle import ModelHandle
 from scheduler import SamplingParams
 from scheduler.grammar import TokenMask
@@ -47,7 +48,7 @@ class Run:
     @classmethod
     def submit(cls, call: Call, model: ModelHandle, prompt: Prompt, params: SamplingParams,
                asm: TextAssembler, plan: Optional[ToolPlan] = None, mask: Optional[TokenMask] = None,
-               processors: Optional[list] = None) -> "Run":
+               processors: Optional[list] = None, why: Optional[Explanation] = None) -> "Run":
         """Charge the prompt to the tenant and hand it to the engine (``params`` fit the
         context: :func:`gateway.conversation.prepare.fit_context`).
 
@@ -55,7 +56,7 @@ class Run:
             APIError: 413/429 from the tenant's prompt-token or image-token limit, 429
                 when the tenant's queue is full, 503 when the engine cannot take it.
         """
-        books = Books(call, model, prompt)
+        books = Books(call, model, prompt, why)
         books.charge()
         t = call.tenant
         gen = Generation(books.request_id, model.engine, prompt.tokens, params, prompt.checkpoints,
@@ -113,6 +114,7 @@ class Run:
             books.settle()
             if reason in ("stop", "stop_sequence", "length"):
                 books.next_turn("".join(reply))
+                books.seen("".join(reply))
             yield Finished(reason, Usage(len(self.prompt.tokens), books.completion, self.cached,
                                          self.cache_written, thought), matched)
         except Exception:
@@ -150,7 +152,7 @@ class Run:
                 break
             elif isinstance(ev, ErrorEvent):
                 books.end("error", ev.status)
-                raise APIError(ev.status, ev.message)
+                raise APIError(ev.status, ev.message, headers={"Retry-After": "1"} if ev.status == 503 else None)
         tail = self.asm.finish()
         if tail:
             yield Piece(tail.content, tail.reasoning)

@@ -60,18 +60,26 @@ async def converse(call: Call, conv: Conversation) -> Answer:
     with model.engine.arrivals.prepare(call.rank):  # the engine may wait for it
         marks["render_start"] = time.monotonic()
         try:
-            prompt, plan, mask, processors = await anyio.to_thread.run_sync(
-                prepare_chat, model, conv, marks, params.max_tokens, images)
+            (prompt, plan, mask, processors), why = await anyio.to_thread.run_sync(
+                _prepare_and_explain, call, model, conv, marks, params.max_tokens, images)
         except RefusedImage as e:
             call.front.metrics.images_refused.labels(call.tenant.name, e.reason).inc()
             raise
         marks["render_end"] = time.monotonic()
         asm = text_assembler(model, conv.stop, prompt.opens_reasoning, reasoning=conv.raw is None)
-        run = Run.submit(call, model, prompt, fit_context(model, prompt, params), asm, plan, mask, processors)
+        run = Run.submit(call, model, prompt, fit_context(model, prompt, params), asm, plan, mask, processors, why)
     yield run
     async with aclosing(run.events()) as events:
         async for ev in events:
             yield ev
+
+
+def _prepare_and_explain(call: Call, model: ModelHandle, conv: Conversation, marks: dict, max_tokens: int, images):
+    """:func:`prepare_chat`, then why its prompt will leave the prefix cache where it will
+    (:meth:`gateway.telemetry.cache_explain.CacheExplainer.explain`), in one worker thread."""
+    prepared = prepare_chat(model, conv, marks, max_tokens, images)
+    t = call.tenant
+    return prepared, call.front.explainer.explain(model, t.name, t.cache_group, call.adapter, prepared[0])
 
 
 def hold(call: Call, name: Optional[str]) -> Future:

@@ -244,6 +244,9 @@ class ModelRegistry:
         with self._lock:
             slot.handle, slot.state, slot.loading, slot.reserved = handle, "loaded", None, 0
             slot.kind = handle.kind
+        gate = getattr(handle.engine, "memory", None)
+        if gate is not None:  # its requests are admitted by predicted memory (scheduler.admission.memory)
+            gate.room = self._kv_room
         self.metrics.per_model.add(slot.name, registry)
         self.metrics.loaded.labels(slot.name).set(1)
         self.metrics.weights.labels(slot.name).set(handle.weights_bytes)
@@ -282,6 +285,12 @@ class ModelRegistry:
             log.info("unloading model %s (least recently used) to make room for %s", v.name, slot.name)
             self._finish_unload(v, handle, "lru")
         self._update_cache_bound()
+
+    def _kv_room(self) -> int:
+        """Bytes the memory budget leaves after every model's weights (and loads' reservations):
+        the running rows' KV and the prefix caches share them."""
+        with self._lock:
+            return self.budget - sum(s.weights for s in self.slots)
 
     def _kv_bytes(self) -> dict[str, int]:
         """Bytes of each loaded model's running batch KV (asked of its engine)."""

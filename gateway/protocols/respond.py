@@ -45,13 +45,24 @@ async def respond(request: Request, answer: Answer, form: Format) -> Response:
             before it begins), and what a whole answer raises.
     """
     first = await anext(answer)  # hold, render, submit (or begin to load): their errors are the status
+    headers = {**(form.headers or {}), **_cache_headers(first)} if isinstance(first, Run) else form.headers
     if form.stream:
-        return SSEResponse(guarded(_stream(first, answer, form), form.error, form.tail), headers=form.headers,
+        return SSEResponse(guarded(_stream(first, answer, form), form.error, form.tail), headers=headers,
                            send_timeout=request.app.state.front.config.client_timeout, media_type=form.media_type)
     result = await collect(request, first, answer)
     if result is None:
         return Response(status_code=499)
-    return JSONResponse(await form.whole(first, result), headers=form.headers)
+    return JSONResponse(await form.whole(first, result), headers=headers)
+
+
+def _cache_headers(run: Run) -> dict[str, str]:
+    """``x-request-id`` (the id ``GET /v1/cache/explain`` takes) and ``x-cache-miss`` (where
+    and why the prompt leaves the prefix cache, :mod:`gateway.telemetry.cache_explain`)."""
+    why = run.books.why
+    out = {"x-request-id": run.books.request_id}
+    if why is not None:
+        out["x-cache-miss"] = why.header()
+    return out
 
 
 async def _stream(first, answer: Answer, form: Format) -> AsyncIterator[bytes]:

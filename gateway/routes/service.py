@@ -79,6 +79,36 @@ async def usage_report(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [front.usage.report(t.name) for t in front.tenants.all()]})
 
 
+async def cache_explain(request: Request) -> Response:
+    """``GET /v1/cache/explain``: why the last requests' prompts left the prefix cache where
+    they did (:mod:`gateway.telemetry.cache_explain`), newest first; with ``request_id``,
+    that request's (404 when it is not among the last ones). A key sees its tenant's
+    requests only; an admin key every tenant's.
+
+    Raises:
+        APIError: 400 for a ``limit`` that is not an integer from 1 to 500, 404 for an
+            unknown ``request_id``.
+    """
+    front: Front = request.app.state.front
+    tenant, admin = identify(front.tenants, request)
+    q = request.query_params
+    try:
+        limit = int(q.get("limit", "50"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 500:
+        raise APIError(400, "limit must be an integer from 1 to 500", param="limit")
+    rid = q.get("request_id")
+    found = front.explainer.find(rid, None if admin else tenant.name, limit)
+    if rid is not None and not found:
+        raise APIError(404, f"no explanation for request '{rid}' (unknown, another key's, or too old)",
+                       param="request_id", code="not_found")
+    data = [w.record() for w in found]
+    if rid is not None:
+        return JSONResponse({"object": "cache.explanation", **data[0]})
+    return JSONResponse({"object": "list", "data": data})
+
+
 async def health(request: Request) -> Response:
     """``GET /health``: 200 ``ok`` once the models to load at start are loaded, with each
     model's state; 503 while they load, when a pinned one failed, while draining, and

@@ -137,6 +137,13 @@ ROUTES: tuple[Route, ...] = (
         "`{object: usage, tenant, window: {start, seconds, requests, prompt_tokens, cached_tokens, "
         "completion_tokens}, total: {since, ...}}`, or for an admin key `{object: list, data: [...]}`",
         {"type": "object"})),
+    Route(("GET",), "/v1/cache/explain", S + "cache_explain", EVERY, Doc(
+        "explainCache", "Why the last requests' prompts left the prefix cache where they did",
+        "`{object: list, data: [{request_id, tenant, model, cause, at, prompt_tokens, cached_tokens, part, message, "
+        "role, detail, evicted_at, before, prompt, cached}]}` newest first (the caller's tenant's; every tenant's "
+        "for an admin key); with `request_id`, that one request's object (`object: cache.explanation`)",
+        {"type": "object"}, more=(("404", "no explanation kept for this request id and key", "Error"),),
+        query=(("request_id", {"type": "string"}), ("limit", {"type": "integer", "minimum": 1, "maximum": 500})))),
     Route(("POST",), "/admin/cache/flush", A + "flush_cache", EVERY, Doc(
         "flushCache", "Drop a cache group's unleased prefix-cache snapshots",
         "`{object: cache.flush, cache_group, dropped_snapshots}`",

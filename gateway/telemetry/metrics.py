@@ -36,6 +36,10 @@ class GatewayMetrics:
                                      ["tenant", "model", "api"], registry=registry)
         self.cached_tokens = Counter("mlx_gateway_cached_tokens", "Prompt tokens restored from the prefix cache.",
                                      ["tenant", "model", "api"], registry=registry)
+        self.cache_misses = Counter("mlx_gateway_cache_misses",
+                                    "Requests whose prompt left the prefix cache before its new content, by cause "
+                                    "(gateway/telemetry/cache_explain.py CAUSES).", ["tenant", "model", "cause"],
+                                    registry=registry)
         self.completion_tokens = Counter("mlx_gateway_completion_tokens", "Generated tokens.",
                                          ["tenant", "model", "api"], registry=registry)
         self.generations = Counter(

@@ -70,6 +70,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     cache_source: Optional[str] = None  # "memory" or "disk" (the prompt cache's disk tier)
+    cache_miss: Optional[dict] = None  # where and why the prompt left the cache (telemetry.cache_explain)
     completion_tokens: int = 0
     finish_reason: Optional[str] = None
     queue_seconds: Optional[float] = None

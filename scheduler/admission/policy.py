@@ -144,6 +144,15 @@ class WaitingQueue:
                 return self._items.pop(i)
         return None
 
+    def put_back(self, admissions: list["Admission"], cached_len: Callable[[EngineRequest], int]) -> None:
+        """Return picked ``admissions`` to the head of the queue, in their order (they may
+        not start yet: :mod:`scheduler.admission.memory`), refunding their fair-share charge."""
+        for a in reversed(admissions):
+            r = a.request
+            self._items.insert(0, r)
+            self._per_tenant[r.tenant] = self._per_tenant.get(r.tenant, 0) + 1
+            self.fair.charge(r.tenant, -(len(r.tokens) - cached_len(r)), r.weight)
+
     def drain(self) -> list[EngineRequest]:
         items, self._items = self._items, []
         self._deferred.clear()

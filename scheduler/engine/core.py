@@ -19,6 +19,7 @@ from cache.restore import always_trimmable
 from scheduler.admission.arrivals import Arrivals
 from scheduler.batch import Batch
 from scheduler.admission.classes import LatencyClasses
+from scheduler.admission.memory import gate_for
 from scheduler.batch.chunking import ChunkPlanner
 from scheduler.batch.first_tokens import FirstTokenStore
 from scheduler.batch.forward_cost import ForwardCost
@@ -56,7 +57,10 @@ class EngineCore:
         self.chunks = ChunkPlanner(prefill_step_size, prefill_budget, loop.decode_share, forward_cost)
         self.max_waiting = max_waiting
         self.pad_free_prefill = pad_free_prefill
-        self.trimmable = always_trimmable(make_prompt_cache(model))
+        fresh = make_prompt_cache(model)
+        self.trimmable = always_trimmable(fresh)
+        draft = speculation.num_draft_tokens if speculation.method != "off" else 0
+        self.memory = gate_for(model, fresh, prefill_step_size, draft)  # admission by predicted memory
         registry = registry or CollectorRegistry()
         self.metrics = SchedulerMetrics(registry)
         self.precomputes = PrecomputeBook(PrecomputeMetrics(registry))
@@ -235,9 +239,32 @@ class EngineCore:
             picks += self._pick(min(n - len(picks), lower_room), classes - {0})
         else:
             picks = self._pick(n, allowed)
-        for admission in picks:
+        for i, admission in enumerate(picks):
+            verdict = self._by_memory(admission.request)
+            if verdict == "wait":
+                self.waiting.put_back(picks[i:], lambda r: self.prompt_cache.match_length(r.namespace, r.tokens))
+                return
             self._waiting_counts.remove(admission.request)
-            self._insert(admission)
+            if verdict == "fits":
+                self._insert(admission)
+
+    def _by_memory(self, r: EngineRequest) -> str:
+        """``fits``, ``wait`` or ``never`` for ``r`` by its predicted memory
+        (:mod:`scheduler.admission.memory`); a ``never`` is answered 503 here."""
+        gate = self.memory
+        active = [*self.batch.active.values(), *self.classes.paused]
+        rows = [a.request for a in active]
+        held = sum(gate.need(len(q.tokens), q.params.max_tokens) for q in rows) + sum(
+            gate.prefill_need(len(a.request.tokens)) for a in self.batch.active.values() if not a.decoding)
+        need = gate.need(len(r.tokens), r.params.max_tokens) + gate.prefill_need(len(r.tokens))
+        verdict = gate.decide(need, held, self.prompt_cache, bool(rows))
+        if verdict == "never":
+            self.metrics.memory_refused.inc()
+            self.send(r, [ErrorEvent(503, f"the request needs {need >> 20} MiB of KV memory (prompt and max_tokens) "
+                                           "and the memory budget cannot hold it: retry with fewer tokens")])
+        elif verdict == "wait":
+            self.metrics.memory_waits.inc()
+        return verdict
 
     def _pick(self, n: int, classes: Optional[set[int]]) -> list[Admission]:
         if n <= 0 or (classes is not None and not classes):

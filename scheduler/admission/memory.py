@@ -1,0 +1,169 @@
+"""Admission by predicted memory: a request joins the batch only when what it can grow to
+fits beside what the running rows may grow to.
+
+:class:`MemoryGate` reserves, for each row, the KV of its prompt plus ``max_tokens`` (the
+gateway cuts ``max_tokens`` to the context's end, so a request without one reserves the
+whole context), plus speculative headroom (``K`` draft tokens), the padding of a batch
+(one step's worth of cache growth, 256 tokens: mlx-lm's ``KVCache.step``), and the step's
+transient memory: a prefill chunk's activations (once), its attention scores where they
+are materialized (the CPU backend: ``heads x chunk x context`` float32 and their softmax,
+per row), and each row's logits and
+log-probabilities at the positions it samples (``vocab`` float32 each, times ``1 + K``
+with speculation; a chunk computes logits only where it samples).
+The room is what the memory budget leaves after every model's weights
+(``room()``, set by the gateway's model registry); the prefix cache shares it.
+
+The order of giving way, for a request that does not fit:
+
+1. the prefix cache: least recently used unleased snapshots are dropped (eviction reason
+   ``memory``) until it fits or only leased ones are left;
+2. the request waits (the waiting queue is bounded by ``--max-waiting``; over it the
+   submit answers 503 with ``Retry-After``), and is admitted when running rows end;
+3. a request that could not fit even with no row running and an empty cache is refused
+   at once (503, the gateway adds ``Retry-After``): it never starts and fails halfway.
+
+Because a reservation covers every token a row may generate, a row never outgrows it, so
+no row is preempted or killed for memory. Per-token bytes come from the model's layer
+caches (:func:`kv_bytes_per_token`): full attention layers cost ``2 H D`` elements per token
+(``--kv-bits`` packs them, with scales and biases per group), sliding-window layers stop
+at their window, recurrent layers hold a fixed state that is not counted (it does not
+grow with the context).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
+
+BATCH_STEP = 256  # tokens a batch cache grows by at once (mlx-lm KVCache.step): a row's padding headroom
+ACTIVATION_COPIES = 8  # hidden-size float32 vectors per chunk token alive at once in a layer (a bound)
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """A model's KV growth: ``per_token`` bytes per token of its growing layers, and for
+    each sliding-window layer ``(bytes per token, window tokens)``."""
+
+    per_token: int
+    windows: tuple[tuple[int, int], ...] = ()
+
+    def bytes_for(self, tokens: int, chunk: int = 0) -> int:
+        """KV bytes of one row holding ``tokens`` tokens; a window layer holds up to its
+        window plus the ``chunk`` tokens a prefill step adds before it rotates."""
+        return self.per_token * tokens + sum(b * min(tokens, w + chunk) for b, w in self.windows)
+
+
+def _attention_dims(model: Any) -> tuple[int, int, int]:
+    """(kv heads, head dim, element bytes) of the model's attention, from its args."""
+    args = getattr(model, "args", None) or getattr(model, "config", None)
+    text = getattr(args, "text_config", None)
+    args = text if text is not None and not hasattr(args, "num_key_value_heads") else args
+
+    def get(name, default=None):
+        if isinstance(args, dict):
+            return args.get(name, default)
+        return getattr(args, name, default)
+
+    heads = get("num_attention_heads") or get("n_heads") or 1
+    kv_heads = get("num_key_value_heads") or heads
+    head_dim = get("head_dim") or (get("hidden_size") or 0) // max(1, heads)
+    try:
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+
+        dtype = next((v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)),
+                     mx.float16)
+        size = dtype.size
+    except Exception:
+        size = 2
+    return int(kv_heads), int(head_dim), int(size)
+
+
+def kv_bytes_per_token(model: Any, caches: Iterable[Any]) -> KVShape:
+    """The :class:`KVShape` of ``model`` whose fresh layer caches are ``caches``
+    (``make_prompt_cache(model)``): per layer, ``2 H D`` elements per token of the model's
+    float size, or with ``bits`` (``--kv-bits``) ``2 H (D bits / 8 + 2 (D / group) s)``
+    (``cache/quantized.py``); a ``max_size`` (sliding window) caps a layer's tokens;
+    recurrent layers (no ``keys``) count nothing."""
+    kv_heads, head_dim, size = _attention_dims(model)
+    per_token, windows = 0, []
+    for c in caches:
+        name = type(c).__name__
+        if not hasattr(c, "keys") or "Arrays" in name or "Mamba" in name:
+            continue
+        bits = getattr(c, "bits", None)
+        if bits:
+            group = getattr(c, "group_size", 64) or 64
+            b = 2 * kv_heads * (head_dim * bits // 8 + 2 * (head_dim // group) * size)
+        else:
+            b = 2 * kv_heads * head_dim * size
+        window = getattr(c, "max_size", None)
+        if window:
+            windows.append((b, int(window)))
+        else:
+            per_token += b
+    return KVShape(per_token, tuple(windows))
+
+
+class MemoryGate:
+    """Reservations of one model's rows (the engine thread's; see the module docstring).
+
+    Args:
+        shape: the model's :class:`KVShape`.
+        hidden: the model's hidden size; ``vocab``: its logits' width.
+        chunk: prefill chunk tokens (``--prefill-step-size``).
+        draft: speculative draft tokens per step (0: none).
+        heads: attention heads; ``scores``: attention materializes its scores (CPU: a
+            float32 ``[heads, chunk, context]`` array and its softmax per prefill chunk;
+            Metal's fused attention does not, and ``scores`` is False there).
+    """
+
+    def __init__(self, shape: KVShape, hidden: int, vocab: int, chunk: int, draft: int = 0, heads: int = 0,
+                 scores: bool = False):
+        self.shape, self.chunk, self.draft = shape, chunk, draft
+        self.heads = heads if scores else 0
+        self.transient = chunk * hidden * 4 * ACTIVATION_COPIES  # one prefill chunk's activations (float32)
+        self.logits = vocab * 4 * 2 * (1 + draft)  # a row's sampled positions: float32 logits and log-probabilities
+        self.room: Optional[Callable[[], Optional[int]]] = None  # bytes for KV and cache; None: no gate
+
+    def need(self, prompt_tokens: int, max_tokens: int) -> int:
+        """Bytes a row of ``prompt_tokens`` may grow to with ``max_tokens`` generated, for
+        its whole life (KV, padding, logits)."""
+        context = prompt_tokens + max_tokens + self.draft + BATCH_STEP
+        return self.shape.bytes_for(context, self.chunk) + self.logits
+
+    def prefill_need(self, prompt_tokens: int) -> int:
+        """Bytes a row's prefill chunk needs while it prefills (attention scores where they
+        are materialized: ``heads x chunk x context`` float32 and their softmax)."""
+        return self.heads * min(self.chunk, prompt_tokens) * prompt_tokens * 4 * 2
+
+    def decide(self, need: int, held: int, cache: Any, running: bool) -> str:
+        """``fits``, ``wait`` or ``never`` for a request needing ``need`` bytes beside
+        ``held`` reserved by the running rows, dropping unleased snapshots of ``cache``
+        (a ``PromptCacheManager``) first when that makes it fit. ``running``: some row is
+        in the batch (its end frees memory)."""
+        room = self.room() if self.room is not None else None
+        if room is None:
+            return "fits"
+        if room - self.transient - need < 0:
+            return "never"  # not even alone, with an empty cache
+        left = room - self.transient - held - need
+        while cache.nbytes > max(0, left) and cache.eviction.evict_oldest("memory"):
+            pass
+        if held + need + self.transient + cache.nbytes <= room:
+            return "fits"
+        return "wait" if running or cache.num_leases else "never"
+
+
+def gate_for(model: Any, caches: Iterable[Any], chunk: int, draft: int = 0) -> MemoryGate:
+    """The :class:`MemoryGate` of ``model`` (fresh layer caches ``caches``), sizes from its args."""
+    args = getattr(model, "args", None)
+    args = getattr(args, "text_config", None) or args
+
+    def get(name):
+        return args.get(name) if isinstance(args, dict) else getattr(args, name, None)
+
+    import mlx.core as mx
+
+    return MemoryGate(kv_bytes_per_token(model, caches), int(get("hidden_size") or 0), int(get("vocab_size") or 0),
+                      chunk, draft, int(get("num_attention_heads") or 0), scores=not mx.metal.is_available())
