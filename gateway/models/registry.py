@@ -244,9 +244,8 @@ class ModelRegistry:
         with self._lock:
             slot.handle, slot.state, slot.loading, slot.reserved = handle, "loaded", None, 0
             slot.kind = handle.kind
-        gate = getattr(handle.engine, "memory", None)
-        if gate is not None:  # its requests are admitted by predicted memory (scheduler.admission.memory)
-            gate.room = self._kv_room
+        if hasattr(handle.engine, "set_memory_room"):  # a generating engine (not an embedding one)
+            handle.engine.set_memory_room(self._kv_room)
         self.metrics.per_model.add(slot.name, registry)
         self.metrics.loaded.labels(slot.name).set(1)
         self.metrics.weights.labels(slot.name).set(handle.weights_bytes)

@@ -218,6 +218,11 @@ class Engine:
         budget it shares with the other models' (``cache/budget.py``)."""
         self.prompt_cache.close()
 
+    def set_memory_room(self, room: Callable[[], int]) -> None:
+        """Admit requests by predicted memory within ``room()`` bytes (the budget left after
+        every model's weights, asked at each admission: :mod:`scheduler.admission.memory`)."""
+        self.core.memory.room = room
+
     def kv_bytes(self, timeout: float = 60.0) -> int:
         """Bytes of the running batch's KV caches (asked on the engine thread; 0 when idle).
 
