@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry
 
 from cache import CacheBudget
 from gateway.models.budget import Holder, NoRoom, gib, plan_room
+from scheduler.lora import adapters_of
 from gateway.models.handle import ModelHandle
 from gateway.models.spec import ModelSpec
 from gateway.telemetry.model_metrics import ModelMetrics
@@ -116,7 +117,11 @@ class Slot:
 
     @property
     def weights(self) -> int:
-        return self.handle.weights_bytes if self.handle is not None else self.reserved
+        """Bytes its weights hold (a load's reservation), its resident LoRA adapters included."""
+        if self.handle is None:
+            return self.reserved
+        lora = adapters_of(getattr(self.handle.engine, "model", None))
+        return self.handle.weights_bytes + (lora.nbytes if lora is not None else 0)
 
 
 class ModelRegistry:
@@ -356,6 +361,19 @@ class ModelRegistry:
         for v, handle in unloading:
             log.info("unloading model %s (least recently used) to make room for %s", v.name, slot.name)
             self._finish_unload(v, handle, "lru")
+        self._update_cache_bound()
+
+    def adapter_room(self, slot: Slot) -> int:
+        """Bytes of the budget ``slot``'s resident LoRA adapters may hold together: what the
+        other models' charges, its own weights and its running KV leave (may be negative)."""
+        kv = self._kv_bytes()
+        with self._lock:
+            others = sum(s.weights + kv.get(s.name, 0) for s in self.slots if s is not slot and s.state != "unloaded")
+            own = slot.handle.weights_bytes if slot.handle is not None else slot.reserved
+        return self.budget - others - own - kv.get(slot.name, 0)
+
+    def charges_changed(self) -> None:
+        """A loaded model's charge changed (its adapters): give the prefix caches what is left."""
         self._update_cache_bound()
 
     def _kv_bytes(self) -> dict[str, int]:

@@ -75,6 +75,11 @@ class Stack:
         self.a, self.b, self.scale, self.magnitude = a, b, scale, magnitude
         self._common: dict = {}
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its arrays."""
+        return sum(m.nbytes for m in (self.a, self.b, self.scale, self.magnitude) if m is not None)
+
     def common(self, dtype):
         """The dtype ``x @ a`` computes in for inputs of ``dtype`` (MLX's promotion)."""
         found = self._common.get(dtype)
