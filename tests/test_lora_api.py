@@ -10,7 +10,7 @@ import httpx
 import pytest
 import mlx_lm
 
-from conftest import live_server, model_path, sample
+from conftest import live_server, model_path, sample, wait_until
 from gateway.protocols.openai_format import LogprobFormatter
 from test_lora import reference_tokens, write_mlx_lm, write_peft
 
@@ -121,8 +121,9 @@ def test_request_metrics_name_the_adapter(tmp_path):
             completion(c, "alpha", [5, 6, 7])
             r = c.post("/v1/embeddings", json={"model": "alpha", "input": "hello"})  # a clear refusal
             assert r.status_code == 400 and "adapters do not apply to embeddings" in r.json()["error"]["message"]
-        assert sample(srv.registry, "mlx_gateway_requests_total", tenant="default", model="alpha",
-                      endpoint="/v1/completions", status="200") == 1
+        wait_until(lambda: sample(srv.registry, "mlx_gateway_requests_total", tenant="default", model="alpha",
+                                  endpoint="/v1/completions", status="200") == 1, 30,
+                   "the request counted (after its answer is sent)")
         by_adapter = {"model": "test-model", "adapter": "alpha"}
         assert sample(srv.registry, "mlx_gateway_lora_requests_total", **by_adapter) == 1
         assert sample(srv.registry, "mlx_gateway_lora_prompt_tokens_total", **by_adapter) == 3
