@@ -13,8 +13,9 @@ linear layer of a block). An engine in process (no HTTP) serves each setting:
   every stream on the base, every stream on one adapter, the streams spread over four
   adapters; tokens after each stream's first, over the time from the first first token to
   the last token; the settings interleaved ``--rounds`` times, the best of each kept;
-* the same comparison on the decode forward alone (``step_seconds``: no scheduling, the
-  fastest median of three interleaved rounds), as speed ratios;
+* the same comparison on the decode forward alone (``step_seconds``: no scheduling), the
+  three settings back to back in each of ``--forward-rounds`` rounds: the speed ratios of
+  each round (paired: a shared machine's load moves slower than a round) and their median;
 * the time to load one adapter: reading its files (numpy, off the engine thread, as the
   gateway does) and installing it (check, MLX arrays, restack; on the engine thread), its
   bytes and what the resident set holds (factors and stacks);
@@ -152,7 +153,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of the end-to-end decode rates (0: none)")
+    ap.add_argument("--forward-rounds", type=int, default=5, help="paired rounds of the decode forward alone")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.model == "default":
@@ -200,15 +202,23 @@ def main() -> None:
                     best[key] = max(best.get(key, 0.0), round(rate, 1))
                     print(f"{key:26s}: {rate:7.1f} decode tokens/s", flush=True)
         forward: dict = {}
-        for _ in range(3):  # interleaved, the fastest of each kept
+        paired: dict = {}
+        for _ in range(args.forward_rounds):  # interleaved: each round's three settings back to back
             for streams in (4, 16):
+                got = {}
                 for name, slots in (("base", [0] * streams), ("one adapter", [1] * streams),
                                     ("four adapters", [1 + i % 4 for i in range(streams)])):
                     key = f"{streams} streams, {name}"
-                    s = engine.call(lambda slots=slots: step_seconds(model, lora, slots), timeout=600)
-                    forward[key] = min(forward.get(key, 1e9), s)
+                    got[name] = engine.call(lambda slots=slots: step_seconds(model, lora, slots), timeout=600)
+                    forward[key] = min(forward.get(key, 1e9), got[name])
+                paired.setdefault(f"{streams} streams one / base", []).append(got["base"] / got["one adapter"])
+                paired.setdefault(f"{streams} streams mixed / one", []).append(got["one adapter"] / got["four adapters"])
         results["decode_forward_ms"] = {k: round(v * 1e3, 2) for k, v in forward.items()}
-        print(json.dumps(results["decode_forward_ms"], indent=1), flush=True)
+        results["forward speed ratios, median of paired rounds"] = {
+            k: round(statistics.median(v), 3) for k, v in paired.items()}
+        results["forward speed ratios, each round"] = {k: [round(x, 3) for x in v] for k, v in paired.items()}
+        print(json.dumps({k: results[k] for k in ("decode_forward_ms", "forward speed ratios, each round")},
+                         indent=1), flush=True)
         for where in ("off the engine thread", "on the engine thread", "off the engine thread"):
             gap = load_gap(engine, lora, tok, paths[4], off_thread=where.startswith("off"))
             results.setdefault("decode_gap_while_loading", {}).setdefault(where, []).append(gap)
@@ -216,12 +226,10 @@ def main() -> None:
         results["resident_bytes"] = lora.nbytes
     finally:
         engine.stop()
-    r, f = results["decode_tokens_per_s"], results["decode_forward_ms"]
-    for n in (4, 16):
+    r = results["decode_tokens_per_s"]
+    for n in (4, 16) if r else ():
         results[f"ratio {n} streams mixed / one"] = round(r[f"{n} streams, four adapters"] / r[f"{n} streams, one adapter"], 3)
         results[f"ratio {n} streams one / base"] = round(r[f"{n} streams, one adapter"] / r[f"{n} streams, base"], 3)
-        results[f"forward ratio {n} streams mixed / one"] = round(f[f"{n} streams, one adapter"] / f[f"{n} streams, four adapters"], 3)
-        results[f"forward ratio {n} streams one / base"] = round(f[f"{n} streams, base"] / f[f"{n} streams, one adapter"], 3)
     print(json.dumps(results, indent=1))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,8 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import mlx.core as mx
+
 from scheduler.lora.files import AdapterError, AdapterFiles, AdapterWeights, check_adapter, read_files
 from scheduler.request import DoneEvent, ErrorEvent
 from scheduler.lora.layers import RowSlots, build_stack, wrap_linears
@@ -247,11 +249,12 @@ class AdapterSet:
             slots = list(self._slots)
         wanted = sorted({p for r in slots for p in r.weights.layers})
         wrapped = wrap_linears(self.model, wanted, self.rows)
-        total = 0
+        stacks = {path: build_stack([r.weights.layers.get(path) for r in slots]) for path in wrapped}
+        built = [s for s in stacks.values() if s is not None]
+        mx.eval([s.arrays() for s in built])  # one evaluation for every layer (not one each)
         for path, layer in wrapped.items():
-            stack = build_stack([r.weights.layers.get(path) for r in slots])
-            layer.set_stack(stack)
-            total += stack.nbytes if stack is not None else 0
+            layer.set_stack(stacks[path])
+        total = sum(s.nbytes for s in built)
         self._keys = {r.key: i + 1 for i, r in enumerate(slots)}
         with self._lock:
             self._stack_bytes = total
