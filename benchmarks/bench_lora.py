@@ -2,8 +2,10 @@
 the base, an adapter's load time and memory, and the decode gap while one loads. Prints
 figures (and writes them with ``--out``), asserts nothing.
 
-Model: ``--model PATH``, else the random-weight model of SmolLM2-135M's shape that
-``bench_speculative.py`` builds (llama, 30 layers, float32). Adapters: random, mlx-lm's
+Model: ``--model PATH`` (``--model default``: the default model, SmolLM2-135M-Instruct's real
+weights, 4-bit, as ``mlx-gateway fetch-default-model`` caches them), else the random-weight
+model of SmolLM2-135M's shape that ``bench_speculative.py`` builds (llama, 30 layers,
+float32). Adapters: random, mlx-lm's
 format, as ``mlx_lm.lora``'s defaults make them (rank 8, scale 20, the last 16 layers, every
 linear layer of a block). An engine in process (no HTTP) serves each setting:
 
@@ -11,11 +13,15 @@ linear layer of a block). An engine in process (no HTTP) serves each setting:
   every stream on the base, every stream on one adapter, the streams spread over four
   adapters; tokens after each stream's first, over the time from the first first token to
   the last token; the settings interleaved ``--rounds`` times, the best of each kept;
-* the same comparison on the decode forward alone (``step_seconds``: no scheduling, the
-  fastest median of three interleaved rounds), as speed ratios;
-* the time to load one adapter (read, check, restack; on the engine thread) and its bytes;
+* the same comparison on the decode forward alone (``step_seconds``: no scheduling), the
+  three settings back to back in each of ``--forward-rounds`` rounds: the speed ratios of
+  each round (paired: a shared machine's load moves slower than a round) and their median;
+* the time to load one adapter: reading its files (numpy, off the engine thread, as the
+  gateway does) and installing it (check, MLX arrays, restack; on the engine thread), its
+  bytes and what the resident set holds (factors and stacks);
 * the decode gap while one loads: the longest gap between two tokens of 4 streams
-  decoding while an adapter loads, against their median step.
+  decoding while an adapter loads, against their median step, with the files read off the
+  engine thread (the gateway's way) and, for comparison, read on it.
 
 On Linux, preload the system OpenBLAS (``gateway/cpu/blas.py``).
 
@@ -50,13 +56,15 @@ def write_adapter(path: Path, model, seed: int, rank: int = 8, num_layers: int =
     """A random mlx-lm adapter (``lora_b`` nonzero) for the last ``num_layers`` blocks."""
     import mlx.core as mx
 
+    from scheduler.lora.files import _base, linear_shape
+
     mx.random.seed(seed)
     names = {id(m): n for n, m in model.named_modules()}
     weights = {}
     for layer in list(model.layers)[-num_layers:]:
         modules = dict(layer.named_modules())
         for k in KEYS:
-            out, inp = modules[k].weight.shape
+            inp, out = linear_shape(_base(modules[k]))
             weights[f"{names[id(layer)]}.{k}.lora_a"] = mx.random.normal((inp, rank)) * 0.02
             weights[f"{names[id(layer)]}.{k}.lora_b"] = mx.random.normal((rank, out)) * 0.02
     path.mkdir(parents=True, exist_ok=True)
@@ -105,25 +113,60 @@ def step_seconds(model, lora, slots: list[int], steps: int = 12) -> float:
     return statistics.median(times)
 
 
+def load_gap(engine, lora, tok, path: str, off_thread: bool) -> dict:
+    """Load the adapter at ``path`` (as ``a4``, replacing it) while 4 streams decode: the
+    longest gap between two tokens of a stream around the load, their median step, and the
+    seconds the load held the engine thread."""
+    from scheduler.lora import read_files
+
+    prompts = [tok.encode(words(64, 9000 + i))[:64] for i in range(4)]
+    sinks = submit(engine, prompts, ["a0", "a1", None, "a2"], 120)
+    while min(len(s.times) for s in sinks) < 20:
+        time.sleep(0.01)
+    t_load = time.monotonic()
+    if off_thread:
+        files = read_files(path)
+        t_engine = time.monotonic()
+        engine.call(lambda: lora.install("a4", files))
+    else:
+        t_engine = time.monotonic()
+        engine.call(lambda: lora.load("a4", path))
+    t_done = time.monotonic()
+    for s in sinks:
+        s.done.wait(3600)
+    gaps = [b - a for s in sinks for a, b in zip(s.times, s.times[1:])]
+    during = [b - a for s in sinks for a, b in zip(s.times, s.times[1:]) if b >= t_load and a <= t_done]
+    return {"gap_s": round(max(during), 4) if during else 0.0, "median_step_s": round(statistics.median(gaps), 4),
+            "engine_thread_s": round(t_done - t_engine, 4), "load_s": round(t_done - t_load, 4)}
+
+
 def main() -> None:
     import mlx_lm
 
     from cache import PromptCacheManager
-    from gateway.cpu.paths import choose_cpu_paths
-    from gateway.cpu.weights import float32_weights_for_cpu_backend
+    from gateway.backend import backend
+    import mlx.core as mx
+
     from scheduler import Engine
-    from scheduler.lora import adapters_of
+    from scheduler.lora import adapters_of, read_files
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of the end-to-end decode rates (0: none)")
+    ap.add_argument("--forward-rounds", type=int, default=5, help="paired rounds of the decode forward alone")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.model == "default":
+        from gateway.models.default_model import default_model_dir
+
+        args.model = str(default_model_dir())
     model_dir = args.model or smol_shaped_model()
     model, tok = mlx_lm.load(model_dir)
-    float32_weights_for_cpu_backend(model)
-    choose_cpu_paths(model)
+    tuning = backend()  # as the gateway prepares a model it serves
+    tuning.start(model_dir)
+    tuning.prepare_weights(model)
+    tuning.prepare(model)
     root = Path(tempfile.mkdtemp(prefix="bench-lora-"))
     paths = [write_adapter(root / f"a{i}", model, i) for i in range(5)]
     lora = adapters_of(model, create=True, max_loras=8, max_rank=64)
@@ -132,10 +175,18 @@ def main() -> None:
     engine.start()
     results: dict = {"model": model_dir, "decode_tokens_per_s": {}}
     try:
+        mx.eval(mx.zeros(1))
+        before = mx.get_active_memory()
         t0 = time.perf_counter()
-        weights = engine.call(lambda: lora.load("a0", paths[0]))
-        results["load_seconds"] = time.perf_counter() - t0
+        files = read_files(paths[0])
+        t1 = time.perf_counter()
+        weights = engine.call(lambda: lora.install("a0", files))
+        t2 = time.perf_counter()
+        results["load_seconds"] = {"read (off the engine thread)": round(t1 - t0, 4),
+                                   "install (on the engine thread)": round(t2 - t1, 4)}
         results["adapter_bytes"] = weights.nbytes
+        results["resident_bytes_one_adapter"] = lora.nbytes
+        results["active_memory_growth_one_adapter"] = mx.get_active_memory() - before
         for i in range(1, 4):
             engine.call(lambda i=i: lora.load(f"a{i}", paths[i]))
         seed = 0
@@ -151,36 +202,34 @@ def main() -> None:
                     best[key] = max(best.get(key, 0.0), round(rate, 1))
                     print(f"{key:26s}: {rate:7.1f} decode tokens/s", flush=True)
         forward: dict = {}
-        for _ in range(3):  # interleaved, the fastest of each kept
+        paired: dict = {}
+        for _ in range(args.forward_rounds):  # interleaved: each round's three settings back to back
             for streams in (4, 16):
+                got = {}
                 for name, slots in (("base", [0] * streams), ("one adapter", [1] * streams),
                                     ("four adapters", [1 + i % 4 for i in range(streams)])):
                     key = f"{streams} streams, {name}"
-                    s = engine.call(lambda slots=slots: step_seconds(model, lora, slots), timeout=600)
-                    forward[key] = min(forward.get(key, 1e9), s)
+                    got[name] = engine.call(lambda slots=slots: step_seconds(model, lora, slots), timeout=600)
+                    forward[key] = min(forward.get(key, 1e9), got[name])
+                paired.setdefault(f"{streams} streams one / base", []).append(got["base"] / got["one adapter"])
+                paired.setdefault(f"{streams} streams mixed / one", []).append(got["one adapter"] / got["four adapters"])
         results["decode_forward_ms"] = {k: round(v * 1e3, 2) for k, v in forward.items()}
-        print(json.dumps(results["decode_forward_ms"], indent=1), flush=True)
-        prompts = [tok.encode(words(64, 9000 + i))[:64] for i in range(4)]
-        sinks = submit(engine, prompts, ["a0", "a1", None, "a2"], 200)
-        while min(len(s.times) for s in sinks) < 20:
-            time.sleep(0.01)
-        t_load = time.monotonic()
-        engine.call(lambda: lora.load("a4", paths[4]))
-        t_done = time.monotonic()
-        for s in sinks:
-            s.done.wait(3600)
-        gaps = [b - a for s in sinks for a, b in zip(s.times, s.times[1:])]
-        during = [b - a for s in sinks for a, b in zip(s.times, s.times[1:]) if b >= t_load and a <= t_done]
-        results["decode_gap_while_loading_s"] = round(max(during), 4) if during else 0.0
-        results["median_step_s"] = round(statistics.median(gaps), 4)
+        results["forward speed ratios, median of paired rounds"] = {
+            k: round(statistics.median(v), 3) for k, v in paired.items()}
+        results["forward speed ratios, each round"] = {k: [round(x, 3) for x in v] for k, v in paired.items()}
+        print(json.dumps({k: results[k] for k in ("decode_forward_ms", "forward speed ratios, each round")},
+                         indent=1), flush=True)
+        for where in ("off the engine thread", "on the engine thread", "off the engine thread"):
+            gap = load_gap(engine, lora, tok, paths[4], off_thread=where.startswith("off"))
+            results.setdefault("decode_gap_while_loading", {}).setdefault(where, []).append(gap)
+            print(f"decode gap while an adapter loads, files read {where}: {gap}", flush=True)
+        results["resident_bytes"] = lora.nbytes
     finally:
         engine.stop()
-    r, f = results["decode_tokens_per_s"], results["decode_forward_ms"]
-    for n in (4, 16):
+    r = results["decode_tokens_per_s"]
+    for n in (4, 16) if r else ():
         results[f"ratio {n} streams mixed / one"] = round(r[f"{n} streams, four adapters"] / r[f"{n} streams, one adapter"], 3)
         results[f"ratio {n} streams one / base"] = round(r[f"{n} streams, one adapter"] / r[f"{n} streams, base"], 3)
-        results[f"forward ratio {n} streams mixed / one"] = round(f[f"{n} streams, one adapter"] / f[f"{n} streams, four adapters"], 3)
-        results[f"forward ratio {n} streams one / base"] = round(f[f"{n} streams, base"] / f[f"{n} streams, one adapter"], 3)
     print(json.dumps(results, indent=1))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

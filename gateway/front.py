@@ -61,10 +61,18 @@ class Front:
 
     def visible(self, tenant: Tenant) -> list[tuple[Slot, str]]:
         """The model names ``tenant`` may use (and so may see), with their models, in
-        configuration order."""
-        return [(s, n) for s in self.models.slots for n in s.spec.names if tenant.may_use(n)] + [
+        configuration order: a base model's names when it may use them or they lead to its
+        default adapter, then the adapters it may use."""
+        default = self.default_adapter(tenant)
+        return [(s, n) for s in self.models.slots for n in s.spec.names
+                if tenant.may_use(n) or (default is not None and s.name == default.base)] + [
             (self.models.find(a.base), a.name) for a in self.adapters.all()
-            if tenant.may_use(a.name) and self.models.find(a.base) is not None]
+            if tenant.may_use_adapter(a.name) and self.models.find(a.base) is not None]
+
+    def default_adapter(self, tenant: Tenant) -> Optional[Adapter]:
+        """The served adapter ``tenant``'s requests for its base model run under (its
+        ``default_adapter``); None when it has none or that adapter is not served now."""
+        return self.adapters.get(tenant.default_adapter)
 
 
 @dataclass(eq=False)

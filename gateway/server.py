@@ -242,6 +242,8 @@ def prime_metrics(front: Front) -> None:
     tenants = front.tenants.all()
     for slot in front.models.slots:
         prime(front.metrics, [t.name for t in tenants], slot.name)
+    for a in front.adapters.all():
+        front.metrics.lora.prime(a.base, a.name)
     for h in front.models.handles():
         h.engine.prime_metrics([t.name for t in tenants], {t.cache_group for t in tenants})
 

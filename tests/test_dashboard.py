@@ -62,6 +62,12 @@ STORE_ROW = {"mlx_gateway_responses_stored", "mlx_gateway_responses_stored_bytes
              "mlx_gateway_responses_torn_total"}
 
 
+# What the LoRA adapters row shows (gateway/telemetry/lora_metrics.py).
+LORA_ROW = {"mlx_gateway_lora_requests_total", "mlx_gateway_lora_completion_tokens_total",
+            "mlx_gateway_lora_prompt_tokens_total", "mlx_gateway_lora_time_to_first_token_seconds_bucket",
+            "mlx_gateway_lora_adapters_resident", "mlx_gateway_lora_adapter_bytes", "mlx_gateway_lora_loads_total"}
+
+
 # What the Modalities row shows: images and embeddings.
 MODALITIES_ROW = {"mlx_gateway_image_requests_total", "mlx_gateway_image_tokens_total",
                   "mlx_gateway_embedding_inputs_total", "mlx_gateway_embedding_tokens_total",
@@ -123,11 +129,11 @@ def test_dashboard_shape():
     assert set(ALL) == {name for name, v in variables.items() if v["type"] == "query"}
     rows = [p["title"] for p in dash["panels"] if p["type"] == "row"]
     for title in ("Cache reuse", "Latency", "Throughput", "Tenants", "Models", "Latency classes", "Cluster",
-                  "Stored responses", "Modalities"):
+                  "Stored responses", "Modalities", "LoRA adapters"):
         assert title in rows
-    modalities = row_panels(dash)["Modalities"]
-    read = set().union(*(metric_names(t["expr"]) for p in modalities for t in p["targets"]))
-    assert MODALITIES_ROW <= read, MODALITIES_ROW - read
+    for title, names in (("Modalities", MODALITIES_ROW), ("LoRA adapters", LORA_ROW)):
+        read = set().union(*(metric_names(t["expr"]) for p in row_panels(dash)[title] for t in p["targets"]))
+        assert names <= read, names - read
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
     assert not overlaps(dash["panels"])
@@ -271,6 +277,11 @@ def test_metric_check_reports_unknown_names():
 def test_every_metric_of_dashboard_and_rules_is_exposed(tmp_path):
     overrides, keys = tenant_setup(tmp_path)
     overrides["prompt_cache_dir"] = str(tmp_path / "prompt-cache")  # the disk tier's metrics too
+    import mlx_lm
+    from test_lora import write_mlx_lm
+
+    adapter = write_mlx_lm(tmp_path / "tone", mlx_lm.load(str(model_path("qwen3")))[0], 1)
+    overrides["lora_modules"] = [f"tone={adapter}"]  # the LoRA row's series (primed per served adapter)
     with RedisServer(require_redis()) as redis:  # mlx_gateway_limits_store_up: only with --limits-store
         with live_server(model_path("qwen3"), limits_store=redis.url, **overrides) as server:
             workload(server.url, keys)

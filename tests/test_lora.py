@@ -261,6 +261,74 @@ def test_refused_adapters_name_what_does_not_fit_and_leave_nothing(qwen3, adapte
         assert lora.names() == {} and not any(type(m).__name__ == "MultiLoraLinear" for _, m in model.named_modules())
 
 
+def test_files_read_as_numpy_off_the_engine_thread_give_the_same_adapter(qwen3, tmp_path):
+    """:func:`read_files` (no MLX: any thread) reads bfloat16 tensors bit for bit; a
+    truncated file is refused, naming it."""
+    import numpy as np
+
+    from scheduler.lora.files import check_adapter, read_files
+
+    model, _ = mlx_lm.load(str(qwen3))
+    path = write_mlx_lm(tmp_path / "bf16", model, 5)
+    w = {k: v.astype(mx.bfloat16) for k, v in mx.load(str(path / "adapters.safetensors")).items()}
+    mx.save_safetensors(str(path / "adapters.safetensors"), w)
+    files = read_files(str(path))
+    assert files.bfloat16 == set(w) and all(isinstance(t, np.ndarray) for t in files.tensors.values())
+    got = check_adapter(files, model, 16)
+    assert len(got.layers) * 2 == len(w)
+    for module, u in got.layers.items():
+        assert u.a.dtype == mx.bfloat16 and mx.array_equal(u.a, w[f"{module}.lora_a"]).item()
+        assert mx.array_equal(u.b, w[f"{module}.lora_b"]).item()
+    data = (path / "adapters.safetensors").read_bytes()
+    (path / "adapters.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(AdapterError, match="bf16/adapters.safetensors is not a readable safetensors file"):
+        read_files(str(path))
+
+
+def test_peft_names_of_hugging_face_qwen3_5_map_to_mlx_lm_layers(tmp_path):
+    """A PEFT adapter trained on Hugging Face's Qwen3.5 names ``model.language_model.layers``
+    (mlx-lm's port: ``language_model.model.layers``); it is read onto the same layers as the
+    adapter under mlx-lm's names, factor for factor."""
+    from scheduler.lora.files import read_adapter
+
+    base = model_path("qwen3_5")
+    model, _ = mlx_lm.load(str(base))
+    mlx_named, _ = write_peft(tmp_path / "mlx-names", model, 4)
+    w = mx.load(str(mlx_named / "adapter_model.safetensors"))
+    hf = tmp_path / "hf-names"
+    hf.mkdir()
+    mx.save_safetensors(str(hf / "adapter_model.safetensors"), {
+        k.replace("base_model.model.language_model.model.", "base_model.model.model.language_model."): v
+        for k, v in w.items()})
+    (hf / "adapter_config.json").write_text((mlx_named / "adapter_config.json").read_text())
+    assert all(".model.language_model." in k for k in mx.load(str(hf / "adapter_model.safetensors")))
+    want, got = read_adapter(str(mlx_named), model, 16), read_adapter(str(hf), model, 16)
+    assert set(got.layers) == set(want.layers) and len(got.layers) > 0
+    for module, u in got.layers.items():
+        assert mx.array_equal(u.a, want.layers[module].a).item() and u.scale == want.layers[module].scale
+
+
+def test_a_byte_room_unloads_idle_adapters_or_refuses_leaving_the_rest(qwen3, adapters):
+    from scheduler.lora import AdapterNoRoom
+    from scheduler.lora.files import read_files
+
+    engine = make_engine(qwen3)
+    try:
+        lora = adapters_of(engine.model)
+        one = read_files(str(adapters["a"][0])).nbytes  # "p" is as large (rank 4, the same layers)
+        engine.call(lambda: lora.load("a", str(adapters["a"][0]), room=4 * one))
+        assert 3 * one <= lora.nbytes < 3.1 * one  # its factors, their stacked copy, slot 0's zeros
+        engine.call(lambda: lora.load("p", str(adapters["p"][0]), room=4 * one))  # "a", idle, makes room
+        assert lora.resident_names() == ["p"] and set(lora.names()) == {"a", "p"}
+        with pytest.raises(AdapterNoRoom, match="the memory budget leaves them"):
+            engine.call(lambda: lora.load("a", str(adapters["a"][0]), room=one))
+        assert lora.resident_names() == ["p"]
+        p = prompts(1, seed=7)[0]
+        assert run(engine, [(p, "p")], 4) == [reference_tokens(qwen3, adapters["p"][1], p, 4)]
+    finally:
+        engine.stop()
+
+
 def test_a_quantized_base_alone_and_mixed_equals_mlx_lm(qwen3, adapters, tmp_path):
     from mlx_lm import convert
 

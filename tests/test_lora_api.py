@@ -10,7 +10,7 @@ import httpx
 import pytest
 import mlx_lm
 
-from conftest import live_server, model_path
+from conftest import live_server, model_path, sample, wait_until
 from gateway.protocols.openai_format import LogprobFormatter
 from test_lora import reference_tokens, write_mlx_lm, write_peft
 
@@ -113,16 +113,168 @@ def test_models_file_names_adapters_per_model(tmp_path):
 
 
 def test_request_metrics_name_the_adapter(tmp_path):
-    from conftest import sample
-
     base = model_path("qwen3")
     model, _ = mlx_lm.load(str(base))
     a = write_mlx_lm(tmp_path / "a", model, 1)
     with live_server(base, lora_modules=[f"alpha={a}"]) as srv:
         with srv.client() as c:
             completion(c, "alpha", [5, 6, 7])
-        assert sample(srv.registry, "mlx_gateway_requests_total", tenant="default", model="alpha",
-                      endpoint="/v1/completions", status="200") == 1
+            r = c.post("/v1/embeddings", json={"model": "alpha", "input": "hello"})  # a clear refusal
+            assert r.status_code == 400 and "adapters do not apply to embeddings" in r.json()["error"]["message"]
+        wait_until(lambda: sample(srv.registry, "mlx_gateway_requests_total", tenant="default", model="alpha",
+                                  endpoint="/v1/completions", status="200") == 1, 30,
+                   "the request counted (after its answer is sent)")
+        by_adapter = {"model": "test-model", "adapter": "alpha"}
+        assert sample(srv.registry, "mlx_gateway_lora_requests_total", **by_adapter) == 1
+        assert sample(srv.registry, "mlx_gateway_lora_prompt_tokens_total", **by_adapter) == 3
+        assert sample(srv.registry, "mlx_gateway_lora_completion_tokens_total", **by_adapter) == 6
+        assert sample(srv.registry, "mlx_gateway_lora_time_to_first_token_seconds_count", **by_adapter) == 1
+        assert sample(srv.registry, "mlx_gateway_lora_adapters_resident", model="test-model") == 1
+        assert sample(srv.registry, "mlx_gateway_lora_adapter_bytes", model="test-model") > 0
+        assert sample(srv.registry, "mlx_gateway_lora_loads_total", model="test-model", result="loaded") == 1
+
+
+def test_adapter_labels_are_bounded():
+    from prometheus_client import CollectorRegistry
+
+    from gateway.telemetry.lora_metrics import MAX_ADAPTER_LABELS, OTHER, LoraMetrics
+
+    m = LoraMetrics(CollectorRegistry())
+    assert [m.label(f"a{i}") for i in range(MAX_ADAPTER_LABELS)] == [f"a{i}" for i in range(MAX_ADAPTER_LABELS)]
+    assert m.label("one-too-many") == OTHER and m.label("a0") == "a0"
+
+
+def tenants_file(path, keys: dict) -> str:
+    from gateway.tenancy.tenants import hash_key
+
+    path.write_text(f"""
+[admin]
+key_sha256 = ["{hash_key(keys['admin'])}"]
+
+[tenants.team]
+key_sha256 = ["{hash_key(keys['team'])}"]
+adapters = ["alpha", "team-*"]
+default_adapter = "alpha"
+manage_adapters = true
+
+[tenants.plain]
+key_sha256 = ["{hash_key(keys['plain'])}"]
+models = ["test-model"]
+adapters = []
+""")
+    return str(path)
+
+
+def test_tenants_allow_adapters_give_a_default_one_and_may_manage_them(tmp_path):
+    """A tenant's default adapter runs its requests for the base model; a tenant sees and
+    uses only its adapters (others: 404, as a model it may not use); a tenant with
+    ``manage_adapters`` loads and unloads its own, others may not (403)."""
+    base = model_path("qwen3")
+    model, tok = mlx_lm.load(str(base))
+    a = write_mlx_lm(tmp_path / "a", model, 1)
+    p, p_ref = write_peft(tmp_path / "p", model, 4)
+    keys = {n: f"mgw-test-{n}-key" for n in ("admin", "team", "plain")}
+    prompt = [21, 22, 23, 24, 25, 26, 27]
+    with live_server(base, lora_modules=[f"alpha={a}"], tenants=tenants_file(tmp_path / "t.toml", keys)) as srv:
+        with srv.client() as c:
+            def as_(who):
+                return {"Authorization": f"Bearer {keys[who]}"}
+
+            def ask(who, name):
+                return c.post("/v1/completions", headers=as_(who), json={
+                    "model": name, "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 1})
+
+            adapted = want_pieces(tok, reference_tokens(base, a, prompt, 6))
+            plain = want_pieces(tok, reference_tokens(base, None, prompt, 6))
+            r = ask("team", "test-model")  # the base model's name: the tenant's default adapter
+            assert r.status_code == 200 and pieces(r.json()) == adapted, r.text
+            assert pieces(ask("team", "alpha").json()) == adapted
+            r = ask("plain", "test-model")
+            assert r.status_code == 200 and pieces(r.json()) == plain
+            r = ask("plain", "alpha")
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+            assert c.get("/v1/models/alpha", headers=as_("plain")).status_code == 404
+            seen = {who: {m["id"] for m in c.get("/v1/models", headers=as_(who)).json()["data"]}
+                    for who in ("team", "plain")}
+            assert seen["team"] >= {"test-model", "alpha"} and "alpha" not in seen["plain"], seen
+
+            load = {"lora_name": "team-p", "lora_path": str(p)}
+            r = c.post("/v1/load_lora_adapter", headers=as_("plain"), json=load)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "permission_denied", r.text
+            r = c.post("/v1/load_lora_adapter", headers=as_("team"), json={"lora_name": "other", "lora_path": str(p)})
+            assert r.status_code == 403, r.text
+            r = c.post("/v1/load_lora_adapter", headers=as_("team"), json=load)
+            assert r.status_code == 200, r.text
+            r = ask("team", "team-p")
+            assert r.status_code == 200 and pieces(r.json()) == want_pieces(tok, reference_tokens(base, p_ref, prompt, 6))
+            assert ask("plain", "team-p").status_code == 404
+            r = c.post("/v1/unload_lora_adapter", headers=as_("plain"), json={"lora_name": "team-p"})
+            assert r.status_code == 403, r.text
+            r = c.post("/v1/unload_lora_adapter", headers=as_("team"), json={"lora_name": "alpha-x"})
+            assert r.status_code == 404, r.text
+            r = c.post("/v1/unload_lora_adapter", headers=as_("team"), json={"lora_name": "team-p"})
+            assert r.status_code == 200, r.text
+            assert ask("team", "team-p").status_code == 404
+            r = c.post("/v1/unload_lora_adapter", headers=as_("admin"), json={"lora_name": "alpha"})
+            assert r.status_code == 200, r.text
+            r = ask("team", "test-model")  # its default adapter is not served now: the base
+            assert r.status_code == 200 and pieces(r.json()) == plain
+
+
+def test_the_memory_budget_counts_adapters(tmp_path):
+    """Resident adapters are charged to their base model: one that does not fit unloads the
+    least recently used idle adapter (read again when named), or is refused with a 503
+    naming the budget while the others serve requests."""
+    from gateway.backend import weights_bytes
+    from scheduler.lora.files import read_files
+
+    base = model_path("qwen3")
+    model, tok = mlx_lm.load(str(base))
+    a = write_mlx_lm(tmp_path / "a", model, 1)
+    b = write_mlx_lm(tmp_path / "b", model, 2)
+    d = write_mlx_lm(tmp_path / "d", model, 3)
+    one = read_files(str(a)).nbytes
+    budget = weights_bytes(model) + 4 * one  # room for one adapter (charged 3 times its bytes), not two (5 times)
+    prompt = [31, 32, 33, 34, 35]
+    with live_server(base, lora_modules=[f"alpha={a}", f"beta={b}"], memory_budget=budget) as srv:
+        with srv.client() as c:
+            def ask(name, n=4):
+                r = c.post("/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": n,
+                                                    "temperature": 0})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+
+            ask("alpha")
+            charged = sample(srv.registry, "mlx_gateway_lora_adapter_bytes", model="test-model")
+            assert 3 * one <= charged < 3.1 * one
+            assert ask("beta") == ask("beta")  # alpha (idle) was unloaded to make room
+            assert sample(srv.registry, "mlx_gateway_lora_adapters_resident", model="test-model") == 1
+            assert ask("alpha")  # read again, beta unloaded
+
+            async def refused_while_alpha_runs():
+                async with httpx.AsyncClient(base_url=srv.url, timeout=120) as ac:
+                    started = asyncio.Event()
+
+                    async def stream():  # read all along: a client that stops reading is dropped
+                        body = {"model": "alpha", "prompt": prompt, "max_tokens": 4000, "temperature": 0,
+                                "stream": True, "ignore_eos": True}
+                        async with ac.stream("POST", "/v1/completions", json=body) as s:
+                            async for line in s.aiter_lines():
+                                if line.startswith("data: {"):
+                                    started.set()
+
+                    running = asyncio.create_task(stream())
+                    await started.wait()
+                    r = await ac.post("/v1/load_lora_adapter", json={"lora_name": "delta", "lora_path": str(d)})
+                    assert not running.done()
+                    running.cancel()
+                    return r
+
+            r = asyncio.run(refused_while_alpha_runs())
+            assert r.status_code == 503 and r.json()["error"]["code"] == "memory_budget_exceeded", r.text
+            assert "--memory-budget" in r.json()["error"]["message"]
+            assert "delta" not in {m["id"] for m in c.get("/v1/models").json()["data"]}
+            assert sample(srv.registry, "mlx_gateway_lora_loads_total", model="test-model", result="no_room") == 1
 
 
 def test_next_turn_under_an_adapter_reuses_only_its_own_kv(tmp_path):

@@ -40,6 +40,7 @@ class Books:
     def __init__(self, call: Call, model: ModelHandle, prompt: Prompt, why: Optional[Explanation] = None):
         self.call, self.model, self.prompt, self.why = call, model, prompt, why
         self.labels = (call.tenant.name, model.name, call.api)
+        self.lora = None if call.adapter is None else (model.name, call.front.metrics.lora.label(call.adapter))
         self.request_id = f"req-{next(_ids)}-{uuid.uuid4().hex[:8]}"
         self.gen: Optional[Generation] = None  # once submitted
         self.completion = 0  # tokens generated
@@ -115,6 +116,9 @@ class Books:
         rec.cache_source = ev.cache_source if ev.cached_tokens else None
         m.prompt_tokens.labels(*self.labels).inc(n)
         m.cached_tokens.labels(*self.labels).inc(ev.cached_tokens)
+        if self.lora is not None:
+            m.lora.requests.labels(*self.lora).inc()
+            m.lora.prompt_tokens.labels(*self.lora).inc(n)
         call.front.usage.add(call.tenant.name, prompt=n, cached=ev.cached_tokens)
         if self.why is not None:
             self.why.cached_tokens = ev.cached_tokens
@@ -142,6 +146,8 @@ class Books:
             rec.ttft_seconds = now - gen.arrival
             m.ttft.labels(*self.labels).observe(now - gen.arrival)
             m.class_ttft.labels(self.model.name, call.priority).observe(now - gen.arrival)
+            if self.lora is not None:
+                m.lora.ttft.labels(*self.lora).observe(now - gen.arrival)
         else:
             m.inter_token.labels(self.model.name, call.priority).observe(now - self.last_at)
         self.last_at = now
@@ -183,6 +189,8 @@ class Books:
             rec.error_status = self.error_status
         m.completion_tokens.labels(*self.labels).inc(n)
         m.generations.labels(*self.labels, outcome).inc()
+        if self.lora is not None:
+            m.lora.completion_tokens.labels(*self.lora).inc(n)
         call.front.usage.add(call.tenant.name, completion=n)
         if self.first_at is not None:
             now = time.monotonic()

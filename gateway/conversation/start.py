@@ -50,7 +50,7 @@ async def converse(call: Call, conv: Conversation) -> Answer:
                 yield Comment(f"loading model {call.slot.name} ({time.monotonic() - started:.0f} s)")
     model = await ready(loaded)
     if call.adapter is not None:  # read into the model's adapter stack (its first request, or after LRU)
-        await ready_adapter(model, call.front.config, call.front.adapters.get(call.adapter))
+        await ready_adapter(call.front, model, call.front.adapters.get(call.adapter))
     if model.kind == "embedding":
         raise APIError(400, f"the model '{model.name}' is an embedding model: use POST /v1/embeddings",
                        param="model", code="model_not_generating")
@@ -83,9 +83,10 @@ def _prepare_and_explain(call: Call, model: ModelHandle, conv: Conversation, mar
 
 
 def hold(call: Call, name: Optional[str]) -> Future:
-    """Find the model ``name`` names (a served name or an alias; the first model the
-    tenant may use when None) and hold it until the call is answered; a Future of its
-    handle (done unless it must be loaded first).
+    """Find the model ``name`` names (a served name, an alias or a LoRA adapter's name; the
+    first model the tenant may use when None) and hold it until the call is answered; a
+    Future of its handle (done unless it must be loaded first). A request that reaches the
+    base model of its tenant's default adapter (naming it or no model) runs under that adapter.
 
     Raises:
         APIError: 404 ``model_not_found`` for a model this server does not serve, and
@@ -94,7 +95,13 @@ def hold(call: Call, name: Optional[str]) -> Future:
     front, slot = call.front, find(call, name)
     future = front.models.hold(slot)
     call.slot = slot
-    call.adapter = name if name is not None and front.adapters.get(name) is not None else None
+    default = front.default_adapter(call.tenant)
+    if name is not None and front.adapters.get(name) is not None:
+        call.adapter = name
+    elif default is not None and default.base == slot.name:
+        call.adapter = default.name
+    else:
+        call.adapter = None
     call.record.model = call.adapter or slot.name  # an adapter's requests are counted under its name
     call.request.state.on_close.append(lambda: front.models.release(slot))
     return future
@@ -102,17 +109,26 @@ def hold(call: Call, name: Optional[str]) -> Future:
 
 def find(call: Call, name: Optional[str]) -> Slot:
     """The model ``name`` names for this call's tenant (a served name, an alias, or a LoRA
-    adapter's name: its base model; the first model the tenant may use when None), not held.
+    adapter's name: its base model; when None, its default adapter's base, else the first
+    model the tenant may use), not held.
 
     Raises:
         APIError: 404 ``model_not_found``, as :func:`hold`.
     """
     front, tenant = call.front, call.tenant
-    if name is None:
+    default = front.default_adapter(tenant)
+    adapter = front.adapters.get(name)
+    if name is None and default is not None:
+        slot = front.models.find(default.base)
+    elif name is None:
         slot = next((s for s in front.models.slots if any(map(tenant.may_use, s.spec.names))), None)
+    elif adapter is not None:
+        slot = front.models.find(adapter.base)
+        slot = slot if tenant.may_use_adapter(name) else None
     else:
-        slot = front.models.find(front.adapters.base_of(name))  # a LoRA adapter's: its base model
-        slot = slot if slot is not None and tenant.may_use(name) else None
+        slot = front.models.find(name)
+        base_of_default = slot is not None and default is not None and default.base == slot.name
+        slot = slot if slot is not None and (tenant.may_use(name) or base_of_default) else None
     if slot is None:
         raise APIError(404, f"the model '{name}' does not exist" if name is not None else
                        "no model is available to this key", param="model", code="model_not_found")

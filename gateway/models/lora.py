@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -18,7 +19,7 @@ import anyio
 
 from gateway.http.errors import APIError
 from scheduler import EngineDead
-from scheduler.lora import AdapterBusy, AdapterError, UnknownAdapter, adapters_of
+from scheduler.lora import AdapterBusy, AdapterError, AdapterNoRoom, UnknownAdapter, adapters_of, read_files
 
 
 @dataclass(frozen=True)
@@ -102,33 +103,64 @@ def adapter_set(handle, cfg):
     return adapters_of(handle.engine.model, create=True, max_loras=cfg.max_loras, max_rank=cfg.max_lora_rank)
 
 
-def load_on_engine(handle, cfg, adapter: Adapter, replace: bool = False) -> None:
-    """Make ``adapter`` resident on ``handle``'s engine (blocking; run it in a worker thread):
-    read it if it is not (or again, with ``replace``).
+def load_on_engine(front, handle, adapter: Adapter, replace: bool = False) -> None:
+    """Make ``adapter`` resident on ``handle``'s engine (blocking; run it in a worker
+    thread): read its files here (numpy, off the engine thread), then install them on the
+    engine between two steps, within the memory budget (the model's least recently used
+    idle adapters are unloaded to make room). Done at once when it is resident (unless
+    ``replace``). Counted in ``mlx_gateway_lora_*``.
 
     Raises:
         APIError: 400 when it does not fit the model (:class:`scheduler.lora.AdapterError`),
-            503 when every adapter slot is held by running requests.
+            503 when every adapter slot is held by running requests or the memory budget has
+            no room for it.
         EngineDead, TimeoutError: see :meth:`scheduler.engine.Engine.call`.
     """
-    found = adapter_set(handle, cfg)
-
-    def load():
-        if replace or not found.resident(adapter.name) or found.names().get(adapter.name) != adapter.path:
-            found.load(adapter.name, adapter.path)
-
+    if handle.kind == "embedding":
+        raise APIError(400, f"the model '{handle.name}' is an embedding model: LoRA adapters apply to generating "
+                       "models only", param="base_model_name", code="invalid_lora_adapter")
+    found = adapter_set(handle, front.config)
+    if not replace and found.resident(adapter.name) and found.names().get(adapter.name) == adapter.path:
+        return
+    m, start, result = front.metrics.lora, time.monotonic(), None
     try:
-        handle.engine.call(load, timeout=300.0)
+        files = read_files(adapter.path)
+        slot = front.models.find(adapter.base)
+        room = front.models.adapter_room(slot) if slot is not None else None
+        handle.engine.call(lambda: found.install(adapter.name, files, room), timeout=300.0)
+        result = "loaded"
     except AdapterError as e:
+        result = "invalid"
         raise APIError(400, f"LoRA adapter '{adapter.name}' cannot be loaded: {e}", param="lora_path",
                        code="invalid_lora_adapter")
+    except AdapterNoRoom as e:
+        result = "no_room"
+        raise APIError(503, f"LoRA adapter '{adapter.name}' cannot be loaded: {e}", code="memory_budget_exceeded",
+                       headers={"Retry-After": "5"})
     except AdapterBusy as e:
+        result = "busy"
         raise APIError(503, str(e), code="lora_slots_busy", headers={"Retry-After": "1"})
+    finally:
+        if result is not None:
+            m.loads.labels(handle.name, result).inc()
+        if result == "loaded":
+            m.load_seconds.labels(handle.name).observe(time.monotonic() - start)
+        resident_changed(front, handle)
 
 
-async def ready_adapter(handle, cfg, adapter: Optional[Adapter]) -> None:
-    """Make ``adapter`` resident for a request (a worker thread waits for the engine only
-    when it must be read).
+def resident_changed(front, handle) -> None:
+    """Set the model's resident-adapter gauges and give the prefix caches what is left."""
+    found = adapters_of(handle.engine.model)
+    if found is None:
+        return
+    front.metrics.lora.resident.labels(handle.name).set(len(found.resident_names()))
+    front.metrics.lora.bytes.labels(handle.name).set(found.nbytes)
+    front.models.charges_changed()
+
+
+async def ready_adapter(front, handle, adapter: Optional[Adapter]) -> None:
+    """Make ``adapter`` resident for a request (a worker thread reads it and waits for the
+    engine only when it must be read).
 
     Raises:
         APIError: 404 when it stopped being served, 400/503 from :func:`load_on_engine`,
@@ -136,17 +168,17 @@ async def ready_adapter(handle, cfg, adapter: Optional[Adapter]) -> None:
     """
     if adapter is None:
         raise APIError(404, "the LoRA adapter is not served any more", param="model", code="model_not_found")
-    found = adapter_set(handle, cfg)
+    found = adapter_set(handle, front.config)
     if found.resident(adapter.name) and found.names().get(adapter.name) == adapter.path:
         return
     try:
-        await anyio.to_thread.run_sync(lambda: load_on_engine(handle, cfg, adapter))
+        await anyio.to_thread.run_sync(lambda: load_on_engine(front, handle, adapter))
     except (EngineDead, TimeoutError) as e:
         raise APIError(503, f"the model engine could not load the adapter: {e!r}", code="engine_unavailable",
                        headers={"Retry-After": "1"})
 
 
-def unload_on_engine(handle, name: str) -> None:
+def unload_on_engine(front, handle, name: str) -> None:
     """Stop serving ``name`` on ``handle``'s engine (running requests keep it to their end)."""
     found = adapters_of(handle.engine.model)
     if found is None:
@@ -159,3 +191,4 @@ def unload_on_engine(handle, name: str) -> None:
             pass
 
     handle.engine.call(unload)
+    resident_changed(front, handle)

@@ -291,6 +291,19 @@ class ModelRegistry:
         with self._lock:
             return self.budget - sum(s.weights for s in self.slots)
 
+    def adapter_room(self, slot: Slot) -> int:
+        """Bytes of the budget ``slot``'s resident LoRA adapters may hold together: what the
+        other models' charges, its own weights and its running KV leave (may be negative)."""
+        kv = self._kv_bytes()
+        with self._lock:
+            others = sum(s.weights + kv.get(s.name, 0) for s in self.slots if s is not slot and s.state != "unloaded")
+            own = slot.handle.weights_bytes if slot.handle is not None else slot.reserved
+        return self.budget - others - own - kv.get(slot.name, 0)
+
+    def charges_changed(self) -> None:
+        """A loaded model's charge changed (its adapters): give the prefix caches what is left."""
+        self._update_cache_bound()
+
     def _kv_bytes(self) -> dict[str, int]:
         """Bytes of each loaded model's running batch KV (asked of its engine)."""
         out = {}

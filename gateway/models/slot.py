@@ -10,6 +10,7 @@ from typing import Optional
 
 from gateway.models.handle import ModelHandle
 from gateway.models.spec import ModelSpec
+from scheduler.lora import adapters_of
 
 RETRY_AFTER = 5  # seconds a client is told to wait when a model cannot be loaded now
 
@@ -50,4 +51,8 @@ class Slot:
 
     @property
     def weights(self) -> int:
-        return self.handle.weights_bytes if self.handle is not None else self.reserved
+        """Bytes its weights hold (a load's reservation), its resident LoRA adapters included."""
+        if self.handle is None:
+            return self.reserved
+        lora = adapters_of(getattr(self.handle.engine, "model", None))
+        return self.handle.weights_bytes + (lora.nbytes if lora is not None else 0)

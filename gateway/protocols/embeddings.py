@@ -107,6 +107,9 @@ async def embed(call: Call, name: Optional[str], inputs, dimensions: Optional[in
             engine cannot take them.
     """
     model = await ready(hold(call, name))
+    if call.adapter is not None and call.adapter == name:
+        raise APIError(400, f"'{name}' is a LoRA adapter of a generating model: adapters do not apply to "
+                       "embeddings", param="model", code="model_not_embedding")
     if model.kind != "embedding":
         raise APIError(400, f"the model '{model.name}' is not an embedding model", param="model",
                        code="model_not_embedding")

@@ -64,8 +64,8 @@ async def model(request: Request) -> Response:
     front: Front = request.app.state.front
     tenant = authenticate(front.tenants, request)
     name = request.path_params["model_id"]
-    slot = front.models.find(front.adapters.base_of(name))
-    if slot is None or not tenant.may_use(name):
+    slot = next((s for s, n in front.visible(tenant) if n == name), None)
+    if slot is None:
         raise APIError(404, f"the model '{name}' does not exist", param="model", code="model_not_found")
     return JSONResponse(model_object(front, slot, name))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from gateway.telemetry.lora_metrics import LoraMetrics
 from gateway.tenancy.tenants import PRIORITIES
 from scheduler.metrics import LATENCY_BUCKETS
 
@@ -88,6 +89,7 @@ class GatewayMetrics:
         self.embedding_tokens = Counter(
             "mlx_gateway_embedding_tokens", "Tokens of the inputs embedded by /v1/embeddings.",
             ["tenant", "model"], registry=registry)
+        self.lora = LoraMetrics(registry)  # by LoRA adapter
 
 
 IMAGE_REFUSALS = ("too_large", "too_many_pixels", "too_many_images", "malformed", "fetch", "not_vision",

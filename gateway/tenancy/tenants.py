@@ -20,6 +20,9 @@ A tenants file is TOML (read with ``tomllib``)::
     priority = "interactive"       # latency class: interactive, standard (default) or batch
     origins = ["chrome-extension://abcdefghijklmnopabcdefghijklmnop"]   # keys only from these Origins
     allow_no_origin = false        # with origins: also accept requests without an Origin header
+    adapters = ["support", "team-*"]   # LoRA adapters it may use (names or globs; absent: as models says)
+    default_adapter = "support"    # requests naming this adapter's base model (or no model) run under it
+    manage_adapters = true         # may POST /v1/load_lora_adapter and /v1/unload_lora_adapter (its adapters)
 
 Every limit is optional (absent: unlimited). ``mlx-gateway keys new TENANT`` prints a
 new key and the line to paste.
@@ -45,9 +48,12 @@ DRAFT_GROUP = "/draft"
 KEY_PREFIX = "mgw-"
 OPEN_TENANT = "default"
 
-_TENANT_FIELDS = {"key_sha256", "models", "requests_per_minute", "prompt_tokens_per_minute",
-                  "completion_tokens_per_minute", "max_concurrent", "max_queued", "max_tokens", "weight",
-                  "cache_group", "cache_bytes", "priority", "origins", "allow_no_origin", "image_tokens_per_minute"}
+_TENANT_FIELDS = {
+    "key_sha256", "models", "requests_per_minute", "prompt_tokens_per_minute",
+    "completion_tokens_per_minute", "max_concurrent", "max_queued", "max_tokens", "weight",
+    "cache_group", "cache_bytes", "priority", "origins", "allow_no_origin", "image_tokens_per_minute",
+    "adapters", "default_adapter", "manage_adapters",
+}
 # Latency classes, served in this order (scheduler.admission.policy); the index is the engine's priority.
 PRIORITIES = ("interactive", "standard", "batch")
 
@@ -80,6 +86,11 @@ class Tenant:
             :mod:`gateway.http.origins`) its keys are accepted from; None: any.
         allow_no_origin: with ``origins``, also accept requests that send no ``Origin``
             (programs other than browsers).
+        adapters: the LoRA adapters it may use (names or globs); None: those :attr:`models`
+            allows.
+        default_adapter: the adapter its requests naming that adapter's base model (or no
+            model) run under; None: they run on the base.
+        manage_adapters: may load and unload (the adapters it may use) at run time.
         admin: may read every tenant's usage and flush cache groups.
     """
 
@@ -99,6 +110,9 @@ class Tenant:
     priority: str = "standard"
     origins: Optional[tuple[str, ...]] = None
     allow_no_origin: bool = False
+    adapters: Optional[tuple[str, ...]] = None
+    default_adapter: Optional[str] = None
+    manage_adapters: bool = False
     admin: bool = False
 
     def origin_allowed(self, origin: Optional[str]) -> bool:
@@ -112,6 +126,16 @@ class Tenant:
         """Whether this tenant may use the model name ``name`` (a served name or an alias):
         some entry of :attr:`models` is that name, or a glob matching it."""
         return self.models is None or any(fnmatch.fnmatchcase(name, p) for p in self.models)
+
+    def may_use_adapter(self, name: str) -> bool:
+        """Whether this tenant may use the LoRA adapter ``name``: its default adapter, one
+        :attr:`adapters` names (or a glob of it matches), or, without :attr:`adapters`, one
+        :attr:`models` allows."""
+        if name == self.default_adapter:
+            return True
+        if self.adapters is None:
+            return self.may_use(name)
+        return any(fnmatch.fnmatchcase(name, p) for p in self.adapters)
 
 
 @dataclass
@@ -254,17 +278,37 @@ def _tenant(name: str, spec, admin_hashes: tuple[bytes, ...]) -> Tenant:
     allow_no_origin = spec.get("allow_no_origin", False)
     if not isinstance(allow_no_origin, bool):
         raise TenantsFileError(f"{where}: allow_no_origin must be true or false")
-    return Tenant(name=name, key_hashes=hashes, models=None if "*" in models else tuple(models),
-                  requests_per_minute=_positive(spec, "requests_per_minute", where),
-                  prompt_tokens_per_minute=_positive(spec, "prompt_tokens_per_minute", where),
-                  completion_tokens_per_minute=_positive(spec, "completion_tokens_per_minute", where),
-                  image_tokens_per_minute=_positive(spec, "image_tokens_per_minute", where),
-                  max_concurrent=_positive(spec, "max_concurrent", where),
-                  max_queued=_positive(spec, "max_queued", where), max_tokens=_positive(spec, "max_tokens", where),
-                  weight=_positive(spec, "weight", where, float) or 1.0, cache_group=group,
-                  cache_bytes=_size(spec["cache_bytes"], where) if "cache_bytes" in spec else None, priority=priority,
-                  origins=tuple(o.rstrip("/") for o in origins) if origins is not None else None,
-                  allow_no_origin=allow_no_origin, admin=bool(set(hashes) & set(admin_hashes)))
+    adapters = spec.get("adapters")
+    if adapters is not None and (not isinstance(adapters, list) or not all(isinstance(a, str) for a in adapters)):
+        raise TenantsFileError(f"{where}: adapters must be a list of LoRA adapter names")
+    default_adapter = spec.get("default_adapter")
+    if default_adapter is not None and (not isinstance(default_adapter, str) or not default_adapter):
+        raise TenantsFileError(f"{where}: default_adapter must be a LoRA adapter's name")
+    manage = spec.get("manage_adapters", False)
+    if not isinstance(manage, bool):
+        raise TenantsFileError(f"{where}: manage_adapters must be true or false")
+    return Tenant(
+        name=name,
+        key_hashes=hashes,
+        models=None if "*" in models else tuple(models),
+        requests_per_minute=_positive(spec, "requests_per_minute", where),
+        prompt_tokens_per_minute=_positive(spec, "prompt_tokens_per_minute", where),
+        completion_tokens_per_minute=_positive(spec, "completion_tokens_per_minute", where),
+        image_tokens_per_minute=_positive(spec, "image_tokens_per_minute", where),
+        max_concurrent=_positive(spec, "max_concurrent", where),
+        max_queued=_positive(spec, "max_queued", where),
+        max_tokens=_positive(spec, "max_tokens", where),
+        weight=_positive(spec, "weight", where, float) or 1.0,
+        cache_group=group,
+        cache_bytes=_size(spec["cache_bytes"], where) if "cache_bytes" in spec else None,
+        priority=priority,
+        origins=tuple(o.rstrip("/") for o in origins) if origins is not None else None,
+        allow_no_origin=allow_no_origin,
+        adapters=None if adapters is None else tuple(adapters),
+        default_adapter=default_adapter,
+        manage_adapters=manage,
+        admin=bool(set(hashes) & set(admin_hashes)),
+    )
 
 
 def load_tenants(path: str | Path) -> TenantTable:

@@ -13,9 +13,11 @@ computed under another one, under the base, or under an earlier load of the same
 The row's adapter is read back from that namespace at each forward (:meth:`slot_of`),
 which holds for every row the engine runs for it, next-turn precomputes included.
 
-Loading, unloading and the per-forward selection run on the engine thread
-(:meth:`scheduler.engine.Engine.call`); :meth:`admit` and :meth:`names` may be called
-from any thread.
+An adapter's files are read on any thread (:func:`scheduler.lora.files.read_files`: numpy,
+no MLX); installing it (:meth:`AdapterSet.install`: check, MLX arrays, restack), unloading
+and the per-forward selection run on the engine thread (:meth:`scheduler.engine.Engine.call`),
+so the rows decoding wait only for the install. :meth:`admit`, :meth:`names` and
+:attr:`nbytes` may be called from any thread.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from scheduler.lora.files import AdapterError, AdapterWeights, read_adapter
+import mlx.core as mx
+
+from scheduler.lora.files import AdapterError, AdapterFiles, AdapterWeights, check_adapter, read_files
 from scheduler.request import DoneEvent, ErrorEvent
 from scheduler.lora.layers import RowSlots, build_stack, wrap_linears
 
@@ -37,7 +41,8 @@ DEFAULT_MAX_LORAS = 8
 
 log = logging.getLogger("mlx_gateway.engine")
 
-__all__ = ["AdapterError", "AdapterSet", "AdapterBusy", "UnknownAdapter", "adapters_of", "MARK"]
+__all__ = ["AdapterError", "AdapterFiles", "AdapterSet", "AdapterBusy", "AdapterNoRoom", "UnknownAdapter",
+           "adapters_of", "read_files", "MARK"]
 
 
 class UnknownAdapter(KeyError):
@@ -46,6 +51,11 @@ class UnknownAdapter(KeyError):
 
 class AdapterBusy(RuntimeError):
     """Every adapter slot is held by running requests (a 503)."""
+
+
+class AdapterNoRoom(AdapterBusy):
+    """The adapter's bytes do not fit the memory left to the model's adapters, even with
+    every idle one unloaded (a 503; the message gives the bytes)."""
 
 
 @dataclass
@@ -85,12 +95,25 @@ class AdapterSet:
         self._keys: dict[str, int] = {}  # resident key (name#serial) -> slot
         self._serials = itertools.count(1)
         self._clock = itertools.count(1)
+        self._stack_bytes = 0  # bytes of the wrapped layers' stacks (set at each restack)
 
     # ----------------------------------------------------------------- any thread
     def names(self) -> dict[str, str]:
         """Served adapter name -> its path (resident or not)."""
         with self._lock:
             return dict(self._known)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the resident adapters hold: their factors (kept to restack) and the layers'
+        stacks of them (slot 0's zeros and rank padding included)."""
+        with self._lock:
+            return sum(r.weights.nbytes for r in self._slots) + self._stack_bytes
+
+    def resident_names(self) -> list[str]:
+        """The adapters resident now (requests of them need no read)."""
+        with self._lock:
+            return list(self._by_name)
 
     def resident(self, name: str) -> bool:
         """Whether ``name`` is loaded now (requests of it can be admitted)."""
@@ -132,32 +155,52 @@ class AdapterSet:
                     r.refs -= 1
 
     # ----------------------------------------------------------------- engine thread
-    def load(self, name: str, path: str) -> AdapterWeights:
-        """Load the adapter at ``path`` as ``name`` (replacing a loaded one of that name:
-        requests already running keep the old one to their end).
+    def load(self, name: str, path: str, room: Optional[int] = None) -> AdapterWeights:
+        """Read the adapter at ``path`` on this thread, then :meth:`install` it."""
+        return self.install(name, read_files(path), room)
+
+    def install(self, name: str, files: AdapterFiles, room: Optional[int] = None) -> AdapterWeights:
+        """Serve the adapter read as ``files`` (:func:`read_files`) as ``name``, replacing a
+        loaded one of that name (requests already running keep the old one to their end).
+
+        Args:
+            room: the bytes every resident adapter together may hold (:attr:`nbytes`; None:
+                no bound); the least recently used idle ones are unloaded to fit the new one.
+                The set's bytes are estimated by :func:`charge` (rank padding aside).
 
         Raises:
             AdapterError: the adapter does not fit this model (nothing is kept).
             AdapterBusy: ``max_loras`` adapters are resident and none is idle.
+            AdapterNoRoom: it does not fit ``room`` even with every idle adapter unloaded.
         """
-        weights = read_adapter(path, self.model, self.max_rank)
+        weights = check_adapter(files, self.model, self.max_rank)
         with self._lock:
             self._sweep()
             old = self._by_name.get(name)
             keep = [r for r in self._slots if not (r is old and r.refs <= 0)]
-            victim = None
-            if len(keep) >= self.max_loras:
-                idle = sorted((r for r in keep if r.refs <= 0), key=lambda r: r.used)
-                if not idle:
-                    raise AdapterBusy(f"all {self.max_loras} adapter slots are in use (--max-loras)")
-                victim = idle[0]
-            for gone in (old, victim):
+            idle = sorted((r for r in keep if r.refs <= 0 and not r.retired), key=lambda r: r.used)
+            victims: list[Resident] = []
+
+            def after() -> list[int]:  # the factors' bytes of the set the load would leave
+                return [r.weights.nbytes for r in keep if r not in victims] + [weights.nbytes]
+
+            while idle and (len(after()) > self.max_loras or (room is not None and charge(after()) > room)):
+                victims.append(idle.pop(0))
+            if len(after()) > self.max_loras:
+                raise AdapterBusy(f"all {self.max_loras} adapter slots are in use (--max-loras)")
+            if room is not None and charge(after()) > room:
+                held = charge(after()[:-1])
+                raise AdapterNoRoom(
+                    f"with it its model's adapters would take {charge(after()) / 1e6:.2f} MB and the memory budget "
+                    f"leaves them {max(room, 0) / 1e6:.2f} MB (--memory-budget), {held / 1e6:.2f} MB of that held by "
+                    "adapters serving requests")
+            for gone in (old, *victims):
                 if gone is not None:
                     self._drop(gone)
             r = Resident(name, next(self._serials), weights, used=next(self._clock))
             self._slots.append(r)
             self._by_name[name] = r
-            self._known[name] = path
+            self._known[name] = files.path
             self._sweep()
         self._restack()
         return weights
@@ -206,9 +249,15 @@ class AdapterSet:
             slots = list(self._slots)
         wanted = sorted({p for r in slots for p in r.weights.layers})
         wrapped = wrap_linears(self.model, wanted, self.rows)
+        stacks = {path: build_stack([r.weights.layers.get(path) for r in slots]) for path in wrapped}
+        built = [s for s in stacks.values() if s is not None]
+        mx.eval([s.arrays() for s in built])  # one evaluation for every layer (not one each)
         for path, layer in wrapped.items():
-            layer.set_stack(build_stack([r.weights.layers.get(path) for r in slots]))
+            layer.set_stack(stacks[path])
+        total = sum(s.nbytes for s in built)
         self._keys = {r.key: i + 1 for i, r in enumerate(slots)}
+        with self._lock:
+            self._stack_bytes = total
 
     def slot_of(self, namespace: Optional[str]) -> int:
         """The slot of the adapter a row of ``namespace`` runs under (0: the base).
@@ -231,6 +280,13 @@ class AdapterSet:
         if not self._keys:
             return nullcontext()
         return self.rows.forward(uids, lambda u: self.slot_of(namespace_of(u)))
+
+
+def charge(sizes: list[int]) -> int:
+    """Bytes a set of resident adapters holds, from each one's factors' bytes: its factors
+    (kept to restack), its copy in the layers' stacks, and slot 0's zeros (as large as the
+    largest); rank padding is not counted."""
+    return 2 * sum(sizes) + max(sizes, default=0)
 
 
 def adapters_of(model, create: bool = False, **kwargs) -> Optional[AdapterSet]:

@@ -17,6 +17,11 @@ Two formats are read, both a directory with an ``adapter_config.json``:
 Everything is checked before anything is kept: each target must be a (quantized) linear
 layer of this model with the adapter's input and output sizes, and the rank at most the
 limit. A refusal raises :class:`AdapterError` naming what does not fit.
+
+Reading is split in two so that the engine thread, which owns MLX arrays and the model,
+does only the cheap part: :func:`read_files` (any thread: no MLX) reads the config and the
+safetensors file into numpy arrays, :func:`check_adapter` (engine thread) makes them MLX
+arrays and checks them against the model.
 """
 
 from __future__ import annotations
@@ -24,12 +29,14 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+import struct
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 PEFT_PREFIX = "base_model.model."
 
@@ -104,13 +111,92 @@ def _config(path: Path) -> dict:
     return config
 
 
-def _tensors(file: Path) -> dict[str, mx.array]:
+# safetensors dtypes as numpy reads them; BF16 (which numpy lacks) as its bits, uint16.
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
+           "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
+@dataclass
+class AdapterFiles:
+    """An adapter as read from its directory, before any check (no MLX arrays: any thread).
+
+    Attributes:
+        path: its directory, as given.
+        root: the same as a path.
+        config: ``adapter_config.json``.
+        tensors: the safetensors file's arrays (numpy; ``bfloat16`` ones as their bits, ``uint16``).
+        bfloat16: names of the tensors that are ``bfloat16``.
+    """
+
+    path: str
+    root: Path
+    config: dict
+    tensors: dict[str, np.ndarray]
+    bfloat16: frozenset = field(default_factory=frozenset)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its tensors."""
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def _safetensors(file: Path) -> tuple[dict[str, np.ndarray], frozenset]:
+    """A safetensors file's tensors as numpy arrays (the format: an 8-byte little-endian
+    header size, a JSON header of ``{name: {dtype, shape, data_offsets}}``, the data;
+    huggingface/safetensors' README). Read here rather than with ``safetensors.numpy``,
+    which refuses ``bfloat16``, the dtype ``mlx_lm.lora`` often saves.
+
+    Raises:
+        AdapterError: no such file, or not a readable safetensors file.
+    """
+    where = f"{file.parent.name}/{file.name}"
     if not file.is_file():
         raise AdapterError(f"{file.parent.name}: no {file.name}")
     try:
-        return mx.load(str(file))
-    except Exception as e:  # a truncated or foreign file
-        raise AdapterError(f"{file.parent.name}/{file.name} is not a readable safetensors file ({e})") from None
+        data = file.read_bytes()
+        (n,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8:8 + n])
+        body = memoryview(data)[8 + n:]
+        out, bf16 = {}, set()
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _DTYPES[info["dtype"]]
+            start, end = info["data_offsets"]
+            shape = tuple(int(d) for d in info["shape"])
+            if not 0 <= start <= end <= len(body):
+                raise ValueError(f"{name}: data_offsets {start}-{end} past the file's end")
+            out[name] = np.frombuffer(body[start:end], dtype=dtype).reshape(shape)
+            if info["dtype"] == "BF16":
+                bf16.add(name)
+        return out, frozenset(bf16)
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:  # truncated or foreign
+        raise AdapterError(f"{where} is not a readable safetensors file ({e!r})") from None
+
+
+def read_files(path: str) -> AdapterFiles:
+    """Read the adapter directory ``path``: its config and tensors (any thread; no MLX).
+
+    Raises:
+        AdapterError: not a directory, no or a malformed ``adapter_config.json``, a config of
+            neither format, no or an unreadable safetensors file.
+    """
+    root = Path(path)
+    config = _config(root)
+    if "lora_parameters" in config or "fine_tune_type" in config:
+        file = root / "adapters.safetensors"
+    elif "r" in config:
+        file = root / "adapter_model.safetensors"
+    else:
+        raise AdapterError("adapter_config.json is neither mlx-lm's (lora_parameters) nor PEFT's (r, lora_alpha)")
+    tensors, bf16 = _safetensors(file)
+    return AdapterFiles(path, root, config, tensors, bf16)
+
+
+def _mx(files: AdapterFiles) -> dict[str, mx.array]:
+    """The tensors as MLX arrays (engine thread)."""
+    return {k: mx.array(v).view(mx.bfloat16) if k in files.bfloat16 else mx.array(v)
+            for k, v in files.tensors.items()}
 
 
 def _number(config: dict, key: str, where: str) -> float:
@@ -201,16 +287,35 @@ def _pattern(patterns: dict, module: str, default: float) -> float:
     return default
 
 
+def _mlx_name(model, modules: dict, module: str) -> str:
+    """The MLX model's name of the Hugging Face module ``module`` (a PEFT adapter's names
+    are the Hugging Face model's): itself when the MLX model has it, else the name the
+    model's own ``sanitize`` gives its weight (mlx-lm's renames when it loads Hugging Face
+    weights, e.g. qwen3_5's ``model.language_model.layers`` -> ``language_model.model.layers``)."""
+    if module in modules or not hasattr(model, "sanitize"):
+        return module
+    try:
+        renamed = list(model.sanitize({f"{module}.weight": mx.zeros((1, 1))}))
+    except Exception:  # a sanitize that needs real weights: keep the name (refused below if absent)
+        return module
+    return renamed[0].removesuffix(".weight") if len(renamed) == 1 and renamed[0].endswith(".weight") else module
+
+
 def _base(module):
     """The base layer of a wrapped (adapter-carrying) layer, or the module itself."""
     return getattr(module, "base_layer", module)
 
 
 def read_adapter(path: str, model, max_rank: int) -> AdapterWeights:
-    """Read the adapter at ``path`` (either format) and check it against ``model``.
+    """:func:`read_files` then :func:`check_adapter`, on the calling thread (the engine's)."""
+    return check_adapter(read_files(path), model, max_rank)
+
+
+def check_adapter(files: AdapterFiles, model, max_rank: int) -> AdapterWeights:
+    """Check the adapter read as ``files`` (either format) against ``model`` (engine thread).
 
     Args:
-        path: the adapter's directory.
+        files: from :func:`read_files`.
         model: the served mlx-lm model (layers already wrapped or not).
         max_rank: the largest rank accepted (``--max-lora-rank``).
 
@@ -221,17 +326,16 @@ def read_adapter(path: str, model, max_rank: int) -> AdapterWeights:
         AdapterError: malformed, for another model (a missing module or other shapes), a
             non-linear target, or a rank over ``max_rank``.
     """
-    root = Path(path)
-    config = _config(root)
+    root, config = files.root, files.config
     if "lora_parameters" in config or "fine_tune_type" in config:
-        kind, pairs = _mlx_lm_pairs(config, _tensors(root / "adapters.safetensors"), model)
-    elif "r" in config:
-        kind, pairs = _peft_pairs(config, _tensors(root / "adapter_model.safetensors"))
+        kind, pairs = _mlx_lm_pairs(config, _mx(files), model)
     else:
-        raise AdapterError("adapter_config.json is neither mlx-lm's (lora_parameters) nor PEFT's (r, lora_alpha)")
+        kind, pairs = _peft_pairs(config, _mx(files))
     if not pairs:
         raise AdapterError(f"{root.name}: the adapter has no tensors")
     modules = dict(model.named_modules())
+    if kind == "peft lora":
+        pairs = {_mlx_name(model, modules, m): p for m, p in pairs.items()}
     layers: dict[str, LayerUpdate] = {}
     rank = 0
     for module, p in sorted(pairs.items()):

@@ -75,6 +75,15 @@ class Stack:
         self.a, self.b, self.scale, self.magnitude = a, b, scale, magnitude
         self._common: dict = {}
 
+    def arrays(self) -> list:
+        """Its arrays (to evaluate)."""
+        return [m for m in (self.a, self.b, self.scale, self.magnitude) if m is not None]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its arrays."""
+        return sum(m.nbytes for m in self.arrays())
+
     def common(self, dtype):
         """The dtype ``x @ a`` computes in for inputs of ``dtype`` (MLX's promotion)."""
         found = self._common.get(dtype)
@@ -141,7 +150,8 @@ def wrap_linears(model, paths: Sequence[str], rows: RowSlots) -> dict[str, Multi
 def build_stack(updates: list) -> Optional[Stack]:
     """The stack of one layer from the resident adapters' updates in slot order (slot
     ``i + 1`` is ``updates[i]``; None where that adapter leaves the layer alone). Ranks are
-    zero-padded to the largest; None when no adapter adapts the layer."""
+    zero-padded to the largest; None when no adapter adapts the layer. Its arrays are not
+    evaluated yet (:meth:`Stack.arrays`)."""
     present = [u for u in updates if u is not None]
     if not present:
         return None
@@ -166,5 +176,4 @@ def build_stack(updates: list) -> Optional[Stack]:
     if any(u.magnitude is not None for u in present):
         ones = mx.ones((out,), mx.float32)
         magnitude = mx.stack([ones] + [ones if u is None or u.magnitude is None else u.magnitude for u in updates])
-    mx.eval(a, b, scale, magnitude)
-    return Stack(a, b, scale, magnitude)
+    return Stack(a, b, scale, magnitude)  # lazy: the caller evaluates every layer's stack at once
