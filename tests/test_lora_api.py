@@ -225,18 +225,27 @@ def test_the_memory_budget_counts_adapters(tmp_path):
     """Resident adapters are charged to their base model: one that does not fit unloads the
     least recently used idle adapter (read again when named), or is refused with a 503
     naming the budget while the others serve requests."""
+    from mlx_lm.models.cache import make_prompt_cache
+
     from gateway.backend import weights_bytes
+    from scheduler.admission.memory import gate_for
     from scheduler.lora.files import read_files
 
     base = model_path("qwen3")
     model, tok = mlx_lm.load(str(base))
-    a = write_mlx_lm(tmp_path / "a", model, 1)
-    b = write_mlx_lm(tmp_path / "b", model, 2)
-    d = write_mlx_lm(tmp_path / "d", model, 3)
+    rank, streamed = 256, 1000  # an adapter outweighs the KV a streamed answer reserves
+    a = write_mlx_lm(tmp_path / "a", model, 1, rank=rank)
+    b = write_mlx_lm(tmp_path / "b", model, 2, rank=rank)
+    d = write_mlx_lm(tmp_path / "d", model, 3, rank=rank)
     one = read_files(str(a)).nbytes
-    budget = weights_bytes(model) + 4 * one  # room for one adapter (charged 3 times its bytes), not two (5 times)
     prompt = [31, 32, 33, 34, 35]
-    with live_server(base, lora_modules=[f"alpha={a}", f"beta={b}"], memory_budget=budget) as srv:
+    gate = gate_for(model, make_prompt_cache(model), 2048)  # what admission reserves (scheduler.admission.memory)
+    reserved = gate.need(len(prompt), streamed) + gate.prefill_need(len(prompt))
+    assert one > reserved  # so that two adapters (charged 5 times one) do not fit where one does
+    # room for one adapter (charged 3 times its bytes) and a streamed answer's KV, not for two adapters
+    budget = weights_bytes(model) + 4 * one + reserved
+    with live_server(base, lora_modules=[f"alpha={a}", f"beta={b}"], memory_budget=budget,
+                     max_lora_rank=rank) as srv:
         with srv.client() as c:
             def ask(name, n=4):
                 r = c.post("/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": n,
@@ -256,7 +265,7 @@ def test_the_memory_budget_counts_adapters(tmp_path):
                     started = asyncio.Event()
 
                     async def stream():  # read all along: a client that stops reading is dropped
-                        body = {"model": "alpha", "prompt": prompt, "max_tokens": 4000, "temperature": 0,
+                        body = {"model": "alpha", "prompt": prompt, "max_tokens": streamed, "temperature": 0,
                                 "stream": True, "ignore_eos": True}
                         async with ac.stream("POST", "/v1/completions", json=body) as s:
                             async for line in s.aiter_lines():

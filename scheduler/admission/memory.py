@@ -5,8 +5,8 @@ fits beside what the running rows may grow to.
 gateway cuts ``max_tokens`` to the context's end, so a request without one reserves the
 whole context), plus speculative headroom (``K`` draft tokens), the padding of a batch
 (one step's worth of cache growth, 256 tokens: mlx-lm's ``KVCache.step``), and the step's
-transient memory: a prefill chunk's activations (once), its attention scores where they
-are materialized (the CPU backend: ``heads x chunk x context`` float32 and their softmax,
+transient memory: a prefill chunk's activations (for the chunk's own tokens, at most
+``--prefill-step-size``), its attention scores where they are materialized (the CPU backend: ``heads x chunk x context`` float32 and their softmax,
 per row), and each row's logits and
 log-probabilities at the positions it samples (``vocab`` float32 each, times ``1 + K``
 with speculation; a chunk computes logits only where it samples).
@@ -122,7 +122,8 @@ class MemoryGate:
                  scores: bool = False):
         self.shape, self.chunk, self.draft = shape, chunk, draft
         self.heads = heads if scores else 0
-        self.transient = chunk * hidden * 4 * ACTIVATION_COPIES  # one prefill chunk's activations (float32)
+        self.activation = hidden * 4 * ACTIVATION_COPIES  # bytes of a prefilled token's activations (float32)
+        self.transient = chunk * self.activation  # the most one prefill chunk's activations take
         self.logits = vocab * 4 * 2 * (1 + draft)  # a row's sampled positions: float32 logits and log-probabilities
         self.room: Optional[Callable[[], Optional[int]]] = None  # bytes for KV and cache; None: no gate
 
@@ -133,9 +134,11 @@ class MemoryGate:
         return self.shape.bytes_for(context, self.chunk) + self.logits
 
     def prefill_need(self, prompt_tokens: int) -> int:
-        """Bytes a row's prefill chunk needs while it prefills (attention scores where they
-        are materialized: ``heads x chunk x context`` float32 and their softmax)."""
-        return self.heads * min(self.chunk, prompt_tokens) * prompt_tokens * 4 * 2
+        """Bytes a row's prefill chunk needs while it prefills: its activations (a chunk of
+        at most ``chunk`` tokens) and, where they are materialized, its attention scores
+        (``heads x chunk x context`` float32 and their softmax)."""
+        tokens = min(self.chunk, prompt_tokens)
+        return tokens * self.activation + self.heads * tokens * prompt_tokens * 4 * 2
 
     def decide(self, need: int, held: int, cache: Any, running: bool) -> str:
         """``fits``, ``wait`` or ``never`` for a request needing ``need`` bytes beside
@@ -145,12 +148,12 @@ class MemoryGate:
         room = self.room() if self.room is not None else None
         if room is None:
             return "fits"
-        if room - self.transient - need < 0:
+        if room - need < 0:
             return "never"  # not even alone, with an empty cache
-        left = room - self.transient - held - need
+        left = room - held - need
         while cache.nbytes > max(0, left) and cache.eviction.evict_oldest("memory"):
             pass
-        if held + need + self.transient + cache.nbytes <= room:
+        if held + need + cache.nbytes <= room:
             return "fits"
         return "wait" if running or cache.num_leases else "never"
 

@@ -260,8 +260,11 @@ class EngineCore:
         verdict = gate.decide(need, held, self.prompt_cache, bool(rows))
         if verdict == "never":
             self.metrics.memory_refused.inc()
-            self.send(r, [ErrorEvent(503, f"the request needs {need >> 20} MiB of KV memory (prompt and max_tokens) "
-                                           "and the memory budget cannot hold it: retry with fewer tokens")])
+            room = gate.room() or 0
+            self.send(r, [ErrorEvent(503, f"the request needs {need / 2**20:.1f} MiB (the KV of its prompt and "
+                                          f"max_tokens, its prefill's activations) and the memory budget leaves "
+                                          f"{max(0, room) / 2**20:.1f} MiB after the weights: retry with fewer "
+                                          "tokens, or raise --memory-budget")])
         elif verdict == "wait":
             self.metrics.memory_waits.inc()
         return verdict
