@@ -140,6 +140,17 @@ class MemoryGate:
         tokens = min(self.chunk, prompt_tokens)
         return tokens * self.activation + self.heads * tokens * prompt_tokens * 4 * 2
 
+    def admit(self, request: Any, rows: Iterable[Any], cache: Any) -> tuple[str, int]:
+        """``(verdict, bytes)`` of an ``EngineRequest`` beside the running ``rows`` (the
+        batch's and the paused ``Row`` objects; a prefilling one holds its chunk's memory
+        too): :meth:`decide` for what it needs, its prompt's KV plus ``max_tokens`` and its
+        prefill."""
+        rows = list(rows)
+        held = sum(self.need(len(a.request.tokens), a.request.params.max_tokens)
+                   + (0 if a.decoding else self.prefill_need(len(a.request.tokens))) for a in rows)
+        need = self.need(len(request.tokens), request.params.max_tokens) + self.prefill_need(len(request.tokens))
+        return self.decide(need, held, cache, bool(rows)), need
+
     def decide(self, need: int, held: int, cache: Any, running: bool) -> str:
         """``fits``, ``wait`` or ``never`` for a request needing ``need`` bytes beside
         ``held`` reserved by the running rows, dropping unleased snapshots of ``cache``

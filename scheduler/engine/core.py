@@ -252,12 +252,7 @@ class EngineCore:
         """``fits``, ``wait`` or ``never`` for ``r`` by its predicted memory
         (:mod:`scheduler.admission.memory`); a ``never`` is answered 503 here."""
         gate = self.memory
-        active = [*self.batch.active.values(), *self.classes.paused]
-        rows = [a.request for a in active]
-        held = sum(gate.need(len(q.tokens), q.params.max_tokens) for q in rows) + sum(
-            gate.prefill_need(len(a.request.tokens)) for a in self.batch.active.values() if not a.decoding)
-        need = gate.need(len(r.tokens), r.params.max_tokens) + gate.prefill_need(len(r.tokens))
-        verdict = gate.decide(need, held, self.prompt_cache, bool(rows))
+        verdict, need = gate.admit(r, [*self.batch.active.values(), *self.classes.paused], self.prompt_cache)
         if verdict == "never":
             self.metrics.memory_refused.inc()
             room = gate.room() or 0
