@@ -10,7 +10,9 @@ model code (``mlx.*``, ``mlx_lm.*``) or into the prefix cache's array-owning mod
 (``cache.manager``, ``cache.restore``, ``cache.tree``). Before the engine thread exists
 any thread may; after, only the engine thread and the ``model-load-*`` threads
 (``mlx_lm.load`` and its probes). Excepted: mlx-lm's text-only modules (tokenizer,
-detokenizer, tool-call parsers) and the allocator counters ``/metrics`` reads.
+detokenizer, tool-call parsers), the allocator counters ``/metrics`` reads, and the
+prefix cache's read-only reports (:data:`READS`: walks of its index under the manager's
+lock that read no array), which the explanation of a cache miss asks from a worker thread.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ ENGINE_THREAD = "mlx-gateway-engine"
 LOAD_THREADS = "model-load-"
 TEXT_ONLY = ("mlx_lm.tokenizer_utils", "mlx_lm.tool_parsers")
 ARRAY_MODULES = ("cache.manager", "cache.restore", "cache.tree")
+READS = {"report", "namespaces"}  # PromptCacheManager's thread-safe reads, and all they call
 # Plain reads of allocator counters (see gateway.telemetry.metrics.MLXMemoryCollector).
 COUNTERS = {"get_active_memory", "get_peak_memory", "get_cache_memory"}
 CORE_MODULES = (mx, mx.fast, mx.random, mx.linalg, mx.fft, mx.metal)
@@ -47,6 +50,7 @@ class MLXThreadWatch:
         self.load_calls = 0
         self._engine_started = False
         self._lock = threading.Lock()
+        self._reads = threading.local()  # depth: frames of READS on this thread's stack
 
     def note(self, what: str) -> None:
         name = threading.current_thread().name
@@ -65,9 +69,13 @@ class MLXThreadWatch:
             self.violations[(name, what)] += 1
 
     def profile(self, frame, event, arg) -> None:
-        if event != "call":
-            return
         module = frame.f_globals.get("__name__", "")
+        if module == "cache.manager" and frame.f_code.co_name in READS:
+            if event in ("call", "return"):
+                self._reads.depth = getattr(self._reads, "depth", 0) + (1 if event == "call" else -1)
+            return
+        if event != "call" or getattr(self._reads, "depth", 0):
+            return
         if module.startswith(("mlx.", "mlx_lm.")) and not module.startswith(TEXT_ONLY) \
                 or module in ARRAY_MODULES:
             self.note(f"{module}.{frame.f_code.co_name}")

@@ -311,6 +311,11 @@ def test_prometheus_evaluates_dashboard_and_rules(tmp_path):
     overrides["prompt_cache_dir"] = str(tmp_path / "prompt-cache")  # the disk tier's panel too
     overrides["speculative"] = "ngram"  # and the speculative decoding panel
     path = model_path("qwen3")
+    import mlx_lm
+    from test_lora import write_mlx_lm
+
+    adapter = write_mlx_lm(tmp_path / "tone", mlx_lm.load(str(path))[0], 1)
+    overrides["lora_modules"] = [f"tone={adapter}"]  # and the LoRA adapters row (primed per served adapter)
     with RedisServer(require_redis()) as redis, \
             live_server(path, _specs(path, overrides), limits_store=redis.url, **overrides) as server:
         # Not the 50 ms of a request's wait: a loaded machine must not fall back to local limits.
@@ -325,6 +330,11 @@ def test_prometheus_evaluates_dashboard_and_rules(tmp_path):
             "model": SPARE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert r.status_code == 200, r.text
         sent += 1
+        for _ in range(2):  # and the adapter's series: its cache group's queries, then hits
+            r = client.post("/v1/chat/completions", headers=headers, timeout=120, json={
+                "model": "tone", "messages": [{"role": "user", "content": "tone"}], "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            sent += 1
         before = _metrics_counting(client, sent)
         with Prometheus(server.url.removeprefix("http://"), binary=prometheus) as prom:
             _promtool(promtool, "check", "config", str(prom.config_path))
@@ -335,6 +345,13 @@ def test_prometheus_evaluates_dashboard_and_rules(tmp_path):
             _admin(client, keys, "load", SPARE)
             # new questions beside repeated ones (exact repeats alone would prefill nothing)
             sent += len(workload(server.url, keys, first_round=1))
+            # answers under the adapter, for its row's rates: after the workload (sent before
+            # it, they left the window with no speculative draft of the workload's)
+            for n in range(2):
+                r = client.post("/v1/chat/completions", headers=headers, timeout=120, json={
+                    "model": "tone", "messages": [{"role": "user", "content": f"tone {n}"}], "max_tokens": 2})
+                assert r.status_code == 200, r.text
+                sent += 1
             after = _metrics_counting(client, sent)
             for name in (QUERIES, HITS):
                 prom.wait_for(f'sum({name}{{model="{MODEL}"}})',
