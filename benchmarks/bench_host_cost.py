@@ -215,6 +215,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--http", action="store_true", help="also over HTTP: mlx-gateway serve and mlx_lm.server")
     ap.add_argument("--out", help="directory for host_cost.json and host_cost.md")
+    ap.add_argument("--row-phases", action="store_true",
+                    help="also time the engine's per-row functions (token events, the hop), at about 3 us a call "
+                         "added to the engine's side (benchmarks/phases.py install)")
     ap.add_argument("--profiled-serve", help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args()
     if args.profiled_serve:
@@ -256,7 +259,7 @@ def main() -> None:
         mlx_lm_side(model, warm, 8), engine_side(engine, warm, 8)
         for url, name in urls.values():
             asyncio.run(http_streams(url, name, warm, 8, bias))
-        install(phases, model)
+        install(phases, model, rows=args.row_phases)
         seed, in_process = 0, {"forward": lambda rows, n: forward_only(model, rows, n),
                                "mlx-lm": lambda rows, n: mlx_lm_side(model, rows, n),
                                "engine": lambda rows, n: engine_side(engine, rows, n)}

@@ -11,7 +11,12 @@ BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 
 
 class SchedulerMetrics:
-    """Queue, batch and token metrics of one engine, registered on ``registry``."""
+    """Queue, batch and token metrics of one engine, registered on ``registry``.
+
+    A labelled metric's children are looked up once and kept (:meth:`work_of`,
+    :attr:`queued_of_class`): ``labels()`` takes a lock and builds a key each call, and the
+    engine updates them every step.
+    """
 
     def __init__(self, registry: CollectorRegistry):
         self.waiting = Gauge("mlx_gateway_requests_waiting", "Requests waiting for admission.", registry=registry)
@@ -86,9 +91,11 @@ class SchedulerMetrics:
             ["priority"], registry=registry)
         for c in ("0", "1", "2"):
             self.decode_pauses.labels(c)
-            self.queued_by_class.labels(c)
             self.pauses.labels(c)
             self.resumes.labels(c)
+        self.queued_of_class = tuple(self.queued_by_class.labels(c) for c in ("0", "1", "2"))  # by class
+        self._work_of: dict = {}
+        self._published: tuple = (None,) * 6  # what publish_queue last set
         self.draft_tokens = Counter(
             "mlx_gateway_speculative_draft_tokens",
             "Tokens drafted for speculative decoding (--speculative) and verified.", registry=registry)
@@ -109,3 +116,24 @@ class SchedulerMetrics:
             registry=registry)
         self.engine_errors = Counter("mlx_gateway_engine_step_errors",
                                      "Engine steps that raised; the requests in that step failed.", registry=registry)
+
+    def work_of(self, tenant: str):
+        """The :attr:`work` counter of ``tenant`` (its child, made on first use and kept)."""
+        child = self._work_of.get(tenant)
+        if child is None:
+            child = self._work_of[tenant] = self.work.labels(tenant)
+        return child
+
+    def publish_queue(self, prefill_remaining: int, running: int, waiting: int, queued: dict[int, int]) -> None:
+        """Set the queue gauges: prompt tokens left to prefill, requests running, requests
+        waiting, and ``queued`` (waiting or paused requests by latency class 0-2); each
+        one only when its value changed since the last call (the engine calls this every
+        turn, a scrape reads the same values)."""
+        values = (prefill_remaining, running, waiting, queued.get(0, 0), queued.get(1, 0), queued.get(2, 0))
+        if values == self._published:
+            return
+        gauges = (self.prefill_remaining, self.running, self.waiting, *self.queued_of_class)
+        for gauge, old, new in zip(gauges, self._published, values):
+            if old != new:
+                gauge.set(new)
+        self._published = values

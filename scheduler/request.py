@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,9 @@ class EngineRequest:
         tokens: the prompt token ids, ``len >= 1``.
         params: decoding settings.
         sink: called on the engine thread with each batch of events for this request;
-            it must not block (the gateway posts them to the event loop).
+            it must not block (the gateway posts them to the event loop). A sink that
+            wakes another thread may defer that to the end of the engine's burst of
+            deliveries (:func:`wake_after`).
         checkpoints: prompt offsets (tokens, ``0 < offset < len(tokens)``) at which the
             engine saves a prefix-cache snapshot during prefill.
         namespace: the prefix-cache namespace (a tenant's cache group).
@@ -130,3 +135,38 @@ class EngineRequest:
     # Monotonic times (s) the engine passed its stages: engine_admitted, engine_restored,
     # engine_prefilled, engine_first_token (written on the engine thread only).
     timings: dict = field(default_factory=dict, repr=False, compare=False)
+
+
+_bursts = threading.local()  # the calling thread's open burst: its deferred wake-ups
+
+
+@contextmanager
+def one_wake_up() -> Iterator[None]:
+    """A burst of sink calls (the engine opens one around the events of a step): the
+    wake-ups sinks defer with :func:`wake_after` run once each when it closes, so a step
+    that reaches 32 streams wakes their event loop once rather than as often as it
+    drains in between. Nested bursts join the outer one. A wake-up that raises is
+    logged (as a sink that raises is) and the others still run."""
+    if getattr(_bursts, "wakes", None) is not None:
+        yield
+        return
+    _bursts.wakes = wakes = []
+    try:
+        yield
+    finally:
+        _bursts.wakes = None
+        for wake in wakes:
+            try:
+                wake()
+            except Exception:
+                logging.getLogger("mlx_gateway.engine").exception("a deferred wake-up raised")
+
+
+def wake_after(wake: Callable[[], None]) -> bool:
+    """Run ``wake`` when the calling thread's burst (:func:`one_wake_up`) closes; False,
+    and ``wake`` not kept, when no burst is open (the caller wakes now)."""
+    wakes = getattr(_bursts, "wakes", None)
+    if wakes is None:
+        return False
+    wakes.append(wake)
+    return True

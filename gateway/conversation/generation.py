@@ -12,7 +12,7 @@ from typing import AsyncIterator
 from gateway.http.errors import APIError
 from scheduler import Engine, EngineDead, EngineOverloaded, EngineRequest, SamplingParams, TenantQueueFull
 from scheduler.lora import UnknownAdapter
-from scheduler.request import DoneEvent, ErrorEvent, Event
+from scheduler.request import DoneEvent, ErrorEvent, Event, wake_after
 
 
 class KeepAlive:
@@ -32,7 +32,9 @@ class _Hop:
     """The way from the engine thread to one event loop: events posted for any of its
     generations while a delivery is pending ride with it, so a decode step that sends a
     token to each of 32 streams wakes the loop once (one ``call_soon_threadsafe``, one
-    write to its self-pipe) rather than 32 times. Each queue gets its batches in order."""
+    write to its self-pipe) rather than 32 times (or as often as the loop drains them
+    while the step sends: the wake-up waits for the end of the step's burst,
+    :func:`scheduler.request.one_wake_up`). Each queue gets its batches in order."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = loop
@@ -40,11 +42,18 @@ class _Hop:
         self._scheduled = False
 
     def post(self, queue: asyncio.Queue, events: list[Event]) -> None:
-        """Deliver ``events`` to ``queue`` on the loop (any thread)."""
+        """Deliver ``events`` to ``queue`` on the loop (any thread); inside the engine's
+        burst of a step's events, the wake-up waits for the burst's end
+        (:func:`scheduler.request.wake_after`): one for the step, not one each time the
+        loop drained the deliveries meanwhile."""
         self._pending.append((queue, events))
         if not self._scheduled:
             self._scheduled = True
-            self._loop.call_soon_threadsafe(self._deliver)
+            if not wake_after(self._wake):
+                self._wake()
+
+    def _wake(self) -> None:
+        self._loop.call_soon_threadsafe(self._deliver)
 
     def _deliver(self) -> None:
         self._scheduled = False  # before draining: a batch posted meanwhile schedules anew

@@ -89,6 +89,8 @@ class LatencyClasses:
         the decode batch has room and no request of a better class waits for it, or when
         their guaranteed share of turns comes round (:class:`scheduler.admission.policy.ClassShare`:
         they always finish); the request ids put back."""
+        if not self.paused:
+            return frozenset()
         streams = sorted((a for a in self.paused if a.decoding), key=lambda a: (a.rank, a.request.arrival))
         best_waiting = min(self._waiting.classes(), default=3)
         back = set()

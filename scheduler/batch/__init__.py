@@ -28,7 +28,7 @@ from scheduler.batch.row_failures import RowFailures
 from scheduler.lora import rows_hook
 from scheduler.metrics import SchedulerMetrics
 from scheduler.admission.precompute import PrecomputeBook
-from scheduler.request import DoneEvent, EngineRequest, ErrorEvent, Event, ProgressEvent, TokenEvent
+from scheduler.request import DoneEvent, EngineRequest, ErrorEvent, Event, ProgressEvent, TokenEvent, one_wake_up
 from scheduler.batch.rows import RECENT, EngineStats, Row, TokenRates, holds_decode
 from scheduler.sampling import greedy, token_logprobs
 from scheduler.speculative import DraftSnapshots, SpeculationConfig, speculator
@@ -261,49 +261,54 @@ class Batch:
             self._fail_batch(e)
             return
         seconds = time.perf_counter() - tic
-        self._step_prefilled_at = time.monotonic()  # the step's prompts are in the cache now
-        self.stats.steps += 1
-        if prefilling:
-            self.metrics.prefill_batch.observe(prefilling)
-            self.stats.max_prefill_batch = max(self.stats.max_prefill_batch, prefilling)
-        if decoding:
-            self.metrics.decode_batch.observe(decoding)
-            self.stats.max_decode_batch = max(self.stats.max_decode_batch, decoding)
-        prefilled = 0
-        for pr in prompt_responses:
-            a = self.active.get(pr.uid)
-            if a is not None:
-                prefilled += self._on_prompt_progress(a, pr)
-        self.chunks.record(chunk, prefilled, decoding + decoding_elsewhere, seconds, classes, context, prefilling)
-        if hold:
-            self.metrics.decode_holds.inc()
-        self.failures.fail_faulty(list(self.active.values()), self._fail_row)
-        events: dict[int, list[Event]] = {}
-        counted: dict = {}  # (tenant, weight): tokens, accounted once for the step
-        for gr in gen_responses:
-            a = self.active.get(gr.uid)
-            if a is None:
-                continue
-            if not a.generated and self.first_tokens is not None and eligible(a.request):
+        with one_wake_up():  # the step's events wake each event loop once, when all are sent
+            self._step_prefilled_at = time.monotonic()  # the step's prompts are in the cache now
+            self.stats.steps += 1
+            if prefilling:
+                self.metrics.prefill_batch.observe(prefilling)
+                self.stats.max_prefill_batch = max(self.stats.max_prefill_batch, prefilling)
+            if decoding:
+                self.metrics.decode_batch.observe(decoding)
+                self.stats.max_decode_batch = max(self.stats.max_decode_batch, decoding)
+            prefilled = 0
+            for pr in prompt_responses:
+                a = self.active.get(pr.uid)
+                if a is not None:
+                    prefilled += self._on_prompt_progress(a, pr)
+            self.chunks.record(chunk, prefilled, decoding + decoding_elsewhere, seconds, classes, context, prefilling)
+            if hold:
+                self.metrics.decode_holds.inc()
+            self.failures.fail_faulty(list(self.active.values()), self._fail_row)
+            events: dict[int, tuple[Row, list[Event]]] = {}  # a row's events of this step, by uid
+            counted: dict = {}  # (tenant, weight): tokens, accounted once for the step
+            active, first_tokens = self.active, self.first_tokens
+            for gr in gen_responses:
+                a = active.get(gr.uid)
+                if a is None:
+                    continue
+                if not a.generated and first_tokens is not None and eligible(a.request):
+                    try:
+                        first_tokens.put(a.request, gr.logprobs)  # the logits after its prompt
+                    except Exception:  # a repeat then takes the forward; the row goes on
+                        log.exception("keeping the first-token logits of request %s failed", a.request.id)
                 try:
-                    self.first_tokens.put(a.request, gr.logprobs)  # the logits after its prompt
-                except Exception:  # a repeat then takes the forward; the row goes on
-                    log.exception("keeping the first-token logits of request %s failed", a.request.id)
-            try:
-                events.setdefault(gr.uid, []).append(self._token_event(a, gr, counted))
-            except Exception as e:
-                log.exception("request %s failed while decoding", a.request.id)
-                self._fail_row(a, f"decoding failed: {e}")
-                events.pop(gr.uid, None)
-                continue
-            if gr.finish_reason is not None:
-                self._save_snapshot(a, gr.all_tokens, gr.prompt_cache)
-                self.stats.finished += 1
-                self._finish(a, DoneEvent(gr.finish_reason, max(0, a.stored - a.cached)), events.pop(gr.uid))
-        self._count_tokens(counted)
-        for uid, evs in events.items():
-            a = self.active.get(uid)
-            if a is not None:
+                    event = self._token_event(a, gr, counted)
+                except Exception as e:
+                    log.exception("request %s failed while decoding", a.request.id)
+                    self._fail_row(a, f"decoding failed: {e}")
+                    events.pop(gr.uid, None)
+                    continue
+                mine = events.get(gr.uid)
+                if mine is None:
+                    events[gr.uid] = mine = (a, [event])
+                else:
+                    mine[1].append(event)
+                if gr.finish_reason is not None:
+                    self._save_snapshot(a, gr.all_tokens, gr.prompt_cache)
+                    self.stats.finished += 1
+                    self._finish(a, DoneEvent(gr.finish_reason, max(0, a.stored - a.cached)), events.pop(gr.uid)[1])
+            self._count_tokens(counted)
+            for a, evs in events.values():  # (rows that finished or failed left it)
                 self._send(a.request, evs)
 
     def _token_event(self, a: Row, gr, counted: Optional[dict] = None) -> TokenEvent:
@@ -317,7 +322,7 @@ class Batch:
         recent[a.request.id] = a.generated
         if len(recent) > RECENT:
             del recent[next(iter(recent))]
-        key = (a.request.tenant, a.request.weight)
+        key = a.share_key
         if counted is None:
             self._count_tokens({key: 1})
         else:
@@ -337,7 +342,7 @@ class Batch:
         self.metrics.decode_tokens.inc(n)
         self.rates.decoded += n
         for (tenant, weight), k in counted.items():
-            self.metrics.work.labels(tenant).inc(k)
+            self.metrics.work_of(tenant).inc(k)
             self.fair.charge(tenant, k, weight)
 
     def _on_prompt_progress(self, a: Row, pr) -> int:

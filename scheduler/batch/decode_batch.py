@@ -168,7 +168,7 @@ class JoiningGenerationBatch(GenerationBatch):
         # Fresh rows with room for more than one token: wait for this step's forward and
         # report their first token now. (A one-token row still ends in the next step, with
         # its token in its cache, as in mlx-lm: precomputes rely on that.)
-        early = [f and self._num_tokens[i] + 1 < self.max_tokens[i] for i, f in enumerate(fresh)]
+        early = [f and self._num_tokens[i] + 1 < self.max_tokens[i] for i, f in enumerate(fresh)] if True in fresh else ()
         if any(early):
             mx.eval(self._next_tokens, [lp for lp, e in zip(self._next_logprobs, early) if e])
             tokens, logprobs = list(tokens), list(logprobs)

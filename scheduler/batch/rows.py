@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Iterable, Optional
 
 from scheduler.batch.faults import RowFault
@@ -131,6 +132,11 @@ class Row:
     # Started from a kept first token (scheduler.batch.first_tokens): its
     # scheduler.batch.decode_batch.DecodingState until it joins the decode batch at the next step.
     joining: Any = None
+
+    @cached_property
+    def share_key(self) -> tuple[str, float]:
+        """(tenant, weight): what its generated tokens are counted under."""
+        return self.request.tenant, self.request.weight
 
     @property
     def prompt_left(self) -> int:

@@ -310,15 +310,13 @@ class EngineCore:
 
     def _notify_idle(self) -> None:
         # After every loop turn, so that a cancelled or failed prefill leaves the gauge too.
-        self.metrics.prefill_remaining.set(sum(a.prompt_left for a in self.batch.active.values() if not a.decoding))
-        self.metrics.running.set(len(self.batch.active))
-        self.metrics.waiting.set(self._waiting_counts.total)
+        active = self.batch.active
         queued = self.waiting.count_by_class()
         for a in self.classes.paused:
             queued[a.request.priority] = queued.get(a.request.priority, 0) + 1
-        for c in range(3):
-            self.metrics.queued_by_class.labels(str(c)).set(queued.get(c, 0))
-        self.batch.rates.publish(idle=not self.batch.active)
+        self.metrics.publish_queue(sum(a.prompt_left for a in active.values() if not a.decoding), len(active),
+                                   self._waiting_counts.total, queued)
+        self.batch.rates.publish(idle=not active)
         self._notify_idle_state()
 
     def _notify_idle_state(self) -> None:
@@ -326,7 +324,8 @@ class EngineCore:
             running = not self.closed and self.error is None
             self._is_idle = not (self.batch.active or self.classes.paused or len(self.waiting)
                                  or self._waiting_counts.total or (running and (len(self.precomputes) or self._reserved)))
-            self._idle.notify_all()
+            if self._is_idle:  # (a waiter waits for idle: a busy engine staying busy wakes no one)
+                self._idle.notify_all()
 
     def send(self, request: EngineRequest, events: list[Event]) -> None:
         try:
@@ -350,7 +349,7 @@ class EngineCore:
         self.stats.admitted += 1
         self.stats.cached_tokens += cached
         self.admission_log.append(AdmissionRecord(r.id, r.tenant, len(r.tokens), cached))
-        self.metrics.work.labels(r.tenant).inc(len(r.tokens) - cached)
+        self.metrics.work_of(r.tenant).inc(len(r.tokens) - cached)
         if admission.waited_for_prefix and cached:
             self.stats.grouping_saved_tokens += cached
             self.metrics.grouping_saved_tokens.inc(cached)

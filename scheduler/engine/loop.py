@@ -289,17 +289,18 @@ class EngineLoop:
         quiet = not (someone_waits or any(e.serving for e in engines) or self._preparing())
         for e in engines:
             self._guarded(e, lambda e=e: e.admit(preempt=someone_waits, quiet=quiet))
-        active = [e for e in self._engines if e.has_rows]
-        prefilling = [e for e in active if e.num_prefilling]
+        active = [(e, e.num_prefilling, e.num_decoding) for e in self._engines if e.has_rows]  # counted once
+        prefilling = [e for e, p, _ in active if p]
         if prefilling:  # the best latency class first, in turn among equals (and a share for the rest)
-            allowed = self._share.allowed({e.prefill_class for e in prefilling})
-            prefilling = [e for e in prefilling if e.prefill_class in allowed]
-        decoding = sum(e.num_decoding for e in active)
-        for e in active:
+            classes = {e: e.prefill_class for e in prefilling}
+            allowed = self._share.allowed(set(classes.values()))
+            prefilling = [e for e in prefilling if classes[e] in allowed]
+        decoding = sum(d for _, _, d in active)
+        for e, _, d in active:
             if e in prefilling:  # each with its share of the step's prefill budget
-                self._guarded(e, lambda e=e: e.step(decoding_elsewhere=decoding - e.num_decoding,
-                                                    share=1.0 / len(prefilling)))
-            elif e.num_decoding:
+                self._guarded(e, lambda e=e, d=d: e.step(decoding_elsewhere=decoding - d,
+                                                         share=1.0 / len(prefilling)))
+            elif d:
                 self._guarded(e, lambda e=e: e.step(decode_only=True))
         engines = list(self._engines)
         hold = any(e.has_waiting or e.serving for e in engines)
