@@ -143,7 +143,8 @@ def test_the_request_log_says_why(server, caplog):
     records = [getattr(r, "record", {}) for r in caplog.records if r.name == "mlx_gateway.requests"]
     mine = [r for r in records if r.get("request_id") == rid]
     assert mine and mine[0]["cache_miss"]["cause"] == "never_seen", records
-    json.dumps(mine[0])  # the record stays JSON
+    assert "Logged agent" not in json.dumps(mine[0])  # the record stays JSON, with no prompt text
+    assert not {"before", "prompt", "cached"} & set(mine[0]["cache_miss"])  # those need --log-prompts
 
 
 def test_no_checkpoint_on_a_recurrent_model():

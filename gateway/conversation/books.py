@@ -127,7 +127,7 @@ class Books:
                     self.why.cause, self.why.detail = "none", "stored while it waited"
                 self.why.at = ev.cached_tokens
             call.front.explainer.count(self.why)
-            rec.cache_miss = self.why.record()
+            rec.cache_miss = self.why.record(texts=call.front.config.log_prompts)
 
     def seen(self, reply: str) -> None:
         """The generation ended with ``reply``: later requests of its cache group are compared with it."""

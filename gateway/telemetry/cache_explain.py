@@ -97,9 +97,18 @@ class Explanation:
         out = f"{self.cause}; at={self.at}; part={self.part}"
         return out + (f"; message={self.message}" if self.message is not None else "")
 
-    def record(self) -> dict:
-        """The fields, without the empty ones (the request log's ``cache_miss``, the explain route's items)."""
-        return {k: v for k, v in asdict(self).items() if v is not None and v != ""}
+    def record(self, texts: bool = True) -> dict:
+        """The fields, without the empty ones (the request log's ``cache_miss``, the explain
+        route's items); without the prompt excerpts (``before``, ``prompt``, ``cached``)
+        unless ``texts`` (the request log has them only with ``--log-prompts``)."""
+        out = {k: v for k, v in asdict(self).items() if v is not None and v != ""}
+        if not texts:
+            for k in EXCERPTS:
+                out.pop(k, None)
+        return out
+
+
+EXCERPTS = ("before", "prompt", "cached")  # the fields of an Explanation that quote prompt text
 
 
 @dataclass
