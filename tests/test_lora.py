@@ -3,6 +3,8 @@ giving each request the greedy tokens of mlx-lm's own ``load(BASE, adapter_path=
 
 from __future__ import annotations
 
+import functools
+
 import json
 import random
 import uuid
@@ -81,9 +83,16 @@ def write_peft(path: Path, model, seed: int, r: int = 4, alpha: float = 16.0) ->
     return path, ref
 
 
+@functools.lru_cache(maxsize=6)
+def reference_model(base: Path, adapter):
+    """mlx-lm's own ``load(base, adapter_path=adapter)`` (loaded once per test run: a
+    generation keeps no state in the model)."""
+    return mlx_lm.load(str(base), adapter_path=None if adapter is None else str(adapter))[0]
+
+
 def reference_tokens(base: Path, adapter, prompt: list[int], n: int) -> list[int]:
     """Greedy tokens of mlx-lm's own ``load(base, adapter_path=adapter)``, this prompt alone."""
-    model, _ = mlx_lm.load(str(base), adapter_path=None if adapter is None else str(adapter))
+    model = reference_model(base, adapter)
     return [int(t) for (t, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=n), range(n))]
 
 
@@ -162,7 +171,7 @@ def test_each_adapter_and_the_base_alone_and_mixed_equal_mlx_lm_alone(arch, tmp_
 
 def reference_logprobs(base: Path, adapter, prompt: list[int], n: int) -> list[tuple[int, float]]:
     """``(token, logprob)`` of mlx-lm's own greedy generation with the adapter, this prompt alone."""
-    model, _ = mlx_lm.load(str(base), adapter_path=None if adapter is None else str(adapter))
+    model = reference_model(base, adapter)
     return [(int(t), lp[int(t)].item()) for (t, lp), _ in zip(generate_step(mx.array(prompt), model, max_tokens=n),
                                                               range(n))]
 
