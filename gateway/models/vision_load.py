@@ -177,10 +177,18 @@ def check_agreement(model: VisionLanguageModel, vision: VisionModel, tolerance: 
         finally:
             vision.table.release([image])
             model.forget_features()
-        scale = float(mx.abs(want).max().item()) or 1.0
-        diff = float(mx.abs(got - want).max().item())
+        return _differs(got, want, tolerance)
     except Exception as e:
         return f"the image path failed on a probe: {e!r}"
+
+
+def _differs(got, want, tolerance: float) -> Optional[str]:
+    """Why the probe's logits ``got`` are not mlx-vlm's ``want`` (both ``[V]``) within
+    ``tolerance`` of its largest magnitude, or None."""
+    import mlx.core as mx
+
+    scale = float(mx.abs(want).max().item()) or 1.0
+    diff = float(mx.abs(got - want).max().item())
     if diff > tolerance * scale:
         return f"the image path differs from mlx-vlm's by {diff:.3g} on a probe"
     return None
@@ -233,10 +241,6 @@ def _check_mrope(model: MRopeModel, vision: VisionModel, tolerance: float) -> Op
         finally:
             vision.table.release([image])
             model.forget_features()
-        scale = float(mx.abs(want).max().item()) or 1.0
-        diff = float(mx.abs(got - want).max().item())
+        return _differs(got, want, tolerance)
     except Exception as e:
         return f"the image path failed on a probe: {e!r}"
-    if diff > tolerance * scale:
-        return f"the image path differs from mlx-vlm's by {diff:.3g} on a probe"
-    return None
