@@ -53,17 +53,25 @@ class KVShape:
         return self.per_token * tokens + sum(b * min(tokens, w + chunk) for b, w in self.windows)
 
 
-def _attention_dims(model: Any) -> tuple[int, int, int]:
-    """(kv heads, head dim, element bytes) of the model's attention, from its args."""
+def _args(model: Any) -> Callable[..., Any]:
+    """``get(name, default=None)`` over the model's args (``args`` or ``config``, a dict or
+    an object); a vision-language model's ``text_config`` where the top level has no
+    attention fields."""
     args = getattr(model, "args", None) or getattr(model, "config", None)
     text = getattr(args, "text_config", None)
     args = text if text is not None and not hasattr(args, "num_key_value_heads") else args
 
-    def get(name, default=None):
+    def get(name: str, default: Any = None) -> Any:
         if isinstance(args, dict):
             return args.get(name, default)
         return getattr(args, name, default)
 
+    return get
+
+
+def _attention_dims(model: Any) -> tuple[int, int, int]:
+    """(kv heads, head dim, element bytes) of the model's attention, from its args."""
+    get = _args(model)
     heads = get("num_attention_heads") or get("n_heads") or 1
     kv_heads = get("num_key_value_heads") or heads
     head_dim = get("head_dim") or (get("hidden_size") or 0) // max(1, heads)
@@ -170,14 +178,12 @@ class MemoryGate:
 
 
 def gate_for(model: Any, caches: Iterable[Any], chunk: int, draft: int = 0) -> MemoryGate:
-    """The :class:`MemoryGate` of ``model`` (fresh layer caches ``caches``), sizes from its args."""
-    args = getattr(model, "args", None)
-    args = getattr(args, "text_config", None) or args
-
-    def get(name):
-        return args.get(name) if isinstance(args, dict) else getattr(args, name, None)
-
+    """The :class:`MemoryGate` of ``model`` (fresh layer caches ``caches``), sizes from its args.
+    Attention scores are counted on the CPU device only (the GPU backends' fused attention
+    does not materialize them)."""
     import mlx.core as mx
 
+    get = _args(model)
     return MemoryGate(kv_bytes_per_token(model, caches), int(get("hidden_size") or 0), int(get("vocab_size") or 0),
-                      chunk, draft, int(get("num_attention_heads") or 0), scores=not mx.metal.is_available())
+                      chunk, draft, int(get("num_attention_heads") or 0),
+                      scores=mx.default_device().type == mx.DeviceType.cpu)
