@@ -7,8 +7,8 @@ admin API while traffic runs, and, when given, a vision model and an embedding m
 Workers then send, at random: agent sessions with tools (a tool call and its result in
 the history) through chat completions, Messages and Responses (the latter chained by
 ``previous_response_id``), requests with an image (vision model), embeddings (embedding
-model), streams cancelled after their first chunk, and bad inputs (which must get a 4xx,
-never a 5xx).
+model), chats switching between LoRA adapters and the base (``--adapter``), streams
+cancelled after their first chunk, and bad inputs (which must get a 4xx, never a 5xx).
 
 Every ``--sample-every`` seconds it records the process's resident memory, MLX's active
 memory, the prefix caches' bytes, open leases, engine rows, asyncio tasks, threads and
@@ -103,9 +103,13 @@ def png_data_url(seed: int) -> str:
 class Gateway:
     """``mlx-gateway serve`` with the soak's models file, in a subprocess."""
 
-    def __init__(self, model: str, vision: Optional[str], embedding: Optional[str], args: list[str], port: int):
+    def __init__(self, model: str, vision: Optional[str], embedding: Optional[str], args: list[str], port: int,
+                 adapters: tuple[str, ...] = ()):
         self.dir = tempfile.TemporaryDirectory(prefix="soak-")
-        lines = [f'[models.chat]\npath = "{model}"\npin = true\n', f'[models.spare]\npath = "{model}"\n']
+        self.adapters = tuple(f"a{i}" for i in range(len(adapters)))
+        lora = ", ".join(f'{n} = "{a}"' for n, a in zip(self.adapters, adapters))
+        lines = [f'[models.chat]\npath = "{model}"\npin = true\n' + (f"lora_modules = {{ {lora} }}\n" if lora else ""),
+                 f'[models.spare]\npath = "{model}"\n']
         if vision:
             lines.append(f'[models.vision]\npath = "{vision}"\nkind = "vision"\npin = true\n')
         if embedding:
@@ -159,7 +163,7 @@ class Traffic:
         self.statuses: Counter = Counter()
         self.failures: list[str] = []
         names = ["chat_agent", "messages_agent", "responses_agent", "cancel", "bad_input"]
-        names += ["vision"] * gw.vision + ["embeddings"] * gw.embedding
+        names += ["vision"] * gw.vision + ["embeddings"] * gw.embedding + ["adapter_switch"] * bool(gw.adapters)
         self.scenarios = names
 
     def record(self, name: str, status: int, text: str = "", ok=range(200, 300)) -> None:
@@ -227,6 +231,14 @@ class Traffic:
         r = await self.c.post("/v1/chat/completions", json={"model": "vision", "max_tokens": 6,
                                                             "messages": [{"role": "user", "content": content}]})
         self.record("vision", r.status_code, r.text)
+
+    async def adapter_switch(self) -> None:
+        """A chat on a random adapter or the base (with ``--max-loras`` below the adapters'
+        count, a switch unloads one and reads another)."""
+        model = self.rng.choice(("chat", *self.gw.adapters))
+        r = await self.c.post("/v1/chat/completions", json={"model": model, "max_tokens": self.rng.randint(4, 16),
+                                                            "messages": [{"role": "user", "content": "Say hello."}]})
+        self.record("adapter_switch", r.status_code, r.text)
 
     async def embeddings(self) -> None:
         inputs = [f"document {self.rng.randint(0, 10**6)} about {c}" for c in CITIES[:self.rng.randint(1, 6)]]
@@ -396,12 +408,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--workers", type=int, default=4, help="concurrent clients")
     p.add_argument("--sample-every", type=float, default=5.0, help="seconds between samples")
     p.add_argument("--load-every", type=float, default=30.0, help="seconds between two load/unload cycles of the spare model")
+    p.add_argument("--adapter", action="append", default=[], help="serve this LoRA adapter on the text model and switch between it, the others and the base (repeatable)")
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--gateway-arg", action="append", default=[], help="one more argument for serve (repeatable)")
     p.add_argument("--plot", help="write the plot to this PNG (needs matplotlib)")
     p.add_argument("--json", help="write the samples and the verdict to this file")
     ns = p.parse_args(argv)
-    gw = Gateway(ns.model, ns.vision_model, ns.embedding_model, ns.gateway_arg, ns.port)
+    gw = Gateway(ns.model, ns.vision_model, ns.embedding_model, ns.gateway_arg, ns.port, tuple(ns.adapter))
     try:
         gw.wait_healthy()
         warmup = ns.warmup if ns.warmup is not None else max(20.0, ns.duration / 10)
