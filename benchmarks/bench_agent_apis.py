@@ -28,7 +28,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scenarios import free_port, start, words  # noqa: E402
+from scenarios import free_port, gateway_cmd, serving, words  # noqa: E402
 
 TOOL = {"name": "read_file", "description": "Read a file of the project",
         "parameters": {"type": "object", "properties": {"path": {"type": "string", "maxLength": 24}},
@@ -108,20 +108,15 @@ def main() -> None:
         name = "mlx-gateway-bench-agent-" + Path(args.tokenizer).name
         args.model = str(build_model_dir(Path(tempfile.gettempdir()) / name, "qwen3", tokenizer_dir=args.tokenizer))
     port = free_port()
-    proc, _ = start([sys.executable, "-m", "gateway.cli", "serve", "--model", args.model, "--port", str(port),
-                     "--log-level", "WARNING"], port)
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as c:
-            print(f"model: {args.model}, {args.turns} turns, tool_choice required")
-            for name, fn in (("chat.completions", chat), ("messages", anthropic), ("responses", responses)):
-                c.post("/admin/cache/flush").raise_for_status()
-                rows = fn(c, args.turns)
-                prompt, cached = sum(r["prompt"] for r in rows), sum(r["cached"] for r in rows)
-                print(f"{name:17s} prompt/turn={[r['prompt'] for r in rows]} cached/turn={[r['cached'] for r in rows]} "
-                      f"reused={cached / prompt:.3f} seconds/turn={json.dumps([round(r['seconds'], 2) for r in rows])}")
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    with serving(gateway_cmd(port, "--model", args.model, "--log-level", "WARNING"), port) as (url, _), \
+            httpx.Client(base_url=url, timeout=600) as c:
+        print(f"model: {args.model}, {args.turns} turns, tool_choice required")
+        for name, fn in (("chat.completions", chat), ("messages", anthropic), ("responses", responses)):
+            c.post("/admin/cache/flush").raise_for_status()
+            rows = fn(c, args.turns)
+            prompt, cached = sum(r["prompt"] for r in rows), sum(r["cached"] for r in rows)
+            print(f"{name:17s} prompt/turn={[r['prompt'] for r in rows]} cached/turn={[r['cached'] for r in rows]} "
+                  f"reused={cached / prompt:.3f} seconds/turn={json.dumps([round(r['seconds'], 2) for r in rows])}")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,6 @@ import argparse
 import asyncio
 import json
 import re
-import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -54,14 +53,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from bench_reuse import SYSTEM, dense_model, hybrid_model  # noqa: E402
-from scenarios import distinct_prefix_tokens, free_port, start, stream_chat, timed, words  # noqa: E402
+from scenarios import distinct_prefix_tokens, free_port, gateway_cmd, serving, stream_chat, timed, words  # noqa: E402
 
 MAX_TOKENS = 24
 
 
 def gateway(model: str, port: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--port", str(port),
-            "--log-level", "WARNING", *extra]
+    return gateway_cmd(port, "--model", model, "--log-level", "WARNING", *extra)
 
 
 def kv_bytes_per_token(model: str) -> int:
@@ -131,14 +129,9 @@ async def conversation(url: str, model: str, turns: int, branching: bool, think:
 
 def memory(model: str, turns: int, branching: bool, think: float) -> dict:
     port = free_port()
-    proc, _ = start(gateway(model, port), port)
-    url = f"http://127.0.0.1:{port}"
-    try:
+    with serving(gateway(model, port), port) as (url, _):
         sent = asyncio.run(conversation(url, model, turns, branching, think))
         h = held(url)
-    finally:
-        proc.terminate()
-        proc.wait(30)
     per_token = kv_bytes_per_token(model)
     unique = unique_tokens(model, sent)
     tokens = h.pop("tokens", None)
@@ -209,9 +202,7 @@ def restart(model: str, turns: int, think: float) -> dict:
     extra = ("--prompt-cache-dir", str(cache_dir))
     messages = [{"role": "system", "content": SYSTEM}]
     port = free_port()
-    proc, _ = start(gateway(model, port, *extra), port)
-    url = f"http://127.0.0.1:{port}"
-    try:
+    with serving(gateway(model, port, *extra), port) as (url, _):  # stopped by SIGTERM: a graceful shutdown
         async def chat() -> None:
             async with httpx.AsyncClient(base_url=url, timeout=600) as c:
                 for t in range(turns):
@@ -222,20 +213,13 @@ def restart(model: str, turns: int, think: float) -> dict:
         asyncio.run(chat())
         messages.append({"role": "user", "content": words(30, 5000)})
         memory_hit = asyncio.run(next_turn(url, model, messages))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
     port = free_port()
-    proc, boot = start(gateway(model, port, *extra), port)
-    try:
+    with serving(gateway(model, port, *extra), port) as (url, boot):
         # One unrelated request first: a fresh process's first request pays one-time costs
         # (first kernels, allocator) that are not the disk's.
-        asyncio.run(next_turn(f"http://127.0.0.1:{port}", model, [{"role": "user", "content": words(20, 4000)}]))
-        disk_hit = asyncio.run(next_turn(f"http://127.0.0.1:{port}", model, messages))
-        again = asyncio.run(next_turn(f"http://127.0.0.1:{port}", model, messages))
-    finally:
-        proc.terminate()
-        proc.wait(30)
+        asyncio.run(next_turn(url, model, [{"role": "user", "content": words(20, 4000)}]))
+        disk_hit = asyncio.run(next_turn(url, model, messages))
+        again = asyncio.run(next_turn(url, model, messages))
     return {"prompt": disk_hit["prompt"], "memory_cached": memory_hit["cached"], "disk_cached": disk_hit["cached"],
             "memory_ttft": memory_hit["ttft"], "disk_ttft": disk_hit["ttft"], "after_ttft": again["ttft"],
             "boot_s": boot, "disk_bytes": sum(f.stat().st_size for f in cache_dir.rglob("*") if f.is_file())}

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gateway.tuning.workload import quantile as pct  # noqa: E402
-from scenarios import free_port, start  # noqa: E402
+from scenarios import free_port, gateway_cmd, serving  # noqa: E402
 
 WORDS = ("page article summary title link button price review comment reply user author date news story "
          "market weather sport music video photo travel food recipe code error function class module").split()
@@ -124,20 +124,14 @@ def run_mode(mode: str, seconds: float, model: str, extra: list[str], log_dir: P
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         tenants = tenants_file(Path(tmp) / "tenants.toml", classes=(mode == "classes"))
-        cmd = [sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--port", str(port),
-               "--tenants", str(tenants), *extra]
+        cmd = gateway_cmd(port, "--model", model, "--tenants", str(tenants), *extra)
         log = open(log_dir / f"classes-{mode}.log", "w") if log_dir else None
-        proc, _ = start(cmd, port, log=log)
-        try:
-            url = f"http://127.0.0.1:{port}"
+        with serving(cmd, port, log=log) as (url, _):
             # The agents alone first: no interactive request has been seen yet, so their
             # prompts prefill as they would on a gateway with no extension at all.
             _, alone_agents, agents_wall = asyncio.run(phase(url, seconds, ext=False, agents=True))
             alone_ext, _, _ = asyncio.run(phase(url, seconds, ext=True, agents=False))
             both_ext, both_agents, both_wall = asyncio.run(phase(url, seconds, ext=True, agents=True))
-        finally:
-            proc.terminate()
-            proc.wait(30)
     same = [both_ext[k]["text"] == alone_ext[k]["text"] for k in both_ext if k in alone_ext]
     same += [both_agents[k]["text"] == alone_agents[k]["text"] for k in both_agents if k in alone_agents]
     tok_s = lambda res, wall: sum(r["prompt"] for r in res.values()) / wall  # noqa: E731

@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from scenarios import MEDIUM, free_port, start, stream_chat, words  # noqa: E402
+from scenarios import MEDIUM, free_port, gateway_cmd, serving, stream_chat, words  # noqa: E402
 
 SYSTEM = "You are a careful assistant for a team that writes serving software. " + words(120, 3)
 
@@ -68,8 +68,8 @@ def hybrid_model() -> str:
 
 
 def gateway(model: str, port: int, precompute: bool) -> list[str]:
-    return [sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--port", str(port),
-            "--precompute-next-turn" if precompute else "--no-precompute-next-turn", "--log-level", "WARNING"]
+    return gateway_cmd(port, "--model", model, "--precompute-next-turn" if precompute else "--no-precompute-next-turn",
+                       "--log-level", "WARNING")
 
 
 def mlx_lm_server(model: str, port: int, precompute: bool) -> list[str]:
@@ -111,12 +111,8 @@ async def regenerate(url: str, model: str, history: list[dict], turn: int) -> di
 
 def run(cmd_fn, model: str, precompute: bool, work) -> dict:
     port = free_port()
-    proc, _ = start(cmd_fn(model, port, precompute), port)
-    try:
-        return asyncio.run(work(f"http://127.0.0.1:{port}", model))
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    with serving(cmd_fn(model, port, precompute), port) as (url, _):
+        return asyncio.run(work(url, model))
 
 
 def bounds(model: str, messages: list[dict]) -> tuple[float, float]:

@@ -48,8 +48,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scenarios import (  # noqa: E402
-    burst, constrained, conversation, decode_speed, free_port, load, medium_model, phase_breakdown, pyplot, stall,
-    start,
+    burst, constrained, conversation, decode_speed, free_port, load, medium_model, phase_breakdown, pyplot, serving,
+    stall,
 )
 
 from gateway.telemetry.request_log import read_json_log  # noqa: E402
@@ -72,13 +72,10 @@ def run_server(cmd_fn, model: str, pc: int, served: str, scenarios, log_path: Pa
     """Run ``scenarios`` against a fresh server; its output goes to ``log_path`` if given."""
     port = free_port()
     log = open(log_path, "w") if log_path else None
-    proc, _ = start(cmd_fn(model, port, pc), port, log=log)
     try:
-        url = f"http://127.0.0.1:{port}"
-        return {name: asyncio.run(fn(url, served)) for name, fn in scenarios}
+        with serving(cmd_fn(model, port, pc), port, log=log) as (url, _):
+            return {name: asyncio.run(fn(url, served)) for name, fn in scenarios}
     finally:
-        proc.terminate()
-        proc.wait(30)
         if log:
             log.close()
 
@@ -181,14 +178,13 @@ def main() -> None:
             port = free_port()
             env = dict(os.environ, MLX_GATEWAY_HOME=home)
             t0 = time.monotonic()
-            proc, _ = start([sys.executable, "-m", "gateway.cli", "serve", "--model", "demo", "--port", str(port)], port, env=env)
-            r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
-                           json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
-            r.raise_for_status()
-            print(f"startup (demo model built from scratch, process start to first answer): "
-                  f"{time.monotonic() - t0:.2f} s")
-            proc.terminate()
-            proc.wait(30)
+            with serving([sys.executable, "-m", "gateway.cli", "serve", "--model", "demo", "--port", str(port)], port,
+                         env=env) as (url, _):
+                r = httpx.post(url + "/v1/chat/completions", timeout=60,
+                               json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
+                r.raise_for_status()
+                print(f"startup (demo model built from scratch, process start to first answer): "
+                      f"{time.monotonic() - t0:.2f} s")
 
     model = args.model or medium_model()
     print(f"model: {model}")

@@ -56,7 +56,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import statistics
 import sys
@@ -69,7 +68,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scenarios import free_port, start, stream_chat, words  # noqa: E402
+from scenarios import free_port, gateway_cmd, serving, stream_chat, words  # noqa: E402
 
 SMOL_SHAPE = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
               "head_dim": 64, "intermediate_size": 1536, "rope_theta": 100000.0, "max_position_embeddings": 8192}
@@ -190,23 +189,18 @@ async def workload(url: str, model: str, kind: str, streams: int, answer: int) -
 def run_setting(model_dir: str, speculative: str, streams: list[int], answer: int, k: int,
                 draft: str | None = None) -> dict:
     port = free_port()
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--model", model_dir, "--port", str(port),
-           "--served-model-name", "m", "--speculative", speculative, "--num-draft-tokens", str(k),
-           "--no-precompute-next-turn", "--decode-concurrency", str(max(8, *streams))]
+    cmd = gateway_cmd(port, "--model", model_dir, "--served-model-name", "m", "--speculative", speculative,
+                      "--num-draft-tokens", str(k), "--no-precompute-next-turn",
+                      "--decode-concurrency", str(max(8, *streams)))
     if speculative == "draft":
         cmd += ["--draft-model", draft]
-    proc, _ = start(cmd, port, env=dict(os.environ))
-    try:
-        url = f"http://127.0.0.1:{port}"
+    with serving(cmd, port) as (url, _):
         out = {}
         for kind in ("code-edit", "no-repetition"):
             for n in streams:
                 asyncio.run(workload(url, "m", kind, n, 8))  # warm-up: compiles, fills allocator pools
                 out[f"{kind}/{n}"] = asyncio.run(workload(url, "m", kind, n, answer))
         return out
-    finally:
-        proc.terminate()
-        proc.wait(60)
 
 
 def batch_cache(model, B: int) -> list:

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from scenarios import free_port, start, words  # noqa: E402
+from scenarios import free_port, gateway_cmd, serving, words  # noqa: E402
 
 ARCHS = ["gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5_vl"]
 SIZE = (224, 160)  # pixels (the tiny Qwen processors cap an image at 64 tokens, Gemma 3's give 16)
@@ -128,14 +128,8 @@ def main() -> None:
     for arch in ARCHS:
         path = str(model_path(arch))
         port = free_port()
-        cmd = [sys.executable, "-m", "gateway.cli", "serve", "--model", path, "--served-model-name", "vlm",
-               "--port", str(port)]
-        proc, _ = start(cmd, port)
-        try:
-            results[arch] = asyncio.run(measure(f"http://127.0.0.1:{port}", args.rounds))
-        finally:
-            proc.terminate()
-            proc.wait(60)
+        with serving(gateway_cmd(port, "--model", path, "--served-model-name", "vlm"), port) as (url, _):
+            results[arch] = asyncio.run(measure(url, args.rounds))
         print(arch, json.dumps(results[arch]), flush=True)
     lines = ["| model | prompt tokens (image + text) | prefill tok/s (new images) | TTFT new image | TTFT cached image | "
              "decode gap max / median step |", "|---|---|---|---|---|---|"]

@@ -14,7 +14,9 @@ import random
 import socket
 import statistics
 import subprocess
+import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -95,6 +97,27 @@ def start(cmd: list[str], port: int, env=None, timeout: float = 300, log=None) -
         time.sleep(0.05)
     proc.kill()
     raise RuntimeError("server did not start")
+
+
+def gateway_cmd(port: int, *flags: str) -> list[str]:
+    """The command line of ``mlx-gateway serve --port PORT FLAGS...`` (this interpreter)."""
+    return [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), *flags]
+
+
+@contextmanager
+def serving(cmd: list[str], port: int, env=None, timeout: float = 300, log=None, stop_wait: float = 60):
+    """:func:`start` as a context: yields (the server's base URL, seconds until /health
+    answered); on exit the server is terminated, and killed after ``stop_wait`` seconds."""
+    proc, boot = start(cmd, port, env=env, timeout=timeout, log=log)
+    try:
+        yield f"http://127.0.0.1:{port}", boot
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(stop_wait)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def delta_text(delta: dict) -> str:

@@ -36,11 +36,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import io
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -53,10 +50,15 @@ from typing import Optional
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from soak_traffic import Traffic  # noqa: E402
+
 COLUMNS = ("rss_mb", "mlx_active_mb", "cache_mb", "first_tok_mb", "leases", "rows", "tasks", "threads", "fds")
-TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-CITIES = ("Paris", "Lima", "Oslo", "Pune", "Quito", "Hanoi")
+SERIES = {  # /metrics series -> (column, divisor); mlx_memory_bytes: its kind="active" samples only
+    "mlx_gateway_mlx_memory_bytes": ("mlx_active_mb", 1e6), "mlx_gateway_prompt_cache_bytes": ("cache_mb", 1e6),
+    "mlx_gateway_first_token_store_bytes": ("first_tok_mb", 1e6),  # bounded: scheduler/batch/first_tokens.py
+    "mlx_gateway_prompt_cache_active_leases": ("leases", 1), "mlx_gateway_engine_rows": ("rows", 1),
+    "mlx_gateway_asyncio_tasks": ("tasks", 1), "mlx_gateway_threads": ("threads", 1), "mlx_gateway_open_fds": ("fds", 1)}
 
 
 def rss_bytes(pid: int) -> int:
@@ -74,30 +76,12 @@ def parse_metrics(text: str) -> dict:
     sums: Counter = Counter()
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name == "mlx_gateway_mlx_memory_bytes" and s.labels.get("kind") == "active":
-                sums["mlx_active_mb"] += s.value / 1e6
-            elif s.name == "mlx_gateway_prompt_cache_bytes":
-                sums["cache_mb"] += s.value / 1e6
-            elif s.name == "mlx_gateway_first_token_store_bytes":  # bounded: scheduler/first_tokens.py
-                sums["first_tok_mb"] += s.value / 1e6
-            else:
-                key = {"mlx_gateway_prompt_cache_active_leases": "leases", "mlx_gateway_engine_rows": "rows",
-                       "mlx_gateway_asyncio_tasks": "tasks", "mlx_gateway_threads": "threads",
-                       "mlx_gateway_open_fds": "fds"}.get(s.name)
-                if key:
-                    sums[key] += s.value
+            if s.name == "mlx_gateway_mlx_memory_bytes" and s.labels.get("kind") != "active":
+                continue
+            if s.name in SERIES:
+                column, divisor = SERIES[s.name]
+                sums[column] += s.value / divisor
     return dict(sums)
-
-
-def png_data_url(seed: int) -> str:
-    """A small noisy PNG as a data URL (needs Pillow, which mlx-vlm brings)."""
-    import numpy as np
-    from PIL import Image
-
-    arr = (np.random.default_rng(seed).random((48, 64, 3)) * 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 class Gateway:
@@ -152,149 +136,6 @@ class Gateway:
             self.proc.wait()
         self.log.close()
         self.dir.cleanup()
-
-
-class Traffic:
-    """The soak's request mix (see the module docstring); ``statuses`` counts
-    ``(scenario, status)`` and ``failures`` keeps the first unexpected answers."""
-
-    def __init__(self, gw: Gateway, client: httpx.AsyncClient, seed: int):
-        self.gw, self.c, self.rng = gw, client, random.Random(seed)
-        self.statuses: Counter = Counter()
-        self.failures: list[str] = []
-        names = ["chat_agent", "messages_agent", "responses_agent", "cancel", "bad_input"]
-        names += ["vision"] * gw.vision + ["embeddings"] * gw.embedding + ["adapter_switch"] * bool(gw.adapters)
-        self.scenarios = names
-
-    def record(self, name: str, status: int, text: str = "", ok=range(200, 300)) -> None:
-        self.statuses[(name, status)] += 1
-        if status not in ok and len(self.failures) < 20:
-            self.failures.append(f"{name}: {status} {text[:300]}")
-
-    async def one(self) -> None:
-        name = self.rng.choice(self.scenarios)
-        try:
-            await getattr(self, name)()
-        except httpx.HTTPError as e:
-            self.record(name, 0, repr(e))
-
-    async def chat_agent(self) -> None:
-        city = self.rng.choice(CITIES)
-        messages = [{"role": "system", "content": "You are a weather agent. Use the tools."},
-                    {"role": "user", "content": f"Weather in {city}?"},
-                    {"role": "assistant", "content": None, "tool_calls": [
-                        {"id": "call_1", "type": "function",
-                         "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}]},
-                    {"role": "tool", "tool_call_id": "call_1", "content": f"{self.rng.randint(-5, 35)} C, clear"}]
-        body = {"model": "chat", "messages": messages, "tools": [TOOL], "max_tokens": self.rng.randint(4, 24)}
-        if self.rng.random() < 0.5:
-            async with self.c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
-                text = "".join([line async for line in r.aiter_lines()])
-                ok = r.status_code == 200 and "[DONE]" in text and '"error"' not in text
-                self.record("chat_agent", r.status_code if ok else 599, text)
-        else:
-            r = await self.c.post("/v1/chat/completions", json=body)
-            self.record("chat_agent", r.status_code, r.text)
-
-    async def messages_agent(self) -> None:
-        city = self.rng.choice(CITIES)
-        tool = {"name": "get_weather", "description": "Weather of a city.",
-                "input_schema": TOOL["function"]["parameters"]}
-        messages = [{"role": "user", "content": f"Weather in {city}?"},
-                    {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
-                                                       "input": {"city": city}}]},
-                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
-                                                  "content": "sunny"}]}]
-        r = await self.c.post("/v1/messages", json={"model": "chat", "max_tokens": self.rng.randint(4, 24),
-                                                    "system": "A weather agent.", "tools": [tool],
-                                                    "messages": messages})
-        self.record("messages_agent", r.status_code, r.text)
-
-    async def responses_agent(self) -> None:
-        city = self.rng.choice(CITIES)
-        tool = {"type": "function", **TOOL["function"]}
-        first = await self.c.post("/v1/responses", json={
-            "model": "chat", "instructions": "A weather agent.", "tools": [tool], "max_output_tokens": 8,
-            "input": [{"role": "user", "content": f"Weather in {city}?"},
-                      {"type": "function_call", "call_id": "c1", "name": "get_weather",
-                       "arguments": json.dumps({"city": city})},
-                      {"type": "function_call_output", "call_id": "c1", "output": "rain"}]})
-        self.record("responses_agent", first.status_code, first.text)
-        if first.status_code == 200:
-            r = await self.c.post("/v1/responses", json={"model": "chat", "previous_response_id": first.json()["id"],
-                                                         "input": "And tomorrow?", "max_output_tokens": 8})
-            self.record("responses_agent", r.status_code, r.text)
-
-    async def vision(self) -> None:
-        content = [{"type": "image_url", "image_url": {"url": png_data_url(self.rng.randint(0, 7))}},
-                   {"type": "text", "text": "What is in the picture?"}]
-        r = await self.c.post("/v1/chat/completions", json={"model": "vision", "max_tokens": 6,
-                                                            "messages": [{"role": "user", "content": content}]})
-        self.record("vision", r.status_code, r.text)
-
-    async def adapter_switch(self) -> None:
-        """A chat on a random adapter or the base (with ``--max-loras`` below the adapters'
-        count, a switch unloads one and reads another)."""
-        model = self.rng.choice(("chat", *self.gw.adapters))
-        r = await self.c.post("/v1/chat/completions", json={"model": model, "max_tokens": self.rng.randint(4, 16),
-                                                            "messages": [{"role": "user", "content": "Say hello."}]})
-        self.record("adapter_switch", r.status_code, r.text)
-
-    async def embeddings(self) -> None:
-        inputs = [f"document {self.rng.randint(0, 10**6)} about {c}" for c in CITIES[:self.rng.randint(1, 6)]]
-        r = await self.c.post("/v1/embeddings", json={"model": "embed", "input": inputs})
-        self.record("embeddings", r.status_code, r.text)
-
-    async def cancel(self) -> None:
-        body = {"model": "chat", "messages": [{"role": "user", "content": "Tell a long story."}],
-                "max_tokens": 400, "ignore_eos": True, "stream": True}
-        async with self.c.stream("POST", "/v1/chat/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if line.startswith("data:"):
-                    break  # leave mid-stream: the gateway must cancel the row and free its lease
-            self.record("cancel", r.status_code)
-
-    async def bad_input(self) -> None:
-        kind = self.rng.randrange(5)
-        if kind == 0:
-            r = await self.c.post("/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"})
-        elif kind == 1:
-            r = await self.c.post("/v1/chat/completions", json={"model": "chat", "messages": "not a list"})
-        elif kind == 2:
-            r = await self.c.post("/v1/chat/completions", json={"model": "no-such-model",
-                                                                "messages": [{"role": "user", "content": "x"}]})
-        elif kind == 3:
-            r = await self.c.post("/v1/messages", json={"model": "chat", "max_tokens": -1, "messages": []})
-        else:
-            r = await self.c.post("/v1/responses", json={"model": "chat", "input": [{"type": "bogus"}]})
-        self.record("bad_input", r.status_code, r.text, ok=range(400, 500))
-
-    async def load_cycle(self) -> None:
-        """Load the spare model, use it, unload it (the admin API)."""
-        r = await self.c.post("/admin/models/spare/load", timeout=300)
-        self.record("admin_load", r.status_code, r.text)
-        r = await self.c.post("/v1/chat/completions", json={"model": "spare", "max_tokens": 4,
-                                                            "messages": [{"role": "user", "content": "hi"}]})
-        self.record("spare", r.status_code, r.text, ok=(200, 503))  # 503 while it unloads is fine
-        await self.unload()
-
-    async def unload(self) -> None:
-        r = await self.c.post("/admin/models/spare/unload", timeout=300)
-        self.record("admin_unload", r.status_code, r.text)
-
-    async def run(self, seconds: float, workers: int, load_every: float) -> None:
-        end = time.monotonic() + seconds
-
-        async def worker() -> None:
-            while time.monotonic() < end:
-                await self.one()
-
-        async def loader() -> None:
-            while time.monotonic() + load_every < end:
-                await asyncio.sleep(load_every)
-                await self.load_cycle()
-
-        await asyncio.gather(*(worker() for _ in range(workers)), loader())
 
 
 async def sample(gw: Gateway, client: httpx.AsyncClient, t0: float) -> dict:
