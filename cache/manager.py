@@ -198,22 +198,18 @@ class PromptCacheManager:
         from_disk = self.eviction.spills(namespace) and self._load_from_disk(namespace, tokens)
         with self._lock:
             sel = self._select(namespace, tokens, whole)
-            lease = None
             if sel is not None:
-                entry, _ = sel
+                entry, target = sel
                 lease = self.leases.take(entry)
-                path = path_pages(entry.node)
-                private = entry.private
+                path, private = path_pages(entry.node), entry.private
             if count:
-                self.metrics.queries.labels(cache_group=namespace).inc()
-                self.metrics.query_tokens.labels(cache_group=namespace).inc(len(tokens))
+                self.metrics.looked_up(namespace, len(tokens))
         t1 = time.perf_counter()
-        timings = {"lookup": t1 - t0, "copy": 0.0, "restore": 0.0}
+        timings = {"lookup": t1 - t0}
         if sel is None:
             if count:
-                self.metrics.fetch_seconds.labels(phase="lookup").observe(timings["lookup"])
-            return CacheHit(None, 0, None, timings)
-        entry, target = sel
+                self.metrics.fetched(namespace, timings, 0)
+            return CacheHit(None, 0, None, {**timings, "copy": 0.0, "restore": 0.0})
         try:
             own = rules.safe_copy(private)
             for layer in own:
@@ -229,10 +225,7 @@ class PromptCacheManager:
         timings["copy"] = t2 - t1  # the snapshot's own layers: copied and trimmed
         timings["restore"] = t3 - t2  # paged layers: pages concatenated
         if count:
-            for phase, secs in timings.items():
-                self.metrics.fetch_seconds.labels(phase=phase).observe(secs)
-            self.metrics.hits.labels(cache_group=namespace).inc()
-            self.metrics.hit_tokens.labels(cache_group=namespace).inc(target)
+            self.metrics.fetched(namespace, timings, target)
         return CacheHit(cache, target, lease, timings, "disk" if from_disk else "memory")
 
     def _load_from_disk(self, namespace: str, tokens: Sequence[int]) -> bool:
@@ -362,12 +355,7 @@ class PromptCacheManager:
     def _account(self, group: Group, entry: Entry, sign: int) -> None:
         """Update totals and gauges after ``entry`` was stored (+1) or dropped (-1). Lock held."""
         group.count(entry, sign)
-        ns = entry.namespace
-        for typ, (b, count) in group.by_type.items():
-            paged = group.page_bytes if typ == PAGED_TYPE else 0
-            self.metrics.bytes.labels(cache_type=typ, cache_group=ns).set(b + paged)
-            self.metrics.entries.labels(cache_type=typ, cache_group=ns).set(count)
-        self.metrics.tokens.labels(cache_group=ns).set(group.tokens)
+        self.metrics.held(entry.namespace, group.by_type, group.page_bytes, group.tokens, PAGED_TYPE)
 
     def close(self) -> None:
         """Leave the shared budget, if any (the model is unloaded)."""
@@ -392,17 +380,13 @@ class PromptCacheManager:
         if self.disk is None:
             return 0
         with self._lock:
-            live = [e for e in (*self.eviction, *self._leased()) if e.alive]
+            leased = [n.value for g in self._groups.values() for n in g.tree.nodes()  # not in the LRU
+                      if n.value is not None and n.value.leases]
+            live = [e for e in (*self.eviction, *leased) if e.alive]
             spills = [self._spill_of(self._groups[e.namespace], e) for e in reversed(live)
                       if not (e.trimmable and e.node.children) and self.eviction.spills(e.namespace)]
         return self.disk.persist(spills, timeout)
 
-    def _leased(self) -> list[Entry]:
-        """Entries with leases (not in the LRU). Lock held."""
-        return [n.value for g in self._groups.values() for n in g.tree.nodes()
-                if n.value is not None and n.value.leases]
-
-    # -- debugging ------------------------------------------------------------
     def sanity_check(self) -> None:
         """Assert the tree invariants, the pages and the accounting (``invariants.py``).
 

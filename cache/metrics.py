@@ -76,3 +76,27 @@ class CacheMetrics:
         for g in cache_groups:
             for c in (self.query_tokens, self.hit_tokens, self.queries, self.hits):
                 c.labels(cache_group=g)
+
+    def looked_up(self, cache_group: str, tokens: int) -> None:
+        """Count one lookup of ``tokens`` tokens in ``cache_group``."""
+        self.queries.labels(cache_group=cache_group).inc()
+        self.query_tokens.labels(cache_group=cache_group).inc(tokens)
+
+    def fetched(self, cache_group: str, timings: dict[str, float], restored: int) -> None:
+        """Record a fetch's phases (``timings``: phase -> seconds) and, when it restored
+        ``restored`` > 0 tokens, its hit."""
+        for phase, secs in timings.items():
+            self.fetch_seconds.labels(phase=phase).observe(secs)
+        if restored:
+            self.hits.labels(cache_group=cache_group).inc()
+            self.hit_tokens.labels(cache_group=cache_group).inc(restored)
+
+    def held(self, cache_group: str, by_type: dict, page_bytes: int, tokens: int, paged_type: str) -> None:
+        """Set ``cache_group``'s gauges: per layer type (``by_type``: type -> (bytes, snapshots))
+        its bytes (``paged_type``'s with the group's ``page_bytes``) and snapshots, and its
+        unique ``tokens``."""
+        for typ, (b, count) in by_type.items():
+            paged = page_bytes if typ == paged_type else 0
+            self.bytes.labels(cache_type=typ, cache_group=cache_group).set(b + paged)
+            self.entries.labels(cache_type=typ, cache_group=cache_group).set(count)
+        self.tokens.labels(cache_group=cache_group).set(tokens)
