@@ -21,7 +21,6 @@ import hashlib
 import json
 import random
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from promstack import Prometheus, free_port, load_dashboard, substitute, words  # noqa: E402
+from scenarios import gateway_cmd, serving  # noqa: E402
 
 # Dashboard panels drawn, in grid order (titles as in the dashboard).
 PANELS = ["Token hit rate", "Hit rate per tenant", "Prompt tokens saved / s", "Cache memory by group",
@@ -92,21 +92,9 @@ def record(model: str, duration: float) -> dict:
         tenants = Path(tmp) / "tenants.toml"
         write_tenants(tenants)
         port = free_port()
-        gw = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--port", str(port),
-                               "--tenants", str(tenants), "--prompt-concurrency", "4", "--log-level", "WARNING"],
-                              cwd=ROOT)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 300
-            while True:
-                try:
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if gw.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the gateway did not start")
-                time.sleep(0.2)
+        cmd = gateway_cmd(port, "--model", model, "--tenants", str(tenants), "--prompt-concurrency", "4",
+                          "--log-level", "WARNING")
+        with serving(cmd, port, log=sys.stdout, cwd=ROOT, stop_wait=30) as (url, _):
             with Prometheus(f"127.0.0.1:{port}") as prom:
                 time.sleep(3)
                 start = time.time()
@@ -114,10 +102,6 @@ def record(model: str, duration: float) -> dict:
                 time.sleep(5)
                 end = time.time()
                 return {"start": start, "end": end, "panels": query_panels(prom, start, end)}
-        finally:
-            gw.terminate()
-            gw.wait(30)
-
 
 def query_panels(prom: Prometheus, start: float, end: float, step: float = 1.0) -> list[dict]:
     panels = {p["title"]: p for p in load_dashboard()["panels"] if p.get("type") == "timeseries"}

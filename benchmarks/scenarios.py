@@ -78,12 +78,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(cmd: list[str], port: int, env=None, timeout: float = 300, log=None) -> tuple[subprocess.Popen, float]:
-    """Start a server (its output to the file ``log``, else discarded); returns
+def start(cmd: list[str], port: int, env=None, timeout: float = 300, log=None, cwd=None) -> tuple[subprocess.Popen, float]:
+    """Start a server in ``cwd`` (its output to the file ``log``, else discarded); returns
     (process, seconds until /health answered)."""
     t0 = time.monotonic()
     out = log if log is not None else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, stdout=out, stderr=out, env=env)
+    proc = subprocess.Popen(cmd, stdout=out, stderr=out, env=env, cwd=cwd)
     url = f"http://127.0.0.1:{port}"
     while time.monotonic() - t0 < timeout:
         try:
@@ -105,10 +105,10 @@ def gateway_cmd(port: int, *flags: str) -> list[str]:
 
 
 @contextmanager
-def serving(cmd: list[str], port: int, env=None, timeout: float = 300, log=None, stop_wait: float = 60):
+def serving(cmd: list[str], port: int, env=None, timeout: float = 300, log=None, cwd=None, stop_wait: float = 60):
     """:func:`start` as a context: yields (the server's base URL, seconds until /health
     answered); on exit the server is terminated, and killed after ``stop_wait`` seconds."""
-    proc, boot = start(cmd, port, env=env, timeout=timeout, log=log)
+    proc, boot = start(cmd, port, env=env, timeout=timeout, log=log, cwd=cwd)
     try:
         yield f"http://127.0.0.1:{port}", boot
     finally:
