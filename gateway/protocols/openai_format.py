@@ -109,15 +109,9 @@ class LogprobFormatter:
 
     def chat_entry(self, ev: TokenEvent) -> dict:
         text = self._text(ev.token)
-        return {
-            "token": text,
-            "logprob": _json_logprob(ev.logprob),
-            "bytes": self._bytes(ev.token, text),
-            "top_logprobs": [
-                {"token": (t := self._text(i)), "logprob": _json_logprob(lp), "bytes": self._bytes(i, t)}
-                for i, lp in (ev.top_logprobs or [])
-            ],
-        }
+        return {"token": text, "logprob": _json_logprob(ev.logprob), "bytes": self._bytes(ev.token, text),
+                "top_logprobs": [{"token": (t := self._text(i)), "logprob": _json_logprob(lp), "bytes": self._bytes(i, t)}
+                                 for i, lp in (ev.top_logprobs or [])]}
 
     def completion_entries(self, events: list[TokenEvent], offset: int) -> dict:
         tokens, lps, tops, offsets = [], [], [], []
@@ -139,39 +133,17 @@ def chat_completion(rid: str, model: str, content: str, reasoning: str, finish: 
         message["reasoning_content"] = reasoning
     if tool_calls:
         message["tool_calls"] = tool_calls
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": {"content": logprobs} if logprobs is not None else None,
-                "finish_reason": finish,
-            }
-        ],
-        "usage": use,
-    }
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": message,
+                         "logprobs": {"content": logprobs} if logprobs is not None else None, "finish_reason": finish}],
+            "usage": use}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: Optional[str] = None,
                logprobs: Optional[list[dict]] = None) -> dict:
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "delta": delta,
-                "logprobs": {"content": logprobs} if logprobs else None,
-                "finish_reason": finish,
-            }
-        ],
-    }
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
+                         "finish_reason": finish}]}
 
 
 def text_completion(rid: str, model: str, text: str, finish: Optional[str], logprobs: Optional[dict],

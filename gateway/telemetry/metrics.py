@@ -43,35 +43,21 @@ class GatewayMetrics:
                                     registry=registry)
         self.completion_tokens = Counter("mlx_gateway_completion_tokens", "Generated tokens.",
                                          ["tenant", "model", "api"], registry=registry)
-        self.generations = Counter(
-            "mlx_gateway_generations",
-            "Generations by how they ended (finish_reason): stop (end of sequence or a stop string), "
-            "length, tool_calls, cancelled (the client left first) or error.",
-            ["tenant", "model", "api", "finish_reason"],
-            registry=registry,
-        )
-        self.class_ttft = Histogram(
-            "mlx_gateway_class_time_to_first_token_seconds",
-            "Time from request arrival to its first generated token, by latency class, seconds.",
-            ["model", "priority"], buckets=LATENCY_BUCKETS, registry=registry,
-        )
-        self.inter_token = Histogram(
-            "mlx_gateway_inter_token_seconds",
-            "Time between two consecutive generated tokens of a request, by latency class, seconds.",
-            ["model", "priority"], buckets=TPOT_BUCKETS, registry=registry,
-        )
-        self.origin_refused = Counter(
-            "mlx_gateway_origin_refused",
-            "Requests with a valid key refused (403) because their Origin is not one the key is bound to.",
-            ["tenant"], registry=registry,
-        )
-        self.rate_limited = Counter(
-            "mlx_gateway_rate_limited",
-            "Requests refused with 429, by the limit they hit "
-            "(requests|prompt_tokens|completion_tokens|concurrency|queue).",
-            ["tenant", "limit"],
-            registry=registry,
-        )
+        self.generations = Counter("mlx_gateway_generations",
+                                   "Generations by how they ended (finish_reason): stop (end of sequence or a stop "
+                                   "string), length, tool_calls, cancelled (the client left first) or error.",
+                                   ["tenant", "model", "api", "finish_reason"], registry=registry)
+        self.class_ttft = Histogram("mlx_gateway_class_time_to_first_token_seconds",
+                                    "Time from request arrival to its first generated token, by latency class, seconds.",
+                                    ["model", "priority"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.inter_token = Histogram("mlx_gateway_inter_token_seconds",
+                                     "Time between two consecutive generated tokens of a request, by latency class, "
+                                     "seconds.", ["model", "priority"], buckets=TPOT_BUCKETS, registry=registry)
+        self.origin_refused = Counter("mlx_gateway_origin_refused", "Requests with a valid key refused (403) because "
+                                      "their Origin is not one the key is bound to.", ["tenant"], registry=registry)
+        self.rate_limited = Counter("mlx_gateway_rate_limited", "Requests refused with 429, by the limit they hit "
+                                    "(requests|prompt_tokens|completion_tokens|concurrency|queue).",
+                                    ["tenant", "limit"], registry=registry)
         # By modality: image input of the generating APIs, and embeddings.
         self.image_requests = Counter("mlx_gateway_image_requests", "Generation requests with at least one image.",
                                       ["tenant", "model", "api"], registry=registry)
