@@ -270,17 +270,10 @@ def reload_tenants(front: Front) -> bool:
 
 def _build_info(registry: CollectorRegistry, cfg: ServeConfig, specs: list[ModelSpec], budget: int) -> None:
     info = Info("mlx_gateway_build", "Versions, models and scheduling flags.", registry=registry)
-    info.info({
-        "mlx_gateway": _version("mlx-gateway"),
-        "mlx": _version("mlx"),
-        "mlx_lm": _version("mlx-lm"),
-        "model": specs[0].name,
-        "models": ",".join(s.name for s in specs),
-        "memory_budget": str(budget),
-        "prompt_concurrency": str(cfg.prompt_concurrency),
-        "decode_concurrency": str(cfg.decode_concurrency),
-        "prefill_step_size": str(cfg.prefill_step_size),
-    })
+    info.info({"mlx_gateway": _version("mlx-gateway"), "mlx": _version("mlx"), "mlx_lm": _version("mlx-lm"),
+               "model": specs[0].name, "models": ",".join(s.name for s in specs), "memory_budget": str(budget),
+               "prompt_concurrency": str(cfg.prompt_concurrency), "decode_concurrency": str(cfg.decode_concurrency),
+               "prefill_step_size": str(cfg.prefill_step_size)})
 
 
 def _version(dist: str) -> str:

@@ -204,23 +204,13 @@ async def server_info(request: Request) -> Response:
     for slot in front.models.slots:
         handle = slot.handle
         models.append({"name": slot.name, "aliases": list(slot.spec.aliases), "model_path": model_dir(slot),
-                       "state": slot.state,
-                       "context_length": handle.context_length if handle is not None else None})
+                       "state": slot.state, "context_length": handle.context_length if handle is not None else None})
     return JSONResponse({
-        "served_model_name": first.name,
-        "served_model_names": [n for s in front.models.slots for n in s.spec.names],
-        "model_path": model_dir(first),
-        "version": _version(),
-        "engine": "mlx-gateway",
-        "dp_size": 1,
-        "max_running_requests": cfg.decode_concurrency,
-        "max_prefill_requests": cfg.prompt_concurrency,
-        "max_prefill_tokens": cfg.prefill_step_size,
-        "max_queued_requests": cfg.max_waiting,
-        "models": models,
-        "load": _load(front),
-        "draining": front.draining,
-    })
+        "served_model_name": first.name, "served_model_names": [n for s in front.models.slots for n in s.spec.names],
+        "model_path": model_dir(first), "version": _version(), "engine": "mlx-gateway", "dp_size": 1,
+        "max_running_requests": cfg.decode_concurrency, "max_prefill_requests": cfg.prompt_concurrency,
+        "max_prefill_tokens": cfg.prefill_step_size, "max_queued_requests": cfg.max_waiting, "models": models,
+        "load": _load(front), "draining": front.draining})
 
 
 async def model_info(request: Request) -> Response:
@@ -231,14 +221,9 @@ async def model_info(request: Request) -> Response:
     path = model_dir(first)
     config = hf_config(path)
     return JSONResponse({
-        "model_path": path,
-        "tokenizer_path": path,
-        "served_model_name": first.name,
-        "is_generation": True,
-        "model_type": config.get("model_type"),
-        "architectures": config.get("architectures"),
-        "context_length": first.handle.context_length if first.handle is not None else None,
-    })
+        "model_path": path, "tokenizer_path": path, "served_model_name": first.name, "is_generation": True,
+        "model_type": config.get("model_type"), "architectures": config.get("architectures"),
+        "context_length": first.handle.context_length if first.handle is not None else None})
 
 
 async def get_load(request: Request) -> Response:

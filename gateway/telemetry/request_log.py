@@ -128,12 +128,8 @@ class JSONFormatter(logging.Formatter):
     ``message``, and a request record's fields when present."""
 
     def format(self, record: logging.LogRecord) -> str:
-        out = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
+        out = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+               "level": record.levelname.lower(), "logger": record.name, "message": record.getMessage()}
         out.update(getattr(record, "record", {}))
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)

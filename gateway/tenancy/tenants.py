@@ -48,12 +48,10 @@ DRAFT_GROUP = "/draft"
 KEY_PREFIX = "mgw-"
 OPEN_TENANT = "default"
 
-_TENANT_FIELDS = {
-    "key_sha256", "models", "requests_per_minute", "prompt_tokens_per_minute",
-    "completion_tokens_per_minute", "max_concurrent", "max_queued", "max_tokens", "weight",
-    "cache_group", "cache_bytes", "priority", "origins", "allow_no_origin", "image_tokens_per_minute",
-    "adapters", "default_adapter", "manage_adapters",
-}
+_TENANT_FIELDS = {"key_sha256", "models", "requests_per_minute", "prompt_tokens_per_minute",
+                  "completion_tokens_per_minute", "max_concurrent", "max_queued", "max_tokens", "weight", "cache_group",
+                  "cache_bytes", "priority", "origins", "allow_no_origin", "image_tokens_per_minute", "adapters",
+                  "default_adapter", "manage_adapters"}
 # Latency classes, served in this order (scheduler.admission.policy); the index is the engine's priority.
 PRIORITIES = ("interactive", "standard", "batch")
 
@@ -287,28 +285,16 @@ def _tenant(name: str, spec, admin_hashes: tuple[bytes, ...]) -> Tenant:
     manage = spec.get("manage_adapters", False)
     if not isinstance(manage, bool):
         raise TenantsFileError(f"{where}: manage_adapters must be true or false")
-    return Tenant(
-        name=name,
-        key_hashes=hashes,
-        models=None if "*" in models else tuple(models),
-        requests_per_minute=_positive(spec, "requests_per_minute", where),
-        prompt_tokens_per_minute=_positive(spec, "prompt_tokens_per_minute", where),
-        completion_tokens_per_minute=_positive(spec, "completion_tokens_per_minute", where),
-        image_tokens_per_minute=_positive(spec, "image_tokens_per_minute", where),
-        max_concurrent=_positive(spec, "max_concurrent", where),
-        max_queued=_positive(spec, "max_queued", where),
-        max_tokens=_positive(spec, "max_tokens", where),
-        weight=_positive(spec, "weight", where, float) or 1.0,
-        cache_group=group,
-        cache_bytes=_size(spec["cache_bytes"], where) if "cache_bytes" in spec else None,
-        priority=priority,
-        origins=tuple(o.rstrip("/") for o in origins) if origins is not None else None,
-        allow_no_origin=allow_no_origin,
-        adapters=None if adapters is None else tuple(adapters),
-        default_adapter=default_adapter,
-        manage_adapters=manage,
-        admin=bool(set(hashes) & set(admin_hashes)),
-    )
+    counts = ("requests_per_minute", "prompt_tokens_per_minute", "completion_tokens_per_minute",
+              "image_tokens_per_minute", "max_concurrent", "max_queued", "max_tokens")
+    return Tenant(name=name, key_hashes=hashes, models=None if "*" in models else tuple(models),
+                  **{k: _positive(spec, k, where) for k in counts},
+                  weight=_positive(spec, "weight", where, float) or 1.0, cache_group=group,
+                  cache_bytes=_size(spec["cache_bytes"], where) if "cache_bytes" in spec else None, priority=priority,
+                  origins=tuple(o.rstrip("/") for o in origins) if origins is not None else None,
+                  allow_no_origin=allow_no_origin, adapters=None if adapters is None else tuple(adapters),
+                  default_adapter=default_adapter, manage_adapters=manage,
+                  admin=bool(set(hashes) & set(admin_hashes)))
 
 
 def load_tenants(path: str | Path) -> TenantTable:
