@@ -50,14 +50,8 @@ class APIError(Exception):
         self.anthropic_message = anthropic_message  # the words Anthropic's API uses, where clients match them
 
     def body(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": _TYPES.get(self.status, "server_error"),
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "server_error"), "param": self.param,
+                          "code": self.code}}
 
     def anthropic_body(self) -> dict:
         message = self.anthropic_message or (self.message if self.param is None else f"{self.param}: {self.message}")

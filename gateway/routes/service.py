@@ -123,14 +123,8 @@ async def health(request: Request) -> Response:
         return JSONResponse({"status": "dead", "detail": repr(front.models.loop.error)}, status_code=503)
     if front.models.loop.beat.stalled is not None:
         return JSONResponse({"status": "stalled", "detail": front.models.loop.beat.stalled}, status_code=503)
-    handles = front.models.handles()
-    return JSONResponse({
-        "status": "ok",
-        "model": front.models.slots[0].name,
-        "models": {s.name: s.state for s in front.models.slots},
-        "running": sum(h.engine.num_running for h in handles),
-        "waiting": sum(h.engine.num_waiting for h in handles),
-    })
+    return JSONResponse({"status": "ok", "model": front.models.slots[0].name,
+                         "models": {s.name: s.state for s in front.models.slots}, **_load(front)})
 
 
 async def metrics(request: Request) -> Response:
