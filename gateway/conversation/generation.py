@@ -29,24 +29,24 @@ def new_id(prefix: str) -> str:
 
 
 class _Hop:
-    """The way from the engine thread to one event loop: events posted for any of its
-    generations while a delivery is pending ride with it, so a decode step that sends a
-    token to each of 32 streams wakes the loop once (one ``call_soon_threadsafe``, one
-    write to its self-pipe) rather than 32 times (or as often as the loop drains them
-    while the step sends: the wake-up waits for the end of the step's burst,
-    :func:`scheduler.request.one_wake_up`). Each queue gets its batches in order."""
+    """The way from the engine thread to one event loop. The engine thread appends each
+    batch of events straight to its generation's buffer (a deque: appends are
+    thread-safe) and notes the generation; the loop is woken once for all the
+    generations noted meanwhile (one ``call_soon_threadsafe``, one write to its
+    self-pipe), and then wakes each waiting reader: a decode step that reaches 32 streams
+    costs the loop one wake-up and 32 resumed readers, no queue operations. Inside the
+    engine's burst of a step's events the wake-up waits for the burst's end
+    (:func:`scheduler.request.one_wake_up`)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = loop
         self._pending: collections.deque = collections.deque()
         self._scheduled = False
 
-    def post(self, queue: asyncio.Queue, events: list[Event]) -> None:
-        """Deliver ``events`` to ``queue`` on the loop (any thread); inside the engine's
-        burst of a step's events, the wake-up waits for the burst's end
-        (:func:`scheduler.request.wake_after`): one for the step, not one each time the
-        loop drained the deliveries meanwhile."""
-        self._pending.append((queue, events))
+    def post(self, gen: "Generation", events: list[Event]) -> None:
+        """Put ``events`` in ``gen``'s buffer and wake its reader on the loop (any thread)."""
+        gen._buffer.append(events)
+        self._pending.append(gen)
         if not self._scheduled:
             self._scheduled = True
             if not wake_after(self._wake):
@@ -59,8 +59,9 @@ class _Hop:
         self._scheduled = False  # before draining: a batch posted meanwhile schedules anew
         pending = self._pending
         while pending:
-            queue, events = pending.popleft()
-            queue.put_nowait(events)
+            waiter = pending.popleft()._waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
 
 
 _hops: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Hop]" = weakref.WeakKeyDictionary()
@@ -69,9 +70,9 @@ _hops: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Hop]" = weakref.We
 class Generation:
     """One request running in the engine, seen from the event loop.
 
-    Events posted by the engine thread are delivered through
-    ``loop.call_soon_threadsafe`` into an ``asyncio.Queue`` (one call for all the
-    generations an engine step reaches, :class:`_Hop`): no polling.
+    Events posted by the engine thread go into its buffer, and its reader is woken
+    through ``loop.call_soon_threadsafe`` (one call for all the generations an engine
+    step reaches, :class:`_Hop`): no polling.
     Iterating yields :mod:`scheduler.request` events until a ``DoneEvent`` or
     ``ErrorEvent``. :meth:`cancel` is idempotent and is called when the client leaves.
     ``id`` is the request's (:class:`gateway.conversation.books.Books` makes it).
@@ -85,7 +86,8 @@ class Generation:
         self.id = id
         self.arrival = time.monotonic()
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[list[Event]] = asyncio.Queue()
+        self._buffer: collections.deque[list[Event]] = collections.deque()  # batches from the engine thread
+        self._waiter: asyncio.Future | None = None  # the reader's, while it waits for a batch
         self._hop = _hops.get(self._loop) or _hops.setdefault(self._loop, _Hop(self._loop))
         self.finished = False
         self.request = EngineRequest(id=self.id, tokens=tokens, params=params, sink=self._sink,
@@ -95,7 +97,7 @@ class Generation:
         live.add(self)
 
     def _sink(self, events: list[Event]) -> None:
-        self._hop.post(self._queue, events)
+        self._hop.post(self, events)
 
     def fail(self, status: int, message: str) -> None:
         """End the request with an error event from outside the engine (any thread): the
@@ -125,16 +127,20 @@ class Generation:
     async def events(self, keepalive: float | None = None) -> AsyncIterator[Event | KeepAlive]:
         """Engine events until the request ends; a :class:`KeepAlive` after each
         ``keepalive`` seconds (if set) without one."""
+        buffer = self._buffer
         while not self.finished:
-            if keepalive is None:
-                batch = await self._queue.get()
-            else:
+            if not buffer:
+                waiter = self._waiter = self._loop.create_future()
                 try:
-                    batch = await asyncio.wait_for(self._queue.get(), keepalive)
-                except asyncio.TimeoutError:
-                    yield KeepAlive()
+                    await (waiter if keepalive is None else asyncio.wait_for(waiter, keepalive))
                     continue
-            for event in batch:
+                except asyncio.TimeoutError:
+                    pass
+                finally:
+                    self._waiter = None
+                yield KeepAlive()
+                continue
+            for event in buffer.popleft():
                 if isinstance(event, (DoneEvent, ErrorEvent)):
                     self.finished = True
                 yield event
