@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import time
 import uuid
 import weakref
@@ -88,22 +89,21 @@ class Generation:
         self._loop = asyncio.get_running_loop()
         self._buffer: collections.deque[list[Event]] = collections.deque()  # batches from the engine thread
         self._waiter: asyncio.Future | None = None  # the reader's, while it waits for a batch
+        self._left = 0  # events of the batch being read not yet yielded
         self._hop = _hops.get(self._loop) or _hops.setdefault(self._loop, _Hop(self._loop))
         self.finished = False
-        self.request = EngineRequest(id=self.id, tokens=tokens, params=params, sink=self._sink,
+        sink = functools.partial(self._hop.post, self)  # events go straight into its buffer
+        self.request = EngineRequest(id=self.id, tokens=tokens, params=params, sink=sink,
                                      checkpoints=checkpoints, namespace=namespace, tenant=tenant, weight=weight,
                                      max_queued=max_queued, mask=mask, priority=priority, keep=dict(keep or {}),
                                      processors=list(processors or []))
         live.add(self)
 
-    def _sink(self, events: list[Event]) -> None:
-        self._hop.post(self, events)
-
     def fail(self, status: int, message: str) -> None:
         """End the request with an error event from outside the engine (any thread): the
         engine loop is stalled or dead and will send nothing more."""
         if not self.finished:
-            self._sink([ErrorEvent(status, message)])
+            self._hop.post(self, [ErrorEvent(status, message)])
 
     def submit(self) -> None:
         """Hand the request to the engine.
@@ -140,10 +140,18 @@ class Generation:
                     self._waiter = None
                 yield KeepAlive()
                 continue
-            for event in buffer.popleft():
+            batch = buffer.popleft()
+            self._left = len(batch)
+            for event in batch:
+                self._left -= 1
                 if isinstance(event, (DoneEvent, ErrorEvent)):
                     self.finished = True
                 yield event
+
+    def ready(self) -> bool:
+        """More events are at hand: :meth:`events` would yield the next without waiting
+        (its reader is behind the engine)."""
+        return self._left > 0 or bool(self._buffer)
 
     def cancel(self, reason: str = "cancelled") -> None:
         """End the request early; ``reason`` is its finish reason (``"stop"`` when a stop
