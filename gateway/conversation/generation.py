@@ -30,19 +30,17 @@ def new_id(prefix: str) -> str:
 
 
 class _Hop:
-    """The way from the engine thread to one event loop. The engine thread appends each
-    batch of events straight to its generation's buffer (a deque: appends are
-    thread-safe) and notes the generation; the loop is woken once for all the
-    generations noted meanwhile (one ``call_soon_threadsafe``, one write to its
-    self-pipe), and then wakes each waiting reader: a decode step that reaches 32 streams
-    costs the loop one wake-up and 32 resumed readers, no queue operations. Inside the
-    engine's burst of a step's events the wake-up waits for the burst's end
-    (:func:`scheduler.request.one_wake_up`)."""
+    """The way from the engine thread to one event loop: each batch of events goes
+    straight into its generation's buffer (a deque: appends are thread-safe), and one
+    ``call_soon_threadsafe`` (one write to the loop's self-pipe) wakes the readers of every
+    generation posted to meanwhile, after the engine's burst of a step's events
+    (:func:`scheduler.request.one_wake_up`): one wake-up a step, no queue operations."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = loop
         self._pending: collections.deque = collections.deque()
         self._scheduled = False
+        self._wake = functools.partial(loop.call_soon_threadsafe, self._deliver)
 
     def post(self, gen: "Generation", events: list[Event]) -> None:
         """Put ``events`` in ``gen``'s buffer and wake its reader on the loop (any thread)."""
@@ -52,9 +50,6 @@ class _Hop:
             self._scheduled = True
             if not wake_after(self._wake):
                 self._wake()
-
-    def _wake(self) -> None:
-        self._loop.call_soon_threadsafe(self._deliver)
 
     def _deliver(self) -> None:
         self._scheduled = False  # before draining: a batch posted meanwhile schedules anew
@@ -71,9 +66,7 @@ _hops: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Hop]" = weakref.We
 class Generation:
     """One request running in the engine, seen from the event loop.
 
-    Events posted by the engine thread go into its buffer, and its reader is woken
-    through ``loop.call_soon_threadsafe`` (one call for all the generations an engine
-    step reaches, :class:`_Hop`): no polling.
+    The engine thread's events go into its buffer, its reader woken once a step (:class:`_Hop`).
     Iterating yields :mod:`scheduler.request` events until a ``DoneEvent`` or
     ``ErrorEvent``. :meth:`cancel` is idempotent and is called when the client leaves.
     ``id`` is the request's (:class:`gateway.conversation.books.Books` makes it).

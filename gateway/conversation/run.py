@@ -126,10 +126,9 @@ class Run:
             self.books.settle()
 
     async def _pieces(self) -> AsyncIterator[Piece | Comment]:
-        """Engine events as text pieces, told to the books as they come. A reader behind
-        the engine (more tokens at hand, :meth:`Generation.ready`) merges consecutive
-        tokens of the same kind (text, reasoning, neither) into one piece: one chunk for
-        the client, with their text concatenated and every token's logprobs."""
+        """Engine events as text pieces, told to the books as they come; behind the engine
+        (more at hand, :meth:`Generation.ready`), consecutive tokens of one kind (text,
+        reasoning, neither) make one piece: one chunk, the text concatenated."""
         gen, books, held = self.gen, self.books, None
         async for ev in gen.events(keepalive=self.keepalive):
             if held is not None and not isinstance(ev, TokenEvent):
