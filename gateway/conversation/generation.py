@@ -123,15 +123,13 @@ class Generation:
         buffer = self._buffer
         while not self.finished:
             if not buffer:
-                waiter = self._waiter = self._loop.create_future()
+                self._waiter = self._loop.create_future()
                 try:
-                    await (waiter if keepalive is None else asyncio.wait_for(waiter, keepalive))
-                    continue
+                    await asyncio.wait_for(self._waiter, keepalive)  # (None: no time limit)
                 except asyncio.TimeoutError:
-                    pass
+                    yield KeepAlive()
                 finally:
                     self._waiter = None
-                yield KeepAlive()
                 continue
             batch = buffer.popleft()
             self._left = len(batch)

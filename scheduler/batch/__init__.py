@@ -309,20 +309,18 @@ class Batch:
                     self.stats.finished += 1
                     self._finish(a, DoneEvent(gr.finish_reason, max(0, a.stored - a.cached)), events.pop(uid))
             self._count_tokens(counted)
-            send = self._send
             for uid, evs in events.items():  # (rows that finished or failed left it)
-                send(active[uid].request, evs)
+                self._send(active[uid].request, evs)
 
     def _token_event(self, a: Row, gr, counted: Optional[dict] = None) -> TokenEvent:
         """The event of ``a``'s token ``gr.token``; the token is counted (stats, metrics,
         its tenant's fair share) into ``counted`` for :meth:`_count_tokens`, or now when
         that is None."""
-        request = a.request
         n = a.generated = a.generated + 1
         if n == 1:
-            request.timings["engine_first_token"] = time.monotonic()
+            a.request.timings["engine_first_token"] = time.monotonic()
         recent = self.stats.generated_by_request
-        recent[request.id] = n
+        recent[a.request.id] = n
         if len(recent) > RECENT:
             del recent[next(iter(recent))]
         key = a.share_key
@@ -330,7 +328,7 @@ class Batch:
             self._count_tokens({key: 1})
         else:
             counted[key] = counted.get(key, 0) + 1
-        p = request.params
+        p = a.request.params
         if not p.logprobs:
             return TokenEvent(gr.token)
         return TokenEvent(gr.token, *token_logprobs(gr.logprobs, gr.token, p.top_logprobs))
