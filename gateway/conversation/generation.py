@@ -37,7 +37,6 @@ class _Hop:
     (:func:`scheduler.request.one_wake_up`): one wake-up a step, no queue operations."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop = loop
         self._pending: collections.deque = collections.deque()
         self._scheduled = False
         self._wake = functools.partial(loop.call_soon_threadsafe, self._deliver)
