@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import time
 import uuid
 import weakref
@@ -29,38 +30,33 @@ def new_id(prefix: str) -> str:
 
 
 class _Hop:
-    """The way from the engine thread to one event loop: events posted for any of its
-    generations while a delivery is pending ride with it, so a decode step that sends a
-    token to each of 32 streams wakes the loop once (one ``call_soon_threadsafe``, one
-    write to its self-pipe) rather than 32 times (or as often as the loop drains them
-    while the step sends: the wake-up waits for the end of the step's burst,
-    :func:`scheduler.request.one_wake_up`). Each queue gets its batches in order."""
+    """The way from the engine thread to one event loop: each batch of events goes
+    straight into its generation's buffer (a deque: appends are thread-safe), and one
+    ``call_soon_threadsafe`` (one write to the loop's self-pipe) wakes the readers of every
+    generation posted to meanwhile, after the engine's burst of a step's events
+    (:func:`scheduler.request.one_wake_up`): one wake-up a step, no queue operations."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop = loop
         self._pending: collections.deque = collections.deque()
         self._scheduled = False
+        self._wake = functools.partial(loop.call_soon_threadsafe, self._deliver)
 
-    def post(self, queue: asyncio.Queue, events: list[Event]) -> None:
-        """Deliver ``events`` to ``queue`` on the loop (any thread); inside the engine's
-        burst of a step's events, the wake-up waits for the burst's end
-        (:func:`scheduler.request.wake_after`): one for the step, not one each time the
-        loop drained the deliveries meanwhile."""
-        self._pending.append((queue, events))
+    def post(self, gen: "Generation", events: list[Event]) -> None:
+        """Put ``events`` in ``gen``'s buffer and wake its reader on the loop (any thread)."""
+        gen._buffer.append(events)
+        self._pending.append(gen)
         if not self._scheduled:
             self._scheduled = True
             if not wake_after(self._wake):
                 self._wake()
 
-    def _wake(self) -> None:
-        self._loop.call_soon_threadsafe(self._deliver)
-
     def _deliver(self) -> None:
         self._scheduled = False  # before draining: a batch posted meanwhile schedules anew
         pending = self._pending
         while pending:
-            queue, events = pending.popleft()
-            queue.put_nowait(events)
+            waiter = pending.popleft()._waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
 
 
 _hops: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Hop]" = weakref.WeakKeyDictionary()
@@ -69,9 +65,7 @@ _hops: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Hop]" = weakref.We
 class Generation:
     """One request running in the engine, seen from the event loop.
 
-    Events posted by the engine thread are delivered through
-    ``loop.call_soon_threadsafe`` into an ``asyncio.Queue`` (one call for all the
-    generations an engine step reaches, :class:`_Hop`): no polling.
+    The engine thread's events go into its buffer, its reader woken once a step (:class:`_Hop`).
     Iterating yields :mod:`scheduler.request` events until a ``DoneEvent`` or
     ``ErrorEvent``. :meth:`cancel` is idempotent and is called when the client leaves.
     ``id`` is the request's (:class:`gateway.conversation.books.Books` makes it).
@@ -85,23 +79,23 @@ class Generation:
         self.id = id
         self.arrival = time.monotonic()
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[list[Event]] = asyncio.Queue()
+        self._buffer: collections.deque[list[Event]] = collections.deque()  # batches from the engine thread
+        self._waiter: asyncio.Future | None = None  # the reader's, while it waits for a batch
+        self._left = 0  # events of the batch being read not yet yielded
         self._hop = _hops.get(self._loop) or _hops.setdefault(self._loop, _Hop(self._loop))
         self.finished = False
-        self.request = EngineRequest(id=self.id, tokens=tokens, params=params, sink=self._sink,
+        sink = functools.partial(self._hop.post, self)  # events go straight into its buffer
+        self.request = EngineRequest(id=self.id, tokens=tokens, params=params, sink=sink,
                                      checkpoints=checkpoints, namespace=namespace, tenant=tenant, weight=weight,
                                      max_queued=max_queued, mask=mask, priority=priority, keep=dict(keep or {}),
                                      processors=list(processors or []))
         live.add(self)
 
-    def _sink(self, events: list[Event]) -> None:
-        self._hop.post(self._queue, events)
-
     def fail(self, status: int, message: str) -> None:
         """End the request with an error event from outside the engine (any thread): the
         engine loop is stalled or dead and will send nothing more."""
         if not self.finished:
-            self._sink([ErrorEvent(status, message)])
+            self._hop.post(self, [ErrorEvent(status, message)])
 
     def submit(self) -> None:
         """Hand the request to the engine.
@@ -125,19 +119,29 @@ class Generation:
     async def events(self, keepalive: float | None = None) -> AsyncIterator[Event | KeepAlive]:
         """Engine events until the request ends; a :class:`KeepAlive` after each
         ``keepalive`` seconds (if set) without one."""
+        buffer = self._buffer
         while not self.finished:
-            if keepalive is None:
-                batch = await self._queue.get()
-            else:
+            if not buffer:
+                self._waiter = self._loop.create_future()
                 try:
-                    batch = await asyncio.wait_for(self._queue.get(), keepalive)
+                    await asyncio.wait_for(self._waiter, keepalive)  # (None: no time limit)
                 except asyncio.TimeoutError:
                     yield KeepAlive()
-                    continue
+                finally:
+                    self._waiter = None
+                continue
+            batch = buffer.popleft()
+            self._left = len(batch)
             for event in batch:
+                self._left -= 1
                 if isinstance(event, (DoneEvent, ErrorEvent)):
                     self.finished = True
                 yield event
+
+    def ready(self) -> bool:
+        """More events are at hand: :meth:`events` would yield the next without waiting
+        (its reader is behind the engine)."""
+        return self._left > 0 or bool(self._buffer)
 
     def cancel(self, reason: str = "cancelled") -> None:
         """End the request early; ``reason`` is its finish reason (``"stop"`` when a stop

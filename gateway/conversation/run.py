@@ -126,9 +126,14 @@ class Run:
             self.books.settle()
 
     async def _pieces(self) -> AsyncIterator[Piece | Comment]:
-        """Engine events as text pieces, told to the books as they come."""
-        gen, books = self.gen, self.books
+        """Engine events as text pieces, told to the books as they come; behind the engine
+        (more at hand, :meth:`Generation.ready`), consecutive tokens of one kind (text,
+        reasoning, neither) make one piece: one chunk, the text concatenated."""
+        gen, books, held = self.gen, self.books, None
         async for ev in gen.events(keepalive=self.keepalive):
+            if held is not None and not isinstance(ev, TokenEvent):
+                yield held
+                held = None
             if isinstance(ev, KeepAlive):
                 yield Comment("keep-alive")
             elif isinstance(ev, ProgressEvent):
@@ -142,9 +147,18 @@ class Run:
                 if self.asm.stopped:  # a stop string: the answer is complete, the engine need not go on
                     books.end("stop")
                     gen.cancel("stop")
-                yield Piece(d.content, d.reasoning, tokens=[ev])
+                if held is not None and (held.text > "", held.reasoning > "") == (d.content > "", d.reasoning > ""):
+                    held.text, held.reasoning = held.text + d.content, held.reasoning + d.reasoning
+                    held.tokens.append(ev)
+                else:
+                    if held is not None:
+                        yield held
+                    held = Piece(d.content, d.reasoning, tokens=[ev])
                 if self.asm.stopped:
                     break
+                if not gen.ready():
+                    yield held
+                    held = None
             elif isinstance(ev, DoneEvent):
                 if ev.finish_reason in ("stop", "length"):  # else the engine cancelled it: not an end
                     books.end(ev.finish_reason)
@@ -153,6 +167,8 @@ class Run:
             elif isinstance(ev, ErrorEvent):
                 books.end("error", ev.status)
                 raise APIError(ev.status, ev.message, headers={"Retry-After": "1"} if ev.status == 503 else None)
+        if held is not None:
+            yield held
         tail = self.asm.finish()
         if tail:
             yield Piece(tail.content, tail.reasoning)

@@ -279,11 +279,12 @@ class Batch:
             if hold:
                 self.metrics.decode_holds.inc()
             self.failures.fail_faulty(list(self.active.values()), self._fail_row)
-            events: dict[int, tuple[Row, list[Event]]] = {}  # a row's events of this step, by uid
+            events: dict[int, list[Event]] = {}  # a row's events of this step, by uid
             counted: dict = {}  # (tenant, weight): tokens, accounted once for the step
-            active, first_tokens = self.active, self.first_tokens
+            active, first_tokens, token_event = self.active, self.first_tokens, self._token_event
             for gr in gen_responses:
-                a = active.get(gr.uid)
+                uid = gr.uid
+                a = active.get(uid)
                 if a is None:
                     continue
                 if not a.generated and first_tokens is not None and eligible(a.request):
@@ -292,34 +293,34 @@ class Batch:
                     except Exception:  # a repeat then takes the forward; the row goes on
                         log.exception("keeping the first-token logits of request %s failed", a.request.id)
                 try:
-                    event = self._token_event(a, gr, counted)
+                    event = token_event(a, gr, counted)
                 except Exception as e:
                     log.exception("request %s failed while decoding", a.request.id)
                     self._fail_row(a, f"decoding failed: {e}")
-                    events.pop(gr.uid, None)
+                    events.pop(uid, None)
                     continue
-                mine = events.get(gr.uid)
+                mine = events.get(uid)
                 if mine is None:
-                    events[gr.uid] = mine = (a, [event])
+                    events[uid] = [event]
                 else:
-                    mine[1].append(event)
+                    mine.append(event)
                 if gr.finish_reason is not None:
                     self._save_snapshot(a, gr.all_tokens, gr.prompt_cache)
                     self.stats.finished += 1
-                    self._finish(a, DoneEvent(gr.finish_reason, max(0, a.stored - a.cached)), events.pop(gr.uid)[1])
+                    self._finish(a, DoneEvent(gr.finish_reason, max(0, a.stored - a.cached)), events.pop(uid))
             self._count_tokens(counted)
-            for a, evs in events.values():  # (rows that finished or failed left it)
-                self._send(a.request, evs)
+            for uid, evs in events.items():  # (rows that finished or failed left it)
+                self._send(active[uid].request, evs)
 
     def _token_event(self, a: Row, gr, counted: Optional[dict] = None) -> TokenEvent:
         """The event of ``a``'s token ``gr.token``; the token is counted (stats, metrics,
         its tenant's fair share) into ``counted`` for :meth:`_count_tokens`, or now when
         that is None."""
-        if not a.generated:
+        n = a.generated = a.generated + 1
+        if n == 1:
             a.request.timings["engine_first_token"] = time.monotonic()
-        a.generated += 1
         recent = self.stats.generated_by_request
-        recent[a.request.id] = a.generated
+        recent[a.request.id] = n
         if len(recent) > RECENT:
             del recent[next(iter(recent))]
         key = a.share_key

@@ -179,17 +179,18 @@ class JoiningGenerationBatch(GenerationBatch):
                     self._ahead[i] = True
                     fresh[i] = False
         keep, responses = [], []
+        counts, limits, matchers, response = self._num_tokens, self.max_tokens, self._matchers, self.Response
         for i, uid in enumerate(self.uids):
             if ahead[i] or fresh[i]:  # reported already, or nothing to report yet
                 keep.append(i)
                 continue
-            self._num_tokens[i] += 1
-            finish = "length" if self._num_tokens[i] >= self.max_tokens[i] else None
-            if self._matchers[i].advance(tokens[i]):
+            n = counts[i] = counts[i] + 1
+            finish = "length" if n >= limits[i] else None
+            if matchers[i].advance(tokens[i]):
                 finish = "stop"
             if finish is None:
                 keep.append(i)
-                responses.append(self.Response(uid, tokens[i], logprobs[i], None, None, None))
+                responses.append(response(uid, tokens[i], logprobs[i], None, None, None))
             else:
                 responses.append(self.Response(uid, tokens[i], logprobs[i], finish, self.extract_cache(i),
                                                self.tokens[i]))
