@@ -168,7 +168,7 @@ def load_tokenizer(path):
     return _shared_tokenizer(str(Path(path).resolve()))
 
 
-@functools.lru_cache(maxsize=8)  # a fixture tokenizer takes 40 to 350 MB (Gemma 3's)
+@functools.lru_cache(maxsize=4)  # a fixture tokenizer takes 40 to 350 MB (Gemma 3's)
 def _shared_tokenizer(path: str):
     from mlx_lm.utils import load_config
     from mlx_lm.utils import load_tokenizer as _load_tokenizer
