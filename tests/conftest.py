@@ -10,6 +10,7 @@ stored xz-compressed; :data:`TOKENIZERS` is a decompressed copy made once under
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import lzma
@@ -142,6 +143,45 @@ def model_path(arch: str, tokenizer: str | None = "default") -> Path:
     return build_model_dir(
         _MODEL_CACHE / f"{arch}-{tok_name or 'own'}", arch, tokenizer_dir=tok_dir, vocab_size=vocab
     )
+
+
+def load_model(path, adapter_path=None, lazy: bool = False):
+    """The model of ``mlx_lm.load(path, adapter_path=adapter_path, lazy=lazy)``, built by the
+    same ``load_model`` (and ``load_adapters``) calls, without the tokenizer that load also
+    reads: a fixture tokenizer takes seconds to parse (Gemma 3's, 262k tokens, the most),
+    and a test that wants only the weights would throw it away."""
+    from mlx_lm.utils import load_adapters
+    from mlx_lm.utils import load_model as _load_model
+
+    model, _ = _load_model(Path(path), lazy)
+    if adapter_path is not None:
+        model = load_adapters(model, str(adapter_path))
+        model.eval()
+    return model
+
+
+def load_tokenizer(path):
+    """The tokenizer ``mlx_lm.load(path)`` loads (the eos ids of the model's config, as that
+    load passes them; a tokenizer directory without a config.json gets none), loaded once
+    per run and shared: callers only read it (ids, encode, templates), never its streaming
+    detokenizer, which holds one decode's state."""
+    return _shared_tokenizer(str(Path(path).resolve()))
+
+
+@functools.lru_cache(maxsize=4)  # a fixture tokenizer takes 40 to 350 MB (Gemma 3's)
+def _shared_tokenizer(path: str):
+    from mlx_lm.utils import load_config
+    from mlx_lm.utils import load_tokenizer as _load_tokenizer
+
+    d = Path(path)
+    eos = load_config(d).get("eos_token_id", None) if (d / "config.json").is_file() else None
+    return _load_tokenizer(d, eos_token_ids=eos)
+
+
+def load(path, adapter_path=None):
+    """``mlx_lm.load(path, adapter_path=adapter_path)``: a freshly loaded model (engines
+    and adapters change theirs) and the shared :func:`load_tokenizer`."""
+    return load_model(path, adapter_path), load_tokenizer(path)
 
 
 @pytest.fixture(scope="session")

@@ -5,13 +5,12 @@ independent rendering of the conversation it is meant to serve."""
 from __future__ import annotations
 
 import pytest
-from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from cache.checkpoints import common_prefix
 from gateway.conversation.checkpoints import (periodic_checkpoints, plan_chat_checkpoints, plan_completion_checkpoints,
                                               thin_boundaries)
 from gateway.conversation.templates import common_chars, encode_with_ends, render_text
-from conftest import TOKENIZERS, model_path
+from conftest import TOKENIZERS, load_tokenizer, model_path
 
 SYSTEM = "You are a helpful assistant who answers briefly."
 U1 = "What is a prefix cache?"

@@ -9,14 +9,13 @@ from __future__ import annotations
 import threading
 
 import mlx.core as mx
-import mlx_lm
 import numpy as np
 import pytest
 
 from cache import PromptCacheManager
 from cache.entries import path_pages as _path_pages
 from cache.restore import cache_arrays
-from conftest import model_path
+from conftest import load, model_path
 from test_cache_differential import prefill
 
 THREADS = 8
@@ -54,7 +53,7 @@ def run_threads(fn):
 
 
 def test_update_and_fetch_writes_do_not_leak():
-    model, tok = mlx_lm.load(str(model_path("qwen3")))
+    model, tok = load(model_path("qwen3"))
     mgr = PromptCacheManager(max_bytes=1 << 28, max_entries=16)
     prompt = list(range(3, 103))
     prefill(model, mgr, prompt, step=2048)
@@ -91,7 +90,7 @@ def test_update_and_fetch_writes_do_not_leak():
 
 @pytest.mark.parametrize("arch", ["qwen3", "mamba2"])
 def test_concurrent_forwards_match_serial(arch):
-    model, tok = mlx_lm.load(str(model_path(arch)))
+    model, tok = load(model_path(arch))
     mgr = PromptCacheManager(max_bytes=1 << 28, max_entries=64)
     prompt = [int(t) for t in tok.encode("the cache token prompt server batch " * 12)][:80]
     prefill(model, mgr, prompt, step=32)

@@ -5,13 +5,12 @@ and every strategy a row names is one its reader carries out."""
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx_lm
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from cache.kinds import KINDS, UNKNOWN, CacheKind, batch_kind_of, kind_of
 from cache.quantized import quantize_kv
-from conftest import model_path
+from conftest import load_model, model_path
 from scheduler.batch_merge import _MERGES, merge_with_room
 from scheduler.speculative.rewind import REPLAYED
 
@@ -47,7 +46,7 @@ def row_of(cls: type) -> CacheKind:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_cache_class_of_the_test_architectures_has_a_row(arch):
-    model, _ = mlx_lm.load(str(model_path(arch)))
+    model = load_model(model_path(arch))
     for cls in cache_classes(model):
         row_of(cls)
 
@@ -55,7 +54,7 @@ def test_every_cache_class_of_the_test_architectures_has_a_row(arch):
 def test_quantized_caches_have_rows():
     from test_kv_quant import wide_head_model
 
-    model, _ = mlx_lm.load(str(wide_head_model("qwen3")))  # head size 64: one quantization group
+    model = load_model(wide_head_model("qwen3"))  # head size 64: one quantization group
     quantize_kv(model, 8)
     found = cache_classes(model)
     assert {c.__name__ for c in found} == {"QuantizedKVRow", "BatchQuantizedKVCache"}

@@ -10,11 +10,10 @@ import subprocess
 import sys
 
 import mlx.core as mx
-import mlx_lm
 import pytest
 from mlx_lm.generate import BatchGenerator
 
-from conftest import assert_same_tokens, model_path, prefilled
+from conftest import assert_same_tokens, load_model, model_path, prefilled
 from gateway.backend import backend
 from gateway.cpu import attention, attention_kernels
 from scheduler.batch.generator import JoiningBatchGenerator
@@ -188,7 +187,7 @@ def test_the_choice_follows_the_measurement(prefills, decodes, want):
 
 
 def test_attention_shapes_are_traced_from_the_model():
-    model, _ = mlx_lm.load(str(model_path("qwen3")))
+    model = load_model(model_path("qwen3"))
     args = model.args
     assert attention.attention_shapes(model) == {
         (args.num_attention_heads, args.num_key_value_heads, args.head_dim, mx.float32)}
@@ -207,7 +206,7 @@ def test_serving_generator_with_it_matches_mlx_lm_with_mlx_attention(arch, kerne
     if not isinstance(kernels[0], str):
         (_, *narrow), (_, *wide) = attention.PREFILL_BUCKETS
         monkeypatch.setattr(attention, "PREFILL_BUCKETS", ((0, *narrow), (32, *wide)))
-    model, _ = mlx_lm.load(str(model_path(arch)))
+    model = load_model(model_path(arch))
     base = [(11 * i + 5) % 200 + 10 for i in range(48)]
     warm = prefilled(model, base[:40])
     rows = [
@@ -274,7 +273,7 @@ def test_freed_memory_stays_for_reuse(setting, want):
 
 
 def test_models_kernels_are_measured_and_planned_unless_turned_off(monkeypatch):
-    model, _ = mlx_lm.load(str(model_path("qwen3")))
+    model = load_model(model_path("qwen3"))
     (shape,) = attention.attention_shapes(model)
     plans = attention.Plans()  # none planned yet
     monkeypatch.setenv("MLX_GATEWAY_CPU_ATTENTION", "0")

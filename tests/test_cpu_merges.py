@@ -5,13 +5,12 @@ the choice made by the measurement, and the engine thread told it."""
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx_lm
 import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache
 
 from cache.pages import PagedKVCache
-from conftest import assert_same_tokens, model_path, prefilled
+from conftest import assert_same_tokens, load_model, model_path, prefilled
 from gateway.backend import CpuTuning
 from gateway.cpu import merges
 from gateway.cpu.measure import Choice
@@ -65,7 +64,7 @@ def test_merging_on_two_streams_gives_the_one_stream_batch():
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
 def test_the_generator_on_two_streams_gives_mlx_lm_tokens(arch):
-    model, _ = mlx_lm.load(str(model_path(arch)))
+    model = load_model(model_path(arch))
     base = [(5 * i + 2) % 200 + 10 for i in range(48)]
     warm = prefilled(model, base[:40])
     batch_rows = [
@@ -90,7 +89,7 @@ def test_the_generator_on_two_streams_gives_mlx_lm_tokens(arch):
                                         ({"one stream": 0.040, "two streams": 0.060}, 1)])
 def test_the_choice_follows_the_measurement(monkeypatch, times, want):
     """The first model of a process decides (the CPU tuning keeps its choice)."""
-    model, _ = mlx_lm.load(str(model_path("qwen3")))
+    model = load_model(model_path("qwen3"))
     raced = []
     monkeypatch.setattr(merges, "race", lambda candidates, *a, **k: raced.append(set(candidates)) or dict(times))
     monkeypatch.setenv("MLX_GATEWAY_CPU_ATTENTION", "0")  # the merges alone are timed
@@ -106,7 +105,7 @@ def test_the_choice_follows_the_measurement(monkeypatch, times, want):
 
 
 def test_a_model_without_float32_attention_is_not_measured():
-    model, _ = mlx_lm.load(str(model_path("qwen3")))
+    model = load_model(model_path("qwen3"))
     choice = merges.choose(model, {(4, 2, 16, mx.bfloat16)})
     assert choice.chosen == "one stream" and choice.reason and not choice.seconds
 

@@ -8,13 +8,12 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import mlx.core as mx
-import mlx_lm
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
 from cache import PromptCacheManager
-from conftest import EventSink, engine_tokens, model_path, sample, wait_until
+from conftest import EventSink, engine_tokens, load, model_path, sample, wait_until
 from scheduler import Engine, EngineRequest, SamplingParams
 from scheduler.batch.first_tokens import FirstTokenStore
 from scheduler.request import ErrorEvent
@@ -30,7 +29,7 @@ def _engine(arch: str, speculation: SpeculationConfig = SpeculationConfig(), dty
     """A running engine on the tiny ``arch`` model (its weights cast to ``dtype`` if given,
     its metrics on ``registry`` if given), :data:`TEXTS` as token ids, and its first-token
     store; the engine stops on exit."""
-    model, tok = mlx_lm.load(str(model_path(arch)))
+    model, tok = load(model_path(arch))
     if dtype is not None:
         model.set_dtype(dtype)
         mx.eval(model.parameters())  # here: the engine thread cannot run this thread's ops

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import copy
 
-import mlx_lm
 import pytest
 from mlx_lm.generate import BatchGenerator
 
-from conftest import CountingModel, assert_same_tokens, model_path, prefilled
+from conftest import CountingModel, assert_same_tokens, load_model, model_path, prefilled
 from scheduler.batch.generator import JoiningBatchGenerator
 
 
@@ -52,7 +51,7 @@ def run(generator_cls, model, rows, *, prefill_batch: int, decode_batch: int, st
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3_text", "qwen3_5", "nemotron_h"])
 @pytest.mark.parametrize("sizes", [(4, 4), (2, 2), (1, 1)])
 def test_same_tokens_as_mlx_lm(arch, sizes):
-    model, _ = mlx_lm.load(str(model_path(arch)))
+    model = load_model(model_path(arch))
     base = [(7 * i + 3) % 200 + 10 for i in range(48)]
     warm = prefilled(model, base[:40])
     rows = [
@@ -78,7 +77,7 @@ def test_a_long_prompt_joins_apart_with_its_first_token_from_its_own_forward(arc
     prompt's cache at its end is exactly its prompt (``run`` checks it)."""
     from scheduler.batch.generator import APART_WIDTH
 
-    model, _ = mlx_lm.load(str(model_path(arch)))
+    model = load_model(model_path(arch))
     short = [(5 * i + 7) % 200 + 10 for i in range(6)]
     long = [(7 * i + 3) % 200 + 10 for i in range(90)]
     rows = [([short], None, [], 24), ([long], None, [], 6)]
@@ -122,7 +121,7 @@ def test_warm_row_joins_the_decode_forward():
     its first token comes from the batch's next forward (one model call for the step),
     where mlx-lm runs a forward of its own for it (two calls), and that step reports it
     (mlx-lm reports it a step later)."""
-    model = CountingModel(mlx_lm.load(str(model_path("qwen3")))[0])
+    model = CountingModel(load_model(model_path("qwen3")))
     base = list(range(10, 50))
     warm = prefilled(model.model, base[:-1])
     mlx_lm_calls, want, mlx_lm_reported = join_step_calls(BatchGenerator, model, warm, base)
@@ -145,7 +144,7 @@ def test_a_chunked_prompt_gets_its_whole_room_at_once_and_the_decode_batch_its_u
     are mlx-lm's (test_same_tokens_as_mlx_lm)."""
     from mlx_lm.models.cache import BatchKVCache
 
-    model, _ = mlx_lm.load(str(model_path("qwen3")))
+    model = load_model(model_path("qwen3"))
     prompt = [(7 * i + 3) % 200 + 10 for i in range(600)]
     gen = JoiningBatchGenerator(model, max_tokens=1 << 20, prefill_batch_size=1, completion_batch_size=1,
                                 prefill_step_size=64)

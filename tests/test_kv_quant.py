@@ -14,7 +14,7 @@ import pytest
 from cache import PromptCacheManager
 from cache.disk_codec import decode_snapshot, encode_snapshot
 from cache.quantized import BatchQuantizedKVCache, QuantizedKVRow, quantize_kv, quantized_caches
-from conftest import _MODEL_CACHE, TOKENIZERS, assert_same_greedy, engine_tokens, live_server, model_path
+from conftest import _MODEL_CACHE, TOKENIZERS, assert_same_greedy, engine_tokens, live_server, load, load_model, model_path
 from gateway.models.demo_model import build_model_dir
 from scheduler import Engine
 
@@ -30,7 +30,7 @@ def wide_head_model(arch: str):
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_every_path_gives_the_cold_single_tokens(arch, bits):
-    model, tok = mlx_lm.load(str(wide_head_model(arch)))
+    model, tok = load(wide_head_model(arch))
     quantize_kv(model, bits, 64)
     rng = random.Random(bits)
     shared = [rng.randrange(10, 900) for _ in range(70)]
@@ -62,7 +62,7 @@ def test_snapshots_are_stored_quantized():
     tokens = list(range(10, 300))
     per_token = {}
     for bits in (None, 8, 4):
-        model, _ = mlx_lm.load(str(path))
+        model = load_model(path)
         if bits:
             quantize_kv(model, bits, 64)
         manager = PromptCacheManager(1 << 30, 8)
@@ -97,7 +97,7 @@ def test_quantized_snapshots_are_paged_on_the_radix_tree(bits):
     of 60 tokens and one of 240 may sum in another order, docs/cache.md)."""
     from cache.pages import token_bytes
 
-    model, _ = mlx_lm.load(str(wide_head_model("qwen3")))
+    model = load_model(wide_head_model("qwen3"))
     quantize_kv(model, bits, 64)
     rng = random.Random(bits)
     convo = [rng.randrange(10, 900) for _ in range(240)]
@@ -177,11 +177,11 @@ def test_batch_cache_filter_extend_extract():
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_5"])
 def test_models_with_other_caches_are_refused(arch):
-    model, _ = mlx_lm.load(str(model_path(arch)))
+    model = load_model(model_path(arch))
     with pytest.raises(ValueError, match="cannot quantize the KV cache"):
         quantized_caches(model, 8, 64)
     with pytest.raises(ValueError, match="kv_bits must be 4 or 8"):
-        quantized_caches(mlx_lm.load(str(model_path("qwen3")))[0], 3, 64)
+        quantized_caches(load_model(model_path("qwen3")), 3, 64)
 
 
 def test_disk_tier_round_trip_and_identity(tmp_path):
@@ -224,7 +224,7 @@ def test_start_refuses_a_model_it_cannot_quantize(tmp_path):
 
 
 def test_a_group_size_that_does_not_fit_the_heads_is_refused():
-    model, _ = mlx_lm.load(str(wide_head_model("qwen3")))  # 64-dimensional heads
+    model = load_model(wide_head_model("qwen3"))  # 64-dimensional heads
     with pytest.raises(ValueError, match="does not divide the model's head dimension 64"):
         quantize_kv(model, 8, 128)
     small, _ = mlx_lm.load(str(model_path("qwen3")))  # 16-dimensional heads

@@ -11,12 +11,11 @@ import uuid
 from pathlib import Path
 
 import mlx.core as mx
-import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
 
 from cache import PromptCacheManager
-from conftest import EventSink, assert_same_tokens, model_path
+from conftest import EventSink, assert_same_tokens, load, load_model, model_path
 from test_speculative import steady_step_cost  # noqa: F401 (a fixture: drafting not left to the machine's load)
 from scheduler import Engine, EngineRequest, SamplingParams
 from scheduler.lora import MARK, UnknownAdapter, adapters_of
@@ -85,9 +84,9 @@ def write_peft(path: Path, model, seed: int, r: int = 4, alpha: float = 16.0) ->
 
 @functools.lru_cache(maxsize=6)
 def reference_model(base: Path, adapter):
-    """mlx-lm's own ``load(base, adapter_path=adapter)`` (loaded once per test run: a
-    generation keeps no state in the model)."""
-    return mlx_lm.load(str(base), adapter_path=None if adapter is None else str(adapter))[0]
+    """The model of mlx-lm's own ``load(base, adapter_path=adapter)`` (loaded once per test
+    run: a generation keeps no state in the model)."""
+    return load_model(base, adapter)
 
 
 def reference_tokens(base: Path, adapter, prompt: list[int], n: int) -> list[int]:
@@ -116,7 +115,7 @@ def qwen3():
 def make_adapters(base: Path, root: Path) -> dict:
     """name -> (served path, mlx-lm reference path): two mlx-lm LoRAs (ranks 4 and 8, the
     second on its last layer only), a DoRA and a PEFT LoRA, for the model at ``base``."""
-    model, _ = mlx_lm.load(str(base))
+    model = load_model(base)
     a = write_mlx_lm(root / "a", model, 1)
     b = write_mlx_lm(root / "b", model, 2, rank=8, scale=4.0, num_layers=1)
     d = write_mlx_lm(root / "d", model, 3, dora=True)
@@ -130,7 +129,7 @@ def adapters(qwen3, tmp_path_factory):
 
 
 def make_engine(path: Path, max_loras: int = 8, **kwargs):
-    model, tok = mlx_lm.load(str(path))
+    model, tok = load(path)
     adapters_of(model, create=True, max_loras=max_loras, max_rank=16)
     engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
                     decode_concurrency=16, gather_wait=30.0, **kwargs)
@@ -244,7 +243,7 @@ def test_unload_then_unknown_then_load_again_and_lru(qwen3, adapters):
 
 
 def test_refused_adapters_name_what_does_not_fit_and_leave_nothing(qwen3, adapters, tmp_path):
-    model, _ = mlx_lm.load(str(qwen3))
+    model = load_model(qwen3)
     lora = adapters_of(model, create=True, max_rank=4)
     cases = {"rank 8 is over the limit of 4": adapters["b"][0], "no adapter_config.json": tmp_path}
     wider = write_mlx_lm(tmp_path / "wider", model, 9, keys=["mlp.down_proj"])  # a base with 256 MLP features
@@ -277,7 +276,7 @@ def test_files_read_as_numpy_off_the_engine_thread_give_the_same_adapter(qwen3, 
 
     from scheduler.lora.files import check_adapter, read_files
 
-    model, _ = mlx_lm.load(str(qwen3))
+    model = load_model(qwen3)
     path = write_mlx_lm(tmp_path / "bf16", model, 5)
     w = {k: v.astype(mx.bfloat16) for k, v in mx.load(str(path / "adapters.safetensors")).items()}
     mx.save_safetensors(str(path / "adapters.safetensors"), w)
@@ -301,7 +300,7 @@ def test_peft_names_of_hugging_face_qwen3_5_map_to_mlx_lm_layers(tmp_path):
     from scheduler.lora.files import read_adapter
 
     base = model_path("qwen3_5")
-    model, _ = mlx_lm.load(str(base))
+    model = load_model(base)
     mlx_named, _ = write_peft(tmp_path / "mlx-names", model, 4)
     w = mx.load(str(mlx_named / "adapter_model.safetensors"))
     hf = tmp_path / "hf-names"
@@ -398,7 +397,7 @@ def test_a_long_prompt_joining_apart_and_chunked_keeps_its_adapter(qwen3, adapte
     long_job = ([rng.randrange(10, 900) for _ in range(300)], "d")
     n = 24
     want = [reference_tokens(qwen3, None if a is None else adapters[a][1], p, n) for p, a in short + [long_job]]
-    model, tok = mlx_lm.load(str(qwen3))
+    model, tok = load(qwen3)
     lora = adapters_of(model, create=True, max_rank=16)
     engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
                     decode_concurrency=16, prefill_step_size=64, gather_wait=30.0)

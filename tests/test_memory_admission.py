@@ -9,12 +9,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
-import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from conftest import live_server, model_path
+from conftest import live_server, load, load_model, model_path
 from scheduler.admission.memory import gate_for, kv_bytes_per_token
 
 
@@ -30,7 +29,7 @@ def _held(caches, n: int) -> int:
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_predicted_kv_bytes_are_what_a_prefill_holds(arch):
-    model, _ = mlx_lm.load(str(model_path(arch)))
+    model = load_model(model_path(arch))
     caches = make_prompt_cache(model)
     shape = kv_bytes_per_token(model, caches)
     n = 300
@@ -41,7 +40,7 @@ def test_predicted_kv_bytes_are_what_a_prefill_holds(arch):
 
 def test_a_burst_stays_under_a_small_memory_budget():
     path = model_path("qwen3")
-    model, tok = mlx_lm.load(str(path))
+    model, tok = load(path)
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     gate = gate_for(model, make_prompt_cache(model), 512)
     words = " ".join(f"w{i % 97}" for i in range(300))

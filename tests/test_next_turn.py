@@ -8,10 +8,9 @@ request is exact)."""
 from __future__ import annotations
 
 import pytest
-from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from cache.checkpoints import common_prefix
-from conftest import TOKENIZERS, EventSink, assert_same_tokens, live_server, model_path, sample, wait_until
+from conftest import TOKENIZERS, EventSink, assert_same_tokens, live_server, load_tokenizer, model_path, sample, wait_until
 from gateway.conversation.next_turn import next_turn_prefix
 from gateway.conversation.templates import render_text
 from scheduler.request import EngineRequest, SamplingParams, TokenEvent

@@ -8,12 +8,11 @@ import random
 
 import httpx
 import mlx.core as mx
-import mlx_lm
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from cache import PromptCacheManager
-from conftest import EventSink, live_server, model_path
+from conftest import EventSink, live_server, load, model_path
 from scheduler import Engine, EngineRequest, SamplingParams
 from scheduler.request import PromptEvent
 from gateway.conversation.prompts import render_chat
@@ -108,7 +107,7 @@ def test_burst_leader_keeps_step_with_its_followers(arch):
     leader is not cut again at 104, so it prefills the rest of its prompt in the same step
     as the followers that restored its 100-token snapshot, and all rows start decoding
     together; each row's tokens are those it gets alone on a cold engine."""
-    model, tok = mlx_lm.load(str(model_path(arch)))
+    model, tok = load(model_path(arch))
     rng = random.Random(5)
     system = [rng.randrange(10, 900) for _ in range(100)]
     head = [rng.randrange(10, 900) for _ in range(4)]

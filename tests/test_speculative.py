@@ -10,13 +10,12 @@ import random
 
 import httpx
 import mlx.core as mx
-import mlx_lm
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from cache import PromptCacheManager
 from cache.quantized import BatchQuantizedKVCache, QuantizedKVRow
-from conftest import engine_tokens, live_server, model_path
+from conftest import engine_tokens, live_server, load, load_model, model_path
 from scheduler import Engine, SamplingParams
 from mlx_lm.generate import StopSequences
 
@@ -301,7 +300,7 @@ def _workload(seed: int):
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_greedy_tokens_equal_plain_decoding(arch):
-    model, tok = mlx_lm.load(str(model_path(arch)))
+    model, tok = load(model_path(arch))
     prompts, max_tokens = _workload(1)
     outputs, stats = {}, {}
     for name, spec in (("plain", SpeculationConfig()), ("ngram", NGRAM)):
@@ -346,7 +345,7 @@ def _generate(model, prompts, max_tokens, stops, speculator=None):
 def test_stop_inside_an_accepted_draft():
     """A row whose stop sequence completes inside an accepted draft ends there, with the
     tokens plain decoding gives and a cache holding exactly its tokens up to the stop."""
-    model, _ = mlx_lm.load(str(model_path("qwen3")))
+    model = load_model(model_path("qwen3"))
     prompts, max_tokens = _workload(1)
     free = _generate(model, prompts, max_tokens, [[10 ** 6]] * len(prompts))
     # per row, the first run of four equal tokens (the demo model's answers fall into
@@ -372,7 +371,7 @@ def test_drafts_not_verified_are_scored_so_a_row_drafts_again_when_its_text_repe
     drafted at all)."""
     import scheduler.speculative.step as step
 
-    model, _ = mlx_lm.load(str(model_path("qwen3")))
+    model = load_model(model_path("qwen3"))
     prompts, max_tokens = _workload(1)
     stops = [[10 ** 6]] * len(prompts)
     plain = _generate(model, prompts, max_tokens, stops)
@@ -389,7 +388,7 @@ def test_snapshots_after_speculation_are_exact():
     """The prefix cache holds, for each finished answer, KV equal to a cold prefill of its
     tokens (a rolled-back row never leaves extra positions in a snapshot), so that a later
     request continuing that answer gets the plain tokens."""
-    model, tok = mlx_lm.load(str(model_path("qwen3")))
+    model, tok = load(model_path("qwen3"))
     prompts, max_tokens = _workload(2)
     engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
                     decode_concurrency=8, gather_wait=30.0, speculation=NGRAM)
@@ -420,7 +419,7 @@ def test_other_cache_kinds_do_not_speculate(caplog):
     from gateway.models.loader import _speculation
     from gateway.models.spec import ModelSpec
 
-    model, _ = mlx_lm.load(str(model_path("qwen3")))
+    model = load_model(model_path("qwen3"))
     assert speculation_refusal(model) is None
     model.make_cache = lambda: [ChunkedKVCache(64) for _ in model.layers]
     assert "ChunkedKVCache" in speculation_refusal(model)
@@ -458,7 +457,7 @@ def test_a_quantized_cache_speculates_with_the_same_tokens(bits):
     from cache.quantized import quantize_kv
     from test_kv_quant import wide_head_model
 
-    model, tok = mlx_lm.load(str(wide_head_model("qwen3")))
+    model, tok = load(wide_head_model("qwen3"))
     quantize_kv(model, bits, 64)
     assert speculation_refusal(model) is None
     prompts, max_tokens = _workload(1)
@@ -489,7 +488,7 @@ def test_a_quantized_cache_speculates_with_the_same_tokens(bits):
 # ----------------------------------------------------------------------------- logits processors
 def _plain_and_ngram(arch: str, prompts, params) -> tuple[list, list, SpeculationStats]:
     """Each prompt's tokens one at a time without speculation, then as one burst with it."""
-    model, tok = mlx_lm.load(str(model_path(arch)))
+    model, tok = load(model_path(arch))
     out = []
     for spec in (SpeculationConfig(), NGRAM):
         engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
@@ -529,7 +528,7 @@ def test_a_rejected_end_token_after_a_complete_grammar_leaves_it_complete():
 
     from scheduler.grammar import Grammars
 
-    model, tok = mlx_lm.load(str(model_path("qwen3")))
+    model, tok = load(model_path("qwen3"))
     grammars = Grammars(tok._tokenizer, model.args.vocab_size, tok.eos_token_ids)
     open_tag, close_tag = tok.encode("<tool_call>")[0], tok.encode("</tool_call>")[0]
     (eos,) = tok.eos_token_ids
@@ -570,7 +569,7 @@ def test_grammar_rows_draft_within_their_grammar():
 
     from scheduler.grammar import Grammars, json_schema_grammar
 
-    model, tok = mlx_lm.load(str(model_path("qwen3")))
+    model, tok = load(model_path("qwen3"))
     grammars = Grammars(tok._tokenizer, model.args.vocab_size, tok.eos_token_ids)
     schema = {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]}, "minItems": 12, "maxItems": 12}
     grammar = json_schema_grammar(schema)
@@ -624,7 +623,7 @@ def test_stateful_processors_take_back_rejected_tokens():
     budget.rollback(3)
     assert (budget.inside, budget.spent, budget.closed) == state
 
-    model, tok = mlx_lm.load(str(model_path("qwen3")))
+    model, tok = load(model_path("qwen3"))
     grammars = Grammars(tok._tokenizer, model.args.vocab_size, tok.eos_token_ids)
     mask = grammars.mask(json_schema_grammar({"type": "array", "items": {"enum": ["alpha", "beta"]}}))
     ids = tok.encode('["alpha","beta","alpha"]')
@@ -708,7 +707,7 @@ def test_rejection_sampling_keeps_the_distribution():
 
 def test_sampled_requests_speculate():
     mx.random.seed(0)
-    model, _ = mlx_lm.load(str(model_path("qwen3")))
+    model = load_model(model_path("qwen3"))
     prompts, _ = _workload(3)
     engine = Engine(model, set(),  # no end token: every sampled row runs its full length
                     PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
@@ -764,7 +763,7 @@ def test_a_failing_rejection_sampler_fails_nobody(monkeypatch):
         raise RuntimeError("no uniform draws today")
 
     monkeypatch.setattr(TemperatureSampler, "uniform", broken)
-    model, _ = mlx_lm.load(str(model_path("qwen3")))
+    model = load_model(model_path("qwen3"))
     prompts, _ = _workload(4)
     engine = Engine(model, set(),  # no end token: every sampled row runs its full length
                     PromptCacheManager(1 << 30, 64), prompt_concurrency=4,

@@ -18,12 +18,11 @@ import logging
 import random
 
 import httpx
-import mlx_lm
 import pytest
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from cache import PromptCacheManager
-from conftest import engine_tokens, live_server, model_path
+from conftest import engine_tokens, live_server, load, load_model, model_path
 from scheduler import Engine
 from scheduler.speculative import SpeculationConfig, speculation_refusal
 from scheduler.speculative import step as step_module
@@ -127,7 +126,7 @@ def test_verify_and_rollback_match_token_by_token_decoding(arch, mode):
 
     from scheduler.speculative.rewind import Rewind, holed, needs_replay, replay, take_back
 
-    model, _ = mlx_lm.load(str(model_path(arch)))
+    model = load_model(model_path(arch))
     rng = random.Random(5)
     prompts = [[rng.randrange(10, 500) for _ in range(n)] for n in (70, 50, 30)]
     plan = []  # per step: tokens fed and how many each row keeps
@@ -175,7 +174,7 @@ def test_verify_and_rollback_match_token_by_token_decoding(arch, mode):
 
 @pytest.mark.parametrize("arch", sorted(LAYERS))
 def test_greedy_tokens_equal_plain_decoding(arch, scripted):
-    model, tok = mlx_lm.load(str(model_path(arch)))
+    model, tok = load(model_path(arch))
     assert speculation_refusal(model) is None and right_padding_refusal(model) is None
     prompts, max_tokens = _workload(1)
     reference = _plain(model, tok, prompts, max_tokens)
@@ -203,7 +202,7 @@ def test_ends_inside_drafts_leave_exact_snapshots(arch, scripted):
     end with the plain tokens; the prefix cache then holds their conversations as a
     cold prefill would: a request continuing each one gets the plain tokens, from the
     cache. (End tokens are picked from the answers; the drafts go on past them.)"""
-    model, tok = mlx_lm.load(str(model_path(arch)))
+    model, tok = load(model_path(arch))
     prompts, max_tokens = _workload(2)
     free = _plain(model, tok, prompts, max_tokens)
     scripted.answers.update({tuple(p): a for p, a in zip(prompts, free)})
@@ -229,7 +228,7 @@ def test_a_model_ignoring_right_padding_does_not_speculate(scripted):
     """mlx-lm 0.32.2's Nemotron-H drops a padded row's token from its SSM state: its cache
     types allow rollback, the probe on the model itself refuses it, and it decodes plainly
     (the same tokens, no verify step)."""
-    model, tok = mlx_lm.load(str(model_path("nemotron_h")))
+    model, tok = load(model_path("nemotron_h"))
     assert any(isinstance(c, ArraysCache) for c in make_prompt_cache(model))
     assert speculation_refusal(model) is None
     assert "right padding" in right_padding_refusal(model)
