@@ -17,12 +17,12 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from cache import PromptCacheManager
-from conftest import engine_tokens, live_server, model_path, sample
+from conftest import engine_tokens, live_server, model_path
 from scheduler import Engine, SamplingParams
 from scheduler.admission.memory import QUANTUM, gate_for
 
 
-CHUNK = 16  # prefill tokens a step: a small prefill reservation, so that the KV decides
+CHUNK = 16  # prefill tokens a step over HTTP: a small prefill reservation, so that the KV decides
 
 
 def _prompts(tok, n: int, words: int) -> list[list[int]]:
@@ -30,14 +30,14 @@ def _prompts(tok, n: int, words: int) -> list[list[int]]:
 
 
 def _preemptions(engine) -> float:
-    return sum(m.value for metric in engine.core.metrics.preemptions.collect() for m in metric.samples
+    return sum(m.value for metric in engine.metrics.preemptions.collect() for m in metric.samples
                if m.name.endswith("_total") and m.labels.get("outcome") == "requeued")
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
 def test_preempted_rows_give_the_tokens_of_cold_solo_runs(arch):
     """Four rows whose answers (856 tokens, EOS ignored) outgrow a room that holds two
-    rows' first grants and one prefill chunk (16 tokens): rows are preempted and
+    rows' first grants and one 16-token prefill chunk: rows are preempted and
     readmitted, and every answer is the one a cold engine gives the prompt alone."""
     model, tok = mlx_lm.load(str(model_path(arch)))
     prompts = _prompts(tok, 4, 120)
@@ -50,11 +50,11 @@ def test_preempted_rows_give_the_tokens_of_cold_solo_runs(arch):
         want = [engine_tokens(solo, [p], [params])[0] for p in prompts]
     finally:
         solo.stop()
-    gate = gate_for(model, make_prompt_cache(model), CHUNK)
+    gate = gate_for(model, make_prompt_cache(model), 16)  # 16-token chunks: a small prefill reservation
     n = max(len(p) for p in prompts)
     room = 2 * gate.need(n, QUANTUM) + gate.prefill_need(n)
     engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
-                    decode_concurrency=8, prefill_step_size=CHUNK)
+                    decode_concurrency=8, prefill_step_size=16)
     engine.set_memory_room(lambda: room)
     engine.start()
     try:
@@ -65,3 +65,107 @@ def test_preempted_rows_give_the_tokens_of_cold_solo_runs(arch):
     for i, (g, w) in enumerate(zip(got, want)):
         assert len(g) == max_tokens, (i, len(g))
         assert g == w, (i, next(k for k, (a, b) in enumerate(zip(g, w)) if a != b))
+
+
+LIMIT = 2000  # tokens a request without max_tokens gets here (--max-tokens-limit: a short context's end)
+WORDS = 60  # a short prompt: its prefill reservation (attention scores on the CPU) is small beside the answers
+
+
+def _budget(path, rows: int, whole: bool = False) -> tuple[int, str]:
+    """A memory budget for ``rows`` first grants of a short prompt beside one prefill
+    chunk (``whole``: for one row's whole answer and the prefill chunk that recomputes it),
+    above the weights and one chunk's transient; and the prompt's words."""
+    model, tok = mlx_lm.load(str(path))
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    gate = gate_for(model, make_prompt_cache(model), CHUNK, draft=8)  # the server speculates (ngram, 8 drafts)
+    words = " ".join(f"w{i % 97}" for i in range(WORDS))
+    n = len(tok.apply_chat_template([{"role": "user", "content": f"11 {words}"}], add_generation_prompt=True))
+    budget = weights + gate.transient + rows * gate.need(n, QUANTUM) + gate.prefill_need(n)
+    if whole:
+        budget = weights + gate.transient + gate.need(n + LIMIT, 0) + gate.prefill_need(n + LIMIT)
+    del model
+    mx.clear_cache()
+    return budget, words
+
+
+def _chat(i: int, words: str, stream: bool = False) -> dict:
+    body = {"model": "test-model", "messages": [{"role": "user", "content": f"{i} {words}"}], "ignore_eos": True,
+            "temperature": 0}
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    return body
+
+
+def test_a_burst_without_max_tokens_is_answered_within_the_budget():
+    """Eight chat requests without ``max_tokens`` (each may run to 1,000 tokens, EOS
+    ignored) under a budget that holds three first grants: before growth they ran one at
+    a time (each reserved 1,000 tokens); now they run together, are preempted when they
+    outgrow the budget, and every answer is a 200 with all its tokens and
+    ``finish_reason: length``, MLX's active memory within the budget (+5 %) throughout."""
+    path = model_path("qwen3")
+    budget, words = _budget(path, 6)
+    base = mx.get_active_memory()
+    with live_server(path, default_max_tokens=None, memory_budget=budget, prefill_step_size=CHUNK,
+                     max_tokens_limit=LIMIT) as s:
+        peak, stop = [0], threading.Event()
+
+        def watch():
+            while not stop.is_set():
+                peak[0] = max(peak[0], mx.get_active_memory() - base)
+                time.sleep(0.002)
+
+        def ask(i):
+            with s.client() as c:
+                r = c.post("/v1/chat/completions", json=_chat(i, words), timeout=600)
+            return r.status_code, r.headers.get("retry-after"), r.json()
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, range(8)))
+        stop.set()
+        watcher.join()
+        preempted = _preemptions(s.engine)
+        print("PEAK", peak[0], budget, preempted, s.engine.stats.max_decode_batch)
+    for status, retry, body in answers:
+        assert status == 200, (status, body)
+        assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == LIMIT, body["usage"]
+    assert preempted > 0
+    assert peak[0] <= budget * 1.05, (peak[0], budget)
+
+
+def test_a_streamed_answer_goes_on_through_a_preemption():
+    """A streamed answer preempted halfway (the later of two rows that cannot both grow to
+    their answers' end, under a budget for one) goes on at readmission: its text and usage
+    are those of the same request alone."""
+    import httpx
+
+    path = model_path("qwen3")
+    budget, words = _budget(path, 1, whole=True)
+    with live_server(path, default_max_tokens=None, memory_budget=budget, prefill_step_size=CHUNK,
+                     max_tokens_limit=LIMIT) as s:
+        def streamed():
+            text, usage = [], None
+            with httpx.Client(base_url=s.url, timeout=600) as c:
+                with c.stream("POST", "/v1/chat/completions", json=_chat(2, words, stream=True)) as r:
+                    assert r.status_code == 200
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            chunk = json.loads(line[6:])
+                            usage = chunk.get("usage") or usage
+                            for ch in chunk["choices"]:
+                                text.append(ch["delta"].get("content") or "")
+            return "".join(text), usage
+
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(lambda: httpx.post(s.url + "/v1/chat/completions", json=_chat(1, words), timeout=600))
+            time.sleep(0.5)  # the streamed one arrives later: it is the one preempted
+            stream = pool.submit(streamed)
+            assert first.result().status_code == 200
+            text, usage = stream.result()
+        assert _preemptions(s.engine) > 0
+        with s.client() as c:  # the same request alone
+            alone = c.post("/v1/chat/completions", json=_chat(2, words), timeout=600).json()
+    assert text == alone["choices"][0]["message"]["content"]
+    assert usage["completion_tokens"] == alone["usage"]["completion_tokens"] == LIMIT
+    assert usage["prompt_tokens"] == alone["usage"]["prompt_tokens"]

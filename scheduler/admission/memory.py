@@ -157,11 +157,22 @@ class MemoryGate:
         context = prompt_tokens + max_tokens + self.draft + BATCH_STEP
         return self.shape.bytes_for(context, self.chunk) + self.logits
 
-    def prefill_need(self, prompt_tokens: int) -> int:
+    def held(self, rows: list[tuple[int, int, int]]) -> int:
+        """Bytes a batch of ``rows`` holds, each ``(prompt tokens, new tokens granted, bytes of
+        its prefill chunk or 0)``: mlx-lm's batch caches are left-padded to their longest row
+        (``[B, H, T, D]``), so every row holds the KV of the longest context of the batch
+        (:meth:`need` of it), and a prefilling row its chunk's memory besides."""
+        if not rows:
+            return 0
+        longest = max(p + n for p, n, _ in rows)
+        return len(rows) * self.need(longest, 0) + sum(b for _, _, b in rows)
+
+    def prefill_need(self, prompt_tokens: int, cached: int = 0) -> int:
         """Bytes a row's prefill chunk needs while it prefills: its activations (a chunk of
-        at most ``chunk`` tokens) and, where they are materialized, its attention scores
-        (``heads x chunk x context`` float32 and their softmax)."""
-        tokens = min(self.chunk, prompt_tokens)
+        at most ``chunk`` tokens, and no more than the ``prompt_tokens - cached`` it
+        prefills) and, where they are materialized, its attention scores (``heads x chunk x
+        context`` float32 and their softmax)."""
+        tokens = max(1, min(self.chunk, prompt_tokens - cached))
         return tokens * self.activation + self.heads * tokens * prompt_tokens * 4 * 2
 
     def first_grant(self, max_tokens: int, grows: bool) -> int:
@@ -169,15 +180,16 @@ class MemoryGate:
         ``max_tokens`` when it does not grow (``grows`` False or a quantum of 0)."""
         return min(max_tokens, self.quantum) if grows and self.quantum > 0 else max_tokens
 
-    def decide(self, need: int, held: int, cache: Any, running: bool) -> str:
+    def decide(self, need: int, held: int, cache: Any, running: bool, alone: Optional[int] = None) -> str:
         """``fits``, ``wait`` or ``never`` for a request needing ``need`` bytes beside
         ``held`` reserved by the running rows, dropping unleased snapshots of ``cache``
         (a ``PromptCacheManager``) first when that makes it fit. ``running``: some row is
-        in the batch (its end frees memory)."""
+        in the batch (its end frees memory). ``alone``: the bytes it needs with no row
+        beside it (default ``need``); ``never`` when they exceed the room."""
         room = self.room() if self.room is not None else None
         if room is None:
             return "fits"
-        if room - need < 0:
+        if room - (need if alone is None else alone) < 0:
             return "never"  # not even alone, with an empty cache
         left = room - held - need
         while cache.nbytes > max(0, left) and cache.eviction.evict_oldest("memory"):

@@ -115,27 +115,35 @@ class Reservations:
     def _rows(self) -> list[Row]:
         return [*self.batch.active.values(), *self.paused]
 
-    def _held(self, rows: list[Row]) -> int:
-        """Bytes the reservations of ``rows`` hold (a prefilling one holds its chunk's memory too)."""
-        g = self.gate
-        return sum(g.need(len(a.request.tokens), self.grants.get(a.request.id, (a.request.params.max_tokens,))[0])
-                   + (0 if a.decoding else g.prefill_need(len(a.request.tokens))) for a in rows)
+    def _specs(self, rows: list[Row], grown: Optional[Row] = None) -> list[tuple[int, int, int]]:
+        """``rows`` as :meth:`MemoryGate.held` takes them; ``grown``'s grant one quantum larger."""
+        g, out = self.gate, []
+        for a in rows:
+            grant = self.grants.get(a.request.id, (a.request.params.max_tokens,))[0]
+            if a is grown:
+                grant = min(a.request.params.max_tokens, grant + g.quantum)
+            out.append((len(a.request.tokens), grant, 0 if a.decoding else g.prefill_need(len(a.request.tokens))))
+        return out
 
     def verdict(self, r: EngineRequest) -> str:
         """``fits``, ``wait`` or ``never`` for the waiting ``r`` by its predicted memory
         (:meth:`MemoryGate.decide`); a ``never`` is answered here: a 503, or for a
         :class:`Resumed` request, its end with ``finish_reason: length``."""
         gate, rows = self.gate, self._rows()
-        need = gate.need(len(r.tokens), gate.first_grant(r.params.max_tokens, movable(r))) + gate.prefill_need(
-            len(r.tokens))
-        verdict = gate.decide(need, self._held(rows), self.batch.prompt_cache, bool(rows))
+        cached = self.batch.prompt_cache.match_length(r.namespace, r.tokens) if isinstance(r, Resumed) else 0
+        held = gate.held(self._specs(rows))
+        mine = (len(r.tokens), gate.first_grant(r.params.max_tokens, movable(r)),
+                gate.prefill_need(len(r.tokens), cached))  # a preempted row's KV restored: it prefills one token
+        need = gate.held([*self._specs(rows), mine]) - held  # (the batch's padding to its longest row included)
+        alone = gate.held([mine])
+        verdict = gate.decide(need, held, self.batch.prompt_cache, bool(rows), alone=alone)
         if verdict == "never" and isinstance(r, Resumed):
             self.metrics.preemptions.labels(str(r.priority), "length").inc()
             self.send(r, [DoneEvent("length")])
         elif verdict == "never":
             self.metrics.memory_refused.inc()
             room = gate.room() or 0
-            self.send(r, [ErrorEvent(503, f"the request needs {need / 2**20:.1f} MiB (the KV of its prompt and "
+            self.send(r, [ErrorEvent(503, f"the request needs {alone / 2**20:.1f} MiB (the KV of its prompt and "
                                           f"its first {gate.first_grant(r.params.max_tokens, movable(r))} tokens, its "
                                           f"prefill's activations) and the memory budget leaves "
                                           f"{max(0, room) / 2**20:.1f} MiB after the weights: retry with fewer "
@@ -186,9 +194,11 @@ class Reservations:
             if a.generated - base + 1 + gate.draft <= new or new >= r.params.max_tokens:
                 continue
             step = min(gate.quantum, r.params.max_tokens - new)
-            extra = gate.need(len(r.tokens), new + step) - gate.need(len(r.tokens), new)
             while True:
-                if gate.decide(extra, self._held(self._rows()), self.batch.prompt_cache, True) == "fits":
+                rows = self._rows()
+                held = gate.held(self._specs(rows))
+                extra = gate.held(self._specs(rows, grown=a)) - held
+                if gate.decide(extra, held, self.batch.prompt_cache, True, alone=0) == "fits":
                     self.grants[r.id] = (new + step, base)
                     break
                 victim = self._victim(tried)
