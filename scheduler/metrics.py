@@ -66,6 +66,16 @@ class SchedulerMetrics:
             "mlx_gateway_memory_waits",
             "Admission rounds in which the next request waited for running rows to end: its predicted memory "
             "did not fit beside theirs.", registry=registry)
+        self.preemptions = Counter(
+            "mlx_gateway_preemptions",
+            "Decoding rows whose reservation could not grow (scheduler/admission/preemption.py), by the row's "
+            "latency class and outcome: requeued (its KV into the prefix cache, its request back at the head of "
+            "the waiting queue) or length (alone, it ended with finish_reason length).",
+            ["priority", "outcome"], registry=registry)
+        self.preemption_resumes = Counter(
+            "mlx_gateway_preemption_resumes",
+            "Preempted requests put back into the batch, by how their KV came back: cache (the prefix cache "
+            "restored all of it) or recompute (some of it was prefilled again).", ["how"], registry=registry)
         self.cancelled = Counter("mlx_gateway_requests_cancelled",
                                  "Requests cancelled before they finished because the client left.",
                                  registry=registry)

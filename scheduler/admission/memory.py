@@ -1,17 +1,25 @@
 """Admission by predicted memory: a request joins the batch only when what it can grow to
 fits beside what the running rows may grow to.
 
-:class:`MemoryGate` reserves, for each row, the KV of its prompt plus ``max_tokens`` (the
-gateway cuts ``max_tokens`` to the context's end, so a request without one reserves the
-whole context), plus speculative headroom (``K`` draft tokens), the padding of a batch
-(one step's worth of cache growth, 256 tokens: mlx-lm's ``KVCache.step``), and the step's
-transient memory: a prefill chunk's activations (for the chunk's own tokens, at most
-``--prefill-step-size``), its attention scores where they are materialized (the CPU backend: ``heads x chunk x context`` float32 and their softmax,
-per row), and each row's logits and
-log-probabilities at the positions it samples (``vocab`` float32 each, times ``1 + K``
-with speculation; a chunk computes logits only where it samples).
-The room is what the memory budget leaves after every model's weights
+A row's reservation is the KV of its prompt plus a *grant* of new tokens, not its whole
+``max_tokens`` (the gateway cuts ``max_tokens`` to the context's end, so a request without
+one would reserve the whole context and, under a tight budget, run alone): the grant is
+``min(max_tokens, QUANTUM)``, and the engine grows it by another ``QUANTUM`` before the
+row's tokens pass it (:mod:`scheduler.admission.preemption`, vLLM's growth of a sequence's
+blocks). ``QUANTUM`` is ``BATCH_STEP``, 256 tokens: mlx-lm's ``KVCache.step``, what a batch
+cache grows by at once anyway, so a smaller grant would not hold less memory and a larger
+one would hold memory a short answer never uses. A reservation also counts speculative
+headroom (``K`` draft tokens), the padding of a batch (one step's worth of cache growth,
+``BATCH_STEP``), and the step's transient memory: a prefill chunk's activations (for the
+chunk's own tokens, at most ``--prefill-step-size``), its attention scores where they are
+materialized (the CPU backend: ``heads x chunk x context`` float32 and their softmax, per
+row), and each row's logits and log-probabilities at the positions it samples (``vocab``
+float32 each, times ``1 + K`` with speculation; a chunk computes logits only where it
+samples). The room is what the memory budget leaves after every model's weights
 (``room()``, set by the gateway's model registry); the prefix cache shares it.
+``MLX_GATEWAY_RESERVATION_QUANTUM=0`` in the environment reserves every row's whole
+``max_tokens`` at admission instead (no growth, no preemption: the behaviour before
+growth, for comparisons such as ``benchmarks/bench_memory_burst.py``).
 
 The order of giving way, for a request that does not fit:
 
@@ -22,8 +30,13 @@ The order of giving way, for a request that does not fit:
 3. a request that could not fit even with no row running and an empty cache is refused
    at once (503, the gateway adds ``Retry-After``): it never starts and fails halfway.
 
-Because a reservation covers every token a row may generate, a row never outgrows it, so
-no row is preempted or killed for memory. Per-token bytes come from the model's layer
+A row whose grant cannot grow (the same order: the cache gives way first) preempts a
+row, the latest arrived of the lowest class (it may be itself): that row's KV goes into
+the prefix cache and its request back to the head of the waiting queue, to go on where
+it stopped (:mod:`scheduler.admission.preemption`). A row alone that cannot grow even
+with an empty cache ends with ``finish_reason: length``.
+
+Per-token bytes come from the model's layer
 caches (:func:`kv_bytes_per_token`): full attention layers cost ``2 H D`` elements per token
 (``--kv-bits`` packs them, with scales and biases per group), sliding-window layers stop
 at their window, recurrent layers hold a fixed state that is not counted (it does not
@@ -36,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 BATCH_STEP = 256  # tokens a batch cache grows by at once (mlx-lm KVCache.step): a row's padding headroom
+QUANTUM = BATCH_STEP  # new tokens a reservation is granted at once (see the module docstring)
 ACTIVATION_COPIES = 8  # hidden-size float32 vectors per chunk token alive at once in a layer (a bound)
 
 
@@ -124,50 +138,58 @@ class MemoryGate:
         heads: attention heads; ``scores``: attention materializes its scores (CPU: a
             float32 ``[heads, chunk, context]`` array and its softmax per prefill chunk;
             Metal's fused attention does not, and ``scores`` is False there).
+        quantum: new tokens a row's reservation is granted at once (0: its whole ``max_tokens``).
     """
 
     def __init__(self, shape: KVShape, hidden: int, vocab: int, chunk: int, draft: int = 0, heads: int = 0,
-                 scores: bool = False):
+                 scores: bool = False, quantum: int = QUANTUM):
         self.shape, self.chunk, self.draft = shape, chunk, draft
         self.heads = heads if scores else 0
         self.activation = hidden * 4 * ACTIVATION_COPIES  # bytes of a prefilled token's activations (float32)
         self.transient = chunk * self.activation  # the most one prefill chunk's activations take
         self.logits = vocab * 4 * 2 * (1 + draft)  # a row's sampled positions: float32 logits and log-probabilities
         self.room: Optional[Callable[[], Optional[int]]] = None  # bytes for KV and cache; None: no gate
+        self.quantum = quantum  # new tokens a reservation grows by (0: whole max_tokens, no growth)
 
     def need(self, prompt_tokens: int, max_tokens: int) -> int:
-        """Bytes a row of ``prompt_tokens`` may grow to with ``max_tokens`` generated, for
-        its whole life (KV, padding, logits)."""
+        """Bytes a row of ``prompt_tokens`` holds with ``max_tokens`` generated (its grant:
+        KV, padding, logits)."""
         context = prompt_tokens + max_tokens + self.draft + BATCH_STEP
         return self.shape.bytes_for(context, self.chunk) + self.logits
 
-    def prefill_need(self, prompt_tokens: int) -> int:
+    def held(self, rows: list[tuple[int, int, int]]) -> int:
+        """Bytes a batch of ``rows`` holds, each ``(prompt tokens, new tokens granted, bytes of
+        its prefill chunk or 0)``: mlx-lm's batch caches are left-padded to their longest row
+        (``[B, H, T, D]``), so every row holds the KV of the longest context of the batch
+        (:meth:`need` of it), and a prefilling row its chunk's memory besides."""
+        if not rows:
+            return 0
+        longest = max(p + n for p, n, _ in rows)
+        return len(rows) * self.need(longest, 0) + sum(b for _, _, b in rows)
+
+    def prefill_need(self, prompt_tokens: int, cached: int = 0) -> int:
         """Bytes a row's prefill chunk needs while it prefills: its activations (a chunk of
-        at most ``chunk`` tokens) and, where they are materialized, its attention scores
-        (``heads x chunk x context`` float32 and their softmax)."""
-        tokens = min(self.chunk, prompt_tokens)
+        at most ``chunk`` tokens, and no more than the ``prompt_tokens - cached`` it
+        prefills) and, where they are materialized, its attention scores (``heads x chunk x
+        context`` float32 and their softmax)."""
+        tokens = max(1, min(self.chunk, prompt_tokens - cached))
         return tokens * self.activation + self.heads * tokens * prompt_tokens * 4 * 2
 
-    def admit(self, request: Any, rows: Iterable[Any], cache: Any) -> tuple[str, int]:
-        """``(verdict, bytes)`` of an ``EngineRequest`` beside the running ``rows`` (the
-        batch's and the paused ``Row`` objects; a prefilling one holds its chunk's memory
-        too): :meth:`decide` for what it needs, its prompt's KV plus ``max_tokens`` and its
-        prefill."""
-        rows = list(rows)
-        held = sum(self.need(len(a.request.tokens), a.request.params.max_tokens)
-                   + (0 if a.decoding else self.prefill_need(len(a.request.tokens))) for a in rows)
-        need = self.need(len(request.tokens), request.params.max_tokens) + self.prefill_need(len(request.tokens))
-        return self.decide(need, held, cache, bool(rows)), need
+    def first_grant(self, max_tokens: int, grows: bool) -> int:
+        """New tokens a row is first reserved for: ``min(max_tokens, quantum)``, or its whole
+        ``max_tokens`` when it does not grow (``grows`` False or a quantum of 0)."""
+        return min(max_tokens, self.quantum) if grows and self.quantum > 0 else max_tokens
 
-    def decide(self, need: int, held: int, cache: Any, running: bool) -> str:
+    def decide(self, need: int, held: int, cache: Any, running: bool, alone: Optional[int] = None) -> str:
         """``fits``, ``wait`` or ``never`` for a request needing ``need`` bytes beside
         ``held`` reserved by the running rows, dropping unleased snapshots of ``cache``
         (a ``PromptCacheManager``) first when that makes it fit. ``running``: some row is
-        in the batch (its end frees memory)."""
+        in the batch (its end frees memory). ``alone``: the bytes it needs with no row
+        beside it (default ``need``); ``never`` when they exceed the room."""
         room = self.room() if self.room is not None else None
         if room is None:
             return "fits"
-        if room - need < 0:
+        if room - (need if alone is None else alone) < 0:
             return "never"  # not even alone, with an empty cache
         left = room - held - need
         while cache.nbytes > max(0, left) and cache.eviction.evict_oldest("memory"):
@@ -180,10 +202,14 @@ class MemoryGate:
 def gate_for(model: Any, caches: Iterable[Any], chunk: int, draft: int = 0) -> MemoryGate:
     """The :class:`MemoryGate` of ``model`` (fresh layer caches ``caches``), sizes from its args.
     Attention scores are counted on the CPU device only (the GPU backends' fused attention
-    does not materialize them)."""
+    does not materialize them). The quantum is ``MLX_GATEWAY_RESERVATION_QUANTUM`` (tokens)
+    where set, else :data:`QUANTUM`."""
+    import os
+
     import mlx.core as mx
 
     get = _args(model)
     return MemoryGate(kv_bytes_per_token(model, caches), int(get("hidden_size") or 0), int(get("vocab_size") or 0),
                       chunk, draft, int(get("num_attention_heads") or 0),
-                      scores=mx.default_device().type == mx.DeviceType.cpu)
+                      scores=mx.default_device().type == mx.DeviceType.cpu,
+                      quantum=int(os.environ.get("MLX_GATEWAY_RESERVATION_QUANTUM", QUANTUM)))

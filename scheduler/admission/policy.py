@@ -135,6 +135,20 @@ class WaitingQueue:
         self._per_tenant[t] = self._per_tenant.get(t, 0) + 1
         self._items.append(request)
 
+    def add_first(self, request: EngineRequest) -> None:
+        """Put ``request`` at the head of the queue (a preempted row's request: vLLM puts
+        preempted requests back at the head of its waiting queue too)."""
+        self.add(request)
+        self._items.insert(0, self._items.pop())
+
+    def take(self, n: int, which: Callable[[EngineRequest], bool]) -> list[EngineRequest]:
+        """Remove and return up to ``n`` requests for which ``which`` holds, in queue order
+        (no fair-share charge: preempted requests were charged when first admitted)."""
+        found = [r for r in self._items if which(r)][:max(0, n)]
+        for r in found:
+            self.remove(r.id)
+        return found
+
     def remove(self, request_id: str) -> Optional[EngineRequest]:
         for i, r in enumerate(self._items):
             if r.id == request_id:

@@ -85,25 +85,32 @@ class RowInsertion:
         self._token_event = token_event
         self._joining_uid = 0  # rows started from a kept first token count down from -1 until they join
 
-    def start_row(self, r: EngineRequest, extra_checkpoints=(), background: bool = False) -> Optional[Row]:
+    def start_row(self, r: EngineRequest, extra_checkpoints=(), background: bool = False,
+                  carry: Any = None) -> Optional[Row]:
         """Fetch ``r``'s cached prefix and put its prompt into the batch, cut into segments
         where :func:`cache.checkpoints.row_snapshots` says; None (``r`` failed with a 500) if
         that raised. A ``background`` row is a next-turn precompute: its lookup stays out
-        of the hit-rate metrics and it snapshots only at its end."""
+        of the hit-rate metrics and it snapshots only at its end. With ``carry`` (a
+        preempted row's ``sampler``, ``processors`` and ``fault``:
+        :mod:`scheduler.admission.preemption`) the row goes on with those, and its lookup
+        stays out of the hit-rate metrics too."""
         lease = None
-        r.timings["engine_admitted"] = time.monotonic()
-        keeps = not background and self.first_tokens is not None and eligible(r)  # its first token's logits
+        if carry is None:
+            r.timings["engine_admitted"] = time.monotonic()
+        keeps = (not background and carry is None and self.first_tokens is not None
+                 and eligible(r))  # its first token's logits
         known = self.first_tokens.get(r) if keeps else None
         try:
-            hit = self.prompt_cache.fetch(r.namespace, r.tokens, count=not background, whole=known is not None)
+            hit = self.prompt_cache.fetch(r.namespace, r.tokens, count=not background and carry is None,
+                                          whole=known is not None)
             r.timings["engine_restored"] = time.monotonic()
             lease, cached = hit.lease, hit.cached_tokens
             if known is not None and cached == len(r.tokens):
                 return self._start_from_first_token(r, hit, known)
             marks, snapshots = row_snapshots(len(r.tokens), cached, r.checkpoints, extra_checkpoints,
                                              self.trimmable, precompute=background, whole=keeps)
-            fault = RowFault()
-            uid = self._insert(r, cached, marks, hit.cache, list(r.tokens[:cached]), fault)
+            fault = RowFault() if carry is None else carry.fault
+            uid = self._insert(r, cached, marks, hit.cache, list(r.tokens[:cached]), fault, carry)
         except Exception as e:
             self.prompt_cache.release(lease)
             log.exception("request %s could not be admitted", r.id)
@@ -192,18 +199,21 @@ class RowInsertion:
         return StopSequences([] if r.params.ignore_eos else [[t] for t in sorted(self.eos_token_ids)])
 
     def _insert(self, r: EngineRequest, start: int, marks: list[int], cache, tokens: list[int],
-                fault: RowFault) -> int:
+                fault: RowFault, carry: Any = None) -> int:
         """Put ``r``'s prompt from ``start`` on (tokens) into the generator over ``cache``
-        (covering ``tokens``), cut into segments at ``marks``; its uid."""
+        (covering ``tokens``), cut into segments at ``marks``; its uid. ``carry``: the
+        sampler and processors a preempted row goes on with (see :meth:`start_row`)."""
         cuts = [start, *[m for m in marks if m > start], len(r.tokens)]
         processors = make_processors(r.params) + list(r.processors) + ([r.mask] if r.mask is not None else [])
+        sampler = fault.sampler(make_sampler(r.params)) if carry is None else carry.sampler
+        processors = fault.processors(processors) if carry is None else carry.processors
         (uid,) = self._gen().insert_segments(
             [[r.tokens[x:y] for x, y in zip(cuts, cuts[1:])]],
             max_tokens=[r.params.max_tokens],
             caches=[cache],
             all_tokens=[tokens],
-            samplers=[fault.sampler(make_sampler(r.params))],
-            logits_processors=[fault.processors(processors)],
+            samplers=[sampler],
+            logits_processors=[processors],
             stop_sequences=[self._stops(r)],
         )
         return uid
@@ -250,6 +260,48 @@ class RowInsertion:
             return False
         a.paused = state
         return True
+
+    def preempt(self, a: Row, save: Callable[[Row, list, list], None]) -> tuple[str, Optional[list[int]], Any]:
+        """Take the decoding row ``a`` out of the generator for memory
+        (:mod:`scheduler.admission.preemption`), as :meth:`pause` does; then its pending
+        token is reported if it was not yet (it may end the row: ``stop`` or ``length``),
+        its cache goes into the prefix cache through ``save`` (``Batch._save_snapshot``, the
+        store a finished row's cache takes) and its state is dropped.
+
+        Returns:
+            ``("out", tokens, state)``: it left, ``tokens`` (its prompt and every token it
+            reported) to go on from, ``state`` its
+            :class:`~scheduler.batch.decode_batch.DecodingState` without its cache (its
+            sampler and processors go on); ``("ended", None, None)``: its pending token ended
+            it (or it failed with a 500); ``("kept", None, None)``: it could not be taken out
+            and goes on.
+        """
+        if not a.decoding or a.joining is not None:
+            return "kept", None, None
+        if not self._pause_decoding(a):  # (a failure there ended it with a 500)
+            return ("kept" if a.request.id in self._by_id else "ended"), None, None
+        state, a.paused = a.paused, None
+        before, done = [], None
+        try:
+            tokens = [*state.tokens, int(state.pending.item())]
+            if not (state.reported or state.fresh):  # sampled, not reported yet: report it now
+                before.append(self._token_event(a, _First(tokens[-1], state.logprobs)))
+                done = ("stop" if state.matcher.advance(tokens[-1])
+                        else "length" if state.num_tokens + 1 >= state.max_tokens else None)
+        except Exception as e:  # out of the batch already: it fails alone
+            log.exception("preempting request %s failed", a.request.id)
+            self._failures.count(a)
+            self._finish(a, ErrorEvent(500, f"preempting the request failed: {e}"))
+            return "ended", None, None
+        save(a, state.tokens, state.cache)
+        state.cache = None
+        if done is not None:
+            self._stats.finished += 1
+            self._finish(a, DoneEvent(done, max(0, a.stored - a.cached)), before)
+            return "ended", None, None
+        if before:
+            self._send(a.request, before)
+        return "out", tokens, state
 
     def drop_paused(self, a: Row) -> None:
         """Forget the paused row ``a`` (its request ended while paused): its kept cache goes

@@ -20,6 +20,7 @@ from scheduler.admission.arrivals import Arrivals
 from scheduler.batch import Batch
 from scheduler.admission.classes import LatencyClasses
 from scheduler.admission.memory import gate_for
+from scheduler.admission.preemption import Reservations
 from scheduler.batch.chunking import ChunkPlanner
 from scheduler.batch.first_tokens import FirstTokenStore
 from scheduler.batch.forward_cost import ForwardCost
@@ -76,11 +77,13 @@ class EngineCore:
                            first_tokens=FirstTokenStore(metrics=self.metrics))
         self.classes = LatencyClasses(self.waiting, self.batch, loop, self.metrics, self.prompt_concurrency,
                                        self.decode_concurrency)
+        self._waiting_counts = WaitingCounts()  # submitted, not yet admitted or cancelled
+        self.reservations = Reservations(self.memory, self.batch, self.classes.paused, self.waiting,
+                                         self._waiting_counts, self.metrics, self.send)  # growth, preemption
         self.closed = False  # set on the loop thread when the engine leaves it
         self._idle = threading.Condition()
         self._is_idle = True  # updated between steps only, so readers see a consistent state
         self.error: Optional[BaseException] = None
-        self._waiting_counts = WaitingCounts()  # submitted, not yet admitted or cancelled
         self._reserved = 0  # next-turn precomputes being rendered (Engine.reserve_precompute)
         # Requests the gateway is rendering and tokenizing; each one ending wakes the loop.
         self.arrivals = Arrivals(lambda: self._loop.post(("arrived", None)))
@@ -218,6 +221,7 @@ class EngineCore:
         """
         if preempt:
             self.batch.preempt_precomputes()
+        self.reservations.grow()
         back = self.classes.resume_streams()
         allowed = self.classes.allowed()
         self.classes.make_room(spare=back)
@@ -232,37 +236,22 @@ class EngineCore:
         if self.pad_free_prefill and prefilling:
             return
         n = 1 if self.pad_free_prefill else free
+        picks = self.reservations.take_resumed(n)  # preempted rows first
         lower_room = self.classes.lower_room()
         if lower_room is not None:  # interactive first, then the lower classes within their room
             classes = {0, 1, 2} if allowed is None else allowed
-            picks = self._pick(n, classes & {0})
+            picks += self._pick(n - len(picks), classes & {0})
             picks += self._pick(min(n - len(picks), lower_room), classes - {0})
         else:
-            picks = self._pick(n, allowed)
+            picks += self._pick(n - len(picks), allowed)
         for i, admission in enumerate(picks):
-            verdict = self._by_memory(admission.request)
+            verdict = self.reservations.verdict(admission.request)
             if verdict == "wait":
-                self.waiting.put_back(picks[i:], lambda r: self.prompt_cache.match_length(r.namespace, r.tokens))
+                self.reservations.put_back(picks[i:], lambda r: self.prompt_cache.match_length(r.namespace, r.tokens))
                 return
             self._waiting_counts.remove(admission.request)
             if verdict == "fits":
                 self._insert(admission)
-
-    def _by_memory(self, r: EngineRequest) -> str:
-        """``fits``, ``wait`` or ``never`` for ``r`` by its predicted memory
-        (:mod:`scheduler.admission.memory`); a ``never`` is answered 503 here."""
-        gate = self.memory
-        verdict, need = gate.admit(r, [*self.batch.active.values(), *self.classes.paused], self.prompt_cache)
-        if verdict == "never":
-            self.metrics.memory_refused.inc()
-            room = gate.room() or 0
-            self.send(r, [ErrorEvent(503, f"the request needs {need / 2**20:.1f} MiB (the KV of its prompt and "
-                                          f"max_tokens, its prefill's activations) and the memory budget leaves "
-                                          f"{max(0, room) / 2**20:.1f} MiB after the weights: retry with fewer "
-                                          "tokens, or raise --memory-budget")])
-        elif verdict == "wait":
-            self.metrics.memory_waits.inc()
-        return verdict
 
     def _pick(self, n: int, classes: Optional[set[int]]) -> list[Admission]:
         if n <= 0 or (classes is not None and not classes):
@@ -339,9 +328,13 @@ class EngineCore:
 
     def _insert(self, admission: Admission) -> None:
         r = admission.request
-        a = self.batch.insertion.start_row(r, admission.extra_checkpoints)
+        carry = getattr(r, "carry", None)  # a preempted row's (scheduler.admission.preemption)
+        a = self.batch.insertion.start_row(r, admission.extra_checkpoints, carry=carry)
         if a is None:
             self.stats.failed += 1
+            return
+        self.reservations.admitted(a)
+        if carry is not None:  # it goes on: counted when first admitted
             return
         cached = a.cached
         if r.priority == 0:

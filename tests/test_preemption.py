@@ -1,0 +1,174 @@
+"""Growing reservations and preemption (scheduler/admission/preemption.py): under a budget
+too small for every row's answer at once, rows that cannot grow are preempted to the
+waiting queue, their KV in the prefix cache, and go on where they stopped: the same
+greedy tokens as a cold solo run, no token duplicated or lost, usage as if uninterrupted."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+
+from cache import PromptCacheManager
+from conftest import engine_tokens, live_server, model_path
+from scheduler import Engine, SamplingParams
+from scheduler.admission.memory import QUANTUM, gate_for
+
+
+CHUNK = 16  # prefill tokens a step over HTTP: a small prefill reservation, so that the KV decides
+
+
+def _prompts(tok, n: int, words: int) -> list[list[int]]:
+    return [tok.encode(f"{i} " + " ".join(f"w{(i * 7 + j) % 97}" for j in range(words))) for i in range(n)]
+
+
+def _preemptions(engine) -> float:
+    return sum(m.value for metric in engine.metrics.preemptions.collect() for m in metric.samples
+               if m.name.endswith("_total") and m.labels.get("outcome") == "requeued")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_preempted_rows_give_the_tokens_of_cold_solo_runs(arch):
+    """Four rows whose answers (856 tokens, EOS ignored) outgrow a room that holds two
+    rows' first grants and one 16-token prefill chunk: rows are preempted and
+    readmitted, and every answer is the one a cold engine gives the prompt alone."""
+    model, tok = mlx_lm.load(str(model_path(arch)))
+    prompts = _prompts(tok, 4, 120)
+    max_tokens = 3 * QUANTUM + 88
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    solo = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=1,
+                  decode_concurrency=1)
+    solo.start()
+    try:
+        want = [engine_tokens(solo, [p], [params])[0] for p in prompts]
+    finally:
+        solo.stop()
+    gate = gate_for(model, make_prompt_cache(model), 16)  # 16-token chunks: a small prefill reservation
+    n = max(len(p) for p in prompts)
+    room = 2 * gate.need(n, QUANTUM) + gate.prefill_need(n)
+    engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
+                    decode_concurrency=8, prefill_step_size=16)
+    engine.set_memory_room(lambda: room)
+    engine.start()
+    try:
+        got = engine_tokens(engine, prompts, [params] * len(prompts), timeout=600)
+    finally:
+        engine.stop()
+    assert _preemptions(engine) > 0
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert len(g) == max_tokens, (i, len(g))
+        assert g == w, (i, next(k for k, (a, b) in enumerate(zip(g, w)) if a != b))
+
+
+LIMIT = 2000  # tokens a request without max_tokens gets here (--max-tokens-limit: a short context's end)
+BURST, ROWS = 16, 8  # requests at once; first grants the budget holds
+WORDS = 60  # a short prompt: its prefill reservation (attention scores on the CPU) is small beside the answers
+
+
+def _budget(path, rows: int, whole: bool = False) -> tuple[int, str]:
+    """A memory budget for ``rows`` first grants of a short prompt beside one prefill
+    chunk (``whole``: for one row's whole answer and the prefill chunk that recomputes it),
+    above the weights and one chunk's transient; and the prompt's words."""
+    model, tok = mlx_lm.load(str(path))
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    gate = gate_for(model, make_prompt_cache(model), CHUNK, draft=8)  # the server speculates (ngram, 8 drafts)
+    words = " ".join(f"w{i % 97}" for i in range(WORDS))
+    n = len(tok.apply_chat_template([{"role": "user", "content": f"11 {words}"}], add_generation_prompt=True))
+    budget = weights + gate.transient + rows * gate.need(n, QUANTUM) + gate.prefill_need(n)
+    if whole:
+        budget = weights + gate.transient + gate.need(n + LIMIT, 0) + gate.prefill_need(n + LIMIT)
+    del model
+    mx.clear_cache()
+    return budget, words
+
+
+def _chat(i: int, words: str, stream: bool = False) -> dict:
+    body = {"model": "test-model", "messages": [{"role": "user", "content": f"{i} {words}"}], "ignore_eos": True,
+            "temperature": 0}
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    return body
+
+
+def test_a_burst_without_max_tokens_is_answered_under_a_small_budget(record_property):
+    """Sixteen chat requests without ``max_tokens`` (each may run to 2,000 tokens, EOS
+    ignored) under a budget that holds eight first grants: reserving their whole answers
+    they would run one at a time or get a 503; now they run together, are preempted when
+    they outgrow the budget, and every answer is a 200 with all its tokens and
+    ``finish_reason: length``."""
+    path = model_path("qwen3")
+    budget, words = _budget(path, ROWS)
+    base = mx.get_active_memory()
+    with live_server(path, default_max_tokens=None, memory_budget=budget, prefill_step_size=CHUNK,
+                     max_tokens_limit=LIMIT) as s:
+        peak, stop = [0], threading.Event()
+
+        def watch():
+            while not stop.is_set():
+                peak[0] = max(peak[0], mx.get_active_memory() - base)
+                time.sleep(0.002)
+
+        def ask(i):
+            with s.client() as c:
+                r = c.post("/v1/chat/completions", json=_chat(i, words), timeout=600)
+            return r.status_code, r.headers.get("retry-after"), r.json()
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        with ThreadPoolExecutor(BURST) as pool:
+            answers = list(pool.map(ask, range(BURST)))
+        stop.set()
+        watcher.join()
+        preempted = _preemptions(s.engine)
+    for status, retry, body in answers:
+        assert status == 200, (status, body)
+        assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == LIMIT, body["usage"]
+    assert preempted > 0
+    # MLX's active memory is measured, not yet bounded here: on this tiny model (512 bytes of KV
+    # a token beside a 7,680-wide vocabulary) it peaked at 1.8 x the budget without speculation
+    # and 2.9 x with it (benchmarks/results/memory_burst.md): transients the reservations miss.
+    record_property("peak_over_budget", round(peak[0] / budget, 3))
+
+
+def test_a_streamed_answer_goes_on_through_a_preemption():
+    """A streamed answer preempted halfway (the later of two rows that cannot both grow to
+    their answers' end, under a budget for one) goes on at readmission: its text and usage
+    are those of the same request alone."""
+    import httpx
+
+    path = model_path("qwen3")
+    budget, words = _budget(path, 1, whole=True)
+    with live_server(path, default_max_tokens=None, memory_budget=budget, prefill_step_size=CHUNK,
+                     max_tokens_limit=LIMIT) as s:
+        def streamed():
+            text, usage = [], None
+            with httpx.Client(base_url=s.url, timeout=600) as c:
+                with c.stream("POST", "/v1/chat/completions", json=_chat(2, words, stream=True)) as r:
+                    assert r.status_code == 200
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            chunk = json.loads(line[6:])
+                            usage = chunk.get("usage") or usage
+                            for ch in chunk["choices"]:
+                                text.append(ch["delta"].get("content") or "")
+            return "".join(text), usage
+
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(lambda: httpx.post(s.url + "/v1/chat/completions", json=_chat(1, words), timeout=600))
+            time.sleep(0.5)  # the streamed one arrives later: it is the one preempted
+            stream = pool.submit(streamed)
+            assert first.result().status_code == 200
+            text, usage = stream.result()
+        assert _preemptions(s.engine) > 0
+        with s.client() as c:  # the same request alone
+            alone = c.post("/v1/chat/completions", json=_chat(2, words), timeout=600).json()
+    assert text == alone["choices"][0]["message"]["content"]
+    assert usage["completion_tokens"] == alone["usage"]["completion_tokens"] == LIMIT
+    assert usage["prompt_tokens"] == alone["usage"]["prompt_tokens"]
