@@ -1,6 +1,6 @@
 """Prefix-cache benchmark (a script, not a test).
 
-Usage:  python benchmarks/bench_cache.py [--lengths 2048 20480] [--new 128] [--model DIR]
+Usage:  python benchmarks/bench_cache.py [--lengths 2048 20480] [--new 128] [--model DIR] [--http]
 
 Model (``--model``, default): the tiny random-weight ``qwen3`` test model (2 layers, hidden 64, 2 KV heads
 of dim 16, float32, ~1K vocabulary; ``tests/conftest.py``), run on whatever MLX
@@ -19,6 +19,12 @@ the first token of a greedy one-token request):
     insertion, the prompt batch's setup, the prefill forward of its new tokens, the join
     into the decode batch, the first decode step, snapshots), beside the forward of its
     new tokens alone on a copy of the restored cache.
+A ``--model`` gets the gateway's CPU paths first (its float32 weights and attention, as
+``serve`` measures them at load). ``--http``: the same cold / exact / nearest TTFT over HTTP
+(``/v1/completions``, text prompts, one token), ``mlx-gateway serve`` and ``mlx_lm.server``
+running side by side, taking turns, on one float32 copy of the model (the gateway's
+conversion, saved); a nearest prompt is the stored text's first ``n - new`` tokens and new
+text, so its retokenized tail is ``new`` tokens give or take a few.
 Then: memory (mx.get_active_memory) and time to hand out a copy of a 100K-token
 snapshot, for the tiny model's layer shapes and for 4 layers of a Qwen3-0.6B-like
 shape (8 KV heads x 128 dims, float16), and the memory of the first write to it.
@@ -192,15 +198,97 @@ def bench_copy(name: str, layers: int, heads: int, dim: int, dtype, n: int = 100
           f"+{after_write / 2**20:.1f} MiB (copy-on-write of the buffers)")
 
 
+def float32_copy(model_dir: str) -> str:
+    """A copy of ``model_dir`` with the weights the gateway serves on the CPU (float32,
+    dequantized: :func:`gateway.cpu.weights.float32_weights`), for ``mlx_lm.server``."""
+    import shutil
+    import tempfile
+
+    from mlx_lm.utils import save_config, save_model
+
+    from gateway.cpu.weights import float32_weights
+
+    out = Path(tempfile.mkdtemp(prefix="float32-"))
+    model, _, config = mlx_lm.load(model_dir, return_config=True)
+    float32_weights(model, limit_bytes=1 << 40)
+    save_model(out, model)
+    config.pop("quantization", None), config.pop("quantization_config", None)
+    save_config(config, out / "config.json")
+    for f in Path(model_dir).glob("tokenizer*"):
+        shutil.copy(f, out / f.name)
+    return str(out)
+
+
+def bench_http(model_dir: str, lengths: list[int], reps: int, new: int) -> None:
+    """Cold / exact / nearest TTFT (seconds to a one-token completion) of the gateway and
+    mlx_lm.server on one float32 copy of ``model_dir``, medians of ``reps``, printed."""
+    import httpx
+
+    from scenarios import free_port, start, words
+
+    model = float32_copy(model_dir)
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tok = load_tokenizer(Path(model))
+    servers = {}
+    for name, cmd in (("gateway", ["-m", "gateway.cli", "serve", "--no-precompute-next-turn"]),
+                      ("mlx_lm.server", ["-m", "mlx_lm.server"])):
+        port = free_port()
+        servers[name] = (start([sys.executable, *cmd, "--model", model, "--port", str(port)], port)[0],
+                         f"http://127.0.0.1:{port}")
+
+    def text(n: int, seed: int) -> str:
+        return tok.decode(tok.encode(words(n, seed), add_special_tokens=False)[:n])
+
+    def ttft(url: str, prompt: str) -> float:
+        t = time.perf_counter()
+        r = httpx.post(url + "/v1/completions", timeout=3600, json={
+            "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+        r.raise_for_status()
+        return time.perf_counter() - t
+
+    rows = ["| prefix tokens | server | cold TTFT ms | exact repeat ms | nearest hit ms (new tokens) |",
+            "|---|---|---|---|---|"]
+    try:
+        for n in lengths:
+            runs: dict = {name: [] for name in servers}
+            for i in range(reps):
+                for name in (list(servers) if i % 2 == 0 else list(servers)[::-1]):
+                    url = servers[name][1]
+                    base = text(n, seed=1000 * n + 10 * i + len(runs[name]))
+                    head = tok.decode(tok.encode(base, add_special_tokens=False)[: n - new])
+                    near = head + " " + text(new, seed=i + 7)
+                    ran = len(tok.encode(near, add_special_tokens=False)) - len(tok.encode(head, add_special_tokens=False))
+                    runs[name].append((ttft(url, base), ttft(url, base), ttft(url, near), ran))
+            for name, rs in runs.items():
+                med = [statistics.median(r[k] for r in rs) for k in range(3)]
+                rows.append(f"| {n} | {name} | {med[0] * 1e3:.0f} | {med[1] * 1e3:.0f} | {med[2] * 1e3:.0f} "
+                            f"({min(r[3] for r in rs)}-{max(r[3] for r in rs)}) |")
+            print("\n".join(rows[-len(runs):]), flush=True)
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(60)
+    print("\n".join(rows))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", type=int, nargs="*", default=[2048, 20480])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--new", type=int, default=128, help="tokens a nearest-prefix hit leaves to compute")
     ap.add_argument("--model", help="model directory (default: the tiny qwen3 test model)")
+    ap.add_argument("--http", action="store_true", help="over HTTP, beside mlx_lm.server (needs --model)")
     args = ap.parse_args()
     print(f"mlx {mx.__version__}, device {mx.default_device()}")
+    if args.http:
+        return bench_http(args.model, args.lengths, args.reps, args.new)
     model, tok = mlx_lm.load(args.model or str(model_path("qwen3")))
+    if args.model:
+        from gateway.backend import backend
+
+        backend().prepare_weights(model)
+        backend().prepare(model)
     for n in args.lengths:
         bench_ttft(model, tok, n, reps=args.reps if n <= 4096 else 1, new=args.new)
     bench_copy("tiny qwen3 (2 layers x 2 KV heads x 16, fp32)", 2, 2, 16, mx.float32)

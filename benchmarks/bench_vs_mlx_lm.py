@@ -10,7 +10,9 @@ gateway converts them, MLX's own attention and glibc's malloc, the same BLAS (pr
 the system OpenBLAS for both: ``gateway/cpu/blas.py``). For each ``--lengths`` prompt
 length, the two take turns on a prompt of exactly that many token ids (random words of
 the model's tokenizer, new for every run, so that nothing is cached), greedy, EOS
-banned, ``--decode`` tokens:
+banned, ``--decode`` tokens. A length past the model's context (``max_position_embeddings``)
+is run on a copy of the model (the same weight files, linked) whose config stretches its
+RoPE linearly to cover it (``rope_scaling`` ``linear``: the same compute per token):
 
 * prefill tokens/s: prompt tokens over the time to the first token (the gateway's over
   HTTP, streamed ``/v1/completions``; mlx-lm's from ``insert`` to its first token);
@@ -61,6 +63,24 @@ def prompt_ids(model_dir: str, n: int, seed: int) -> list[int]:
     while len(ids) < n:
         ids += tok.encode(" " + words(max(64, n), seed + len(ids)), add_special_tokens=False)
     return ids[:n]
+
+
+def stretched(model_dir: str, tokens: int) -> str:
+    """``model_dir``, or a copy of it (weights linked) whose context is stretched to
+    ``tokens`` by linear RoPE scaling when its ``max_position_embeddings`` is shorter."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    context = config.get("max_position_embeddings") or tokens
+    if tokens <= context or config.get("rope_scaling"):
+        return model_dir
+    out = Path(tempfile.mkdtemp(prefix="stretched-"))
+    for f in Path(model_dir).iterdir():
+        (out / f.name).symlink_to(f.resolve())
+    (out / "config.json").unlink()
+    factor = -(-tokens // context)
+    config.update(max_position_embeddings=context * factor, rope_scaling={"type": "linear", "factor": factor})
+    (out / "config.json").write_text(json.dumps(config))
+    print(f"context {context} < {tokens} tokens: serving {out}, RoPE stretched linearly x{factor}", flush=True)
+    return str(out)
 
 
 def eos_ids(model_dir: str) -> list[int]:
@@ -159,6 +179,7 @@ def main() -> None:
 
         model_dir = str(ensure_default_model())
     lengths = [int(x) for x in args.lengths.split(",")]
+    model_dir = stretched(model_dir, max(lengths) + args.decode)
     bias = {str(t): -100 for t in eos_ids(model_dir)}
     port = free_port()
     log = Path(tempfile.mkdtemp()) / "gateway.log"
