@@ -67,6 +67,80 @@ def test_preempted_rows_give_the_tokens_of_cold_solo_runs(arch):
         assert g == w, (i, next(k for k, (a, b) in enumerate(zip(g, w)) if a != b))
 
 
+def _count(counter, **labels) -> float:
+    return sum(m.value for metric in counter.collect() for m in metric.samples
+               if m.name.endswith("_total") and all(m.labels.get(k) == v for k, v in labels.items()))
+
+
+def _engine_and_solo(arch: str, max_tokens: int, n: int = 2):
+    """The tiny ``arch`` model, ``n`` prompts, their cold solo answers (``max_tokens``, EOS
+    ignored), and the room of two first grants beside one 16-token prefill chunk."""
+    model, tok = mlx_lm.load(str(model_path(arch)))
+    prompts = _prompts(tok, n, 120)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    solo = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=1,
+                  decode_concurrency=1)
+    solo.start()
+    try:
+        want = [engine_tokens(solo, [p], [params])[0] for p in prompts]
+    finally:
+        solo.stop()
+    gate = gate_for(model, make_prompt_cache(model), 16)
+    n_tokens = max(len(p) for p in prompts)
+    return model, tok, prompts, params, want, 2 * gate.need(n_tokens, QUANTUM) + gate.prefill_need(n_tokens)
+
+
+def test_a_preempted_row_resumes_from_its_own_snapshot():
+    """Two rows that cannot both grow: the later is preempted and, readmitted when the
+    other ends, restores its KV from the prefix cache (it is not evicted while the request
+    waits: a request that cannot fit leaves the cache alone) instead of recomputing it."""
+    model, tok, prompts, params, want, room = _engine_and_solo("qwen3", 2 * QUANTUM + 60)
+    engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=2,
+                    decode_concurrency=2, prefill_step_size=16)
+    engine.set_memory_room(lambda: room)
+    engine.start()
+    try:
+        got = engine_tokens(engine, prompts, [params] * 2, timeout=600)
+    finally:
+        engine.stop()
+    assert _preemptions(engine) > 0
+    assert _count(engine.metrics.preemption_resumes, how="cache") >= 1
+    assert _count(engine.metrics.preemption_resumes, how="recompute") == 0
+    assert got == want
+
+
+def test_a_row_paused_for_a_better_class_is_preempted_before_that_class_is_cut():
+    """A batch-class row paused for an interactive one (one decode slot) still holds its
+    reservation; when the interactive row cannot grow, the paused row is preempted (its
+    KV to the prefix cache) and the interactive answer runs to its ``max_tokens``, not cut
+    with ``length``; both answers are those of cold solo runs."""
+    import uuid
+
+    from conftest import EventSink
+    from scheduler import EngineRequest
+
+    model, tok, prompts, params, want, room = _engine_and_solo("qwen3", 2 * QUANTUM + 60)
+    engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=1,
+                    decode_concurrency=1, prefill_step_size=16)
+    engine.set_memory_room(lambda: room)
+    engine.start()
+    try:
+        batch, interactive = EventSink(), EventSink()
+        engine.submit(EngineRequest(f"b-{uuid.uuid4().hex[:8]}", prompts[0], params, batch, priority=2))
+        deadline = time.monotonic() + 300
+        while len(batch.tokens) < 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        engine.submit(EngineRequest(f"i-{uuid.uuid4().hex[:8]}", prompts[1], params, interactive, priority=0))
+        assert interactive.done.wait(600) and batch.done.wait(600)
+    finally:
+        engine.stop()
+    assert _count(engine.metrics.decode_pauses) >= 1
+    assert _count(engine.metrics.preemptions, outcome="length") == 0
+    assert _count(engine.metrics.preemptions, priority="2", outcome="requeued") >= 1
+    assert interactive.tokens == want[1]
+    assert batch.tokens == want[0]
+
+
 LIMIT = 2000  # tokens a request without max_tokens gets here (--max-tokens-limit: a short context's end)
 BURST, ROWS = 16, 8  # requests at once; first grants the budget holds
 WORDS = 60  # a short prompt: its prefill reservation (attention scores on the CPU) is small beside the answers

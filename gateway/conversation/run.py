@@ -28,6 +28,8 @@ from scheduler import SamplingParams
 from scheduler.grammar import TokenMask
 from scheduler.request import DoneEvent, ErrorEvent, ProgressEvent, PromptEvent, TokenEvent
 
+COALESCE_MAX = 64  # tokens one coalesced piece holds at most (a reader behind the engine)
+
 
 @dataclass
 class Run:
@@ -128,7 +130,9 @@ class Run:
     async def _pieces(self) -> AsyncIterator[Piece | Comment]:
         """Engine events as text pieces, told to the books as they come; behind the engine
         (more at hand, :meth:`Generation.ready`), consecutive tokens of one kind (text,
-        reasoning, neither) make one piece: one chunk, the text concatenated."""
+        reasoning, neither) make one piece of at most :data:`COALESCE_MAX` tokens: one
+        chunk, the text concatenated (bounded, so that a long backlog still yields to the
+        other streams on the loop)."""
         gen, books, held = self.gen, self.books, None
         async for ev in gen.events(keepalive=self.keepalive):
             if held is not None and not isinstance(ev, TokenEvent):
@@ -156,7 +160,7 @@ class Run:
                     held = Piece(d.content, d.reasoning, tokens=[ev])
                 if self.asm.stopped:
                     break
-                if not gen.ready():
+                if not gen.ready() or len(held.tokens) >= COALESCE_MAX:
                     yield held
                     held = None
             elif isinstance(ev, DoneEvent):

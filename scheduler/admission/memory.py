@@ -183,7 +183,8 @@ class MemoryGate:
     def decide(self, need: int, held: int, cache: Any, running: bool, alone: Optional[int] = None) -> str:
         """``fits``, ``wait`` or ``never`` for a request needing ``need`` bytes beside
         ``held`` reserved by the running rows, dropping unleased snapshots of ``cache``
-        (a ``PromptCacheManager``) first when that makes it fit. ``running``: some row is
+        (a ``PromptCacheManager``) first when that makes it fit (and only then: a request that
+        cannot fit beside the running rows leaves the cache as it is). ``running``: some row is
         in the batch (its end frees memory). ``alone``: the bytes it needs with no row
         beside it (default ``need``); ``never`` when they exceed the room."""
         room = self.room() if self.room is not None else None
@@ -192,7 +193,9 @@ class MemoryGate:
         if room - (need if alone is None else alone) < 0:
             return "never"  # not even alone, with an empty cache
         left = room - held - need
-        while cache.nbytes > max(0, left) and cache.eviction.evict_oldest("memory"):
+        if left < 0:  # no eviction makes it fit beside the running rows: keep the cache
+            return "wait" if running or cache.num_leases else "never"
+        while cache.nbytes > left and cache.eviction.evict_oldest("memory"):
             pass
         if held + need + cache.nbytes <= room:
             return "fits"

@@ -129,14 +129,21 @@ class Reservations:
         """``fits``, ``wait`` or ``never`` for the waiting ``r`` by its predicted memory
         (:meth:`MemoryGate.decide`); a ``never`` is answered here: a 503, or for a
         :class:`Resumed` request, its end with ``finish_reason: length``."""
-        gate, rows = self.gate, self._rows()
-        cached = self.batch.prompt_cache.match_length(r.namespace, r.tokens) if isinstance(r, Resumed) else 0
+        gate, rows, cache = self.gate, self._rows(), self.batch.prompt_cache
+        cached = 0
+        if isinstance(r, Resumed):  # its own snapshot (keyed before its pending token) gives way last
+            cache.refresh(r.namespace, r.tokens[:-1])
+            cached = cache.match_length(r.namespace, r.tokens)
         held = gate.held(self._specs(rows))
-        mine = (len(r.tokens), gate.first_grant(r.params.max_tokens, movable(r)),
-                gate.prefill_need(len(r.tokens), cached))  # a preempted row's KV restored: it prefills one token
-        need = gate.held([*self._specs(rows), mine]) - held  # (the batch's padding to its longest row included)
-        alone = gate.held([mine])
-        verdict = gate.decide(need, held, self.batch.prompt_cache, bool(rows), alone=alone)
+        while True:
+            mine = (len(r.tokens), gate.first_grant(r.params.max_tokens, movable(r)),
+                    gate.prefill_need(len(r.tokens), cached))  # a preempted row's KV restored: it prefills one token
+            need = gate.held([*self._specs(rows), mine]) - held  # (the batch's padding to its longest row included)
+            alone = gate.held([mine])
+            verdict = gate.decide(need, held, cache, bool(rows), alone=alone)
+            if not cached or verdict != "fits" or cache.match_length(r.namespace, r.tokens) >= cached:
+                break
+            cached = 0  # its own snapshot gave way: judged again as the recompute it now is
         if verdict == "never" and isinstance(r, Resumed):
             self.metrics.preemptions.labels(str(r.priority), "length").inc()
             self.send(r, [DoneEvent("length")])
@@ -152,9 +159,11 @@ class Reservations:
             self.metrics.memory_waits.inc()
         return verdict
 
-    def take_resumed(self, n: int) -> list[Admission]:
-        """Up to ``n`` preempted requests from the head of the waiting queue, admitted first."""
-        return [Admission(r, [], False) for r in self.waiting.take(n, lambda r: isinstance(r, Resumed))]
+    def take_resumed(self, n: int, allowed: Optional[set[int]] = None) -> list[Admission]:
+        """Up to ``n`` preempted requests from the head of the waiting queue, admitted first,
+        of the ``allowed`` latency classes (None: all)."""
+        return [Admission(r, [], False) for r in self.waiting.take(
+            n, lambda r: isinstance(r, Resumed) and (allowed is None or r.priority in allowed))]
 
     def put_back(self, admissions: list[Admission], cached_len: Callable[[EngineRequest], int]) -> None:
         """Picked ``admissions`` that wait for memory go back to the head of the queue, in order."""
@@ -177,13 +186,12 @@ class Reservations:
         """Before a step: grow the grant of each decoding row whose next step may pass it,
         the best latency class and the earliest first; preempt rows where that does not
         fit (see the module docstring)."""
-        gate = self.gate
-        if gate.room is None or gate.room() is None:
-            return
-        rows = self._rows()
+        gate, rows = self.gate, self._rows()
         ids = {a.request.id for a in rows}
         for gone in [k for k in self.grants if k not in ids]:
             del self.grants[gone]
+        if gate.room is None or gate.room() is None:
+            return
         tried: set[str] = set()
         for a in sorted((a for a in self.batch.active.values() if a.decoding and a.request.id in self.grants),
                         key=lambda a: (a.rank, a.request.arrival)):
@@ -203,7 +211,7 @@ class Reservations:
                     break
                 victim = self._victim(tried)
                 if victim is None:
-                    if len(self.batch.active) <= 1 and self.batch.cancel(r.id, "length"):  # alone: it ends here
+                    if len(self._rows()) <= 1 and self.batch.cancel(r.id, "length"):  # alone: it ends here
                         self.batch.stats.finished += 1
                         self.metrics.preemptions.labels(str(r.priority), "length").inc()
                     break
@@ -213,18 +221,24 @@ class Reservations:
                     break
 
     def _victim(self, tried: set[str]) -> Optional[Row]:
-        """The row to preempt: a decoding request's row of the lowest class, the latest
-        arrived; None when one row or none is left, or no row may be preempted."""
-        if len(self.batch.active) <= 1:
+        """The row to preempt: a decoding row paused for a better latency class (it holds
+        memory and gives no tokens), else a decoding request's row of the lowest class, the
+        latest arrived; None when one row or none is left, or no row may be preempted."""
+        if len(self._rows()) <= 1:
             return None
-        rows = [a for a in self.batch.active.values() if a.decoding and a.joining is None and a.precompute is None
+        rows = [a for a in self._rows() if a.decoding and a.joining is None and a.precompute is None
                 and a.request.id not in tried and movable(a.request)]
-        return max(rows, key=lambda a: (a.rank, a.request.arrival), default=None)
+        paused = {id(a) for a in self.paused}
+        return max(rows, key=lambda a: (id(a) in paused, a.rank, a.request.arrival), default=None)
 
     def _preempt(self, a: Row) -> None:
         """Take ``a`` out of the batch, its KV into the prefix cache, and put its request back
         at the head of the waiting queue as a :class:`Resumed` one."""
-        outcome, tokens, state = self.batch.insertion.preempt(a, self.batch._save_snapshot)
+        if any(p is a for p in self.paused):
+            self.paused[:] = [p for p in self.paused if p is not a]
+            outcome, tokens, state = self.batch.insertion.preempt_paused(a, self.batch._save_snapshot)
+        else:
+            outcome, tokens, state = self.batch.insertion.preempt(a, self.batch._save_snapshot)
         if outcome != "out":
             return
         r = a.request

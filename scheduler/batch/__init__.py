@@ -359,7 +359,7 @@ class Batch:
                 self._send(a.request, [ProgressEvent(a.cached + done, len(a.request.tokens))])
         position = a.cached + a.processed
         if pr.end_of_prompt:
-            a.request.timings["engine_prefilled"] = self._step_prefilled_at
+            a.request.timings.setdefault("engine_prefilled", self._step_prefilled_at)
             a.decoding = True
             self.prompt_cache.release(a.lease)
             a.lease = None

@@ -103,7 +103,7 @@ class RowInsertion:
         try:
             hit = self.prompt_cache.fetch(r.namespace, r.tokens, count=not background and carry is None,
                                           whole=known is not None)
-            r.timings["engine_restored"] = time.monotonic()
+            r.timings.setdefault("engine_restored", time.monotonic())  # a resumed request keeps its first
             lease, cached = hit.lease, hit.cached_tokens
             if known is not None and cached == len(r.tokens):
                 return self._start_from_first_token(r, hit, known)
@@ -162,7 +162,7 @@ class RowInsertion:
                 self._failures.count(a)
                 self._finish(a, ErrorEvent(500, reason))
                 continue
-            a.request.timings["engine_prefilled"] = now
+            a.request.timings.setdefault("engine_prefilled", now)
             try:
                 token = int(state.pending.item())
                 event = self._token_event(a, _First(token, state.logprobs))
@@ -280,6 +280,11 @@ class RowInsertion:
             return "kept", None, None
         if not self._pause_decoding(a):  # (a failure there ended it with a 500)
             return ("kept" if a.request.id in self._by_id else "ended"), None, None
+        return self.preempt_paused(a, save)
+
+    def preempt_paused(self, a: Row, save: Callable[[Row, list, list], None]) -> tuple[str, Optional[list[int]], Any]:
+        """:meth:`preempt` for the decoding row ``a`` paused for a better latency class
+        (:meth:`pause`: already out of the generator, its state in ``a.paused``)."""
         state, a.paused = a.paused, None
         before, done = [], None
         try:

@@ -236,7 +236,7 @@ class EngineCore:
         if self.pad_free_prefill and prefilling:
             return
         n = 1 if self.pad_free_prefill else free
-        picks = self.reservations.take_resumed(n)  # preempted rows first
+        picks = self.reservations.take_resumed(n, allowed)  # preempted rows first
         lower_room = self.classes.lower_room()
         if lower_room is not None:  # interactive first, then the lower classes within their room
             classes = {0, 1, 2} if allowed is None else allowed
