@@ -203,12 +203,12 @@ class PromptCacheManager:
                 lease = self.leases.take(entry)
                 path, private = path_pages(entry.node), entry.private
             if count:
-                self.metrics.looked_up(namespace, len(tokens))
+                self.metrics.looked_up(self.eviction.owners.get(namespace, namespace), len(tokens))
         t1 = time.perf_counter()
         timings = {"lookup": t1 - t0}
         if sel is None:
             if count:
-                self.metrics.fetched(namespace, timings, 0)
+                self.metrics.fetched(self.eviction.owners.get(namespace, namespace), timings, 0)
             return CacheHit(None, 0, None, {**timings, "copy": 0.0, "restore": 0.0})
         try:
             own = rules.safe_copy(private)
@@ -225,7 +225,7 @@ class PromptCacheManager:
         timings["copy"] = t2 - t1  # the snapshot's own layers: copied and trimmed
         timings["restore"] = t3 - t2  # paged layers: pages concatenated
         if count:
-            self.metrics.fetched(namespace, timings, target)
+            self.metrics.fetched(self.eviction.owners.get(namespace, namespace), timings, target)
         return CacheHit(cache, target, lease, timings, "disk" if from_disk else "memory")
 
     def _load_from_disk(self, namespace: str, tokens: Sequence[int]) -> bool:
@@ -353,9 +353,11 @@ class PromptCacheManager:
         self._account(group, entry, -1)
 
     def _account(self, group: Group, entry: Entry, sign: int) -> None:
-        """Update totals and gauges after ``entry`` was stored (+1) or dropped (-1). Lock held."""
+        """Update totals and gauges after ``entry`` was stored (+1) or dropped (-1); an emptied
+        companion's gauges go (an adapter's namespace is one per load: unbounded). Lock held."""
         group.count(entry, sign)
-        self.metrics.held(entry.namespace, group.by_type, group.page_bytes, group.tokens, PAGED_TYPE)
+        self.metrics.held(entry.namespace, group.by_type, group.page_bytes, group.tokens, PAGED_TYPE,
+                          drop_empty=entry.namespace in self.eviction.owners)
 
     def close(self) -> None:
         """Leave the shared budget, if any (the model is unloaded)."""

@@ -17,7 +17,9 @@ Exposed names (dashboards rely on them; vLLM's ``prefix_cache_queries`` /
   in pages; bytes / tokens is the cost per unique token)
 - ``mlx_gateway_prompt_cache_quota_bytes{cache_group}`` (gauge, bytes; only groups with a quota)
 
-A cache group is a prefix-cache namespace: the manager's ``namespace`` argument.
+A cache group is a prefix-cache namespace: the manager's ``namespace`` argument. A
+companion namespace (an adapter's, one per load; a draft model's) counts its lookups in
+its owner's group, and has gauges only while it holds snapshots: the label set stays bounded.
 - ``mlx_gateway_prompt_cache_breakpoints_evicted_total`` (counter: snapshots kept by a
   cache breakpoint that memory forced out before their ttl)
 - ``mlx_gateway_prompt_cache_active_leases`` (gauge)
@@ -91,10 +93,24 @@ class CacheMetrics:
             self.hits.labels(cache_group=cache_group).inc()
             self.hit_tokens.labels(cache_group=cache_group).inc(restored)
 
-    def held(self, cache_group: str, by_type: dict, page_bytes: int, tokens: int, paged_type: str) -> None:
+    def held(self, cache_group: str, by_type: dict, page_bytes: int, tokens: int, paged_type: str,
+             drop_empty: bool = False) -> None:
         """Set ``cache_group``'s gauges: per layer type (``by_type``: type -> (bytes, snapshots))
         its bytes (``paged_type``'s with the group's ``page_bytes``) and snapshots, and its
-        unique ``tokens``."""
+        unique ``tokens``; with ``drop_empty``, a group that holds nothing loses its series
+        instead (so that short-lived groups leave no label behind)."""
+        if drop_empty and not tokens and not any(count for _, count in by_type.values()):
+            for typ in by_type:
+                for gauge in (self.bytes, self.entries):
+                    try:
+                        gauge.remove(typ, cache_group)
+                    except KeyError:
+                        pass
+            try:
+                self.tokens.remove(cache_group)
+            except KeyError:
+                pass
+            return
         for typ, (b, count) in by_type.items():
             paged = page_bytes if typ == paged_type else 0
             self.bytes.labels(cache_type=typ, cache_group=cache_group).set(b + paged)

@@ -191,6 +191,26 @@ def test_refuse_instead_of_breaking_bounds():
     mgr.sanity_check()
 
 
+def test_short_lived_companion_groups_leave_no_metric_series():
+    """An adapter's namespace is one per load (``<group>/lora:<name>#<load>``): its lookups
+    count in its owner's group and its gauges go once it holds nothing, so a server that
+    loads adapters for days keeps a bounded set of label series."""
+    reg = CollectorRegistry()
+    mgr = PromptCacheManager(max_bytes=1 << 20, max_entries=10, registry=reg)
+    toks = list(range(1, 33))
+    for load in range(1, 6):
+        ns = f"g/lora:a#{load}"
+        mgr.eviction.add_companion(ns, "g")
+        mgr.insert(ns, toks, make("kv", toks))
+        mgr.release(mgr.fetch(ns, toks + [7]).lease)
+        assert sample(reg, "mlx_gateway_prompt_cache_entries", cache_type="KVCache", cache_group=ns) == 1
+        mgr.eviction.flush(ns)
+    names = {s.labels.get("cache_group") for m in reg.collect() for s in m.samples}
+    assert not any("#" in (n or "") for n in names), names
+    assert sample(reg, "mlx_gateway_prefix_cache_queries_total", cache_group="g") == 5
+    assert sample(reg, "mlx_gateway_prefix_cache_hits_total", cache_group="g") == 5
+
+
 def test_metrics_counters_and_gauges():
     from prometheus_client import CollectorRegistry
 
