@@ -112,6 +112,12 @@ class Reservations:
         self.metrics, self.send = metrics, send
         self.grants: dict[str, tuple[int, int]] = {}
 
+    def movable(self, r: EngineRequest) -> bool:
+        """``r``'s row may grow and be preempted: :func:`movable`, and the batch's insertion
+        can preempt (a cluster's leader cannot: its followers mirror every row operation,
+        and preemption is not one of them)."""
+        return self.batch.insertion.preemptible and movable(r)
+
     def _rows(self) -> list[Row]:
         return [*self.batch.active.values(), *self.paused]
 
@@ -136,7 +142,7 @@ class Reservations:
             cached = cache.match_length(r.namespace, r.tokens)
         held = gate.held(self._specs(rows))
         while True:
-            mine = (len(r.tokens), gate.first_grant(r.params.max_tokens, movable(r)),
+            mine = (len(r.tokens), gate.first_grant(r.params.max_tokens, self.movable(r)),
                     gate.prefill_need(len(r.tokens), cached))  # a preempted row's KV restored: it prefills one token
             need = gate.held([*self._specs(rows), mine]) - held  # (the batch's padding to its longest row included)
             alone = gate.held([mine])
@@ -151,7 +157,7 @@ class Reservations:
             self.metrics.memory_refused.inc()
             room = gate.room() or 0
             self.send(r, [ErrorEvent(503, f"the request needs {alone / 2**20:.1f} MiB (the KV of its prompt and "
-                                          f"its first {gate.first_grant(r.params.max_tokens, movable(r))} tokens, its "
+                                          f"its first {gate.first_grant(r.params.max_tokens, self.movable(r))} tokens, its "
                                           f"prefill's activations) and the memory budget leaves "
                                           f"{max(0, room) / 2**20:.1f} MiB after the weights: retry with fewer "
                                           "tokens, or raise --memory-budget")])
@@ -180,7 +186,7 @@ class Reservations:
             a.generated = carry.generated
             full = a.cached >= len(r.tokens) - 1
             self.metrics.preemption_resumes.labels("cache" if full else "recompute").inc()
-        self.grants[r.id] = (self.gate.first_grant(r.params.max_tokens, movable(r)), a.generated)
+        self.grants[r.id] = (self.gate.first_grant(r.params.max_tokens, self.movable(r)), a.generated)
 
     def grow(self) -> None:
         """Before a step: grow the grant of each decoding row whose next step may pass it,
@@ -227,7 +233,7 @@ class Reservations:
         if len(self._rows()) <= 1:
             return None
         rows = [a for a in self._rows() if a.decoding and a.joining is None and a.precompute is None
-                and a.request.id not in tried and movable(a.request)]
+                and a.request.id not in tried and self.movable(a.request)]
         paused = {id(a) for a in self.paused}
         return max(rows, key=lambda a: (id(a) in paused, a.rank, a.request.arrival), default=None)
 

@@ -85,6 +85,8 @@ class RowInsertion:
         self._token_event = token_event
         self._joining_uid = 0  # rows started from a kept first token count down from -1 until they join
 
+    preemptible = True  # rows may be taken out for memory (scheduler/admission/preemption.py)
+
     def start_row(self, r: EngineRequest, extra_checkpoints=(), background: bool = False,
                   carry: Any = None) -> Optional[Row]:
         """Fetch ``r``'s cached prefix and put its prompt into the batch, cut into segments

@@ -104,11 +104,13 @@ class LeaderInsertion(RowInsertion):
 
     recorder: Recorder
 
-    def start_row(self, r, extra_checkpoints=(), background: bool = False):
+    preemptible = False  # a preemption is no operation the followers mirror: rows reserve their whole answer
+
+    def start_row(self, r, extra_checkpoints=(), background: bool = False, carry=None):
         spec = (r.id, list(r.tokens), r.params.max_tokens, r.params.ignore_eos, list(r.checkpoints), r.namespace,
                 dict(r.keep))
         self.recorder.record("start", spec, tuple(extra_checkpoints), background)
-        a = super().start_row(r, extra_checkpoints, background)
+        a = super().start_row(r, extra_checkpoints, background, carry)
         self.recorder.record("check", "start", r.id, None if a is None else a.cached)
         return a
 

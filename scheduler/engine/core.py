@@ -251,7 +251,12 @@ class EngineCore:
                 return
             self._waiting_counts.remove(admission.request)
             if verdict == "fits":
-                self._insert(admission)
+                try:
+                    self._insert(admission)
+                except BaseException:  # the engine stops: this request is told, the rest wait to be ended
+                    self.send(admission.request, [ErrorEvent(500, "the engine failed admitting the request")])
+                    self.reservations.put_back(picks[i + 1:], lambda r: self.prompt_cache.match_length(r.namespace, r.tokens))
+                    raise
 
     def _pick(self, n: int, classes: Optional[set[int]]) -> list[Admission]:
         if n <= 0 or (classes is not None and not classes):
