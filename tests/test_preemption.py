@@ -19,7 +19,15 @@ from mlx_lm.models.cache import make_prompt_cache
 from cache import PromptCacheManager
 from conftest import engine_tokens, live_server, model_path
 from scheduler import Engine, SamplingParams
-from scheduler.admission.memory import QUANTUM, gate_for
+from scheduler.admission.memory import gate_for
+
+
+QUANTUM = 64  # the grant of new tokens here (MLX_GATEWAY_RESERVATION_QUANTUM; 256 by default): short answers outgrow it
+
+
+@pytest.fixture(autouse=True)
+def _quantum(monkeypatch):
+    monkeypatch.setenv("MLX_GATEWAY_RESERVATION_QUANTUM", str(QUANTUM))
 
 
 CHUNK = 16  # prefill tokens a step over HTTP: a small prefill reservation, so that the KV decides
@@ -36,7 +44,7 @@ def _preemptions(engine) -> float:
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
 def test_preempted_rows_give_the_tokens_of_cold_solo_runs(arch):
-    """Four rows whose answers (856 tokens, EOS ignored) outgrow a room that holds two
+    """Four rows whose answers (280 tokens, EOS ignored) outgrow a room that holds two
     rows' first grants and one 16-token prefill chunk: rows are preempted and
     readmitted, and every answer is the one a cold engine gives the prompt alone."""
     model, tok = mlx_lm.load(str(model_path(arch)))
@@ -94,7 +102,7 @@ def test_a_preempted_row_resumes_from_its_own_snapshot():
     """Two rows that cannot both grow: the later is preempted and, readmitted when the
     other ends, restores its KV from the prefix cache (it is not evicted while the request
     waits: a request that cannot fit leaves the cache alone) instead of recomputing it."""
-    model, tok, prompts, params, want, room = _engine_and_solo("qwen3", 2 * QUANTUM + 60)
+    model, tok, prompts, params, want, room = _engine_and_solo("qwen3", 572)
     engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=2,
                     decode_concurrency=2, prefill_step_size=16)
     engine.set_memory_room(lambda: room)
@@ -119,7 +127,7 @@ def test_a_row_paused_for_a_better_class_is_preempted_before_that_class_is_cut()
     from conftest import EventSink
     from scheduler import EngineRequest
 
-    model, tok, prompts, params, want, room = _engine_and_solo("qwen3", 2 * QUANTUM + 60)
+    model, tok, prompts, params, want, room = _engine_and_solo("qwen3", 572)
     engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=1,
                     decode_concurrency=1, prefill_step_size=16)
     engine.set_memory_room(lambda: room)
@@ -141,7 +149,7 @@ def test_a_row_paused_for_a_better_class_is_preempted_before_that_class_is_cut()
     assert batch.tokens == want[0]
 
 
-LIMIT = 2000  # tokens a request without max_tokens gets here (--max-tokens-limit: a short context's end)
+LIMIT = 600  # tokens a request without max_tokens gets here (--max-tokens-limit: a short context's end)
 BURST, ROWS = 16, 8  # requests at once; first grants the budget holds
 WORDS = 60  # a short prompt: its prefill reservation (attention scores on the CPU) is small beside the answers
 
@@ -172,7 +180,7 @@ def _chat(i: int, words: str, stream: bool = False) -> dict:
 
 
 def test_a_burst_without_max_tokens_is_answered_under_a_small_budget(record_property):
-    """Sixteen chat requests without ``max_tokens`` (each may run to 2,000 tokens, EOS
+    """Sixteen chat requests without ``max_tokens`` (each may run to 600 tokens, EOS
     ignored) under a budget that holds eight first grants: reserving their whole answers
     they would run one at a time or get a 503; now they run together, are preempted when
     they outgrow the budget, and every answer is a 200 with all its tokens and
