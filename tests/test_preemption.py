@@ -47,20 +47,8 @@ def test_preempted_rows_give_the_tokens_of_cold_solo_runs(arch):
     """Four rows whose answers (280 tokens, EOS ignored) outgrow a room that holds two
     rows' first grants and one 16-token prefill chunk: rows are preempted and
     readmitted, and every answer is the one a cold engine gives the prompt alone."""
-    model, tok = mlx_lm.load(str(model_path(arch)))
-    prompts = _prompts(tok, 4, 120)
     max_tokens = 3 * QUANTUM + 88
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    solo = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=1,
-                  decode_concurrency=1)
-    solo.start()
-    try:
-        want = [engine_tokens(solo, [p], [params])[0] for p in prompts]
-    finally:
-        solo.stop()
-    gate = gate_for(model, make_prompt_cache(model), 16)  # 16-token chunks: a small prefill reservation
-    n = max(len(p) for p in prompts)
-    room = 2 * gate.need(n, QUANTUM) + gate.prefill_need(n)
+    model, tok, prompts, params, want, room = _engine_and_solo(arch, max_tokens, n=4)
     engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
                     decode_concurrency=8, prefill_step_size=16)
     engine.set_memory_room(lambda: room)
