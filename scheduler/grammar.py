@@ -13,10 +13,13 @@ CPU work; the only MLX call is the ``where`` on the row's logits, on the engine 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
+import weakref
 from collections import OrderedDict
+from copy import copy
 from typing import Optional
 
 import llguidance
@@ -35,8 +38,52 @@ JSON_RELAXED = {**JSON_DEFAULTS, "coerce_one_of": True, "lenient": True}
 _ADD = np.array([0.0, -np.inf], dtype=np.float32)  # allowed -> 0, forbidden -> -inf
 
 
+# (hash of a tokenizer's JSON serialization, n_vocab, eos ids) -> a live Grammars holding
+# that vocabulary index: the index lives as long as one of the models using it
+_indexes: "weakref.WeakValueDictionary[tuple, Grammars]" = weakref.WeakValueDictionary()
+_indexes_lock = threading.Lock()
+
+
 class GrammarError(ValueError):
     """The grammar or JSON schema cannot be compiled (an HTTP 400 for the request)."""
+
+
+def vocabulary_index(hf_tokenizer, n_vocab: int, eos_token_ids, owner: "Grammars") -> "llguidance.LLTokenizer":
+    """llguidance's index of a fast Hugging Face tokenizer's vocabulary, as
+    ``llguidance.hf.from_tokenizer`` builds it (from the tokenizer's JSON serialization,
+    padding and truncation off), with ``n_vocab`` logits and ``eos_token_ids`` (none: the
+    tokenizer's own eos), for ``owner``. An index is a function of those alone, so it is
+    shared: while a :class:`Grammars` (a loaded model) holds the index of a tokenizer that
+    serializes to the same JSON, with the same ``n_vocab`` and eos ids, that one is returned.
+
+    The serialization skips ``from_tokenizer``'s copy of the tokenizer when padding and
+    truncation are already off (the copy serializes and parses it once more). CPU seconds
+    on a 2-core CPU: Qwen3's 151k tokens 1.8 by ``from_tokenizer``, 1.3 here, 0.1 shared;
+    Gemma 3's 262k 5.4, 3.9 and 0.7.
+
+    Raises:
+        ValueError: not a fast tokenizer (``from_tokenizer``'s error).
+    """
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        from llguidance.hf import from_tokenizer
+
+        return from_tokenizer(hf_tokenizer, n_vocab=n_vocab, eos_token=sorted(eos_token_ids) or None)
+    if backend.padding is not None or backend.truncation is not None:
+        backend = copy(backend)
+        backend.no_padding()
+        backend.no_truncation()
+    text = backend.to_str()
+    eos = sorted(eos_token_ids) or hf_tokenizer.eos_token_id
+    key = (hashlib.sha256(text.encode()).hexdigest(), n_vocab, json.dumps(eos))
+    with _indexes_lock:
+        other = _indexes.get(key)
+        index = other._lltok if other is not None else None
+    if index is None:
+        index = llguidance.LLTokenizer(text, n_vocab=n_vocab, eos_token=eos)
+        with _indexes_lock:
+            _indexes[key] = owner  # (its _lltok is set as this returns)
+    return index
 
 
 def json_schema_grammar(schema: dict) -> str:
@@ -59,7 +106,8 @@ class Grammars:
         eos_token_ids: the ids that end a generation; a finished grammar allows only these.
 
     Building the vocabulary index takes about a second for a 150k vocabulary, so it is
-    built on first use, once, in whichever (non-engine) thread asks first.
+    built on first use, once, in whichever (non-engine) thread asks first, or taken from
+    another model on the same tokenizer (:func:`vocabulary_index`).
     """
 
     def __init__(self, hf_tokenizer, n_vocab: int, eos_token_ids):
@@ -73,10 +121,7 @@ class Grammars:
     def _tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._lltok is None:
-                import llguidance.hf
-
-                self._lltok = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.n_vocab,
-                                                           eos_token=self.eos_token_ids or None)
+                self._lltok = vocabulary_index(self._hf, self.n_vocab, self.eos_token_ids, self)
             return self._lltok
 
     def lark_literal(self, text: str) -> str:

@@ -208,3 +208,40 @@ def test_a_grammar_failure_fails_only_its_request(server):
     assert engine.alive
     text, finish = ask(server.openai(), "still fine?", response_format=schema_format(PERSON))
     assert finish == "stop" and json.loads(text)
+
+
+def test_models_on_one_tokenizer_share_one_vocabulary_index_equal_to_llguidances_own():
+    """``scheduler.grammar.vocabulary_index``: the index ``llguidance.hf.from_tokenizer`` builds
+    (same tokens, eos and masks), shared by the grammars of every model whose tokenizer
+    serializes the same, with the same logits and eos ids, while one of them lives; another
+    ``n_vocab`` or eos gets its own."""
+    import gc
+
+    import llguidance
+    import llguidance.hf
+
+    from conftest import TOKENIZERS, load_tokenizer
+    from scheduler import grammar
+    from scheduler.grammar import Grammars, json_schema_grammar
+
+    a, b = load_tokenizer(TOKENIZERS / "qwen3"), load_tokenizer(model_path("qwen3", "qwen3"))
+    assert a is not b  # two loads of the same tokenizer files (the model's config adds an eos id)
+    n, eos = 151936, sorted(a.eos_token_ids)
+    first = Grammars(a._tokenizer, n, eos)
+    ours = first._tokenizer()
+    assert Grammars(b._tokenizer, n, eos)._tokenizer() is ours
+    assert Grammars(a._tokenizer, n + 64, eos)._tokenizer() is not ours
+    assert Grammars(a._tokenizer, n, [0])._tokenizer() is not ours
+    theirs = llguidance.hf.from_tokenizer(a._tokenizer, n_vocab=n, eos_token=eos)
+    assert (ours.vocab_size, ours.eos_tokens) == (theirs.vocab_size, theirs.eos_tokens)
+    text = 'héllo <think> {"a": [1, 2.5e3]} <tool_call> 世界'
+    assert ours.tokenize_str(text) == theirs.tokenize_str(text)
+    schema = json_schema_grammar({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]})
+    mine, reference = llguidance.LLMatcher(ours, schema), llguidance.LLMatcher(theirs, schema)
+    for token in [*a.encode('{"a":"x y"}', add_special_tokens=False), *eos]:
+        assert mine.compute_bitmask() == reference.compute_bitmask()
+        assert mine.consume_token(token) and reference.consume_token(token)
+    assert mine.is_stopped() and reference.is_stopped()
+    del first, ours, mine
+    gc.collect()
+    assert not any(g._hf is a._tokenizer for g in grammar._indexes.values())  # kept by no one: gone

@@ -14,7 +14,8 @@ engine loop's included, for as long as they run: parsing the tokenizer (the Rust
 (llguidance's ``LLTokenizer``). Both grow with the vocabulary: about 0.3 s and 0.9 s for
 Llama 3's 128k tokens, 0.6 s and 2.4 s for Gemma 3's 262k, a few milliseconds for a
 small one (measured on a 2-core CPU). Both are kept (:data:`KEPT`) for the process's
-life, so a model unloaded and loaded again (LRU, ``keep_alive``) pays neither.
+life, so a model unloaded and loaded again (LRU, ``keep_alive``) pays neither, and the
+index is shared by models on the same tokenizer (:func:`scheduler.grammar.vocabulary_index`).
 """
 
 from __future__ import annotations
