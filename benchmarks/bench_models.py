@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import subprocess
@@ -54,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scenarios import (  # noqa: E402
-    MEDIUM, free_port, long_text, medium_model, start, steady_stream_bias, stream_chat, summarize, words,
+    MEDIUM, free_port, long_text, medium_model, start, steady_stream_bias, stream_chat, summarize, words, write_results,
 )
 
 CHAT = {"clients": 4, "prompt": 200, "answer": 64}
@@ -252,11 +251,9 @@ def main() -> None:
           f"A {CHAT['clients']} chat clients, B {AGENT['clients']} agent clients\n\n" + table(results, rss_method))
     print(md)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "models.json").write_text(json.dumps({"seconds": args.seconds, "repeat": args.repeat,
-                                                          "rss_method": rss_method, "chat": CHAT, "agent": AGENT,
-                                                          "results": results, "runs": runs}, indent=1))
-        (args.out / "models.md").write_text(md + "\n")
+        write_results(args.out, {"models.json": {"seconds": args.seconds, "repeat": args.repeat, "rss_method": rss_method,
+                                                 "chat": CHAT, "agent": AGENT, "results": results, "runs": runs},
+                                 "models.md": md})
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -49,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from scenarios import (  # noqa: E402
     burst, constrained, conversation, decode_speed, free_port, load, medium_model, phase_breakdown, pyplot, serving,
-    stall,
+    stall, write_results,
 )
 
 from gateway.telemetry.request_log import read_json_log  # noqa: E402
@@ -226,9 +225,7 @@ def main() -> None:
     table = goals_table(results)
     print(table)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps(results, indent=1))
-        (args.out / "goals.md").write_text(table + "\n")
+        write_results(args.out, {"results.json": results, "goals.md": table})
         if not plot(results, args.out / "compare.png"):
             print("matplotlib is not installed: no plot (pip install -e '.[bench]')")
 

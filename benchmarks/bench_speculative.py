@@ -68,7 +68,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scenarios import free_port, gateway_cmd, serving, stream_chat, words  # noqa: E402
+from scenarios import free_port, gateway_cmd, serving, stream_chat, words, write_results  # noqa: E402
 
 SMOL_SHAPE = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
               "head_dim": 64, "intermediate_size": 1536, "rope_theta": 100000.0, "max_position_embeddings": 8192}
@@ -348,12 +348,9 @@ def main() -> None:
     md = table(results, args.streams)
     print(md)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         slim = {s: {w: {k: v for k, v in r.items() if k != "texts"} for w, r in res.items()}
                 for s, res in results.items()}
-        (out / "speculative.json").write_text(json.dumps({"cost": cost, "results": slim}, indent=2))
-        (out / "speculative.md").write_text(md + "\n")
+        write_results(args.out, {"speculative.json": {"cost": cost, "results": slim}, "speculative.md": md})
 
 
 if __name__ == "__main__":

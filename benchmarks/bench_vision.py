@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from scenarios import free_port, gateway_cmd, serving, words  # noqa: E402
+from scenarios import free_port, gateway_cmd, serving, sse_chunks, words, write_results  # noqa: E402
 
 ARCHS = ["gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5_vl"]
 SIZE = (224, 160)  # pixels (the tiny Qwen processors cap an image at 64 tokens, Gemma 3's give 16)
@@ -65,15 +65,10 @@ async def stream(c: httpx.AsyncClient, messages: list[dict], max_tokens: int) ->
     times, use = [], {}
     body = {"model": "vlm", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True}
-    async with c.stream("POST", "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            use = chunk.get("usage") or use
-            if any((ch.get("delta") or {}).get("content") for ch in chunk.get("choices", [])):
-                times.append(time.monotonic())
+    async for chunk in sse_chunks(c, body):
+        use = chunk.get("usage") or use
+        if any((ch.get("delta") or {}).get("content") for ch in chunk.get("choices", [])):
+            times.append(time.monotonic())
     end = time.monotonic()
     return {"ttft": (times[0] if times else end) - t0, "times": times, "end": end, "start": t0,
             "prompt": use.get("prompt_tokens", 0),
@@ -140,9 +135,7 @@ def main() -> None:
                      f"{r['decode_step_median_s'] * 1000:.0f} ms |")
     print("\n".join(lines))
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "vision.json").write_text(json.dumps(results, indent=1))
-        (args.out / "vision.md").write_text("\n".join(lines) + "\n")
+        write_results(args.out, {"vision.json": results, "vision.md": "\n".join(lines)})
 
 
 if __name__ == "__main__":
