@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import io
 import json
 import statistics
 import sys
@@ -33,29 +31,20 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from scenarios import free_port, gateway_cmd, serving, sse_chunks, words, write_results  # noqa: E402
+from soak_traffic import png_data_url  # noqa: E402
 
 ARCHS = ["gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5_vl"]
 SIZE = (224, 160)  # pixels (the tiny Qwen processors cap an image at 64 tokens, Gemma 3's give 16)
 
 
-def image_url(seed: int) -> str:
-    from PIL import Image
-
-    arr = (np.random.default_rng(seed).random((SIZE[1], SIZE[0], 3)) * 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
 def image_message(seed: int, text: str = "What is in this picture?") -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url(seed)}},
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url(seed, SIZE)}},
                                          {"type": "text", "text": text}]}]
 
 
