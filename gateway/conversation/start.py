@@ -50,7 +50,7 @@ async def converse(call: Call, conv: Conversation) -> Answer:
                 yield Comment(f"loading model {call.slot.name} ({time.monotonic() - started:.0f} s)")
     model = await ready(loaded)
     if call.adapter is not None:  # read into the model's adapter stack (its first request, or after LRU)
-        await ready_adapter(call.front, model, call.front.adapters.get(call.adapter))
+        await ready_adapter(call, model)
     if model.kind == "embedding":
         raise APIError(400, f"the model '{model.name}' is an embedding model: use POST /v1/embeddings",
                        param="model", code="model_not_generating")

@@ -16,8 +16,8 @@ which holds for every row the engine runs for it, next-turn precomputes included
 An adapter's files are read on any thread (:func:`scheduler.lora.files.read_files`: numpy,
 no MLX); installing it (:meth:`AdapterSet.install`: check, MLX arrays, restack), unloading
 and the per-forward selection run on the engine thread (:meth:`scheduler.engine.Engine.call`),
-so the rows decoding wait only for the install. :meth:`admit`, :meth:`names` and
-:attr:`nbytes` may be called from any thread.
+so the rows decoding wait only for the install. :meth:`admit`, :meth:`lease`,
+:meth:`slot_free`, :meth:`names` and :attr:`nbytes` may be called from any thread.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class UnknownAdapter(KeyError):
 
 
 class AdapterBusy(RuntimeError):
-    """Every adapter slot is held by running requests (a 503)."""
+    """Every adapter slot is held by running requests (a load may wait for :attr:`AdapterSet.on_free`)."""
 
 
 class AdapterNoRoom(AdapterBusy):
@@ -96,6 +96,7 @@ class AdapterSet:
         self._serials = itertools.count(1)
         self._clock = itertools.count(1)
         self._stack_bytes = 0  # bytes of the wrapped layers' stacks (set at each restack)
+        self.on_free: Optional[Callable[[], None]] = None  # called (any thread) when an adapter's last holder ends
 
     # ----------------------------------------------------------------- any thread
     def names(self) -> dict[str, str]:
@@ -141,8 +142,7 @@ class AdapterSet:
                 _sink(events)
             finally:
                 if any(isinstance(e, (DoneEvent, ErrorEvent)) for e in events):
-                    with self._lock:
-                        _r.refs -= 1
+                    self._let_go(_r)
 
         request.sink = counted
 
@@ -150,9 +150,41 @@ class AdapterSet:
         """Undo :meth:`admit` for a request the engine refused at submit."""
         key = request.namespace.rpartition(MARK)[2]
         with self._lock:
-            for r in self._slots:
-                if r.key == key:
-                    r.refs -= 1
+            held = [r for r in self._slots if r.key == key]
+        for r in held:
+            self._let_go(r)
+
+    def lease(self, name: str, path: Optional[str] = None) -> Optional[Callable[[], None]]:
+        """Hold the resident adapter ``name`` (loaded from ``path``, when given) as a running
+        request does, so that no load unloads it, until the returned callable (idempotent) is
+        called; None when it is not resident (from that path)."""
+        with self._lock:
+            r = self._by_name.get(name)
+            if r is None or (path is not None and self._known.get(name) != path):
+                return None
+            r.refs += 1
+            r.used = next(self._clock)
+        held = [r]
+
+        def release() -> None:
+            if held:
+                self._let_go(held.pop())
+
+        return release
+
+    def slot_free(self) -> bool:
+        """Whether a load could find a slot now: fewer than ``max_loras`` adapters are held
+        by running requests or leases (an idle one is unloaded to make room)."""
+        with self._lock:
+            return sum(r.refs > 0 for r in self._slots) < self.max_loras
+
+    def _let_go(self, r: Resident) -> None:
+        """One holder of ``r`` ended; :attr:`on_free` is told when it was the last."""
+        with self._lock:
+            r.refs -= 1
+            free = r.refs <= 0
+        if free and self.on_free is not None:
+            self.on_free()
 
     # ----------------------------------------------------------------- engine thread
     def load(self, name: str, path: str, room: Optional[int] = None) -> AdapterWeights:
