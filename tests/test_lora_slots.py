@@ -66,10 +66,11 @@ def adapters(tmp_path, names: list[str]):
 
 
 def test_a_request_for_another_adapter_waits_for_the_slot_then_runs_as_alone(tmp_path):
-    base, tok, paths = adapters(tmp_path, ["alpha", "beta"])
+    base, tok, paths = adapters(tmp_path, ["alpha", "beta", "gamma"])
     rng = random.Random(3)
     pa, pb, p0 = ([rng.randrange(10, 900) for _ in range(10)] for _ in range(3))
-    with live_server(base, lora_modules=[f"{n}={p}" for n, p in paths.items()], max_loras=1) as srv:
+    with live_server(base, lora_modules=[f"{n}={p}" for n, p in paths.items()], max_loras=1,
+                     max_waiting=1) as srv:
         busy = lambda: sample(srv.registry, "mlx_gateway_lora_loads_total", model="test-model", result="busy")  # noqa: E731
 
         async def scenario():
@@ -78,13 +79,16 @@ def test_a_request_for_another_adapter_waits_for_the_slot_then_runs_as_alone(tmp
                 b = asyncio.create_task(ac.post("/v1/completions", json=body("beta", pb, 6)))
                 await until(lambda: busy() >= 1 or b.done(), 60, "beta to find the only slot held")
                 plain = await ac.post("/v1/completions", json=body("test-model", p0, 4))
+                over = await ac.post("/v1/completions", json=body("gamma", p0, 4))  # past --max-waiting 1
                 passed = not a.done() and not b.done()  # the base's request ran while beta waited
                 a_end = await a
                 rb = await b
-                return plain, passed, a_end, rb, time.monotonic()
+                return plain, over, passed, a_end, rb, time.monotonic()
 
-        plain, passed, a_end, rb, b_end = asyncio.run(scenario())
+        plain, over, passed, a_end, rb, b_end = asyncio.run(scenario())
         assert rb.status_code == 200, rb.text
+        assert over.status_code == 503 and over.json()["error"]["code"] == "overloaded", over.text
+        assert over.headers["retry-after"] == "1"
         assert pieces(rb.json()) == want_pieces(tok, reference_tokens(base, paths["beta"], pb, 6))
         assert plain.status_code == 200 and pieces(plain.json()) == want_pieces(tok, reference_tokens(base, None, p0, 4))
         assert passed, "the base model's request waited behind the adapter's"

@@ -37,7 +37,8 @@ async def converse(call: Call, conv: Conversation) -> Answer:
     Raises:
         APIError: 404 for the model, 503 when it cannot be loaded, 400 for an embedding
             model (``model_not_generating``) or a bad conversation, 413/429/503 when it
-            cannot be queued; what the run raises.
+            cannot be queued, 499 when its client left while it waited for a LoRA adapter
+            slot (:func:`gateway.models.lora.ready_adapter`); what the run raises.
     """
     call.record.stream = conv.stream
     loaded = hold(call, conv.model)

@@ -194,32 +194,39 @@ class SlotWaiters:
         if self.queue:
             self.queue[0][1].set()
 
-    async def wait(self, call, found, engine, load: Callable[[], Awaitable[Optional[Callable]]]) -> Callable:
-        """Wait for the call's turn and a free slot, then ``await load()`` (None when the
-        slot was taken meanwhile: it waits again); what ``load`` gave.
-
-        Raises:
-            APIError: 503 ``overloaded`` / 429 ``queue_full`` over the bounds; 499 when the
-                client left while it waited; what ``load`` raises.
-        """
-        tenant, self._loop = call.tenant, asyncio.get_running_loop()
-        if len(self.queue) + engine.num_waiting >= engine.max_waiting:
-            raise APIError(503, f"the server is overloaded: {len(self.queue) + engine.num_waiting} requests are "
-                           "already waiting", code="overloaded", headers={"Retry-After": "1"})
+    def check_room(self, tenant, engine) -> None:
+        """Raises:
+            APIError: 503 ``overloaded`` when ``--max-waiting`` requests already wait here
+                and in ``engine``'s queue; 429 ``queue_full`` when the tenant's ``max_queued``
+                wait here."""
+        waiting = len(self.queue) + engine.num_waiting
+        if waiting >= engine.max_waiting:
+            raise APIError(503, f"the server is overloaded: {waiting} requests are already waiting",
+                           code="overloaded", headers={"Retry-After": "1"})
         mine = sum(t == tenant.name for t, _ in self.queue)
         if tenant.max_queued is not None and mine >= tenant.max_queued:
             raise APIError(429, f"too many queued requests: {mine} requests of this tenant are already waiting",
                            code="queue_full", headers={"Retry-After": "1"})
-        me = (tenant.name, asyncio.Event())
-        self.queue.append(me)
+
+    async def wait(self, call, found, load: Callable[[], Awaitable[Optional[Callable]]]) -> Callable:
+        """Wait (after :meth:`check_room`) for the call's turn and a free slot of ``found``,
+        then ``await load()`` (None when the slot was taken meanwhile: it waits again); what
+        ``load`` gave.
+
+        Raises:
+            APIError: 499 when the client left while it waited; what ``load`` raises.
+        """
+        self._loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        self.queue.append(me := (call.tenant.name, wake))
         gone = asyncio.ensure_future(wait_for_disconnect(call.request.receive))
         try:
             while True:
-                me[1].clear()
+                wake.clear()
                 if self.queue[0] is me and found.slot_free() and (held := await load()) is not None:
                     return held
-                if not me[1].is_set():
-                    woken = asyncio.ensure_future(me[1].wait())
+                if not wake.is_set():  # (set while it loaded: it looks again at once)
+                    woken = asyncio.ensure_future(wake.wait())
                     await asyncio.wait([woken, gone], return_when=asyncio.FIRST_COMPLETED)
                     woken.cancel()
                 if gone.done():
@@ -253,7 +260,7 @@ async def ready_adapter(call, handle) -> None:
 
     Raises:
         APIError: 404 when it stopped being served, 400/503 from :func:`load_on_engine`,
-            503/429/499 from :meth:`SlotWaiters.wait`, 503 when the engine is not running
+            503/429 from :meth:`SlotWaiters.check_room`, 499 from :meth:`SlotWaiters.wait`, 503 when the engine is not running
             or did not answer in time.
     """
     front = call.front
@@ -265,10 +272,15 @@ async def ready_adapter(call, handle) -> None:
             raise APIError(404, "the LoRA adapter is not served any more", param="model", code="model_not_found")
         return adapter
 
+    def kept(held: Optional[Callable[[], None]]):  # released once the call is answered, however it ends
+        if held is not None:
+            call.request.state.on_close.append(held)
+        return held
+
     async def load() -> Optional[Callable[[], None]]:
         adapter = served()
         try:
-            return await anyio.to_thread.run_sync(lambda: load_on_engine(front, handle, adapter))
+            return await anyio.to_thread.run_sync(lambda: kept(load_on_engine(front, handle, adapter)))
         except AdapterBusy:
             return None
         except (EngineDead, TimeoutError) as e:
@@ -276,11 +288,12 @@ async def ready_adapter(call, handle) -> None:
                            headers={"Retry-After": "1"})
 
     adapter, waiters = served(), waiters_of(found)
-    held = found.lease(adapter.name, adapter.path) or (None if waiters.queue else await load())
-    if held is None:
+    if kept(found.lease(adapter.name, adapter.path)) is not None:
+        return
+    if waiters.queue or await load() is None:  # others wait first, or every slot is held by running requests
+        waiters.check_room(call.tenant, handle.engine)
         front.metrics.lora.loads.labels(handle.name, "busy").inc()
-        held = await waiters.wait(call, found, handle.engine, load)
-    call.request.state.on_close.append(held)
+        await waiters.wait(call, found, load)
 
 
 def unload_on_engine(front, handle, name: str) -> None:
