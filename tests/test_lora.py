@@ -234,9 +234,9 @@ def test_unload_then_unknown_then_load_again_and_lru(qwen3, adapters):
         assert run(engine, [(p, "a")], 5) == first
         engine.call(lambda: lora.load("b", str(adapters["b"][0])))
         engine.call(lambda: lora.load("d", str(adapters["d"][0])))  # two slots: "a" (idle, oldest) goes
-        assert not lora.resident("a") and lora.resident("b") and lora.resident("d")
+        assert sorted(lora.resident_names()) == ["b", "d"]
         engine.call(lambda: lora.ensure("a"))  # read again from its path, "b" goes
-        assert lora.resident("a") and not lora.resident("b")
+        assert sorted(lora.resident_names()) == ["a", "d"]
         assert run(engine, [(p, "a")], 5) == first
     finally:
         engine.stop()

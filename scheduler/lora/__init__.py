@@ -116,11 +116,6 @@ class AdapterSet:
         with self._lock:
             return list(self._by_name)
 
-    def resident(self, name: str) -> bool:
-        """Whether ``name`` is loaded now (requests of it can be admitted)."""
-        with self._lock:
-            return name in self._by_name
-
     def admit(self, request) -> None:
         """Move ``request`` (with ``adapter`` set) into its adapter's namespace and count it
         as running until its last event (its ``sink`` is wrapped).
