@@ -71,7 +71,7 @@ def test_a_request_for_another_adapter_waits_for_the_slot_then_runs_as_alone(tmp
     pa, pb, p0 = ([rng.randrange(10, 900) for _ in range(10)] for _ in range(3))
     with live_server(base, lora_modules=[f"{n}={p}" for n, p in paths.items()], max_loras=1,
                      max_waiting=1) as srv:
-        busy = lambda: sample(srv.registry, "mlx_gateway_lora_loads_total", model="test-model", result="busy")  # noqa: E731
+        busy = lambda: sample(srv.registry, "mlx_gateway_lora_loads_total", model="test-model", result="busy")
 
         async def scenario():
             async with httpx.AsyncClient(base_url=srv.url, timeout=300) as ac:
@@ -90,7 +90,8 @@ def test_a_request_for_another_adapter_waits_for_the_slot_then_runs_as_alone(tmp
         assert over.status_code == 503 and over.json()["error"]["code"] == "overloaded", over.text
         assert over.headers["retry-after"] == "1"
         assert pieces(rb.json()) == want_pieces(tok, reference_tokens(base, paths["beta"], pb, 6))
-        assert plain.status_code == 200 and pieces(plain.json()) == want_pieces(tok, reference_tokens(base, None, p0, 4))
+        assert plain.status_code == 200, plain.text
+        assert pieces(plain.json()) == want_pieces(tok, reference_tokens(base, None, p0, 4))
         assert passed, "the base model's request waited behind the adapter's"
         assert b_end > a_end
         assert busy() == 1
@@ -140,3 +141,38 @@ def test_waiters_go_in_arrival_order_and_one_whose_client_left_holds_nothing(tmp
         found = adapters_of(srv.engine.model)
         wait_until(found.slot_free, 30, "every lease and request let go of its adapter")
         assert not waiters_of(found).queue
+
+
+def test_a_tenants_max_queued_bounds_its_own_waiters_only(tmp_path):
+    from gateway.models.lora import waiters_of
+    from gateway.tenancy.tenants import hash_key
+
+    base, tok, paths = adapters(tmp_path, ["alpha", "beta", "gamma"])
+    keys = {"one": "mgw-test-one-key", "two": "mgw-test-two-key"}
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'[tenants.one]\nkey_sha256 = ["{hash_key(keys["one"])}"]\nmax_queued = 1\n\n'
+                       f'[tenants.two]\nkey_sha256 = ["{hash_key(keys["two"])}"]\n')
+    prompt = [31, 32, 33, 34, 35, 36]
+    with live_server(base, lora_modules=[f"{n}={p}" for n, p in paths.items()], max_loras=1,
+                     tenants=str(tenants)) as srv:
+
+        async def scenario():
+            def as_(who):
+                return {"Authorization": f"Bearer {keys[who]}"}
+
+            async with httpx.AsyncClient(base_url=srv.url, timeout=300, headers=as_("two")) as ac:
+                a = await holding_the_slot(ac, "alpha", prompt)
+                queue = waiters_of(adapters_of(srv.engine.model)).queue
+                b = asyncio.create_task(ac.post("/v1/completions", json=body("beta", prompt, 6), headers=as_("one")))
+                await until(lambda: len(queue) == 1, 60, "tenant one's beta to wait")
+                over = await ac.post("/v1/completions", json=body("gamma", prompt, 6), headers=as_("one"))
+                c = asyncio.create_task(ac.post("/v1/completions", json=body("gamma", prompt, 6)))
+                await until(lambda: len(queue) == 2, 60, "tenant two's gamma to wait")
+                await a
+                return over, await b, await c
+
+        over, rb, rc = asyncio.run(scenario())
+        assert over.status_code == 429 and over.json()["error"]["code"] == "queue_full", over.text
+        for r, name in ((rb, "beta"), (rc, "gamma")):
+            assert r.status_code == 200, r.text
+            assert pieces(r.json()) == want_pieces(tok, reference_tokens(base, paths[name], prompt, 6))

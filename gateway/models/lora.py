@@ -260,8 +260,8 @@ async def ready_adapter(call, handle) -> None:
 
     Raises:
         APIError: 404 when it stopped being served, 400/503 from :func:`load_on_engine`,
-            503/429 from :meth:`SlotWaiters.check_room`, 499 from :meth:`SlotWaiters.wait`, 503 when the engine is not running
-            or did not answer in time.
+            503/429 from :meth:`SlotWaiters.check_room`, 499 from :meth:`SlotWaiters.wait`,
+            503 when the engine is not running or did not answer in time.
     """
     front = call.front
     found = adapter_set(handle, front.config)

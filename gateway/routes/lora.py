@@ -4,7 +4,9 @@
   ``"base_model_name"``; default the first served model): read and check the adapter on
   its base model's engine and serve it as ``NAME``; a 400 naming what does not fit, and
   nothing kept, when it does not fit the model; a 503 when the memory budget has no room
-  for it, or every adapter slot is held by running requests (``lora_slots_busy``). Loading a served name again replaces it (running requests finish on the old one).
+  for it, or every adapter slot is held by running requests (``lora_slots_busy``: it does
+  not wait, as a request does). Loading a served name again replaces it (running requests
+  finish on the old one).
 - ``POST /v1/unload_lora_adapter`` ``{"lora_name": NAME}``: stop serving it (404 when it
   is not served); running requests finish on it.
 
