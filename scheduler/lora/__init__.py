@@ -111,6 +111,12 @@ class AdapterSet:
         with self._lock:
             return sum(r.weights.nbytes for r in self._slots) + self._stack_bytes
 
+    @property
+    def slot_keys(self) -> dict[str, int]:
+        """Key (name#serial) -> slot of every adapter in a slot, retired ones still running
+        included; a new dict object at each restack (read it, do not change it)."""
+        return self._keys
+
     def resident_names(self) -> list[str]:
         """The adapters resident now (requests of them need no read)."""
         with self._lock:
@@ -332,8 +338,12 @@ def rows_hook(model, namespace_of: Callable[[int], Optional[str]], prompt_cache=
     adapter's namespace met for the first time becomes a companion of its request's
     namespace in ``prompt_cache`` (:meth:`cache.lru.LRUEviction.add_companion`: it counts in
     that quota and stays off the disk tier, whose files are keyed by the base alone); that
-    happens before any snapshot of it is stored, since snapshots follow forwards."""
-    known: set[str] = set()
+    happens before any snapshot of it is stored, since snapshots follow forwards. Once an
+    adapter has left its slot (unloaded, no row left), its namespaces are forgotten
+    (:meth:`cache.manager.PromptCacheManager.forget`): a load of it again has a new serial,
+    so their snapshots would never be used, and over days of adapter switches they grew."""
+    known: dict[str, str] = {}  # adapter namespace met -> its adapter's key (name#serial)
+    seen: list = [None]  # the adapter set's keys when the namespaces were last checked
 
     def hook(batch):
         found = adapters_of(model)
@@ -344,7 +354,14 @@ def rows_hook(model, namespace_of: Callable[[int], Optional[str]], prompt_cache=
                 ns = namespace_of(uid)
                 if ns is not None and MARK in ns and ns not in known:
                     prompt_cache.eviction.add_companion(ns, ns.rpartition(MARK)[0])
-                    known.add(ns)
+                    known[ns] = ns.rpartition(MARK)[2]
+            if found.slot_keys is not seen[0]:  # a new dict at every restack
+                seen[0] = live = found.slot_keys
+                gone = [ns for ns, key in known.items() if key not in live]
+                if gone:
+                    prompt_cache.forget(gone)
+                    for ns in gone:
+                        del known[ns]
         return found.forward(lambda: batch.uids, namespace_of)
 
     return hook
