@@ -193,11 +193,11 @@ class MemoryGate:
         softmax); a row prefilling takes no verify step (the batch's steps stay plain)."""
         if not rows:
             return 0
-        context = self.context(max(p + n for p, n, _ in rows))
-        per_row = self.shape.bytes_for(context, self.chunk) + self.logits
+        longest = max(p + n for p, n, _ in rows)
+        context = self.context(longest)
         copy = self.shape.layer_bytes(context) * merge_streams()
         verify = self.heads * (1 + self.draft) * context * 4 * 2 if self.draft else 0
-        return len(rows) * per_row + sum(max(copy, self.shape.bytes_for(p + n)) + max(b, verify) for p, n, b in rows)
+        return len(rows) * (self.need(longest, 0) + copy) + sum(max(b, verify) for _, _, b in rows)
 
     def prefill_need(self, prompt_tokens: int, cached: int = 0) -> int:
         """Bytes a row's prefill chunk needs while it prefills: its activations (a chunk of
