@@ -352,10 +352,9 @@ class PromptCacheManager:
                           drop_empty=entry.namespace in self.eviction.owners)
 
     def forget(self, namespaces: Sequence[str]) -> int:
-        """Drop the unleased snapshots of ``namespaces`` and, once one holds none, the
-        namespace itself (its tree, companion link and gauges): for namespaces nothing asks
-        for again (a LoRA adapter's once it is unloaded: ``scheduler/lora``; each load has
-        its own). Returns the snapshots dropped."""
+        """Drop the unleased snapshots of ``namespaces`` (and of their companions) and each one
+        left empty (its tree, companion link, gauges): namespaces nothing asks for again (an
+        unloaded LoRA adapter's: ``scheduler/lora``). Returns the snapshots dropped."""
         with self._lock:
             namespaces = {*namespaces, *(c for c, o in self.eviction.owners.items() if o in namespaces)}
             dropped = sum(self.eviction.flush(ns) for ns in namespaces)
