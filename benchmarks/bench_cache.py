@@ -224,12 +224,10 @@ def bench_http(model_dir: str, lengths: list[int], reps: int, new: int) -> None:
     mlx_lm.server on one float32 copy of ``model_dir``, medians of ``reps``, printed."""
     import httpx
 
-    from scenarios import free_port, start, words
+    from scenarios import free_port, start, tokenizer, words
 
     model = float32_copy(model_dir)
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    tok = load_tokenizer(Path(model))
+    tok = tokenizer(model)
     servers = {}
     for name, cmd in (("gateway", ["-m", "gateway.cli", "serve", "--no-precompute-next-turn"]),
                       ("mlx_lm.server", ["-m", "mlx_lm.server"])):

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import re
 import sys
 import tempfile
@@ -53,7 +52,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from bench_reuse import SYSTEM, dense_model, hybrid_model  # noqa: E402
-from scenarios import distinct_prefix_tokens, free_port, gateway_cmd, serving, stream_chat, timed, words  # noqa: E402
+from scenarios import (  # noqa: E402
+    distinct_prefix_tokens, free_port, gateway_cmd, serving, stream_chat, timed, tokenizer, words, write_results,
+)
 
 MAX_TOKENS = 24
 
@@ -90,9 +91,7 @@ def held(url: str) -> dict[str, float]:
 def unique_tokens(model: str, sent: list[tuple[list[dict], str]]) -> int:
     """Nodes of the token trie of every (prompt, reply) sent: prompt rendered with the
     model's template, reply re-encoded."""
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    tok = load_tokenizer(Path(model))
+    tok = tokenizer(model)
     return distinct_prefix_tokens(
         list(tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
         + tok.encode(reply, add_special_tokens=False)
@@ -266,9 +265,7 @@ def main() -> None:
     table = "\n".join(lines)
     print("\n" + table)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "cache_memory.md").write_text(table + "\n")
-        (args.out / "cache_memory.json").write_text(json.dumps(rows, indent=1))
+        write_results(args.out, {"cache_memory.md": table, "cache_memory.json": rows})
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import json
 import random
 import statistics
 import sys
@@ -40,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gateway.tuning.workload import quantile as pct  # noqa: E402
-from scenarios import free_port, gateway_cmd, serving  # noqa: E402
+from scenarios import free_port, gateway_cmd, serving, sse_chunks, write_results  # noqa: E402
 
 WORDS = ("page article summary title link button price review comment reply user author date news story "
          "market weather sport music video photo travel food recipe code error function class module").split()
@@ -70,18 +69,13 @@ async def chat(c: httpx.AsyncClient, key: str, content: str, max_tokens: int) ->
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "logit_bias": {}}
     t0 = time.monotonic()
     times, out, use = [], [], {}
-    async with c.stream("POST", "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            use = chunk.get("usage") or use
-            for ch in chunk.get("choices", []):
-                piece = ch.get("delta", {}).get("content") or ""
-                if piece:
-                    times.append(time.monotonic())
-                    out.append(piece)
+    async for chunk in sse_chunks(c, body, headers={"Authorization": f"Bearer {key}"}):
+        use = chunk.get("usage") or use
+        for ch in chunk.get("choices", []):
+            piece = ch.get("delta", {}).get("content") or ""
+            if piece:
+                times.append(time.monotonic())
+                out.append(piece)
     return {"ttft": (times[0] if times else time.monotonic()) - t0, "gaps": [b - a for a, b in zip(times, times[1:])],
             "text": "".join(out), "prompt": use.get("prompt_tokens", 0)}
 
@@ -178,10 +172,7 @@ def main() -> None:
     md = table(rows)
     print(md)
     if a.out:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "classes.json").write_text(json.dumps(rows, indent=1) + "\n")
-        (out / "classes.md").write_text(md + "\n")
+        write_results(a.out, {"classes.json": rows, "classes.md": md})
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import tempfile
@@ -53,7 +52,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from cluster_stack import Cluster, Replica, router_available  # noqa: E402
 from gateway.tuning.workload import quantile as pct  # noqa: E402
-from scenarios import long_text, medium_model, steady_stream_bias, words  # noqa: E402
+from scenarios import long_text, medium_model, sse_chunks, steady_stream_bias, words, write_results  # noqa: E402
 
 USER_WORDS = 30  # words per new user message (about 40 tokens)
 SETUPS = ("cache_aware", "round_robin", "single")
@@ -71,19 +70,13 @@ async def turn(c: httpx.AsyncClient, model: str, messages: list, max_tokens: int
             "stream_options": {"include_usage": True}, "logit_bias": bias}
     t0 = time.monotonic()
     first, text, use = None, [], {}
-    async with c.stream("POST", "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            use = chunk.get("usage") or use
-            for ch in chunk.get("choices", []):
-                piece = (ch.get("delta") or {}).get("content") or ""
-                if piece:
-                    first = first or time.monotonic()
-                    text.append(piece)
+    async for chunk in sse_chunks(c, body):
+        use = chunk.get("usage") or use
+        for ch in chunk.get("choices", []):
+            piece = (ch.get("delta") or {}).get("content") or ""
+            if piece:
+                first = first or time.monotonic()
+                text.append(piece)
     end = time.monotonic()
     if not use:
         raise RuntimeError("the stream carried no usage")
@@ -220,10 +213,8 @@ def main() -> None:
     print()
     print(md)
     if a.out:
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "cluster.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()},
-                                                        "results": rows}, indent=1) + "\n")
-        (a.out / "cluster.md").write_text(md + "\n")
+        write_results(a.out, {"cluster.json": {"args": {k: str(v) for k, v in vars(a).items()}, "results": rows},
+                              "cluster.md": md})
 
 
 if __name__ == "__main__":

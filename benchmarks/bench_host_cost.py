@@ -314,10 +314,9 @@ def main() -> None:
     md = table(results, args.model)
     print(md)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "host_cost.json").write_text(json.dumps({str(k): v for k, v in results.items()}, indent=2))
-        (out / "host_cost.md").write_text(md + "\n")
+        from scenarios import write_results
+
+        write_results(args.out, {"host_cost.json": {str(k): v for k, v in results.items()}, "host_cost.md": md})
 
 
 def report(s: int, r: dict) -> None:

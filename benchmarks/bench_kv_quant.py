@@ -24,7 +24,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import threading
@@ -35,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench_speculative import smol_shaped_model  # noqa: E402
-from scenarios import words  # noqa: E402
+from scenarios import tokenizer, words, write_results  # noqa: E402
 
 
 class Sink:
@@ -118,10 +117,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--out", help="directory for kv_quant.json and kv_quant.md")
     args = ap.parse_args()
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
     model_dir = args.model or smol_shaped_model()
-    tok = load_tokenizer(Path(model_dir))
+    tok = tokenizer(model_dir)
     prompts = [tok.encode(words(120, 300 + i)) for i in range(max(4, args.prompts))]
     long_prompt = tok.encode(words(1400, 7))[:1500]
     results = {name: setting(model_dir, bits, prompts, long_prompt) for name, bits in
@@ -140,11 +137,8 @@ def main() -> None:
     md = "\n".join(lines)
     print(md)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "kv_quant.json").write_text(json.dumps(
-            {k: {n: v for n, v in r.items() if n != "answers"} for k, r in results.items()}, indent=2))
-        (out / "kv_quant.md").write_text(md + "\n")
+        write_results(args.out, {"kv_quant.json": {k: {n: v for n, v in r.items() if n != "answers"}
+                                                   for k, r in results.items()}, "kv_quant.md": md})
 
 
 if __name__ == "__main__":

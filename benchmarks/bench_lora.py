@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench_kv_quant import Sink  # noqa: E402
 from bench_speculative import smol_shaped_model  # noqa: E402
-from scenarios import words  # noqa: E402
+from scenarios import words, write_results  # noqa: E402
 
 KEYS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
@@ -232,8 +232,7 @@ def main() -> None:
         results[f"ratio {n} streams one / base"] = round(r[f"{n} streams, one adapter"] / r[f"{n} streams, base"], 3)
     print(json.dumps(results, indent=1))
     if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "lora.json").write_text(json.dumps(results, indent=1) + "\n")
+        write_results(args.out, {"lora.json": results})
 
 
 if __name__ == "__main__":

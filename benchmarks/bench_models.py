@@ -23,7 +23,7 @@ every answer has its full length. Figures per setup: output tokens/s of both mod
 and of each (tokens over the group's wall time), TTFT p50/p95 per model (request sent to first
 content chunk), requests and failures, and peak RSS of the server process(es), summed over the
 two gateways: ``VmHWM`` of ``/proc/PID/status`` on Linux, else the largest RSS sampled every
-0.2 s with psutil or ``ps -o rss`` (the table says which). The table shows both setups and
+0.2 s (``soak.rss_bytes``: ``ps -o rss``; the table says which). The table shows both setups and
 the ratio one gateway / two gateways. ``--repeat N`` runs the setups N times, taking turns,
 each figure the median; ``--out DIR`` writes ``models.json`` and ``models.md``. On Linux,
 preload the system OpenBLAS (``gateway/cpu/blas.py``).
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import subprocess
@@ -54,8 +53,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scenarios import (  # noqa: E402
-    MEDIUM, free_port, long_text, medium_model, start, steady_stream_bias, stream_chat, summarize, words,
+    MEDIUM, free_port, long_text, medium_model, start, steady_stream_bias, stream_chat, summarize, words, write_results,
 )
+from soak import rss_bytes  # noqa: E402
 
 CHAT = {"clients": 4, "prompt": 200, "answer": 64}
 AGENT = {"clients": 2, "system": 1100, "user": 400, "answer": 32}
@@ -81,25 +81,14 @@ class PeakRss:
 
     def __init__(self, pid: int):
         self.pid, self.peak, self._stop = pid, 0, threading.Event()
-        self.method = "VmHWM" if Path(f"/proc/{pid}/status").exists() else None
-        if self.method is None:
-            try:
-                import psutil
-                self._proc, self.method = psutil.Process(pid), "psutil RSS sampled"
-            except ImportError:
-                self._proc, self.method = None, "ps -o rss sampled"
+        self.method = "VmHWM" if Path(f"/proc/{pid}/status").exists() else "ps -o rss sampled"
+        if self.method != "VmHWM":
             threading.Thread(target=self._sample, daemon=True).start()
-
-    def _rss(self) -> int:
-        if self._proc is not None:
-            return self._proc.memory_info().rss
-        out = subprocess.run(["ps", "-o", "rss=", "-p", str(self.pid)], capture_output=True, text=True).stdout
-        return int(out.strip() or 0) * 1024
 
     def _sample(self) -> None:
         while not self._stop.wait(0.2):
             try:
-                self.peak = max(self.peak, self._rss())
+                self.peak = max(self.peak, rss_bytes(self.pid))
             except Exception:  # the process ended
                 return
 
@@ -252,11 +241,9 @@ def main() -> None:
           f"A {CHAT['clients']} chat clients, B {AGENT['clients']} agent clients\n\n" + table(results, rss_method))
     print(md)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "models.json").write_text(json.dumps({"seconds": args.seconds, "repeat": args.repeat,
-                                                          "rss_method": rss_method, "chat": CHAT, "agent": AGENT,
-                                                          "results": results, "runs": runs}, indent=1))
-        (args.out / "models.md").write_text(md + "\n")
+        write_results(args.out, {"models.json": {"seconds": args.seconds, "repeat": args.repeat, "rss_method": rss_method,
+                                                 "chat": CHAT, "agent": AGENT, "results": results, "runs": runs},
+                                 "models.md": md})
 
 
 if __name__ == "__main__":

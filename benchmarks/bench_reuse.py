@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import tempfile
@@ -47,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from scenarios import MEDIUM, free_port, gateway_cmd, serving, stream_chat, words  # noqa: E402
+from scenarios import MEDIUM, free_port, gateway_cmd, serving, stream_chat, tokenizer, words, write_results  # noqa: E402
 
 SYSTEM = "You are a careful assistant for a team that writes serving software. " + words(120, 3)
 
@@ -120,12 +119,10 @@ def bounds(model: str, messages: list[dict]) -> tuple[float, float]:
     template. The ceiling is all but each turn's new user message and generation prompt:
     what a server that also had every reply rendered as the next prompt shows it could
     reuse."""
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
     from cache.checkpoints import common_prefix
     from gateway.conversation.next_turn import next_turn_prefix
 
-    tok = load_tokenizer(Path(model))
+    tok = tokenizer(model)
     prompts, shared, ceiling, prev = [], [], [], []
     for i, m in enumerate(messages):
         if m["role"] != "user":
@@ -181,10 +178,8 @@ def main() -> None:
     table = "\n".join(lines)
     print("\n" + table)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "reuse.md").write_text(table + "\n")
-        (args.out / "reuse.json").write_text(json.dumps(
-            [{"scenario": s, "server": n, **r} for (s, n), r in results.items()], indent=1))
+        write_results(args.out, {"reuse.md": table,
+                                 "reuse.json": [{"scenario": s, "server": n, **r} for (s, n), r in results.items()]})
 
 
 if __name__ == "__main__":

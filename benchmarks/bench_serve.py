@@ -34,22 +34,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scenarios import (  # noqa: E402
     burst, constrained, conversation, decode_speed, free_port, load, medium_model, phase_breakdown, pyplot, serving,
-    stall,
+    stall, write_results,
 )
 
 from gateway.telemetry.request_log import read_json_log  # noqa: E402
@@ -164,7 +160,6 @@ def main() -> None:
     ap.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
     ap.add_argument("--decode", action="store_true", help="also the decode scenarios (single, concurrent, "
                     "constrained) on the gateway")
-    ap.add_argument("--startup", action="store_true", help="also time start-up on the demo model")
     ap.add_argument("--repeat", type=int, default=1, help="run each scenario this many times per server, "
                     "servers taking turns; each figure is the median (default %(default)s)")
     ap.add_argument("--out", type=Path, help="write results.json, goals.md and compare.png here")
@@ -172,19 +167,6 @@ def main() -> None:
                     "'--prefill-budget 0'")
     args = ap.parse_args()
     GATEWAY_ARGS.extend(args.gateway_args.split())
-
-    if args.startup:
-        with tempfile.TemporaryDirectory() as home:
-            port = free_port()
-            env = dict(os.environ, MLX_GATEWAY_HOME=home)
-            t0 = time.monotonic()
-            with serving([sys.executable, "-m", "gateway.cli", "serve", "--model", "demo", "--port", str(port)], port,
-                         env=env) as (url, _):
-                r = httpx.post(url + "/v1/chat/completions", timeout=60,
-                               json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
-                r.raise_for_status()
-                print(f"startup (demo model built from scratch, process start to first answer): "
-                      f"{time.monotonic() - t0:.2f} s")
 
     model = args.model or medium_model()
     print(f"model: {model}")
@@ -212,10 +194,10 @@ def main() -> None:
                             message = rec.get("message", "")
                             if "chosen by measurement" in message or "prefill forward costs" in message:
                                 print(f"{'':14s} {message}", flush=True)
-                    if log_path is not None and scenario in ("burst", "conversation"):
-                        res[f"{scenario}_warm_phases"] = phase_breakdown(log_path)
-                        print(f"{'':14s} {scenario + ' warm-hit phases (median s)':12s} "
-                              f"{fmt(res[f'{scenario}_warm_phases'])}", flush=True)
+                        if scenario in ("burst", "conversation"):
+                            res[f"{scenario}_warm_phases"] = phase_breakdown(log_path)
+                            print(f"{'':14s} {scenario + ' warm-hit phases (median s)':12s} "
+                                  f"{fmt(res[f'{scenario}_warm_phases'])}", flush=True)
                 for key, value in res.items():
                     runs[name].setdefault(key, []).append(value)
     results = {name: {key: median_of(values) for key, values in by_key.items()} for name, by_key in runs.items()}
@@ -226,9 +208,7 @@ def main() -> None:
     table = goals_table(results)
     print(table)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps(results, indent=1))
-        (args.out / "goals.md").write_text(table + "\n")
+        write_results(args.out, {"results.json": results, "goals.md": table})
         if not plot(results, args.out / "compare.png"):
             print("matplotlib is not installed: no plot (pip install -e '.[bench]')")
 

@@ -68,7 +68,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scenarios import free_port, gateway_cmd, serving, stream_chat, words  # noqa: E402
+from scenarios import free_port, gateway_cmd, serving, stream_chat, words, write_results  # noqa: E402
 
 SMOL_SHAPE = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
               "head_dim": 64, "intermediate_size": 1536, "rope_theta": 100000.0, "max_position_embeddings": 8192}
@@ -102,49 +102,49 @@ def synthetic_pair(n: int, damp: float = 0.05) -> tuple[str, str]:
     small tokenizer (about 1,000 tokens, so the output layer is cheap, as it is next to a
     large target), the output projections of layers ``n`` on scaled by ``damp``. With
     ``n = 4`` the draft's greedy token is the target's about 80 % of the time."""
-    import mlx.core as mx
-
     from gateway.models.demo_model import build_model_dir
 
     base = build_model_dir(Path(tempfile.gettempdir()) / "mlx-gateway-bench-smol135-shape-own", "llama",
                            overrides=SMOL_SHAPE)
-    target = base.parent / f"{base.name}-damped{n}"
-    target.mkdir(exist_ok=True)
-    weights = {}
-    for f in sorted(base.glob("*.safetensors")):
-        for k, v in mx.load(str(f)).items():
-            m = re.match(r"model\.layers\.(\d+)\.(self_attn\.o_proj|mlp\.down_proj)\.weight", k)
-            weights[k] = v * damp if m and int(m.group(1)) >= n else v
-    mx.save_safetensors(str(target / "model.safetensors"), weights)
-    for f in base.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
-            (target / f.name).write_bytes(f.read_bytes())
-    return str(target), first_layers_draft(str(target), n)
+
+    def damped(k: str, v):
+        m = re.match(r"model\.layers\.(\d+)\.(self_attn\.o_proj|mlp\.down_proj)\.weight", k)
+        return v * damp if m and int(m.group(1)) >= n else v
+
+    target = copy_model(base, f"{base.name}-damped{n}", damped)
+    return target, first_layers_draft(target, n)
+
+
+def copy_model(src: Path, name: str, weight, config: dict | None = None) -> str:
+    """A copy of the model directory ``src`` next to it, named ``name``: each weight ``k``
+    as ``weight(k, v)`` (None: left out), ``config`` (when given) as its config.json, the
+    other files as they are."""
+    import mlx.core as mx
+
+    dst = src.parent / name
+    dst.mkdir(exist_ok=True)
+    weights = {k: w for f in sorted(src.glob("*.safetensors")) for k, v in mx.load(str(f)).items()
+               if (w := weight(k, v)) is not None}
+    mx.save_safetensors(str(dst / "model.safetensors"), weights)
+    if config is not None:
+        (dst / "config.json").write_text(json.dumps(config, indent=2))
+    for f in src.iterdir():
+        if (f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json"
+                and not (config is not None and f.name == "config.json")):
+            (dst / f.name).write_bytes(f.read_bytes())
+    return str(dst)
 
 
 def first_layers_draft(model_dir: str, n: int) -> str:
     """A copy of ``model_dir`` keeping its first ``n`` layers (weights shared, not retrained)."""
-    import shutil
-
-    import mlx.core as mx
-
     src = Path(model_dir)
-    dst = src.parent / f"{src.name}-first{n}"
-    dst.mkdir(exist_ok=True)
-    config = json.loads((src / "config.json").read_text())
-    config["num_hidden_layers"] = n
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    weights = {}
-    for f in sorted(src.glob("*.safetensors")):
-        for k, v in mx.load(str(f)).items():
-            m = re.match(r"model\.layers\.(\d+)\.", k)
-            if m is None or int(m.group(1)) < n:
-                weights[k] = v
-    mx.save_safetensors(str(dst / "model.safetensors"), weights)
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copy(f, dst / f.name)
-    return str(dst)
+    config = {**json.loads((src / "config.json").read_text()), "num_hidden_layers": n}
+
+    def below(k: str, v):
+        m = re.match(r"model\.layers\.(\d+)\.", k)
+        return v if m is None or int(m.group(1)) < n else None
+
+    return copy_model(src, f"{src.name}-first{n}", below, config)
 
 
 def code_prompt(n_chars: int = 6000) -> list[dict]:
@@ -348,12 +348,9 @@ def main() -> None:
     md = table(results, args.streams)
     print(md)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         slim = {s: {w: {k: v for k, v in r.items() if k != "texts"} for w, r in res.items()}
                 for s, res in results.items()}
-        (out / "speculative.json").write_text(json.dumps({"cost": cost, "results": slim}, indent=2))
-        (out / "speculative.md").write_text(md + "\n")
+        write_results(args.out, {"speculative.json": {"cost": cost, "results": slim}, "speculative.md": md})
 
 
 if __name__ == "__main__":

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import io
 import json
 import statistics
 import sys
@@ -33,29 +31,20 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from scenarios import free_port, gateway_cmd, serving, words  # noqa: E402
+from scenarios import free_port, gateway_cmd, serving, sse_chunks, words, write_results  # noqa: E402
+from soak_traffic import png_data_url  # noqa: E402
 
 ARCHS = ["gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5_vl"]
 SIZE = (224, 160)  # pixels (the tiny Qwen processors cap an image at 64 tokens, Gemma 3's give 16)
 
 
-def image_url(seed: int) -> str:
-    from PIL import Image
-
-    arr = (np.random.default_rng(seed).random((SIZE[1], SIZE[0], 3)) * 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
 def image_message(seed: int, text: str = "What is in this picture?") -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url(seed)}},
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url(seed, SIZE)}},
                                          {"type": "text", "text": text}]}]
 
 
@@ -65,15 +54,10 @@ async def stream(c: httpx.AsyncClient, messages: list[dict], max_tokens: int) ->
     times, use = [], {}
     body = {"model": "vlm", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True}
-    async with c.stream("POST", "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            use = chunk.get("usage") or use
-            if any((ch.get("delta") or {}).get("content") for ch in chunk.get("choices", [])):
-                times.append(time.monotonic())
+    async for chunk in sse_chunks(c, body):
+        use = chunk.get("usage") or use
+        if any((ch.get("delta") or {}).get("content") for ch in chunk.get("choices", [])):
+            times.append(time.monotonic())
     end = time.monotonic()
     return {"ttft": (times[0] if times else end) - t0, "times": times, "end": end, "start": t0,
             "prompt": use.get("prompt_tokens", 0),
@@ -140,9 +124,7 @@ def main() -> None:
                      f"{r['decode_step_median_s'] * 1000:.0f} ms |")
     print("\n".join(lines))
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "vision.json").write_text(json.dumps(results, indent=1))
-        (args.out / "vision.md").write_text("\n".join(lines) + "\n")
+        write_results(args.out, {"vision.json": results, "vision.md": "\n".join(lines)})
 
 
 if __name__ == "__main__":

@@ -50,15 +50,13 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scenarios import free_port, start, words  # noqa: E402
+from scenarios import free_port, start, tokenizer, words, write_results  # noqa: E402
 from gateway.telemetry.request_log import read_json_log  # noqa: E402
 
 
 def prompt_ids(model_dir: str, n: int, seed: int) -> list[int]:
     """Exactly ``n`` token ids of random words (no special tokens)."""
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    tok = load_tokenizer(Path(model_dir))
+    tok = tokenizer(model_dir)
     ids: list[int] = []
     while len(ids) < n:
         ids += tok.encode(" " + words(max(64, n), seed + len(ids)), add_special_tokens=False)
@@ -84,9 +82,7 @@ def stretched(model_dir: str, tokens: int) -> str:
 
 
 def eos_ids(model_dir: str) -> list[int]:
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    return sorted(load_tokenizer(Path(model_dir)).eos_token_ids)
+    return sorted(tokenizer(model_dir).eos_token_ids)
 
 
 # ----------------------------------------------------------------------------- mlx-lm worker
@@ -241,11 +237,8 @@ def main() -> None:
         print("gateway phases (median s): " + ", ".join(
             f"{k} {statistics.median(s.get(k, 0.0) for s in steps):.3f}" for k in keys))
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "vs_mlx_lm.json").write_text(json.dumps({"runs": runs, "medians": med, "choices": choices,
-                                                        "phases": steps}, indent=2))
-        (out / "vs_mlx_lm.md").write_text(md + "\n")
+        write_results(args.out, {"vs_mlx_lm.json": {"runs": runs, "medians": med, "choices": choices, "phases": steps},
+                                 "vs_mlx_lm.md": md})
 
 
 if __name__ == "__main__":

@@ -8,13 +8,14 @@ workload runs against mlx-gateway and ``mlx_lm.server``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
-import os
 import random
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,8 +30,6 @@ MEDIUM = {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 768,
 
 def medium_model() -> str:
     """Directory of the medium benchmark model (built once, in the temp directory)."""
-    import tempfile
-
     from gateway.models.demo_model import build_model_dir
 
     return str(build_model_dir(Path(tempfile.gettempdir()) / "mlx-gateway-bench-qwen3-medium", "qwen3",
@@ -50,8 +49,24 @@ def pyplot():
     return plt
 
 
+def write_results(out, files: dict[str, object]) -> None:
+    """Write ``files`` (by name: a str as text, anything else as JSON) into the directory ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, value in files.items():
+        (out / name).write_text((value if isinstance(value, str) else json.dumps(value, indent=1)) + "\n")
+
+
 WORDS = ("the model cache token prompt server batch request tenant prefix memory apple code agent "
          "browser extension stream answer question system user assistant reason think water").split()
+
+
+@functools.lru_cache(maxsize=8)
+def tokenizer(model: str):
+    """mlx-lm's tokenizer wrapper of the model directory ``model`` (loaded once)."""
+    from mlx_lm.tokenizer_utils import load
+
+    return load(Path(model))
 
 
 def words(n: int, seed: int) -> str:
@@ -84,10 +99,9 @@ def start(cmd: list[str], port: int, env=None, timeout: float = 300, log=None, c
     t0 = time.monotonic()
     out = log if log is not None else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=out, stderr=out, env=env, cwd=cwd)
-    url = f"http://127.0.0.1:{port}"
     while time.monotonic() - t0 < timeout:
         try:
-            r = httpx.get(url + "/health", timeout=1)
+            r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
             if r.status_code == 200:
                 return proc, time.monotonic() - t0
         except httpx.HTTPError:
@@ -120,31 +134,42 @@ def serving(cmd: list[str], port: int, env=None, timeout: float = 300, log=None,
             proc.wait()
 
 
-def delta_text(delta: dict) -> str:
-    """A streamed chat chunk's text: its content and its reasoning (the gateway's
+async def sse_chunks(c: httpx.AsyncClient, body: dict, path: str = "/v1/chat/completions", headers=None):
+    """POST ``body`` to ``path`` as a stream and yield each ``data:`` event's JSON object.
+
+    Raises:
+        httpx.HTTPStatusError: the server answered with an error status (its body in the message).
+    """
+    async with c.stream("POST", path, json=body, headers=headers) as r:
+        if r.is_error:
+            await r.aread()
+            raise httpx.HTTPStatusError(f"{r.status_code}: {r.text[:300]}", request=r.request, response=r)
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                yield json.loads(line[6:])
+
+
+def chunk_text(chunk: dict) -> str:
+    """A streamed chat chunk's text over its choices: content and reasoning (the gateway's
     ``reasoning_content``, mlx_lm.server's ``reasoning``)."""
-    return (delta.get("content") or "") + (delta.get("reasoning_content") or delta.get("reasoning") or "")
+    return "".join((d.get("content") or "") + (d.get("reasoning_content") or d.get("reasoning") or "")
+                   for d in (ch.get("delta") or {} for ch in chunk.get("choices", [])))
 
 
 async def stream_chat(c: httpx.AsyncClient, messages, max_tokens: int, model: str, **extra) -> dict:
+    """Stream one greedy chat: its seconds (``ttft``, ``total``, ``decode_s``: first token to
+    end), content ``chunks``, ``text`` and its usage's ``prompt``, ``cached``, ``completion``."""
     t0 = time.monotonic()
     first, n, text, use = None, 0, "", {}
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, **extra}
-    async with c.stream("POST", "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                use = chunk["usage"]
-            for ch in chunk.get("choices", []):
-                piece = delta_text(ch.get("delta") or {})
-                if piece:
-                    first = first or time.monotonic()
-                    n += 1
-                    text += piece
+    async for chunk in sse_chunks(c, body):
+        use = chunk.get("usage") or use
+        piece = chunk_text(chunk)
+        if piece:
+            first = first or time.monotonic()
+            n += 1
+            text += piece
     end = time.monotonic()
     cached = ((use.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
     return {"ttft": (first or end) - t0, "total": end - t0, "chunks": n, "text": text,
@@ -154,11 +179,11 @@ async def stream_chat(c: httpx.AsyncClient, messages, max_tokens: int, model: st
 
 def summarize(results: list[dict], wall: float) -> dict:
     ttfts = sorted(r["ttft"] for r in results)
-    p95 = ttfts[min(len(ttfts) - 1, int(round(0.95 * (len(ttfts) - 1))))]
     prompt = sum(r["prompt"] for r in results)
     cached = sum(r["cached"] for r in results)
-    return {"ttft_p50": statistics.median(ttfts), "ttft_p95": p95, "computed": prompt - cached,
-            "cached_frac": cached / prompt if prompt else 0.0, "tok_s": sum(r["completion"] for r in results) / wall}
+    return {"ttft_p50": statistics.median(ttfts), "ttft_p95": ttfts[round(0.95 * (len(ttfts) - 1))],
+            "computed": prompt - cached, "cached_frac": cached / prompt if prompt else 0.0,
+            "tok_s": sum(r["completion"] for r in results) / wall}
 
 
 async def burst(url: str, model: str, rounds: int = 3) -> dict:
@@ -218,9 +243,7 @@ async def constrained(url: str, model: str, n: int = 8, rounds: int = 3) -> dict
     """Decode tokens/s of ``n`` concurrent requests, none or half of them constrained
     (median of ``rounds``), and the ratio half/none. Free rows get EOS banned
     (``logit_bias``) so that every row decodes all 64 tokens in both runs."""
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    no_eos = {"logit_bias": {str(t): -100 for t in load_tokenizer(Path(model)).eos_token_ids}}
+    no_eos = {"logit_bias": {str(t): -100 for t in tokenizer(model).eos_token_ids}}
     out = {}
     async with httpx.AsyncClient(base_url=url, timeout=600) as c:
         for k in (0, n // 2):
@@ -238,28 +261,12 @@ async def constrained(url: str, model: str, n: int = 8, rounds: int = 3) -> dict
     return out
 
 
-async def _timed_stream(c: httpx.AsyncClient, body: dict, times: list[float], texts=None) -> None:
-    """Stream ``body`` and append the arrival time (monotonic seconds) of every content chunk."""
-    async with c.stream("POST", "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            piece = "".join(delta_text(ch.get("delta") or {}) for ch in json.loads(line[6:]).get("choices", []))
-            if piece:
-                times.append(time.monotonic())
-                if texts is not None:
-                    texts.append(piece)
-
-
 def steady_stream_bias(model: str) -> dict[str, int]:
     """A ``logit_bias`` that bans EOS and, for vocabularies up to 4096 tokens, the byte
     tokens that decode to part of a UTF-8 character: random weights otherwise emit runs
     of them that a server holds back until the character completes, which would read as
     a stall of the stream."""
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    tok = load_tokenizer(Path(model))
+    tok = tokenizer(model)
     banned = set(tok.eos_token_ids)
     vocab = len(tok._tokenizer.get_vocab())
     if vocab <= 4096:
@@ -269,13 +276,10 @@ def steady_stream_bias(model: str) -> dict[str, int]:
 
 def long_text(model: str, tokens: int, seed: int) -> str:
     """Random words that the model's tokenizer turns into at least ``tokens`` tokens."""
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    tok = load_tokenizer(Path(model))
     n = tokens
     while True:
         text = words(n, seed)
-        got = len(tok.encode(text))
+        got = len(tokenizer(model).encode(text))
         if got >= tokens:
             return text
         n += max(16, (tokens - got) * n // max(got, 1))
@@ -287,56 +291,47 @@ SAME_STEP = 0.001
 
 
 async def stall(url: str, model: str, streams: int = 4, long_tokens: int = 3000, seed: int = 7) -> dict:
-    """Decode stall: ``streams`` requests are decoding when a ``long_tokens``-token prompt
-    arrives. Reports the decoding streams' inter-token gaps (seconds) before it arrived
-    (``gap_alone_p50``) and from its arrival to its first token (``gap_max``,
-    ``gap_p50``; the medians over gaps between steps, :data:`SAME_STEP`), the long
-    prompt's TTFT, and the TTFT of two other prompts of that length sent alone, with
-    nothing decoding, one before the streams start and one after they end
-    (``long_alone_before``, ``long_alone_after``; ``long_alone_ttft`` is their mean, and
-    the long prompt's TTFT over it is its prefill throughput alone over beside the
-    streams: taken on both sides, a slow minute of a noisy machine weighs on both).
-    EOS is banned so the streams outlast the prefill."""
+    """Decode stall: ``streams`` requests (EOS banned) are decoding when a ``long_tokens``-token
+    prompt arrives. Reports the streams' inter-token gaps (seconds) before it arrived
+    (``gap_alone_p50``) and from its arrival to its first token (``gap_max``, ``gap_p50``;
+    medians over gaps between steps, :data:`SAME_STEP`), the long prompt's TTFT, and the
+    TTFT of two prompts of that length sent with nothing decoding, before the streams start
+    and after they end (``long_alone_before``, ``long_alone_after``; ``long_alone_ttft``,
+    their mean: a slow minute of a noisy machine weighs on both sides)."""
     no_eos = steady_stream_bias(model)
-    text = long_text(model, long_tokens, seed)
-    alone_text = long_text(model, long_tokens, seed + 1)
-    after_text = long_text(model, long_tokens, seed + 2)
+    text, alone_text, after_text = (long_text(model, long_tokens, seed + k) for k in range(3))
     times: list[list[float]] = [[] for _ in range(streams)]
-    texts: list[list[str]] = [[] for _ in range(streams)]
+
+    async def decode(c: httpx.AsyncClient, i: int) -> None:  # notes when each content chunk arrives
+        body = {"model": model, "messages": [{"role": "user", "content": words(20, seed * 100 + i)}],
+                "max_tokens": 4000, "temperature": 0, "stream": True, "logit_bias": no_eos}
+        async for chunk in sse_chunks(c, body):
+            if chunk_text(chunk):
+                times[i].append(time.monotonic())
+
     async with httpx.AsyncClient(base_url=url, timeout=600) as c:
         alone_ttft = (await stream_chat(c, [{"role": "user", "content": alone_text}], 8, model))["ttft"]
-        tasks = [asyncio.create_task(_timed_stream(c, {
-            "model": model, "messages": [{"role": "user", "content": words(20, seed * 100 + i)}],
-            "max_tokens": 4000, "temperature": 0, "stream": True, "logit_bias": no_eos}, times[i], texts[i]))
-            for i in range(streams)]
-        while min(len(t) for t in times) < 24:  # all decoding, past their first tokens
-            ended = [t for t in tasks if t.done()]
-            if ended:  # a stream that ended (or failed) early would be waited for forever
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise RuntimeError(f"stall: a stream ended after {min(len(t) for t in times)} content chunks, "
-                                   f"before the long prompt was sent: {ended[0].exception()!r}")
-            await asyncio.sleep(0.01)
-        t_long = time.monotonic()
-        r = await stream_chat(c, [{"role": "user", "content": text}], 8, model)
-        t_first = t_long + r["ttft"]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        tasks = [asyncio.create_task(decode(c, i)) for i in range(streams)]
+        try:
+            while min(len(t) for t in times) < 24:  # all decoding, past their first tokens
+                ended = [t for t in tasks if t.done()]
+                if ended:  # a stream that ended (or failed) early would be waited for forever
+                    raise RuntimeError(f"stall: a stream ended after {min(len(t) for t in times)} content chunks, "
+                                       f"before the long prompt was sent: {ended[0].exception()!r}")
+                await asyncio.sleep(0.01)
+            t_long = time.monotonic()
+            r = await stream_chat(c, [{"role": "user", "content": text}], 8, model)
+            t_first = t_long + r["ttft"]
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.sleep(0.2)  # the server sees the streams leave and ends them
         after_ttft = (await stream_chat(c, [{"role": "user", "content": after_text}], 8, model))["ttft"]
     alone = [b - a for ts in times for a, b in zip(ts[8:], ts[9:]) if b < t_long]
     during = [b - a for ts in times for a, b in zip(ts, ts[1:]) if b > t_long and a < t_first]
-    # the medians are of the gaps between steps: the tokens one speculative step delivers
-    # arrive together (gaps well under a millisecond), and with them the median is 0
     alone_steps = [g for g in alone if g >= SAME_STEP]
     during_steps = [g for g in during if g >= SAME_STEP]
-    if os.environ.get("BENCH_DEBUG"):
-        worst = sorted(((ts[j + 1] - ts[j], ts[j] - t_long, k, texts[k][j + 1]) for k, ts in enumerate(times)
-                        for j in range(len(ts) - 1) if ts[j + 1] > t_long and ts[j] < t_first), reverse=True)[:6]
-        print("worst gaps (gap, start after arrival, stream, text after):",
-              [(round(g, 3), round(s, 3), k, x) for g, s, k, x in worst], "first token at", round(t_first - t_long, 3))
     return {"gap_alone_p50": statistics.median(alone_steps) if alone_steps else float("nan"),
             "gap_max": max(during, default=float("nan")),
             "gap_p50": statistics.median(during_steps) if during_steps else float("nan"),
@@ -352,10 +347,8 @@ def distinct_prefix_tokens(sequences) -> int:
     for seq in sequences:
         node = trie
         for t in seq:
-            if t not in node:
-                node[t] = {}
-                count += 1
-            node = node[t]
+            count += t not in node
+            node = node.setdefault(t, {})
     return count
 
 
@@ -365,9 +358,6 @@ async def load(url: str, model: str, clients: int = 16, turns: int = 4) -> dict:
     Reports output tokens/s, TTFT p50/p95, failed requests, and prompt tokens computed
     (prompt - cached) against the ideal: the distinct prompt prefixes, i.e. every token
     of every prompt counted once however many prompts share it."""
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    tok = load_tokenizer(Path(model))
     system = "You are a coding agent. " + words(380, 3)
     results, prompts = [], []
 
@@ -375,7 +365,7 @@ async def load(url: str, model: str, clients: int = 16, turns: int = 4) -> dict:
         messages = [{"role": "system", "content": system}]
         for t in range(turns):
             messages.append({"role": "user", "content": words(100, 10_000 + 100 * i + t)})
-            prompts.append(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+            prompts.append(tokenizer(model).apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
             try:
                 r = await stream_chat(c, messages, 32, model)
             except httpx.HTTPError:
@@ -404,8 +394,5 @@ def phase_breakdown(log_path: Path, min_cached_frac: float = 0.9) -> dict[str, f
             and d.get("cached_tokens", 0) >= min_cached_frac * d["prompt_tokens"]]
     if not rows:
         return {}
-    names = list(rows[0]["phases"])
-    out = {n: statistics.median(r["phases"].get(n, 0.0) for r in rows) for n in names}
-    out["sum"] = sum(out[n] for n in names)
-    out["requests"] = len(rows)
-    return out
+    out = {n: statistics.median(r["phases"].get(n, 0.0) for r in rows) for n in rows[0]["phases"]}
+    return {**out, "sum": sum(out.values()), "requests": len(rows)}

@@ -26,12 +26,12 @@ BAD_INPUTS = (  # (path, httpx arguments): each must get a 4xx
 )
 
 
-def png_data_url(seed: int) -> str:
-    """A small noisy PNG as a data URL (needs Pillow, which mlx-vlm brings)."""
+def png_data_url(seed: int, size: tuple[int, int] = (64, 48)) -> str:
+    """A noisy PNG of ``size`` (width, height pixels) as a data URL (needs Pillow, which mlx-vlm brings)."""
     import numpy as np
     from PIL import Image
 
-    arr = (np.random.default_rng(seed).random((48, 64, 3)) * 255).astype(np.uint8)
+    arr = (np.random.default_rng(seed).random((size[1], size[0], 3)) * 255).astype(np.uint8)
     buf = io.BytesIO()
     Image.fromarray(arr).save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()

@@ -7,10 +7,9 @@ Design sources:
 - vLLM v1 ``core/block_pool.py`` / ``kv_cache_manager.py``: reference counts, an
   O(1) free queue for eviction (here an ``OrderedDict`` of unleased entries), a hit
   capped at ``num_tokens - 1``, tenant isolation (``cache_salt``; here: namespaces).
-- mlx-lm ``LRUPromptCache`` (models/cache.py) and its known problems: no refcounts,
-  hits that do not refresh recency, a byte limit that is not enforced (mlx-lm
-  #1390/#1807), inserting a longer entry deleting its stored prefixes. This manager
-  does the opposite on each point.
+- mlx-lm ``LRUPromptCache`` (models/cache.py), whose known problems (no refcounts, hits
+  that do not refresh recency, an unenforced byte limit: mlx-lm #1390/#1807, a longer
+  entry deleting its stored prefixes) this manager does the opposite of.
 
 Rules:
 
@@ -74,9 +73,8 @@ class PromptCacheManager:
         max_bytes: bound on the bytes held: every page once, plus every snapshot's own
             non-paged layers (``.nbytes``).
         max_entries: bound on the number of stored snapshots.
-        registry: prometheus ``CollectorRegistry`` for the metrics (see
-            ``metrics.py``); a fresh private one if None (several managers may
-            coexist in one process).
+        registry: prometheus ``CollectorRegistry`` for the metrics (``metrics.py``); a
+            fresh private one if None (several managers may coexist in one process).
         budget: a byte bound shared with the prefix caches of other models
             (``budget.py``): after each insert, least recently used snapshots across
             all of them are dropped until their sum fits. None: only this manager's bounds.
@@ -97,9 +95,7 @@ class PromptCacheManager:
         self.metrics = CacheMetrics(registry)
         self.registry = self.metrics.registry
         self._lock = threading.RLock()
-        # Bumped whenever an entry is stored or dropped: a match_length answer stays
-        # valid while it is unchanged (the admission policy memoizes on it).
-        self.version = 0
+        self.version = 0  # bumped when an entry is stored or dropped (admission memoizes match_length on it)
         self._groups: dict[str, Group] = {}
         self._entries = 0
         self.disk: DiskLink | None = None
@@ -113,8 +109,7 @@ class PromptCacheManager:
             budget.join(self.eviction)
 
     def attach_disk(self, link: "DiskLink") -> None:
-        """Use a disk tier (``tiering.py``): evicted snapshots are written to it, and a
-        lookup that memory serves poorly is tried on it."""
+        """Use a disk tier (``tiering.py``): evicted snapshots go to it, lookups that memory serves poorly try it."""
         self.disk = link
 
     # -- properties -----------------------------------------------------------
@@ -137,13 +132,11 @@ class PromptCacheManager:
 
     def namespace_bytes(self, namespace: str) -> int:
         """Bytes held for ``namespace``."""
-        g = self._groups.get(namespace)
-        return 0 if g is None else g.nbytes
+        return getattr(self._groups.get(namespace), "nbytes", 0)
 
     def namespace_tokens(self, namespace: str) -> int:
         """Unique tokens whose KV pages are held for ``namespace``."""
-        g = self._groups.get(namespace)
-        return 0 if g is None else g.tokens
+        return getattr(self._groups.get(namespace), "tokens", 0)
 
     # -- lookup ---------------------------------------------------------------
     def _select(self, namespace: str, tokens: Sequence[int], whole: bool = False) -> tuple[Entry, int] | None:
@@ -329,8 +322,7 @@ class PromptCacheManager:
         return True
 
     def _eviction_plan(self, namespace: str, run: EvictionDryRun) -> list[tuple[Entry, str]] | None:
-        """:meth:`LRUEviction.plan <cache.lru.LRUEviction.plan>` (the distributed ranks
-        record and replay it). Lock held."""
+        """:meth:`cache.lru.LRUEviction.plan` (the distributed ranks record and replay it). Lock held."""
         return self.eviction.plan(namespace, run)
 
     def _drop(self, entry: Entry, spill: bool = True) -> None:
@@ -359,6 +351,19 @@ class PromptCacheManager:
         self.metrics.held(entry.namespace, group.by_type, group.page_bytes, group.tokens, PAGED_TYPE,
                           drop_empty=entry.namespace in self.eviction.owners)
 
+    def forget(self, namespaces: Sequence[str]) -> int:
+        """Drop the unleased snapshots of ``namespaces`` (and of their companions) and each one
+        left empty (its tree, companion link, gauges): namespaces nothing asks for again (an
+        unloaded LoRA adapter's: ``scheduler/lora``). Returns the snapshots dropped."""
+        with self._lock:
+            namespaces = {*namespaces, *(c for c, o in self.eviction.owners.items() if o in namespaces)}
+            dropped = sum(self.eviction.flush(ns) for ns in namespaces)
+            for ns in namespaces:
+                if ns in self._groups and not self._groups[ns].tree.size:
+                    del self._groups[ns]
+                    self.eviction.owners.pop(ns, None)
+            return dropped
+
     def close(self) -> None:
         """Leave the shared budget, if any (the model is unloaded)."""
         if self.budget is not None:
@@ -376,8 +381,7 @@ class PromptCacheManager:
         snapshot with longer ones below it is left out (they restore it). Runs on the
         thread that owns MLX; a no-op without a disk tier.
 
-        Returns:
-            The number of snapshots submitted.
+        Returns the number of snapshots submitted.
         """
         if self.disk is None:
             return 0
@@ -391,9 +395,6 @@ class PromptCacheManager:
 
     def sanity_check(self) -> None:
         """Assert the tree invariants, the pages and the accounting (``invariants.py``).
-
-        Raises:
-            AssertionError: on the first inconsistency.
-        """
+        Raises AssertionError on the first inconsistency."""
         with self._lock:
             check_manager(self)

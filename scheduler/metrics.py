@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Seconds: from 1 ms to 2 minutes, so both 10 ms and 60 s waits land in a bucket.
@@ -19,86 +21,79 @@ class SchedulerMetrics:
     """
 
     def __init__(self, registry: CollectorRegistry):
-        self.waiting = Gauge("mlx_gateway_requests_waiting", "Requests waiting for admission.", registry=registry)
-        self.running = Gauge("mlx_gateway_requests_running", "Requests admitted to the engine (prefill or decode).",
-                             registry=registry)
-        self.queue_time = Histogram("mlx_gateway_queue_time_seconds",
+        gauge, counter, histogram = (partial(kind, registry=registry) for kind in (Gauge, Counter, Histogram))
+        self.waiting = gauge("mlx_gateway_requests_waiting", "Requests waiting for admission.")
+        self.running = gauge("mlx_gateway_requests_running", "Requests admitted to the engine (prefill or decode).")
+        self.queue_time = histogram("mlx_gateway_queue_time_seconds",
                                     "Time from submission to admission into a prefill batch, seconds.", ["tenant"],
-                                    buckets=LATENCY_BUCKETS, registry=registry)
-        self.gather_wait = Histogram(
+                                    buckets=LATENCY_BUCKETS)
+        self.gather_wait = histogram(
             "mlx_gateway_gather_wait_seconds",
             "Seconds an idle engine waited for requests the gateway was still preparing "
             "before starting them (--gather-wait).",
-            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2), registry=registry)
-        self.prefill_batch = Histogram("mlx_gateway_prefill_batch_size", "Prompts in a prefill step.",
-                                       buckets=BATCH_BUCKETS, registry=registry)
-        self.decode_batch = Histogram("mlx_gateway_decode_batch_size", "Sequences in a decode step.",
-                                      buckets=BATCH_BUCKETS, registry=registry)
-        self.prefill_tokens = Counter("mlx_gateway_prefill_tokens",
-                                      "Prompt tokens computed by the model (cache hits excluded).", registry=registry)
-        self.decode_tokens = Counter("mlx_gateway_decode_tokens", "Tokens generated.", registry=registry)
-        self.prefill_rate = Gauge("mlx_gateway_prefill_tokens_per_second",
-                                  "Prompt tokens computed per second over the last second of work (0 when idle).",
-                                  registry=registry)
-        self.decode_rate = Gauge("mlx_gateway_decode_tokens_per_second",
-                                 "Tokens generated per second over the last second of work (0 when idle).",
-                                 registry=registry)
-        self.prefill_remaining = Gauge("mlx_gateway_prefill_remaining_tokens",
-                                       "Prompt tokens of admitted requests still to be prefilled.", registry=registry)
-        self.work = Counter(
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2))
+        self.prefill_batch = histogram("mlx_gateway_prefill_batch_size", "Prompts in a prefill step.",
+                                       buckets=BATCH_BUCKETS)
+        self.decode_batch = histogram("mlx_gateway_decode_batch_size", "Sequences in a decode step.",
+                                      buckets=BATCH_BUCKETS)
+        self.prefill_tokens = counter("mlx_gateway_prefill_tokens",
+                                      "Prompt tokens computed by the model (cache hits excluded).")
+        self.decode_tokens = counter("mlx_gateway_decode_tokens", "Tokens generated.")
+        self.prefill_rate = gauge("mlx_gateway_prefill_tokens_per_second",
+                                  "Prompt tokens computed per second over the last second of work (0 when idle).")
+        self.decode_rate = gauge("mlx_gateway_decode_tokens_per_second",
+                                 "Tokens generated per second over the last second of work (0 when idle).")
+        self.prefill_remaining = gauge("mlx_gateway_prefill_remaining_tokens",
+                                       "Prompt tokens of admitted requests still to be prefilled.")
+        self.work = counter(
             "mlx_gateway_scheduled_work_tokens",
             "Work given to a tenant by the fair-share scheduler: uncached prompt tokens at "
             "admission plus generated tokens (unweighted).",
-            ["tenant"],
-            registry=registry,
-        )
-        self.grouping_saved_tokens = Counter(
+            ["tenant"])
+        self.grouping_saved_tokens = counter(
             "mlx_gateway_shared_prefix_saved_tokens",
             "Prompt tokens not recomputed because a request waited for a shared prefix "
-            "that another request in its burst was prefilling.",
-            registry=registry,
-        )
-        self.memory_refused = Counter(
+            "that another request in its burst was prefilling.")
+        self.memory_refused = counter(
             "mlx_gateway_memory_refused",
             "Requests answered 503 because their predicted memory (prompt + max_tokens of KV) cannot fit the "
-            "memory budget even alone.", registry=registry)
-        self.memory_waits = Counter(
+            "memory budget even alone.")
+        self.memory_waits = counter(
             "mlx_gateway_memory_waits",
             "Admission rounds in which the next request waited for running rows to end: its predicted memory "
-            "did not fit beside theirs.", registry=registry)
-        self.preemptions = Counter(
+            "did not fit beside theirs.")
+        self.preemptions = counter(
             "mlx_gateway_preemptions",
             "Decoding rows whose reservation could not grow (scheduler/admission/preemption.py), by the row's "
             "latency class and outcome: requeued (its KV into the prefix cache, its request back at the head of "
             "the waiting queue) or length (alone, it ended with finish_reason length).",
-            ["priority", "outcome"], registry=registry)
-        self.preemption_resumes = Counter(
+            ["priority", "outcome"])
+        self.preemption_resumes = counter(
             "mlx_gateway_preemption_resumes",
             "Preempted requests put back into the batch, by how their KV came back: cache (the prefix cache "
-            "restored all of it) or recompute (some of it was prefilled again).", ["how"], registry=registry)
-        self.cancelled = Counter("mlx_gateway_requests_cancelled",
-                                 "Requests cancelled before they finished because the client left.",
-                                 registry=registry)
-        self.queued_by_class = Gauge(
+            "restored all of it) or recompute (some of it was prefilled again).", ["how"])
+        self.cancelled = counter("mlx_gateway_requests_cancelled",
+                                 "Requests cancelled before they finished because the client left.")
+        self.queued_by_class = gauge(
             "mlx_gateway_requests_queued_by_class",
             "Requests waiting for admission or paused (their prefill or decoding), by latency class "
             "(priority: 0 interactive, 1 standard, 2 batch).",
-            ["priority"], registry=registry)
-        self.pauses = Counter(
+            ["priority"])
+        self.pauses = counter(
             "mlx_gateway_prefill_pauses",
             "Prefills paused between two chunks for a better latency class (their KV kept), "
-            "by the paused row's class.", ["priority"], registry=registry)
-        self.resumes = Counter("mlx_gateway_prefill_resumes", "Paused prefills put back into the batch, by class.",
-                               ["priority"], registry=registry)
-        self.decode_holds = Counter(
+            "by the paused row's class.", ["priority"])
+        self.resumes = counter("mlx_gateway_prefill_resumes", "Paused prefills put back into the batch, by class.",
+                               ["priority"])
+        self.decode_holds = counter(
             "mlx_gateway_decode_holds",
             "Engine steps in which the decoding rows (all of lower latency classes) waited "
-            "while an interactive prompt prefilled alone.", registry=registry)
-        self.decode_pauses = Counter(
+            "while an interactive prompt prefilled alone.")
+        self.decode_pauses = counter(
             "mlx_gateway_decode_pauses",
             "Decoding requests taken out of a full decode batch for a request of a better "
             "latency class (their state kept; they go on later), by the paused request's class.",
-            ["priority"], registry=registry)
+            ["priority"])
         for c in ("0", "1", "2"):
             self.decode_pauses.labels(c)
             self.pauses.labels(c)
@@ -106,26 +101,24 @@ class SchedulerMetrics:
         self.queued_of_class = tuple(self.queued_by_class.labels(c) for c in ("0", "1", "2"))  # by class
         self._work_of: dict = {}
         self._published: tuple = (None,) * 6  # what publish_queue last set
-        self.draft_tokens = Counter(
+        self.draft_tokens = counter(
             "mlx_gateway_speculative_draft_tokens",
-            "Tokens drafted for speculative decoding (--speculative) and verified.", registry=registry)
-        self.accepted_tokens = Counter(
+            "Tokens drafted for speculative decoding (--speculative) and verified.")
+        self.accepted_tokens = counter(
             "mlx_gateway_speculative_accepted_tokens",
-            "Drafted tokens the model accepted (each one a decode step saved).", registry=registry)
-        self.verify_steps = Counter("mlx_gateway_speculative_verify_steps",
-                                    "Decode steps that verified drafts (a [B, 1 + K] forward).", registry=registry)
-        self.repeat_first_tokens = Counter(
+            "Drafted tokens the model accepted (each one a decode step saved).")
+        self.verify_steps = counter("mlx_gateway_speculative_verify_steps",
+                                    "Decode steps that verified drafts (a [B, 1 + K] forward).")
+        self.repeat_first_tokens = counter(
             "mlx_gateway_repeat_first_tokens",
             "Exact repeats of a recent prompt whose first token was sampled from the "
-            "log-probabilities kept after its earlier run, with no forward (scheduler.batch.first_tokens).",
-            registry=registry)
-        self.first_token_store_bytes = Gauge(
+            "log-probabilities kept after its earlier run, with no forward (scheduler.batch.first_tokens).")
+        self.first_token_store_bytes = gauge(
             "mlx_gateway_first_token_store_bytes",
             "Bytes of log-probabilities kept for the first tokens of exact repeats "
-            "(at most scheduler.batch.first_tokens.MAX_BYTES).",
-            registry=registry)
-        self.engine_errors = Counter("mlx_gateway_engine_step_errors",
-                                     "Engine steps that raised; the requests in that step failed.", registry=registry)
+            "(at most scheduler.batch.first_tokens.MAX_BYTES).")
+        self.engine_errors = counter("mlx_gateway_engine_step_errors",
+                                     "Engine steps that raised; the requests in that step failed.")
 
     def work_of(self, tenant: str):
         """The :attr:`work` counter of ``tenant`` (its child, made on first use and kept)."""

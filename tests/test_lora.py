@@ -234,10 +234,31 @@ def test_unload_then_unknown_then_load_again_and_lru(qwen3, adapters):
         assert run(engine, [(p, "a")], 5) == first
         engine.call(lambda: lora.load("b", str(adapters["b"][0])))
         engine.call(lambda: lora.load("d", str(adapters["d"][0])))  # two slots: "a" (idle, oldest) goes
-        assert not lora.resident("a") and lora.resident("b") and lora.resident("d")
+        assert sorted(lora.resident_names()) == ["b", "d"]
         engine.call(lambda: lora.ensure("a"))  # read again from its path, "b" goes
-        assert lora.resident("a") and not lora.resident("b")
+        assert sorted(lora.resident_names()) == ["a", "d"]
         assert run(engine, [(p, "a")], 5) == first
+    finally:
+        engine.stop()
+
+
+def test_adapter_switches_for_days_leave_no_namespaces_behind(qwen3, adapters):
+    """Each load of an adapter has its own prefix-cache namespace (``#serial``); once the
+    adapter has left its slot, that namespace (its snapshots, tree and companion link) goes,
+    so switching between two adapters on one slot keeps a bounded cache, where before every
+    load's snapshots stayed until evicted."""
+    engine = make_engine(qwen3, max_loras=1)
+    try:
+        lora, cache, p = adapters_of(engine.model), engine.prompt_cache, prompts(1, seed=9)[0]
+        for name in "abababab":
+            engine.call(lambda: lora.ensure(name) if name in lora.names() else lora.load(name, str(adapters[name][0])))
+            run(engine, [(p, name)], 3)
+        adapter_spaces = [ns for ns in cache.namespaces() if MARK in ns]
+        assert len(adapter_spaces) <= 2, adapter_spaces  # the resident one's, the last one's until the next load
+        assert len(cache.eviction.owners) <= 2, cache.eviction.owners
+        assert len([ns for ns in cache._groups if MARK in ns]) <= 2
+        assert run(engine, [(p, "b")], 3) == [reference_tokens(qwen3, adapters["b"][1], p, 3)]
+        cache.sanity_check()
     finally:
         engine.stop()
 

@@ -110,7 +110,7 @@ class Generation:
             raise APIError(503, f"the model engine is not available: {e}", code="engine_unavailable")
         except EngineOverloaded as e:
             raise APIError(503, f"the server is overloaded: {e}", code="overloaded", headers={"Retry-After": "1"})
-        except UnknownAdapter as e:  # unloaded to make room since the call made it resident
+        except UnknownAdapter as e:  # unloaded by an admin since the call leased it
             raise APIError(503, f"the LoRA adapter {e} was unloaded meanwhile", code="lora_unloaded",
                            headers={"Retry-After": "1"})
         except TenantQueueFull as e:

@@ -37,7 +37,8 @@ async def converse(call: Call, conv: Conversation) -> Answer:
     Raises:
         APIError: 404 for the model, 503 when it cannot be loaded, 400 for an embedding
             model (``model_not_generating``) or a bad conversation, 413/429/503 when it
-            cannot be queued; what the run raises.
+            cannot be queued, 499 when its client left while it waited for a LoRA adapter
+            slot (:func:`gateway.models.lora.ready_adapter`); what the run raises.
     """
     call.record.stream = conv.stream
     loaded = hold(call, conv.model)
@@ -50,7 +51,7 @@ async def converse(call: Call, conv: Conversation) -> Answer:
                 yield Comment(f"loading model {call.slot.name} ({time.monotonic() - started:.0f} s)")
     model = await ready(loaded)
     if call.adapter is not None:  # read into the model's adapter stack (its first request, or after LRU)
-        await ready_adapter(call.front, model, call.front.adapters.get(call.adapter))
+        await ready_adapter(call, model)
     if model.kind == "embedding":
         raise APIError(400, f"the model '{model.name}' is an embedding model: use POST /v1/embeddings",
                        param="model", code="model_not_generating")

@@ -275,11 +275,13 @@ def _spec(name: str, t, base: dict) -> ModelSpec:
                 settings[key] = _number(t[key], kind, low)
             except ValueError as e:
                 raise ModelsFileError(f"{where}: {key} {e}") from e
-    if "speculative" in t:
-        if t["speculative"] not in ("auto", "off", "ngram", "draft"):
-            raise ModelsFileError(f"{where}: speculative must be 'auto', 'off', 'ngram' or 'draft', "
-                                  f"got {t['speculative']!r}")
-        settings["speculative"] = t["speculative"]
+    for key, allowed in (("speculative", ("auto", "off", "ngram", "draft")), ("kv_bits", (4, 8)),
+                         ("kv_group_size", (32, 64, 128)), ("kind", KINDS)):
+        if key in t:
+            if isinstance(t[key], bool) or t[key] not in allowed:
+                raise ModelsFileError(f"{where}: {key} must be one of {', '.join(map(str, allowed))}, "
+                                      f"got {t[key]!r}")
+            settings[key] = t[key]
     if "draft_model" in t:
         if not isinstance(t["draft_model"], str) or not t["draft_model"]:
             raise ModelsFileError(f"{where}: draft_model must be a directory or hub id")
@@ -288,18 +290,8 @@ def _spec(name: str, t, base: dict) -> ModelSpec:
             settings["speculative"] = "draft"
         elif t["speculative"] == "ngram":
             raise ModelsFileError(f"{where}: draft_model drafts with speculative = 'draft', not 'ngram'")
-    for key, allowed in (("kv_bits", (4, 8)), ("kv_group_size", (32, 64, 128))):
-        if key in t:
-            if isinstance(t[key], bool) or t[key] not in allowed:
-                raise ModelsFileError(f"{where}: {key} must be one of {', '.join(map(str, allowed))}, "
-                                      f"got {t[key]!r}")
-            settings[key] = t[key]
     if settings["num_draft_tokens"] > 16:
         raise ModelsFileError(f"{where}: num_draft_tokens must be <= 16")
-    if "kind" in t:
-        if t["kind"] not in KINDS:
-            raise ModelsFileError(f"{where}: kind must be one of {', '.join(KINDS)}, got {t['kind']!r}")
-        settings["kind"] = t["kind"]
     if "chat_template_args" in t:
         if not isinstance(t["chat_template_args"], dict):
             raise ModelsFileError(f"{where}: chat_template_args must be a table")

@@ -4,7 +4,9 @@
   ``"base_model_name"``; default the first served model): read and check the adapter on
   its base model's engine and serve it as ``NAME``; a 400 naming what does not fit, and
   nothing kept, when it does not fit the model; a 503 when the memory budget has no room
-  for it. Loading a served name again replaces it (running requests finish on the old one).
+  for it, or every adapter slot is held by running requests (``lora_slots_busy``: it does
+  not wait, as a request does). Loading a served name again replaces it (running requests
+  finish on the old one).
 - ``POST /v1/unload_lora_adapter`` ``{"lora_name": NAME}``: stop serving it (404 when it
   is not served); running requests finish on it.
 
@@ -29,6 +31,7 @@ from gateway.models.slot import ModelUnavailable
 from gateway.routes.admin import _body, on_engine
 from gateway.tenancy.auth import identify
 from gateway.tenancy.tenants import Tenant
+from scheduler.lora import AdapterBusy
 
 
 def _name(body: dict, key: str) -> str:
@@ -81,7 +84,11 @@ async def load_lora_adapter(request: Request) -> Response:
             raise unavailable(e)
         adapter = Adapter(name, path, slot.name)
         front.metrics.lora.prime(slot.name, name)
-        await on_engine(lambda: load_on_engine(front, handle, adapter, replace=True))
+        try:
+            await on_engine(lambda: load_on_engine(front, handle, adapter, replace=True))
+        except AdapterBusy as e:  # (a request would wait for a slot; an admin's load answers now)
+            front.metrics.lora.loads.labels(slot.name, "busy").inc()
+            raise APIError(503, str(e), code="lora_slots_busy", headers={"Retry-After": "1"})
         front.adapters.add(adapter)
     finally:
         front.models.release(slot)

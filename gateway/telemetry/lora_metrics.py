@@ -39,7 +39,8 @@ class LoraMetrics:
         self.bytes = Gauge("mlx_gateway_lora_adapter_bytes", "Bytes the resident LoRA adapters of a base model "
                            "hold, charged to it under the memory budget.", ["model"], registry=registry)
         self.loads = Counter("mlx_gateway_lora_loads", "LoRA adapter loads by result: loaded, invalid (400), "
-                             "no_room (the memory budget), busy (every slot serving requests).",
+                             "no_room (the memory budget), busy (every slot serving requests: a request waited for one, an admin's "
+                             "load was refused).",
                              ["model", "result"], registry=registry)
         self.load_seconds = Histogram("mlx_gateway_lora_load_seconds", "Time to load a LoRA adapter: reading its "
                                       "files (off the engine thread) and installing it (on it), seconds.",

@@ -15,7 +15,8 @@ chunk's own tokens, at most ``--prefill-step-size``), its attention scores where
 materialized (the CPU backend: ``heads x chunk x context`` float32 and their softmax, per
 row), and each row's logits and log-probabilities at the positions it samples (``vocab``
 float32 each, times ``1 + K`` with speculation; a chunk computes logits only where it
-samples). The room is what the memory budget leaves after every model's weights
+samples), with speculation the holes rejected drafts leave and a verify step's scores,
+and one copy of the batch's largest layer (:meth:`MemoryGate.held`). The room is what the memory budget leaves after every model's weights
 (``room()``, set by the gateway's model registry); the prefix cache shares it.
 ``MLX_GATEWAY_RESERVATION_QUANTUM=0`` in the environment reserves every row's whole
 ``max_tokens`` at admission instead (no growth, no preemption: the behaviour before
@@ -45,8 +46,12 @@ grow with the context).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
+
+from scheduler.batch_merge import merge_streams
+from scheduler.speculative.holes import COMPACT_FRACTION, COMPACT_MIN
 
 BATCH_STEP = 256  # tokens a batch cache grows by at once (mlx-lm KVCache.step): a row's padding headroom
 QUANTUM = BATCH_STEP  # new tokens a reservation is granted at once (see the module docstring)
@@ -55,16 +60,23 @@ ACTIVATION_COPIES = 8  # hidden-size float32 vectors per chunk token alive at on
 
 @dataclass(frozen=True)
 class KVShape:
-    """A model's KV growth: ``per_token`` bytes per token of its growing layers, and for
-    each sliding-window layer ``(bytes per token, window tokens)``."""
+    """A model's KV growth: ``per_token`` bytes per token of its growing layers, for each
+    sliding-window layer ``(bytes per token, window tokens)``, and ``layer``, the bytes per
+    token of its largest growing layer (0: one layer is ``per_token``)."""
 
     per_token: int
     windows: tuple[tuple[int, int], ...] = ()
+    layer: int = 0
 
     def bytes_for(self, tokens: int, chunk: int = 0) -> int:
         """KV bytes of one row holding ``tokens`` tokens; a window layer holds up to its
         window plus the ``chunk`` tokens a prefill step adds before it rotates."""
         return self.per_token * tokens + sum(b * min(tokens, w + chunk) for b, w in self.windows)
+
+    def layer_bytes(self, tokens: int) -> int:
+        """KV bytes of one row's largest layer holding ``tokens`` tokens (a window layer at
+        most its window)."""
+        return max([(self.layer or self.per_token) * tokens] + [b * min(tokens, w) for b, w in self.windows])
 
 
 def _args(model: Any) -> Callable[..., Any]:
@@ -108,7 +120,7 @@ def kv_bytes_per_token(model: Any, caches: Iterable[Any]) -> KVShape:
     (``cache/quantized.py``); a ``max_size`` (sliding window) caps a layer's tokens;
     recurrent layers (no ``keys``) count nothing."""
     kv_heads, head_dim, size = _attention_dims(model)
-    per_token, windows = 0, []
+    per_token, windows, largest = 0, [], 0
     for c in caches:
         name = type(c).__name__
         if not hasattr(c, "keys") or "Arrays" in name or "Mamba" in name:
@@ -123,8 +135,8 @@ def kv_bytes_per_token(model: Any, caches: Iterable[Any]) -> KVShape:
         if window:
             windows.append((b, int(window)))
         else:
-            per_token += b
-    return KVShape(per_token, tuple(windows))
+            per_token, largest = per_token + b, max(largest, b)
+    return KVShape(per_token, tuple(windows), largest)
 
 
 class MemoryGate:
@@ -151,21 +163,41 @@ class MemoryGate:
         self.room: Optional[Callable[[], Optional[int]]] = None  # bytes for KV and cache; None: no gate
         self.quantum = quantum  # new tokens a reservation grows by (0: whole max_tokens, no growth)
 
+    def context(self, tokens: int) -> int:
+        """Positions a batch row holding ``tokens`` tokens may take: its growth step
+        (``BATCH_STEP``) and, with speculation, its draft and the holes rejected drafts
+        leave until the batch compacts them (:mod:`scheduler.speculative.holes`: at
+        ``COMPACT_FRACTION`` of the batch's positions, at least ``COMPACT_MIN``)."""
+        context = tokens + BATCH_STEP
+        if self.draft:
+            context += self.draft + max(COMPACT_MIN, math.ceil(COMPACT_FRACTION * context))
+        return context
+
     def need(self, prompt_tokens: int, max_tokens: int) -> int:
         """Bytes a row of ``prompt_tokens`` holds with ``max_tokens`` generated (its grant:
-        KV, padding, logits)."""
-        context = prompt_tokens + max_tokens + self.draft + BATCH_STEP
-        return self.shape.bytes_for(context, self.chunk) + self.logits
+        KV with its padding and holes, logits)."""
+        return self.shape.bytes_for(self.context(prompt_tokens + max_tokens), self.chunk) + self.logits
 
     def held(self, rows: list[tuple[int, int, int]]) -> int:
         """Bytes a batch of ``rows`` holds, each ``(prompt tokens, new tokens granted, bytes of
         its prefill chunk or 0)``: mlx-lm's batch caches are left-padded to their longest row
         (``[B, H, T, D]``), so every row holds the KV of the longest context of the batch
-        (:meth:`need` of it), and a prefilling row its chunk's memory besides."""
+        (:meth:`need` of it), and a prefilling row its chunk's memory besides. A batch also
+        copies its layer caches, one layer after another: a cache that grows (mlx-lm's
+        ``BatchKVCache`` concatenates a larger buffer), rows that leave (a gather of the
+        others) or join (:func:`scheduler.batch_merge.extend_with_rows`, ``merge_streams()``
+        layers at once), holes squeezed out: the old buffer lives until its copy is made,
+        so the batch holds one copy of that many layers more (:meth:`KVShape.layer_bytes`).
+        A decoding row's verify step (``1 + K`` positions) materializes its attention
+        scores where a prefill chunk does (``heads x (1 + K) x context`` float32 and their
+        softmax); a row prefilling takes no verify step (the batch's steps stay plain)."""
         if not rows:
             return 0
         longest = max(p + n for p, n, _ in rows)
-        return len(rows) * self.need(longest, 0) + sum(b for _, _, b in rows)
+        context = self.context(longest)
+        copy = self.shape.layer_bytes(context) * merge_streams()
+        verify = self.heads * (1 + self.draft) * context * 4 * 2 if self.draft else 0
+        return len(rows) * (self.need(longest, 0) + copy) + sum(max(b, verify) for _, _, b in rows)
 
     def prefill_need(self, prompt_tokens: int, cached: int = 0) -> int:
         """Bytes a row's prefill chunk needs while it prefills: its activations (a chunk of
@@ -174,6 +206,14 @@ class MemoryGate:
         context`` float32 and their softmax)."""
         tokens = max(1, min(self.chunk, prompt_tokens - cached))
         return tokens * self.activation + self.heads * tokens * prompt_tokens * 4 * 2
+
+    def fit_cache(self, held: int, cache: Any) -> None:
+        """Drop unleased snapshots of ``cache`` (least recently used first) until it fits
+        beside ``held`` reserved bytes: finished and preempted rows store their KV there
+        between two admissions, and nothing else bounds it by the room."""
+        room = self.room() if self.room is not None else None
+        while room is not None and held + cache.nbytes > room and cache.eviction.evict_oldest("memory"):
+            pass
 
     def first_grant(self, max_tokens: int, grows: bool) -> int:
         """New tokens a row is first reserved for: ``min(max_tokens, quantum)``, or its whole

@@ -198,6 +198,7 @@ class Reservations:
             del self.grants[gone]
         if gate.room is None or gate.room() is None:
             return
+        gate.fit_cache(gate.held(self._specs(rows)), self.batch.prompt_cache)
         tried: set[str] = set()
         for a in sorted((a for a in self.batch.active.values() if a.decoding and a.request.id in self.grants),
                         key=lambda a: (a.rank, a.request.arrival)):

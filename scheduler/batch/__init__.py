@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import defaultdict
 from typing import Callable, Optional
 
 from cache import PromptCacheManager
@@ -279,7 +280,7 @@ class Batch:
             if hold:
                 self.metrics.decode_holds.inc()
             self.failures.fail_faulty(list(self.active.values()), self._fail_row)
-            events: dict[int, list[Event]] = {}  # a row's events of this step, by uid
+            events: defaultdict[int, list[Event]] = defaultdict(list)  # a row's events of this step, by uid
             counted: dict = {}  # (tenant, weight): tokens, accounted once for the step
             active, first_tokens, token_event = self.active, self.first_tokens, self._token_event
             for gr in gen_responses:
@@ -299,11 +300,7 @@ class Batch:
                     self._fail_row(a, f"decoding failed: {e}")
                     events.pop(uid, None)
                     continue
-                mine = events.get(uid)
-                if mine is None:
-                    events[uid] = [event]
-                else:
-                    mine.append(event)
+                events[uid].append(event)
                 if gr.finish_reason is not None:
                     self._save_snapshot(a, gr.all_tokens, gr.prompt_cache)
                     self.stats.finished += 1
@@ -350,10 +347,10 @@ class Batch:
         """Account ``a``'s prefill progress; returns the prompt tokens prefilled this step."""
         done = a.progress_base + (pr.progress[0] if isinstance(pr.progress, tuple) else 0)
         delta = max(0, done - a.processed)
-        if done > a.processed:
-            self.stats.prefill_tokens += done - a.processed
-            self.metrics.prefill_tokens.inc(done - a.processed)
-            self.rates.prefilled += done - a.processed
+        if delta:
+            self.stats.prefill_tokens += delta
+            self.metrics.prefill_tokens.inc(delta)
+            self.rates.prefilled += delta
             a.processed = done
             if not pr.end_of_prompt and a.progress_due(len(a.request.tokens), time.monotonic()):
                 self._send(a.request, [ProgressEvent(a.cached + done, len(a.request.tokens))])
@@ -390,12 +387,9 @@ class Batch:
         """
         if not tokens or cache is None:
             return
-        keep = a.request.keep.get(len(tokens))  # a cache breakpoint's ttl
-        try:
-            if self.prompt_cache.refresh(a.request.namespace, tokens, keep):  # e.g. an exact repeat: no copy
-                a.stored = max(a.stored, min(len(tokens), len(a.request.tokens)))
-                return
-            if self.prompt_cache.insert(a.request.namespace, list(tokens), cache, keep):
+        keep, ns = a.request.keep.get(len(tokens)), a.request.namespace  # keep: a cache breakpoint's ttl
+        try:  # refreshed (e.g. an exact repeat: no copy), else inserted
+            if self.prompt_cache.refresh(ns, tokens, keep) or self.prompt_cache.insert(ns, list(tokens), cache, keep):
                 a.stored = max(a.stored, min(len(tokens), len(a.request.tokens)))
         except Exception:
             log.exception("saving a snapshot for request %s failed", a.request.id)

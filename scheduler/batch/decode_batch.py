@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_map
 from mlx_lm.generate import GenerationBatch
-from mlx_lm.models.cache import TokenBuffer
+from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 
 from compat.mlx_lm import extend_cache
-from scheduler.batch_merge import extend_with_rows
+from scheduler.batch_merge import extend_with_rows, grow, settle
 
 
 @dataclass
@@ -55,6 +56,21 @@ def context_tokens(model, tokens: list[int]) -> list[int]:
     return [t if t < INT32_LIMIT else placeholder for t in tokens]
 
 
+def _cut_padding(c, keep: list[int]) -> None:
+    """Drop the positions of a batch layer cache ``c`` (``[B, H, T, D]``, float, quantized or
+    holed) that are left padding in every row of ``keep``, as a view: the gather of those
+    rows that follows then copies only the positions they use."""
+    if not isinstance(c, BatchKVCache) or c.keys is None:
+        return
+    cut = int(c.left_padding[mx.array(keep)].min().item())
+    if cut > 0:
+        c.keys, c.values = tree_map(lambda x: x[..., cut:, :], (c.keys, c.values))
+        c._idx -= cut
+        c.left_padding = c.left_padding - cut
+        if getattr(c, "holes", None) is not None:
+            c.holes = c.holes[:, cut:]
+
+
 class JoiningGenerationBatch(GenerationBatch):
     """mlx-lm's decode batch, plus :meth:`join`: rows whose pending input is their last
     prompt token. The token such a row's first step samples is its first one, reported
@@ -84,9 +100,11 @@ class JoiningGenerationBatch(GenerationBatch):
             tokens: each row's tokens in its cache (the context of logits processors).
             samplers, logits_processors, stop_sequences, max_tokens: per row, as in mlx-lm.
         """
+        self._land()
         self.uids.extend(uids)
         self.prompt_cache = (extend_with_rows(self.prompt_cache, caches) if rows
                              else extend_cache(self.prompt_cache, caches))
+        settle(self.prompt_cache)
         self.tokens.extend(tokens)
         self.samplers.extend(samplers)
         self.logits_processors.extend(logits_processors)
@@ -118,7 +136,9 @@ class JoiningGenerationBatch(GenerationBatch):
         back under ``uids``, their caches merged in one copy: each one's next step feeds
         its pending token, as the step it missed would have."""
         # the merge first: if it raises, the batch's lists are as they were
+        self._land()
         self.prompt_cache = extend_with_rows(self.prompt_cache, [s.cache for s in states])
+        settle(self.prompt_cache)
         self.uids.extend(uids)
         pending = self._next_tokens
         for state in states:
@@ -137,15 +157,40 @@ class JoiningGenerationBatch(GenerationBatch):
             self._ahead.append(state.reported)
         self._next_tokens = pending
 
+    def _land(self) -> None:
+        """Wait for the step in flight (mlx-lm evaluates the next step asynchronously): it
+        holds every layer's old buffer, which a copy made meanwhile would live beside."""
+        if self._next_tokens is not None:
+            mx.eval(self._next_tokens)
+
+    def extract_cache(self, i: int) -> list:
+        """mlx-lm's, evaluated: a lazy row is a view pinning the whole batch buffer
+        ``[B, H, T, D]``, which would live on beside the copy the next :meth:`filter` makes."""
+        row = super().extract_cache(i)
+        settle(row)
+        return row
+
     def filter(self, keep):
+        """mlx-lm's, with the left padding the rows kept no longer need cut before the
+        gather of their rows, not after it (mlx-lm cuts a view of the gathered buffer,
+        which pins it whole, as long as the rows that left, until a step copies it), and
+        the layers evaluated one after another (:func:`settle`) once the step in flight is
+        done (:meth:`_land`)."""
+        self._land()
+        if keep:
+            for c in self.prompt_cache:
+                _cut_padding(c, keep)
         super().filter(keep)
+        settle(self.prompt_cache)
         self._fresh = [self._fresh[i] for i in keep]
         self._ahead = [self._ahead[i] for i in keep]
         if self.speculator is not None:  # a draft model's rows leave with theirs
             self.speculator.forget(self.uids)
 
     def next(self):
-        """One decode step: the speculator's when one is set, else :meth:`plain_next`."""
+        """One decode step: the speculator's when one is set, else :meth:`plain_next`; the
+        caches grown first for its widest forward (:func:`~scheduler.batch_merge.grow`)."""
+        grow(self.prompt_cache, 1 + (self.speculator.config.num_draft_tokens if self.speculator is not None else 0))
         if self.speculator is not None:
             return self.speculator.next(self)
         return self.plain_next()

@@ -31,6 +31,7 @@ from mlx_lm.models.cache import BatchKVCache
 
 from cache.restore import layer_bytes
 from scheduler.batch.decode_batch import DecodingState, JoiningGenerationBatch
+from scheduler.batch_merge import grow, settle
 
 
 # A finished prompt whose cache holds at least this many times the tokens of the decode
@@ -199,6 +200,7 @@ class JoiningBatchGenerator(BatchGenerator):
             self._unprocessed_sequences.extendleft(reversed(to_prompt))
             self._prompt_batch.extend(self._make_batch(len(to_prompt)))
             make_room(self._prompt_batch.prompt_cache, max(seq[2] - seq[1] for seq in self._currently_processing))
+            settle(self._prompt_batch.prompt_cache)  # the merge, a layer at a time
         if not direct:
             return []
         # (uid, segments, max_tokens, cache, tokens, sampler, processors, stop sequences)
@@ -275,6 +277,7 @@ class JoiningBatchGenerator(BatchGenerator):
         if prompts:
             self._counters.prompt_tokens += sum(len(p) for p in prompts)
             tic = time.perf_counter()
+            grow(self._prompt_batch.prompt_cache, max(len(p) for p in prompts))
             with self.adapter_rows(self._prompt_batch):
                 self._prompt_batch.prompt(prompts)
             self._counters.prompt_time += time.perf_counter() - tic

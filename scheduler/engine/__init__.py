@@ -18,7 +18,7 @@ the gateway asks it to flush, set quotas, close or report (:meth:`Engine.flush_c
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry
 
@@ -28,7 +28,7 @@ from scheduler.batch.forward_cost import ForwardCost
 from scheduler.engine.loop import EngineLoop
 from scheduler.admission.precompute import Precompute
 from scheduler.engine.prefetch import DiskPrefetch
-from scheduler.engine.seat import LoopSeat
+from scheduler.engine.seat import LoopSeat, Seated
 from scheduler.lora import admitted_adapter
 from scheduler.request import EngineRequest
 from scheduler.speculative import SpeculationConfig
@@ -39,7 +39,7 @@ __all__ = ["PERSIST_SECONDS", "AdmissionRecord", "Engine", "EngineDead", "Engine
            "TenantQueueFull"]
 
 
-class Engine:
+class Engine(Seated):
     """Serves :class:`EngineRequest` s on one model, from an :class:`EngineLoop` thread. Its
     parts: :attr:`core` (:class:`~scheduler.engine.core.EngineCore`, what the loop steps) and
     :attr:`seat` (:class:`~scheduler.engine.seat.LoopSeat`, its place on the loop).
@@ -98,16 +98,6 @@ class Engine:
         self._prefetch = DiskPrefetch(prompt_cache, self._hand_over)
 
     # ----------------------------------------------------------------- public API
-    @property
-    def loop(self) -> EngineLoop:
-        """The loop this engine runs on."""
-        return self.seat.loop
-
-    @property
-    def alive(self) -> bool:
-        """True while the engine is served by a running loop."""
-        return self.seat.alive
-
     @property
     def error(self) -> Optional[BaseException]:
         """What stopped the engine (set on the loop thread), or None."""
@@ -172,15 +162,6 @@ class Engine:
         string; counted as finished, and its prompt + completion are cached)."""
         self._prefetch.cancel(request_id, reason)
         self.seat.post("cancel", (request_id, reason))
-
-    def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
-        """Run ``fn()`` on the engine thread between steps and return its result.
-
-        Raises:
-            EngineDead: the engine is not running.
-            TimeoutError: no answer within ``timeout`` seconds.
-        """
-        return self.seat.call(fn, timeout)
 
     # The prefix cache, asked for through the engine (its snapshots are MLX arrays:
     # whatever may free them runs on the engine thread).

@@ -247,7 +247,7 @@ class EngineCore:
         for i, admission in enumerate(picks):
             verdict = self.reservations.verdict(admission.request)
             if verdict == "wait":
-                self.reservations.put_back(picks[i:], lambda r: self.prompt_cache.match_length(r.namespace, r.tokens))
+                self.reservations.put_back(picks[i:], self._matched)
                 return
             self._waiting_counts.remove(admission.request)
             if verdict == "fits":
@@ -255,14 +255,17 @@ class EngineCore:
                     self._insert(admission)
                 except BaseException:  # the engine stops: this request is told, the rest wait to be ended
                     self.send(admission.request, [ErrorEvent(500, "the engine failed admitting the request")])
-                    self.reservations.put_back(picks[i + 1:], lambda r: self.prompt_cache.match_length(r.namespace, r.tokens))
+                    self.reservations.put_back(picks[i + 1:], self._matched)
                     raise
+
+    def _matched(self, r: EngineRequest) -> int:
+        """Tokens of ``r``'s prompt the prefix cache holds now."""
+        return self.prompt_cache.match_length(r.namespace, r.tokens)
 
     def _pick(self, n: int, classes: Optional[set[int]]) -> list[Admission]:
         if n <= 0 or (classes is not None and not classes):
             return []
-        return self.waiting.pick(n, lambda r: self.prompt_cache.match_length(r.namespace, r.tokens),
-                                  self._in_flight(), self.prompt_cache.version, classes)
+        return self.waiting.pick(n, self._matched, self._in_flight(), self.prompt_cache.version, classes)
 
     def step(self, decode_only: bool = False, decoding_elsewhere: int = 0, share: float = 1.0) -> None:
         """One step of the batch (loop thread): see :meth:`Batch.step`. While interactive
@@ -271,12 +274,10 @@ class EngineCore:
         when longer), so that the next interactive request waits at most about that long;
         while an interactive row decodes, lower classes do not prefill
         (:meth:`LatencyClasses.streams_first <scheduler.admission.classes.LatencyClasses.streams_first>`)."""
-        cap = None
         lower = any(a.rank > 0 for a in self.batch.active.values() if not a.decoding)
-        if lower and not decode_only and self.classes.streams_first():
-            decode_only = True
-        if lower and self._loop.interactive_recent():
-            cap = max(self._loop.interactive_budget, self.chunks.decode_step)
+        decode_only = decode_only or (lower and self.classes.streams_first())
+        recent = lower and self._loop.interactive_recent()
+        cap = max(self._loop.interactive_budget, self.chunks.decode_step) if recent else None
         self.batch.step(decode_only=decode_only, decoding_elsewhere=decoding_elsewhere, cap=cap, share=share)
 
     def end_turn(self, hold: bool) -> None:
@@ -376,23 +377,18 @@ class EngineCore:
         a.precompute = p
 
     def _cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        """End ``request_id`` early, paused, waiting or in the batch, and count it."""
         paused = next((a for a in self.classes.paused if a.request.id == request_id), None)
+        r = self.waiting.remove(request_id) if paused is None else None
         if paused is not None:
             self.classes.paused.remove(paused)
             self.batch.insertion.drop_paused(paused)
             self.send(paused.request, [DoneEvent(reason)])
-            self._count_early_end(reason)
-            return
-        r = self.waiting.remove(request_id)
-        if r is not None:
+        elif r is not None:
             self._waiting_counts.remove(r)
             self.send(r, [DoneEvent(reason)])
-            self._count_early_end(reason)
+        elif not self.batch.cancel(request_id, reason):
             return
-        if self.batch.cancel(request_id, reason):
-            self._count_early_end(reason)
-
-    def _count_early_end(self, reason: str) -> None:
         if reason == "cancelled":
             self.stats.cancelled += 1
             self.metrics.cancelled.inc()

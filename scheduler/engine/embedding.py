@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry
 
 from scheduler.admission.arrivals import Arrivals
 from scheduler.engine.loop import EngineLoop
-from scheduler.engine.seat import LoopSeat
+from scheduler.engine.seat import LoopSeat, Seated
 from scheduler.metrics import SchedulerMetrics
 from scheduler.request import ErrorEvent
 from scheduler.batch.rows import EngineDead, EngineOverloaded, EngineStats
@@ -69,7 +69,7 @@ class EmbeddingRequest:
     _next: int = 0  # inputs handed to a batch so far
 
 
-class EmbeddingEngine:
+class EmbeddingEngine(Seated):
     """Serves :class:`EmbeddingRequest` s for one embedding model on an engine loop (see
     the module docstring). Has the parts of :class:`scheduler.engine.Engine` the gateway
     and the loop use; it keeps no prefix cache.
@@ -106,16 +106,6 @@ class EmbeddingEngine:
         self.arrivals = Arrivals(lambda: self.seat.loop.post(("arrived", None)))
 
     # ----------------------------------------------------------------- thread-safe API
-    @property
-    def loop(self) -> EngineLoop:
-        """The loop this engine runs on."""
-        return self.seat.loop
-
-    @property
-    def alive(self) -> bool:
-        """True while the engine is served by a running loop."""
-        return self.seat.alive
-
     def start(self, timeout: float = 60.0) -> None:
         """Attach to the loop (and start it, when it is this engine's own)."""
         self.seat.start(timeout)
@@ -142,10 +132,6 @@ class EmbeddingEngine:
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         """Drop a request that has not been answered (thread-safe); its sink gets nothing more."""
         self.seat.post("cancel", request_id)
-
-    def call(self, fn, timeout: float = 60.0):
-        """Run ``fn()`` on the engine thread (see :meth:`scheduler.engine.seat.LoopSeat.call`)."""
-        return self.seat.call(fn, timeout)
 
     # What the gateway asks of every engine; an embedding model has no prefix cache.
     def flush_cache(self, cache_group: Optional[str] = None, timeout: float = 60.0) -> int:

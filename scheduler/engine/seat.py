@@ -20,6 +20,32 @@ from scheduler.engine.loop import EngineLoop
 log = logging.getLogger("mlx_gateway.engine")
 
 
+class Seated:
+    """What every engine (:class:`scheduler.engine.Engine`,
+    :class:`scheduler.engine.embedding.EmbeddingEngine`) answers through its :attr:`seat`."""
+
+    seat: "LoopSeat"
+
+    @property
+    def loop(self) -> EngineLoop:
+        """The loop this engine runs on."""
+        return self.seat.loop
+
+    @property
+    def alive(self) -> bool:
+        """True while the engine is served by a running loop."""
+        return self.seat.alive
+
+    def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
+        """Run ``fn()`` on the engine thread between steps and return its result.
+
+        Raises:
+            EngineDead: the engine is not running.
+            TimeoutError: no answer within ``timeout`` seconds.
+        """
+        return self.seat.call(fn, timeout)
+
+
 class LoopSeat:
     """Where ``member`` sits on ``loop`` (see the module docstring).
 

@@ -16,8 +16,8 @@ which holds for every row the engine runs for it, next-turn precomputes included
 An adapter's files are read on any thread (:func:`scheduler.lora.files.read_files`: numpy,
 no MLX); installing it (:meth:`AdapterSet.install`: check, MLX arrays, restack), unloading
 and the per-forward selection run on the engine thread (:meth:`scheduler.engine.Engine.call`),
-so the rows decoding wait only for the install. :meth:`admit`, :meth:`names` and
-:attr:`nbytes` may be called from any thread.
+so the rows decoding wait only for the install. :meth:`admit`, :meth:`lease`,
+:meth:`slot_free`, :meth:`names` and :attr:`nbytes` may be called from any thread.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class UnknownAdapter(KeyError):
 
 
 class AdapterBusy(RuntimeError):
-    """Every adapter slot is held by running requests (a 503)."""
+    """Every adapter slot is held by running requests (a load may wait for :attr:`AdapterSet.on_free`)."""
 
 
 class AdapterNoRoom(AdapterBusy):
@@ -96,6 +96,7 @@ class AdapterSet:
         self._serials = itertools.count(1)
         self._clock = itertools.count(1)
         self._stack_bytes = 0  # bytes of the wrapped layers' stacks (set at each restack)
+        self.on_free: Optional[Callable[[], None]] = None  # called (any thread) when an adapter's last holder ends
 
     # ----------------------------------------------------------------- any thread
     def names(self) -> dict[str, str]:
@@ -110,15 +111,16 @@ class AdapterSet:
         with self._lock:
             return sum(r.weights.nbytes for r in self._slots) + self._stack_bytes
 
+    @property
+    def slot_keys(self) -> dict[str, int]:
+        """Key (name#serial) -> slot of every adapter in a slot, retired ones still running
+        included; a new dict object at each restack (read it, do not change it)."""
+        return self._keys
+
     def resident_names(self) -> list[str]:
         """The adapters resident now (requests of them need no read)."""
         with self._lock:
             return list(self._by_name)
-
-    def resident(self, name: str) -> bool:
-        """Whether ``name`` is loaded now (requests of it can be admitted)."""
-        with self._lock:
-            return name in self._by_name
 
     def admit(self, request) -> None:
         """Move ``request`` (with ``adapter`` set) into its adapter's namespace and count it
@@ -141,8 +143,7 @@ class AdapterSet:
                 _sink(events)
             finally:
                 if any(isinstance(e, (DoneEvent, ErrorEvent)) for e in events):
-                    with self._lock:
-                        _r.refs -= 1
+                    self._let_go(_r)
 
         request.sink = counted
 
@@ -150,9 +151,41 @@ class AdapterSet:
         """Undo :meth:`admit` for a request the engine refused at submit."""
         key = request.namespace.rpartition(MARK)[2]
         with self._lock:
-            for r in self._slots:
-                if r.key == key:
-                    r.refs -= 1
+            held = [r for r in self._slots if r.key == key]
+        for r in held:
+            self._let_go(r)
+
+    def lease(self, name: str, path: Optional[str] = None) -> Optional[Callable[[], None]]:
+        """Hold the resident adapter ``name`` (loaded from ``path``, when given) as a running
+        request does, so that no load unloads it, until the returned callable (idempotent) is
+        called; None when it is not resident (from that path)."""
+        with self._lock:
+            r = self._by_name.get(name)
+            if r is None or (path is not None and self._known.get(name) != path):
+                return None
+            r.refs += 1
+            r.used = next(self._clock)
+        held = [r]
+
+        def release() -> None:
+            if held:
+                self._let_go(held.pop())
+
+        return release
+
+    def slot_free(self) -> bool:
+        """Whether a load could find a slot now: fewer than ``max_loras`` adapters are held
+        by running requests or leases (an idle one is unloaded to make room)."""
+        with self._lock:
+            return sum(r.refs > 0 for r in self._slots) < self.max_loras
+
+    def _let_go(self, r: Resident) -> None:
+        """One holder of ``r`` ended; :attr:`on_free` is told when it was the last."""
+        with self._lock:
+            r.refs -= 1
+            free = r.refs <= 0
+        if free and self.on_free is not None:
+            self.on_free()
 
     # ----------------------------------------------------------------- engine thread
     def load(self, name: str, path: str, room: Optional[int] = None) -> AdapterWeights:
@@ -305,8 +338,12 @@ def rows_hook(model, namespace_of: Callable[[int], Optional[str]], prompt_cache=
     adapter's namespace met for the first time becomes a companion of its request's
     namespace in ``prompt_cache`` (:meth:`cache.lru.LRUEviction.add_companion`: it counts in
     that quota and stays off the disk tier, whose files are keyed by the base alone); that
-    happens before any snapshot of it is stored, since snapshots follow forwards."""
-    known: set[str] = set()
+    happens before any snapshot of it is stored, since snapshots follow forwards. Once an
+    adapter has left its slot (unloaded, no row left), its namespaces are forgotten
+    (:meth:`cache.manager.PromptCacheManager.forget`): a load of it again has a new serial,
+    so their snapshots would never be used, and over days of adapter switches they grew."""
+    known: dict[str, str] = {}  # adapter namespace met -> its adapter's key (name#serial)
+    seen: list = [None]  # the adapter set's keys when the namespaces were last checked
 
     def hook(batch):
         found = adapters_of(model)
@@ -317,7 +354,14 @@ def rows_hook(model, namespace_of: Callable[[int], Optional[str]], prompt_cache=
                 ns = namespace_of(uid)
                 if ns is not None and MARK in ns and ns not in known:
                     prompt_cache.eviction.add_companion(ns, ns.rpartition(MARK)[0])
-                    known.add(ns)
+                    known[ns] = ns.rpartition(MARK)[2]
+            if found.slot_keys is not seen[0]:  # a new dict at every restack
+                seen[0] = live = found.slot_keys
+                gone = [ns for ns, key in known.items() if key not in live]
+                if gone:
+                    prompt_cache.forget(gone)
+                    for ns in gone:
+                        del known[ns]
         return found.forward(lambda: batch.uids, namespace_of)
 
     return hook

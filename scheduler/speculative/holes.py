@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Optional
 
 import mlx.core as mx
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
@@ -108,20 +108,26 @@ class HoledKVCache(BatchKVCache):
 
     def compact(self) -> None:
         """Squeeze the holes out: each row's real tokens right-aligned at the new write
-        index, the batch as long as its longest row (one gather of the KV)."""
+        index, the batch as long as its longest row (one gather of the KV, evaluated here,
+        so that the old buffer goes before another layer's is copied). The new buffer
+        keeps the old one's size: the positions freed are room for the next tokens, which
+        would otherwise grow it (another copy) at the next step."""
         if self.holes is None or self.keys is None:
             return
         real = (~self._holes_to(self._idx)) & (mx.arange(self._idx)[None] >= self.left_padding[:, None])
         counts = real.sum(axis=1)
         n = int(counts.max().item())
-        # Position j of the new row b holds the (j - (n - counts[b]))-th real token of b.
+        size = tree_flatten(self.keys)[0][1].shape[2]
+        # Position j of the new row b holds the (j - (n - counts[b]))-th real token of b
+        # (positions past n: any, written before they are read).
         pos = mx.arange(self._idx)[None]
         order = mx.argsort(mx.where(real, pos, pos + self._idx), axis=1)  # real positions first, in order
-        slot = mx.arange(n)[None] - (n - counts)[:, None]
-        index = mx.take_along_axis(order, mx.maximum(slot, 0), axis=1)  # [B, n]
+        slot = mx.arange(size)[None] - (n - counts)[:, None]
+        index = mx.take_along_axis(order, mx.clip(slot, 0, self._idx - 1), axis=1)  # [B, size]
         gather = index[:, None, :, None]
         self.keys, self.values = tree_map(lambda x: mx.take_along_axis(x[..., : self._idx, :], gather, axis=2),
                                           (self.keys, self.values))
+        mx.eval(self.keys, self.values)
         self.left_padding = n - counts
         self._idx = n
         self.holes = None
