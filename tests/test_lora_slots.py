@@ -176,3 +176,61 @@ def test_a_tenants_max_queued_bounds_its_own_waiters_only(tmp_path):
         for r, name in ((rb, "beta"), (rc, "gamma")):
             assert r.status_code == 200, r.text
             assert pieces(r.json()) == want_pieces(tok, reference_tokens(base, paths[name], prompt, 6))
+
+
+def test_waiters_for_an_adapter_a_waiter_before_them_loaded_run_beside_it(tmp_path):
+    """Two requests wait for beta's slot; the first loads beta when alpha's request ends,
+    and the second runs beside it at once (beta is resident), not after its end."""
+    from gateway.models.lora import waiters_of
+
+    base, tok, paths = adapters(tmp_path, ["alpha", "beta"])
+    rng = random.Random(5)
+    pa, pb, pc = ([rng.randrange(10, 900) for _ in range(10)] for _ in range(3))
+    with live_server(base, lora_modules=[f"{n}={p}" for n, p in paths.items()], max_loras=1) as srv:
+
+        async def scenario():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=300) as ac:
+                a = await holding_the_slot(ac, "alpha", pa)
+                queue = waiters_of(adapters_of(srv.engine.model)).queue
+                first = asyncio.create_task(ac.post("/v1/completions", json=body("beta", pb, 400, ignore_eos=True)))
+                await until(lambda: len(queue) == 1, 60, "beta to wait")
+                second = asyncio.create_task(ac.post("/v1/completions", json=body("beta", pc, 6)))
+                await until(lambda: len(queue) == 2, 60, "beta again to wait behind it")
+                await a
+                rs = await second
+                beside = not first.done()
+                return beside, await first, rs
+
+        beside, rf, rs = asyncio.run(scenario())
+        assert rf.status_code == 200 and rs.status_code == 200, (rf.text, rs.text)
+        assert beside, "the second request for beta waited for the first one's end"
+        assert pieces(rs.json()) == want_pieces(tok, reference_tokens(base, paths["beta"], pc, 6))
+
+
+def test_a_load_that_timed_out_holds_no_slot_when_it_runs_later(tmp_path, monkeypatch):
+    """A request's load whose engine call timed out (503) may still run on the engine
+    later; the lease it takes there is let go, so the only slot serves the next adapter
+    rather than being held for ever."""
+    import threading
+
+    import gateway.models.lora as lora_mod
+
+    base, tok, paths = adapters(tmp_path, ["alpha", "beta"])
+    prompt = [41, 42, 43, 44, 45, 46]
+    with live_server(base, lora_modules=[f"{n}={p}" for n, p in paths.items()], max_loras=1) as srv:
+        monkeypatch.setattr(lora_mod, "LOAD_TIMEOUT", 0.5)
+        release = threading.Event()
+        blocked = srv.engine.seat.post_call(lambda: release.wait(30), 60)  # the engine answers nothing meanwhile
+        try:
+            r = httpx.post(f"{srv.url}/v1/completions", json=body("beta", prompt, 4), timeout=60)
+        finally:
+            release.set()
+        blocked.result(60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text
+        found = adapters_of(srv.engine.model)
+        wait_until(lambda: "beta" in found.resident_names(), 30, "the late load to run")
+        assert found.slot_free(), "the late load's lease holds the only slot"
+        monkeypatch.setattr(lora_mod, "LOAD_TIMEOUT", 300.0)
+        ra = httpx.post(f"{srv.url}/v1/completions", json=body("alpha", prompt, 4), timeout=60)
+        assert ra.status_code == 200, ra.text
+        assert pieces(ra.json()) == want_pieces(tok, reference_tokens(base, paths["alpha"], prompt, 4))

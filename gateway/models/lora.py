@@ -108,6 +108,9 @@ def adapter_set(handle, cfg):
     return adapters_of(handle.engine.model, create=True, max_loras=cfg.max_loras, max_rank=cfg.max_lora_rank)
 
 
+LOAD_TIMEOUT = 300.0  # seconds a load waits for its engine
+
+
 def load_on_engine(front, handle, adapter: Adapter, replace: bool = False) -> Optional[Callable[[], None]]:
     """Make ``adapter`` resident on ``handle``'s engine (blocking; run it in a worker
     thread): read its files here (numpy, off the engine thread), then install them on the
@@ -132,19 +135,32 @@ def load_on_engine(front, handle, adapter: Adapter, replace: bool = False) -> Op
     found = adapter_set(handle, front.config)
     m, start, result = front.metrics.lora, time.monotonic(), None
 
+    taken, lock = [], threading.Lock()  # the lease; [None]: the caller timed out and let go of it
+
     def install(files, room):  # on the engine thread, where every install runs: none between it and the lease
-        held = None if replace else found.lease(adapter.name, adapter.path)
-        if held is not None:
-            return held, "resident"
-        found.install(adapter.name, files, room)
-        return (None if replace else found.lease(adapter.name)), "loaded"
+        held, result = (None if replace else found.lease(adapter.name, adapter.path)), "resident"
+        if held is None:
+            found.install(adapter.name, files, room)
+            held, result = (None if replace else found.lease(adapter.name)), "loaded"
+        with lock:  # (a call that timed out may run later: nobody else would let go of its lease)
+            if taken and held is not None:
+                held()
+            taken.append(held)
+        return held, result
 
     try:
         files = read_files(adapter.path)
         slot = front.models.find(adapter.base)
         room = front.models.adapter_room(slot) if slot is not None else None
-        held, result = handle.engine.call(lambda: install(files, room), timeout=300.0)
+        held, result = handle.engine.call(lambda: install(files, room), timeout=LOAD_TIMEOUT)
         return held
+    except TimeoutError:
+        with lock:
+            for held in taken:
+                if held is not None:
+                    held()
+            taken.append(None)
+        raise
     except AdapterError as e:
         result = "invalid"
         raise APIError(400, f"LoRA adapter '{adapter.name}' cannot be loaded: {e}", param="lora_path",
@@ -208,10 +224,12 @@ class SlotWaiters:
             raise APIError(429, f"too many queued requests: {mine} requests of this tenant are already waiting",
                            code="queue_full", headers={"Retry-After": "1"})
 
-    async def wait(self, call, found, load: Callable[[], Awaitable[Optional[Callable]]]) -> Callable:
-        """Wait (after :meth:`check_room`) for the call's turn and a free slot of ``found``,
-        then ``await load()`` (None when the slot was taken meanwhile: it waits again); what
-        ``load`` gave.
+    async def wait(self, call, found, load: Callable[[], Awaitable[Optional[Callable]]],
+                   resident: Callable[[], Optional[Callable]]) -> Callable:
+        """Wait (after :meth:`check_room`) for the call's turn, then ``resident()`` (its
+        adapter's lease, None when it is not resident: a call before it may have loaded it)
+        or, once a slot of ``found`` is free, ``await load()`` (None when the slot was taken
+        meanwhile: it waits again); what they gave.
 
         Raises:
             APIError: 499 when the client left while it waited; what ``load`` raises.
@@ -223,7 +241,8 @@ class SlotWaiters:
         try:
             while True:
                 wake.clear()
-                if self.queue[0] is me and found.slot_free() and (held := await load()) is not None:
+                if self.queue[0] is me and ((held := resident()) is not None
+                                            or found.slot_free() and (held := await load()) is not None):
                     return held
                 if not wake.is_set():  # (set while it loaded: it looks again at once)
                     woken = asyncio.ensure_future(wake.wait())
@@ -287,13 +306,17 @@ async def ready_adapter(call, handle) -> None:
             raise APIError(503, f"the model engine could not load the adapter: {e!r}", code="engine_unavailable",
                            headers={"Retry-After": "1"})
 
-    adapter, waiters = served(), waiters_of(found)
-    if kept(found.lease(adapter.name, adapter.path)) is not None:
+    def resident() -> Optional[Callable[[], None]]:
+        adapter = served()
+        return kept(found.lease(adapter.name, adapter.path))
+
+    waiters = waiters_of(found)
+    if resident() is not None:
         return
     if waiters.queue or await load() is None:  # others wait first, or every slot is held by running requests
         waiters.check_room(call.tenant, handle.engine)
         front.metrics.lora.loads.labels(handle.name, "busy").inc()
-        await waiters.wait(call, found, load)
+        await waiters.wait(call, found, load, resident)
 
 
 def unload_on_engine(front, handle, name: str) -> None:
