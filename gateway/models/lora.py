@@ -237,7 +237,7 @@ class SlotWaiters:
         self._loop = asyncio.get_running_loop()
         wake = asyncio.Event()
         self.queue.append(me := (call.tenant.name, wake))
-        gone = asyncio.ensure_future(wait_for_disconnect(call.request.receive))
+        gone, woken = asyncio.ensure_future(wait_for_disconnect(call.request.receive)), None
         try:
             while True:
                 wake.clear()
@@ -247,12 +247,14 @@ class SlotWaiters:
                 if not wake.is_set():  # (set while it loaded: it looks again at once)
                     woken = asyncio.ensure_future(wake.wait())
                     await asyncio.wait([woken, gone], return_when=asyncio.FIRST_COMPLETED)
-                    woken.cancel()
+                    woken.cancel()  # (and in the finally: the call may be cancelled while it waits)
                 if gone.done():
                     raise APIError(499, "the client left while its request waited for a LoRA adapter slot",
                                    code="client_closed")
         finally:
             gone.cancel()
+            if woken is not None:
+                woken.cancel()
             self.queue.remove(me)
             self._wake()
 
