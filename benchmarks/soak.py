@@ -53,9 +53,10 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from soak_traffic import Traffic  # noqa: E402
 
-COLUMNS = ("rss_mb", "mlx_active_mb", "cache_mb", "first_tok_mb", "leases", "rows", "tasks", "threads", "fds")
-SERIES = {  # /metrics series -> (column, divisor); mlx_memory_bytes: its kind="active" samples only
-    "mlx_gateway_mlx_memory_bytes": ("mlx_active_mb", 1e6), "mlx_gateway_prompt_cache_bytes": ("cache_mb", 1e6),
+COLUMNS = ("rss_mb", "mlx_active_mb", "mlx_free_mb", "cache_mb", "first_tok_mb", "leases", "rows", "tasks", "threads", "fds")
+MLX_KINDS = {"active": "mlx_active_mb", "cache": "mlx_free_mb"}  # mlx_memory_bytes{kind}: freed buffers MLX keeps
+SERIES = {  # /metrics series -> (column, divisor)
+    "mlx_gateway_mlx_memory_bytes": (None, 1e6), "mlx_gateway_prompt_cache_bytes": ("cache_mb", 1e6),
     "mlx_gateway_first_token_store_bytes": ("first_tok_mb", 1e6),  # bounded: scheduler/batch/first_tokens.py
     "mlx_gateway_prompt_cache_active_leases": ("leases", 1), "mlx_gateway_engine_rows": ("rows", 1),
     "mlx_gateway_asyncio_tasks": ("tasks", 1), "mlx_gateway_threads": ("threads", 1), "mlx_gateway_open_fds": ("fds", 1)}
@@ -76,11 +77,11 @@ def parse_metrics(text: str) -> dict:
     sums: Counter = Counter()
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name == "mlx_gateway_mlx_memory_bytes" and s.labels.get("kind") != "active":
-                continue
             if s.name in SERIES:
                 column, divisor = SERIES[s.name]
-                sums[column] += s.value / divisor
+                column = column or MLX_KINDS.get(s.labels.get("kind"))
+                if column:
+                    sums[column] += s.value / divisor
     return dict(sums)
 
 
@@ -201,12 +202,19 @@ async def soak(gw: Gateway, duration: float, warmup: float, workers: int, sample
     rss = [s["rss_mb"] for s in samples]
     return {
         "samples": samples, "baseline": baseline, "final": final,
-        "rss_growth": growth(rss), "rss_mb_per_hour": slope_per_hour([s["t"] for s in samples], rss),
+        "rss_growth": growth(rss), "outside_mlx_growth": growth([outside_mlx(s) for s in samples]),
+        "rss_mb_per_hour": slope_per_hour([s["t"] for s in samples], rss),
         "leaks": {"leases": final["leases"], "rows": final["rows"],
                   **{k: final[k] - baseline[k] for k in ("tasks", "threads", "fds")}},
         "statuses": {f"{n} {s}": k for (n, s), k in sorted((warm.statuses + traffic.statuses).items())},
         "failures": warm.failures + traffic.failures,
     }
+
+
+def outside_mlx(sample: dict) -> float:
+    """RSS not held by MLX's allocator (live arrays or freed buffers it keeps), MB: the
+    interpreter's heap, the libraries' and the tokenizers'."""
+    return sample["rss_mb"] - sample["mlx_active_mb"] - sample["mlx_free_mb"]
 
 
 def table(report: dict, rows: int = 30) -> str:
@@ -264,7 +272,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         gw.close()
     print(table(report))
     print(f"RSS growth (median of the last third / first third after warm-up): {100 * report['rss_growth']:+.2f} %;"
-          f" slope {report['rss_mb_per_hour']:+.1f} MB/h")
+          f" slope {report['rss_mb_per_hour']:+.1f} MB/h; outside MLX's allocator"
+          f" {100 * report['outside_mlx_growth']:+.2f} %")
     print("left once quiet:", report["leaks"])
     print("answers:", report["statuses"])
     for f in report["failures"]:
