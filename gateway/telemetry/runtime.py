@@ -1,5 +1,6 @@
 """Gauges of what a long-running server could leak, read at scrape time: the engines'
-rows, the event loop's asyncio tasks, the process's threads and open file descriptors.
+rows, the event loop's asyncio tasks, the process's threads and open file descriptors, and
+the heap's freed bytes that malloc keeps (glibc).
 
 A soak (benchmarks/soak.py) samples them with the memory series; once traffic stops each
 must come back to where it was. Every series has fixed labels (none), so they cost the
@@ -14,6 +15,8 @@ import threading
 from typing import Callable, Optional
 
 from prometheus_client.core import GaugeMetricFamily
+
+from gateway.cpu.idle_trim import heap_free_bytes
 
 
 def open_fds() -> Optional[int]:
@@ -31,7 +34,9 @@ class RuntimeCollector:
     """``mlx_gateway_engine_rows`` (rows in the loaded models' batches, next-turn
     precomputes included), ``mlx_gateway_asyncio_tasks`` (tasks of the event loop the
     scrape runs on; absent when scraped off it), ``mlx_gateway_threads`` and
-    ``mlx_gateway_open_fds``.
+    ``mlx_gateway_open_fds``, and where glibc tells it ``mlx_gateway_heap_free_bytes``
+    (:func:`gateway.cpu.idle_trim.heap_free_bytes`: resident memory that is freed, not
+    held: what tells a leak from the allocator keeping buffers).
 
     Args:
         engines: the loaded models' engines now (each with a thread-safe ``num_running``).
@@ -55,6 +60,10 @@ class RuntimeCollector:
         fds = open_fds()
         if fds is not None:
             yield GaugeMetricFamily("mlx_gateway_open_fds", "Open file descriptors of the process.", value=fds)
+        free = heap_free_bytes()
+        if free is not None:
+            yield GaugeMetricFamily("mlx_gateway_heap_free_bytes", "Bytes malloc holds free in the process heap "
+                                    "(glibc mallinfo2), counted in the resident size.", value=free)
 
     def describe(self):
         return []
