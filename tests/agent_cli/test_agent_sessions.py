@@ -22,12 +22,14 @@ reuse table is printed (``-s``) and written to ``.test-agents/reports/``.
 
 The model is the tiny qwen3 on Qwen3's tokenizer and chat template, with terse weights
 (``conftest.terse_model``): its answers are random words, but they end, so each turn
-completes. The demo model (the project's own BPE and template, as ``--model demo``) runs
-aider, whose prompts are small (on that tokenizer opencode's first prompt is 17,800 tokens, a
-minute of prefill here).
+completes. aider runs on the demo model instead (the project's own BPE and template, as
+``--model demo``): its prompts are small (on that tokenizer opencode's first prompt is
+17,800 tokens, a minute of prefill here), and it sends no tools, so on Qwen3's template it
+would take the path the tool-sending CLIs' chat requests already take there. Each CLI runs
+once: a second model under the same CLI sends the same requests again.
 
-With ``MLX_GATEWAY_RECORD_AGENT_FIXTURES=1``, the qwen3 sessions save the request bodies
-as ``fixtures/<cli>/*.json`` for ``test_request_shapes.py``.
+With ``MLX_GATEWAY_RECORD_AGENT_FIXTURES=1``, each session saves its request bodies as
+``fixtures/<cli>/*.json`` for ``test_request_shapes.py``.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from .session import FIXTURES, RECORD_ENV, agent_session, terse_model
 
 REUSE = 0.95  # least share of the ideal reuse a session must get
 # (cli, model): qwen3 = Qwen3's tokenizer and template; demo = the project's own.
-MATRIX = [(name, "qwen3") for name in CLIS] + [("aider", "demo")]
+MATRIX = [(name, "demo" if name == "aider" else "qwen3") for name in CLIS]
 TOOLLESS = {"aider"}  # aider asks for edits in its own text format, not through tools
 
 
@@ -68,7 +70,7 @@ def test_two_turn_session(cli, model, toolbox, tmp_path):
             print(f"{cli} tried to reach (refused): {sorted(set(s.refusals.tried))}")
         (CACHE / "reports").mkdir(parents=True, exist_ok=True)
         (CACHE / "reports" / f"{cli}-{model}.md").write_text(report + "\n")
-        if os.environ.get(RECORD_ENV) and model == "qwen3":
+        if os.environ.get(RECORD_ENV):
             s.save_fixtures(FIXTURES / cli)
 
         bad = [e for e in exchanges if not 200 <= e.status < 300]
