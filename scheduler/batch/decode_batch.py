@@ -110,11 +110,8 @@ class JoiningGenerationBatch(GenerationBatch):
         self.prompt_cache = (extend_with_rows(self.prompt_cache, caches) if rows
                              else extend_cache(self.prompt_cache, caches))
         settle(self.prompt_cache)
-        self.tokens.extend(tokens)
-        self.samplers.extend(samplers)
-        self.logits_processors.extend(logits_processors)
-        self.stop_sequences.extend(stop_sequences)
-        self.max_tokens.extend(max_tokens)
+        for (name, _), new in zip(ROW_FIELDS, (tokens, samplers, logits_processors, stop_sequences, max_tokens)):
+            getattr(self, name).extend(new)  # (the first five of ROW_FIELDS)
         last = mx.array(last_tokens, dtype=mx.uint32)
         pending = self._next_tokens
         self._next_tokens = last if pending is None or pending.size == 0 else mx.concatenate([pending, last])
@@ -128,7 +125,7 @@ class JoiningGenerationBatch(GenerationBatch):
     def take(self, i: int) -> DecodingState:
         """Take row ``i`` out of the batch (between two steps); see :class:`DecodingState`."""
         state = DecodingState(cache=self.extract_cache(i), pending=self._next_tokens[i:i + 1],
-                              **{field: getattr(self, rows)[i] for rows, field in ROW_FIELDS})
+                              **{field: getattr(self, name)[i] for name, field in ROW_FIELDS})
         state.tokens = list(state.tokens)
         self.filter([j for j in range(len(self.uids)) if j != i])
         return state
@@ -142,8 +139,8 @@ class JoiningGenerationBatch(GenerationBatch):
         self.prompt_cache = extend_with_rows(self.prompt_cache, [s.cache for s in states])
         settle(self.prompt_cache)
         self.uids.extend(uids)
-        for rows, field in ROW_FIELDS:
-            getattr(self, rows).extend(getattr(state, field) for state in states)
+        for name, field in ROW_FIELDS:
+            getattr(self, name).extend(getattr(state, field) for state in states)
         pending = self._next_tokens
         for state in states:
             pending = (state.pending if pending is None or pending.size == 0
