@@ -5,9 +5,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 
 @dataclass(frozen=True)
@@ -140,21 +139,22 @@ class EngineRequest:
 _bursts = threading.local()  # the calling thread's open burst: its deferred wake-ups
 
 
-@contextmanager
-def one_wake_up() -> Iterator[None]:
+class one_wake_up:
     """A burst of sink calls (the engine opens one around the events of a step): the
     wake-ups sinks defer with :func:`wake_after` run once each when it closes, so a step
     that reaches 32 streams wakes their event loop once rather than as often as it
     drains in between. Nested bursts join the outer one. A wake-up that raises is
     logged (as a sink that raises is) and the others still run."""
-    if getattr(_bursts, "wakes", None) is not None:
-        yield
-        return
-    _bursts.wakes = wakes = []
-    try:
-        yield
-    finally:
-        _bursts.wakes = None
+
+    def __enter__(self) -> None:
+        self.outer = getattr(_bursts, "wakes", None) is None
+        if self.outer:
+            _bursts.wakes = []
+
+    def __exit__(self, *exc) -> None:
+        if not self.outer:
+            return
+        wakes, _bursts.wakes = _bursts.wakes, None
         for wake in wakes:
             try:
                 wake()

@@ -51,7 +51,7 @@ class LatencyClasses:
         now. None: no limit."""
         if not self._loop.interactive_recent():
             return None
-        lower = sum(1 for a in self._batch.active.values() if not a.decoding and a.rank in (1, 2))
+        lower = sum(1 for a in self._batch.prefilling() if a.rank in (1, 2))
         return max(0, 1 - lower)
 
     def streams_first(self) -> bool:
@@ -109,17 +109,17 @@ class LatencyClasses:
         prefilling or paused (their cache kept), and resume paused rows the allowed
         classes include, while prompt slots are free; the classes that may be admitted
         now (None: every class, when only one is present)."""
+        filling = self._batch.prefilling()  # rows prefilling
         present = self._waiting.classes() | {a.request.priority for a in self.paused} | {
-            a.request.priority for a in self._batch.active.values() if not a.decoding and a.precompute is None}
+            a.request.priority for a in filling if a.precompute is None}
         if len(present) <= 1 and not self.paused:
             return None
         allowed = self._share.allowed(present)
         lower = allowed - {min(present)}
         if (lower and self._batch.num_prefilling() >= self.prompt_concurrency
-                and not any(not a.decoding and a.rank in lower for a in self._batch.active.values())):
+                and not any(a.rank in lower for a in filling)):
             allowed = lower  # a share turn with no prompt slot for it: the lower class alone
-        for a in [a for a in self._batch.active.values()
-                  if not a.decoding and a.precompute is None and a.request.priority not in allowed]:
+        for a in [a for a in filling if a.precompute is None and a.request.priority not in allowed]:
             if self._batch.insertion.pause(a):
                 self.paused.append(a)
                 self.metrics.pauses.labels(str(a.request.priority)).inc()

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Callable, Optional
 
 from scheduler.admission.memory import MemoryGate
@@ -193,8 +194,7 @@ class Reservations:
         the best latency class and the earliest first; preempt rows where that does not
         fit (see the module docstring)."""
         gate, rows = self.gate, self._rows()
-        ids = {a.request.id for a in rows}
-        for gone in [k for k in self.grants if k not in ids]:
+        for gone in self.grants.keys() - set(map(attrgetter("request.id"), rows)):  # (a scan in C)
             del self.grants[gone]
         if gate.room is None or gate.room() is None:
             return

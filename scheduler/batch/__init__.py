@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
+from itertools import filterfalse
+from operator import attrgetter
 from typing import Callable, Optional
 
 from cache import PromptCacheManager
@@ -35,6 +36,7 @@ from scheduler.sampling import greedy, token_logprobs
 from scheduler.speculative import DraftSnapshots, SpeculationConfig, speculator
 
 log = logging.getLogger("mlx_gateway.engine")
+DECODING = attrgetter("decoding")
 
 
 class Batch:
@@ -141,7 +143,11 @@ class Batch:
 
     def num_prefilling(self) -> int:
         """Rows still prefilling their prompt."""
-        return sum(1 for a in self.active.values() if not a.decoding)
+        return len(self.active) - sum(map(DECODING, self.active.values()))  # (in C: made several times a turn)
+
+    def prefilling(self) -> list[Row]:
+        """The rows still prefilling their prompt, in order (a scan in C)."""
+        return list(filterfalse(DECODING, self.active.values()))
 
     def _finish_precompute(self, a: Row) -> None:
         """``a``'s prefix is stored (or could not be): take it out of the batch."""
@@ -228,13 +234,13 @@ class Batch:
                 models prefill in the same turn).
         """
         self.insertion.join_ready()
-        prefill_rows = [a for a in self.active.values() if not a.decoding]
-        classes = tuple(sorted({a.rank for a in prefill_rows}))
+        prefill_rows = self.prefilling()
         prefilling = len(prefill_rows)
+        classes = tuple(sorted({a.rank for a in prefill_rows})) if prefilling else ()
         # what the next chunk attends to besides itself: the tokens in those rows' caches, their mean
         context = sum(a.cached + a.processed for a in prefill_rows) / prefilling if prefilling else None
         # the most tokens a prompt has to prefill before its last (fed as it joins the decoding rows)
-        left = max((a.prompt_left - 1 for a in prefill_rows), default=None)
+        left = max(a.prompt_left - 1 for a in prefill_rows) if prefilling else None
         decoding = len(self.active) - prefilling
         # (a step with no prompt prefilling never holds: holds_decode scans every row for one)
         hold = not decode_only and bool(prefill_rows) and holds_decode(self.active.values(), self._held)
@@ -279,13 +285,16 @@ class Batch:
             self.chunks.record(chunk, prefilled, decoding + decoding_elsewhere, seconds, classes, context, prefilling)
             if hold:
                 self.metrics.decode_holds.inc()
-            self.failures.fail_faulty(list(self.active.values()), self._fail_row)
-            events: defaultdict[int, list[Event]] = defaultdict(list)  # a row's events of this step, by uid
+            self.failures.fail_faulty(self.active.values(), self._fail_row)
             counted: dict = {}  # (tenant, weight): tokens, accounted once for the step
-            active, first_tokens, token_event = self.active, self.first_tokens, self._token_event
+            active, first_tokens, token_event, send = self.active, self.first_tokens, self._token_event, self._send
+            row, events = None, []  # a row's events of the step, sent together (a verify step's are consecutive)
             for gr in gen_responses:
-                uid = gr.uid
-                a = active.get(uid)
+                a = active.get(gr.uid)
+                if a is not row:
+                    if events:
+                        send(row.request, events)
+                    row, events = a, []
                 if a is None:
                     continue
                 if not a.generated and first_tokens is not None and eligible(a.request):
@@ -294,32 +303,32 @@ class Batch:
                     except Exception:  # a repeat then takes the forward; the row goes on
                         log.exception("keeping the first-token logits of request %s failed", a.request.id)
                 try:
-                    event = token_event(a, gr, counted)
+                    events.append(token_event(a, gr, counted))
                 except Exception as e:
                     log.exception("request %s failed while decoding", a.request.id)
                     self._fail_row(a, f"decoding failed: {e}")
-                    events.pop(uid, None)
+                    events = []
                     continue
-                events[uid].append(event)
                 if gr.finish_reason is not None:
                     self._save_snapshot(a, gr.all_tokens, gr.prompt_cache)
                     self.stats.finished += 1
-                    self._finish(a, DoneEvent(gr.finish_reason, max(0, a.stored - a.cached)), events.pop(uid))
+                    self._finish(a, DoneEvent(gr.finish_reason, max(0, a.stored - a.cached)), events)
+                    events = []
+            if events:
+                send(row.request, events)
             self._count_tokens(counted)
-            for uid, evs in events.items():  # (rows that finished or failed left it)
-                self._send(active[uid].request, evs)
 
     def _token_event(self, a: Row, gr, counted: Optional[dict] = None) -> TokenEvent:
         """The event of ``a``'s token ``gr.token``; the token is counted (stats, metrics,
         its tenant's fair share) into ``counted`` for :meth:`_count_tokens`, or now when
         that is None."""
         n = a.generated = a.generated + 1
-        if n == 1:
-            a.request.timings["engine_first_token"] = time.monotonic()
         recent = self.stats.generated_by_request
         recent[a.request.id] = n
-        if len(recent) > RECENT:
-            del recent[next(iter(recent))]
+        if n == 1:  # (a request enters the recent ones with its first token)
+            a.request.timings["engine_first_token"] = time.monotonic()
+            if len(recent) > RECENT:
+                del recent[next(iter(recent))]
         key = a.share_key
         if counted is None:
             self._count_tokens({key: 1})
@@ -333,8 +342,6 @@ class Batch:
     def _count_tokens(self, counted: dict) -> None:
         """Account generated tokens, ``{(tenant, weight): tokens}``: one update per tenant
         and step rather than per token."""
-        if not counted:
-            return
         n = sum(counted.values())
         self.stats.decode_tokens += n
         self.metrics.decode_tokens.inc(n)

@@ -43,6 +43,11 @@ class DecodingState:
     num_tokens: int
 
 
+# The decode batch's per-row lists and the DecodingState field of each (take, put).
+ROW_FIELDS = (("tokens", "tokens"), ("samplers", "sampler"), ("logits_processors", "processors"),
+              ("stop_sequences", "stop"), ("max_tokens", "max_tokens"), ("_next_logprobs", "logprobs"),
+              ("_token_context", "context"), ("_num_tokens", "num_tokens"), ("_matchers", "matcher"),
+              ("_fresh", "fresh"), ("_ahead", "reported"))
 INT32_LIMIT = 1 << 31
 
 
@@ -105,11 +110,8 @@ class JoiningGenerationBatch(GenerationBatch):
         self.prompt_cache = (extend_with_rows(self.prompt_cache, caches) if rows
                              else extend_cache(self.prompt_cache, caches))
         settle(self.prompt_cache)
-        self.tokens.extend(tokens)
-        self.samplers.extend(samplers)
-        self.logits_processors.extend(logits_processors)
-        self.stop_sequences.extend(stop_sequences)
-        self.max_tokens.extend(max_tokens)
+        for (name, _), new in zip(ROW_FIELDS, (tokens, samplers, logits_processors, stop_sequences, max_tokens)):
+            getattr(self, name).extend(new)  # (the first five of ROW_FIELDS)
         last = mx.array(last_tokens, dtype=mx.uint32)
         pending = self._next_tokens
         self._next_tokens = last if pending is None or pending.size == 0 else mx.concatenate([pending, last])
@@ -122,12 +124,9 @@ class JoiningGenerationBatch(GenerationBatch):
 
     def take(self, i: int) -> DecodingState:
         """Take row ``i`` out of the batch (between two steps); see :class:`DecodingState`."""
-        state = DecodingState(
-            cache=self.extract_cache(i), tokens=list(self.tokens[i]), pending=self._next_tokens[i:i + 1],
-            logprobs=self._next_logprobs[i], reported=self._ahead[i], fresh=self._fresh[i],
-            sampler=self.samplers[i], processors=self.logits_processors[i], stop=self.stop_sequences[i],
-            matcher=self._matchers[i],
-            context=self._token_context[i], max_tokens=self.max_tokens[i], num_tokens=self._num_tokens[i])
+        state = DecodingState(cache=self.extract_cache(i), pending=self._next_tokens[i:i + 1],
+                              **{field: getattr(self, name)[i] for name, field in ROW_FIELDS})
+        state.tokens = list(state.tokens)
         self.filter([j for j in range(len(self.uids)) if j != i])
         return state
 
@@ -140,21 +139,12 @@ class JoiningGenerationBatch(GenerationBatch):
         self.prompt_cache = extend_with_rows(self.prompt_cache, [s.cache for s in states])
         settle(self.prompt_cache)
         self.uids.extend(uids)
+        for name, field in ROW_FIELDS:
+            getattr(self, name).extend(getattr(state, field) for state in states)
         pending = self._next_tokens
         for state in states:
-            self.tokens.append(state.tokens)
-            self.samplers.append(state.sampler)
-            self.logits_processors.append(state.processors)
-            self.stop_sequences.append(state.stop)
-            self.max_tokens.append(state.max_tokens)
             pending = (state.pending if pending is None or pending.size == 0
                        else mx.concatenate([pending, state.pending.astype(pending.dtype)]))
-            self._next_logprobs.append(state.logprobs)
-            self._token_context.append(state.context)
-            self._num_tokens.append(state.num_tokens)
-            self._matchers.append(state.matcher)
-            self._fresh.append(state.fresh)
-            self._ahead.append(state.reported)
         self._next_tokens = pending
 
     def _land(self) -> None:

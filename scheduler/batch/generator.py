@@ -165,23 +165,22 @@ class JoiningBatchGenerator(BatchGenerator):
         generation_responses: list = []
         gen = self._generation_batch
         self._apart_responses, self._apart_caches = None, {}
-        if len(gen) < self.completion_batch_size:
+        if (self._unprocessed_sequences or self._currently_processing) and len(gen) < self.completion_batch_size:
             prompt_responses += self._admit()
             prompt_responses += self._join_finished_prompts()
         if self._apart_responses is not None:  # this step's forward was the joining rows' own
             generation_responses = self._apart_responses
-            self._counters.generation_tokens += len(generation_responses)
         elif len(gen) > 0 and not self.hold_decode:
             gen.prompts_waiting = self.prompts_waiting
             tic = time.perf_counter()
             with self.adapter_rows(gen):
                 generation_responses = gen.next()
             self._counters.decode_time += time.perf_counter() - tic
-            self._counters.generation_tokens += len(generation_responses)
             self._counters.generation_steps += 1
             if self._counters.generation_steps % 512 == 0:
                 mx.clear_cache()
-        if len(gen) < self.completion_batch_size:
+        self._counters.generation_tokens += len(generation_responses)
+        if self._currently_processing and len(gen) < self.completion_batch_size:
             prompt_responses += self._prefill_chunk()
         return prompt_responses, generation_responses
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from operator import attrgetter
 from typing import Any, Callable, NamedTuple, Optional
 
 import mlx.core as mx
@@ -151,7 +152,7 @@ class RowInsertion:
         """Send the first token of each row started by :meth:`_start_from_first_token` and
         put those that go on into the decode batch, in one merge (at a step's start, so
         after the engine sent their prompt events)."""
-        ready = [a for a in self._rows.values() if a.joining is not None]
+        ready = list(filter(attrgetter("joining"), self._rows.values()))  # (a scan in C; joining: a dataclass)
         if not ready:
             return
         now = time.monotonic()

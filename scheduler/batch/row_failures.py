@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 import os
 import traceback
-from typing import Callable
+from operator import attrgetter
+from typing import Callable, Iterable
 
 import mlx.core as mx
 
@@ -52,10 +53,11 @@ class RowFailures:
         self._finish(a, ErrorEvent(500, message))
 
     @staticmethod
-    def fail_faulty(rows: list[Row], fail_row: Callable[[Row, str], None]) -> None:
+    def fail_faulty(rows: Iterable[Row], fail_row: Callable[[Row, str], None]) -> None:
         """Fail, alone (``fail_row``), each of ``rows`` whose sampler, processors or grammar
         raised this step; its pending token (sampled by the broken callable) is never sent."""
-        for a in rows:
+        suspects = [*filter(attrgetter("fault.error"), rows), *filter(attrgetter("request.mask"), rows)]  # (in C)
+        for a in {id(a): a for a in suspects}.values():  # (a row in both, once)
             reason = a.error()
             if reason is None:
                 continue

@@ -151,7 +151,7 @@ class EngineCore:
     def prefill_class(self) -> int:
         """The best latency class among the rows prefilling (a next-turn precompute ranks
         below every class); 3 when none prefills."""
-        return min((a.rank for a in self.batch.active.values() if not a.decoding), default=3)
+        return min((a.rank for a in self.batch.prefilling()), default=3)
 
     @property
     def interactive_busy(self) -> bool:
@@ -223,7 +223,8 @@ class EngineCore:
             self.batch.preempt_precomputes()
         self.reservations.grow()
         back = self.classes.resume_streams()
-        allowed = self.classes.allowed()
+        alone = not (len(self.waiting) or self.classes.paused or self.batch.num_prefilling())  # decoding rows alone
+        allowed = None if alone else self.classes.allowed()
         self.classes.make_room(spare=back)
         prefilling = self.batch.num_prefilling()
         free = min(self.prompt_concurrency - prefilling, self.decode_concurrency - len(self.batch.active))
@@ -274,7 +275,7 @@ class EngineCore:
         when longer), so that the next interactive request waits at most about that long;
         while an interactive row decodes, lower classes do not prefill
         (:meth:`LatencyClasses.streams_first <scheduler.admission.classes.LatencyClasses.streams_first>`)."""
-        lower = any(a.rank > 0 for a in self.batch.active.values() if not a.decoding)
+        lower = any(a.rank > 0 for a in self.batch.prefilling())
         decode_only = decode_only or (lower and self.classes.streams_first())
         recent = lower and self._loop.interactive_recent()
         cap = max(self._loop.interactive_budget, self.chunks.decode_step) if recent else None
@@ -309,7 +310,7 @@ class EngineCore:
         queued = self.waiting.count_by_class()
         for a in self.classes.paused:
             queued[a.request.priority] = queued.get(a.request.priority, 0) + 1
-        self.metrics.publish_queue(sum(a.prompt_left for a in active.values() if not a.decoding), len(active),
+        self.metrics.publish_queue(sum(a.prompt_left for a in self.batch.prefilling()), len(active),
                                    self._waiting_counts.total, queued)
         self.batch.rates.publish(idle=not active)
         self._notify_idle_state()
@@ -330,7 +331,7 @@ class EngineCore:
 
     # ----------------------------------------------------------------- admission
     def _in_flight(self) -> list[InFlight]:
-        return [InFlight(a.request, a.pending_snapshots) for a in self.batch.active.values() if not a.decoding]
+        return [InFlight(a.request, a.pending_snapshots) for a in self.batch.prefilling()]
 
     def _insert(self, admission: Admission) -> None:
         r = admission.request
