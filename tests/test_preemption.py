@@ -112,6 +112,37 @@ def test_a_preempted_row_resumes_from_its_own_snapshot():
     assert got == want
 
 
+def test_a_preempted_request_does_not_count_toward_its_tenants_max_queued():
+    """A preempted request waiting again was admitted once: a request of its tenant with
+    ``max_queued=1`` submitted meanwhile is queued, not refused with ``TenantQueueFull``."""
+    import uuid
+
+    from conftest import EventSink
+    from scheduler import EngineRequest
+
+    model, tok, prompts, params, want, room = _engine_and_solo("qwen3", 572)
+    engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=2,
+                    decode_concurrency=2, prefill_step_size=16)
+    engine.set_memory_room(lambda: room)
+    engine.start()
+    try:
+        sinks = [EventSink() for _ in prompts]
+        with engine.arrivals.prepare():
+            for p, sink in zip(prompts, sinks):
+                engine.submit(EngineRequest(f"q-{uuid.uuid4().hex[:8]}", p, params, sink, tenant="t"))
+        deadline = time.monotonic() + 300
+        while not (_preemptions(engine) and engine.num_waiting) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert _preemptions(engine) and engine.num_waiting  # the preempted request waits again
+        late = EventSink()
+        engine.submit(EngineRequest(f"q-{uuid.uuid4().hex[:8]}", prompts[0][:40], SamplingParams(max_tokens=4),
+                                    late, tenant="t", max_queued=1))
+        assert all(s.done.wait(600) for s in [*sinks, late])
+    finally:
+        engine.stop()
+    assert [s.tokens for s in sinks] == want and len(late.tokens) == 4
+
+
 def test_a_row_paused_for_a_better_class_is_preempted_before_that_class_is_cut():
     """A batch-class row paused for an interactive one (one decode slot) still holds its
     reservation; when the interactive row cannot grow, the paused row is preempted (its
