@@ -12,8 +12,8 @@ one would hold memory a short answer never uses. A reservation also counts specu
 headroom (``K`` draft tokens), the padding of a batch (one step's worth of cache growth,
 ``BATCH_STEP``), and the step's transient memory: a prefill chunk's activations (for the
 chunk's own tokens, at most ``--prefill-step-size``), its attention scores where they are
-materialized (the CPU backend: ``heads x chunk x context`` float32 and their softmax per
-row, or its compiled kernels' copies of a block's, :meth:`MemoryGate.scores`), and each row's logits and log-probabilities at the positions it samples (``vocab``
+materialized (the CPU backend: ``heads x chunk x context`` float32 and their softmax, per
+row), and each row's logits and log-probabilities at the positions it samples (``vocab``
 float32 each, times ``1 + K`` with speculation; a chunk computes logits only where it
 samples), with speculation the holes rejected drafts leave, a decode or verify step's scores,
 and one copy of the batch's largest layer (:meth:`MemoryGate.held`). The room is what the memory budget leaves after every model's weights
@@ -56,9 +56,6 @@ from scheduler.speculative.holes import COMPACT_FRACTION, COMPACT_MIN
 BATCH_STEP = 256  # tokens a batch cache grows by at once (mlx-lm KVCache.step): a row's padding headroom
 QUANTUM = BATCH_STEP  # new tokens a reservation is granted at once (see the module docstring)
 ACTIVATION_COPIES = 8  # hidden-size float32 vectors per chunk token alive at once in a layer (a bound)
-# [B, heads, queries, keys] float32 arrays a CPU attention that replaced MLX's own holds at once for
-# up to SCORE_BLOCK queries (gateway/cpu/attention_kernels.py's compiled kernels, measured: 7-8)
-SCORE_COPIES, SCORE_BLOCK = 8, 32
 
 
 @dataclass(frozen=True)
@@ -154,13 +151,11 @@ class MemoryGate:
             float32 ``[heads, chunk, context]`` array and its softmax per prefill chunk;
             Metal's fused attention does not, and ``scores`` is False there).
         quantum: new tokens a row's reservation is granted at once (0: its whole ``max_tokens``).
-        copies: score-sized float32 arrays the attention holds at once (2: MLX's own, the
-            scores and their softmax; :data:`SCORE_COPIES` for a block where it is replaced).
     """
 
     def __init__(self, shape: KVShape, hidden: int, vocab: int, chunk: int, draft: int = 0, heads: int = 0,
-                 scores: bool = False, quantum: int = QUANTUM, copies: int = 2):
-        self.shape, self.chunk, self.draft, self.copies = shape, chunk, draft, copies
+                 scores: bool = False, quantum: int = QUANTUM):
+        self.shape, self.chunk, self.draft = shape, chunk, draft
         self.heads = heads if scores else 0
         self.activation = hidden * 4 * ACTIVATION_COPIES  # bytes of a prefilled token's activations (float32)
         self.transient = chunk * self.activation  # the most one prefill chunk's activations take
@@ -213,9 +208,10 @@ class MemoryGate:
 
     def scores(self, queries: int, keys: int) -> int:
         """Bytes of one row's attention scores in a layer where they are materialized (0
-        elsewhere): ``heads x queries x keys`` float32 and its softmax, or ``copies`` such
-        arrays of a block of at most :data:`SCORE_BLOCK` queries, whichever is larger."""
-        return self.heads * keys * 4 * max(2 * queries, self.copies * min(queries, SCORE_BLOCK))
+        elsewhere): ``heads x queries x keys`` float32 and their softmax (MLX's own
+        attention; the gateway's compiled CPU kernels hold 7-8 such arrays of a block of up
+        to 32 queries, measured, not counted here)."""
+        return self.heads * queries * keys * 4 * 2
 
     def fit_cache(self, held: int, cache: Any) -> None:
         """Drop unleased snapshots of ``cache`` (least recently used first) until it fits
@@ -255,8 +251,7 @@ class MemoryGate:
 def gate_for(model: Any, caches: Iterable[Any], chunk: int, draft: int = 0) -> MemoryGate:
     """The :class:`MemoryGate` of ``model`` (fresh layer caches ``caches``), sizes from its args.
     Attention scores are counted on the CPU device only (the GPU backends' fused attention
-    does not materialize them), :data:`SCORE_COPIES` of them where another attention replaced
-    MLX's own (``mx.fast.scaled_dot_product_attention``: the gateway's CPU plan). The quantum is ``MLX_GATEWAY_RESERVATION_QUANTUM`` (tokens)
+    does not materialize them). The quantum is ``MLX_GATEWAY_RESERVATION_QUANTUM`` (tokens)
     where set, else :data:`QUANTUM`."""
     import os
 
@@ -266,5 +261,4 @@ def gate_for(model: Any, caches: Iterable[Any], chunk: int, draft: int = 0) -> M
     return MemoryGate(kv_bytes_per_token(model, caches), int(get("hidden_size") or 0), int(get("vocab_size") or 0),
                       chunk, draft, int(get("num_attention_heads") or 0),
                       scores=mx.default_device().type == mx.DeviceType.cpu,
-                      quantum=int(os.environ.get("MLX_GATEWAY_RESERVATION_QUANTUM", QUANTUM)),
-                      copies=2 if mx.fast.scaled_dot_product_attention.__module__.startswith("mlx") else SCORE_COPIES)
+                      quantum=int(os.environ.get("MLX_GATEWAY_RESERVATION_QUANTUM", QUANTUM)))
