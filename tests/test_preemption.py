@@ -213,7 +213,7 @@ def test_a_burst_without_max_tokens_is_answered_under_a_small_budget(speculative
     they would run one at a time or get a 503; now they run together, are preempted when
     they outgrow the budget, and every answer is a 200 with all its tokens and
     ``finish_reason: length``; MLX's active memory (the prefix cache's included) stays
-    under the budget (+5 %), with speculative decoding (8 drafts) and without."""
+    under the budget (+10 % here, the goal +5 %), with speculative decoding (8 drafts) and without."""
     path = model_path("qwen3")
     budget, words = _budget(path, ROWS, draft=8 if speculative == "ngram" else 0)
     gc.collect()  # an earlier test's arrays freed later would hide this one's
@@ -244,13 +244,14 @@ def test_a_burst_without_max_tokens_is_answered_under_a_small_budget(speculative
         assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == LIMIT, body["usage"]
     assert preempted > 0
     record_property("peak_over_budget", round(peak[0] / budget, 3))
-    # The goal is 1.05 x. Sampled every 2 ms on a shared 2-core machine, the peak was 0.87-1.05 x
-    # with n-gram speculation over eleven runs and 1.00-1.15 x without it over ten (2.3-2.9 x
-    # and 1.8-2.0 x before the reservations counted the batch's copies): the bounds below catch
-    # a return of the uncounted copies without failing on the sampling's spread. What is left
-    # uncounted without speculation, such as rows finishing together copied into the prefix
-    # cache while the batch holds them, is open work (benchmarks/results/memory_burst.md).
-    assert peak[0] <= (1.10 if speculative == "ngram" else 1.25) * budget, (peak[0], budget)
+    # The goal is 1.05 x. Sampled every 2 ms on a shared 2-core machine, over eight runs each the
+    # peak was 0.84-1.02 x without speculation (1.00-1.15 x before a right-padded chunk rolled
+    # its layers back one at a time, rows leaving the batch were copied out with it a layer at a
+    # time and a measurement's mask stopped staying resident) and 0.82-1.08 x with n-gram
+    # speculation: the bound catches a return of the uncounted copies without failing on the
+    # sampling's spread. Still uncounted: the CPU's compiled attention kernels hold 7-8 copies of
+    # a small chunk's or a decode step's scores (benchmarks/results/memory_burst.md).
+    assert peak[0] <= 1.10 * budget, (peak[0], budget)
 
 
 def test_a_streamed_answer_goes_on_through_a_preemption():
