@@ -62,14 +62,17 @@ def _layer_stream(layer: int, extra: tuple):
     return mx.stream(extra[k - 1]) if k else contextlib.nullcontext()
 
 
-def settle(caches: list) -> None:
+def settle(caches: list, rows: list[list] = ()) -> None:
     """Evaluate a batch's layer caches ``merge_streams()`` layers at a time (a filter, an
     extension or a compaction of each is lazy; call it once the old caches are dropped):
     each layer's old buffer is freed as its copy is made, instead of every layer's old and
-    new buffers living together in the next forward (``MemoryGate.held`` charges the copy)."""
+    new buffers living together in the next forward (``MemoryGate.held`` charges the copy).
+    ``rows``: per row leaving the batch, its layer caches (lazy copies out of the old
+    buffers), each layer evaluated with the batch's."""
     at_once = merge_streams()
-    for i in range(0, len(caches), at_once):
-        mx.eval([a for c in caches[i:i + at_once] for _, a in tree_flatten(vars(c)) if isinstance(a, mx.array)])
+    for i in range(0, max([len(caches)] + [len(r) for r in rows]), at_once):  # (a batch emptied: rows only)
+        layers = [c for layer in [caches, *rows] for c in layer[i:i + at_once]]
+        mx.eval([a for c in layers for _, a in tree_flatten(vars(c)) if isinstance(a, mx.array)])
 
 
 def grow(caches: list, tokens: int) -> None:

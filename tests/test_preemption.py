@@ -112,6 +112,37 @@ def test_a_preempted_row_resumes_from_its_own_snapshot():
     assert got == want
 
 
+def test_a_preempted_request_does_not_count_toward_its_tenants_max_queued():
+    """A preempted request waiting again was admitted once: a request of its tenant with
+    ``max_queued=1`` submitted meanwhile is queued, not refused with ``TenantQueueFull``."""
+    import uuid
+
+    from conftest import EventSink
+    from scheduler import EngineRequest
+
+    model, tok, prompts, params, want, room = _engine_and_solo("qwen3", 572)
+    engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=2,
+                    decode_concurrency=2, prefill_step_size=16)
+    engine.set_memory_room(lambda: room)
+    engine.start()
+    try:
+        sinks = [EventSink() for _ in prompts]
+        with engine.arrivals.prepare():
+            for p, sink in zip(prompts, sinks):
+                engine.submit(EngineRequest(f"q-{uuid.uuid4().hex[:8]}", p, params, sink, tenant="t"))
+        deadline = time.monotonic() + 300
+        while not (_preemptions(engine) and engine.num_waiting) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert _preemptions(engine) and engine.num_waiting  # the preempted request waits again
+        late = EventSink()
+        engine.submit(EngineRequest(f"q-{uuid.uuid4().hex[:8]}", prompts[0][:40], SamplingParams(max_tokens=4),
+                                    late, tenant="t", max_queued=1))
+        assert all(s.done.wait(600) for s in [*sinks, late])
+    finally:
+        engine.stop()
+    assert [s.tokens for s in sinks] == want and len(late.tokens) == 4
+
+
 def test_a_row_paused_for_a_better_class_is_preempted_before_that_class_is_cut():
     """A batch-class row paused for an interactive one (one decode slot) still holds its
     reservation; when the interactive row cannot grow, the paused row is preempted (its
@@ -182,7 +213,7 @@ def test_a_burst_without_max_tokens_is_answered_under_a_small_budget(speculative
     they would run one at a time or get a 503; now they run together, are preempted when
     they outgrow the budget, and every answer is a 200 with all its tokens and
     ``finish_reason: length``; MLX's active memory (the prefix cache's included) stays
-    under the budget (+5 %), with speculative decoding (8 drafts) and without."""
+    under the budget (+10 % here, the goal +5 %), with speculative decoding (8 drafts) and without."""
     path = model_path("qwen3")
     budget, words = _budget(path, ROWS, draft=8 if speculative == "ngram" else 0)
     gc.collect()  # an earlier test's arrays freed later would hide this one's
@@ -213,13 +244,14 @@ def test_a_burst_without_max_tokens_is_answered_under_a_small_budget(speculative
         assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == LIMIT, body["usage"]
     assert preempted > 0
     record_property("peak_over_budget", round(peak[0] / budget, 3))
-    # The goal is 1.05 x. Sampled every 2 ms on a shared 2-core machine, the peak was 0.87-1.05 x
-    # with n-gram speculation over eleven runs and 1.00-1.15 x without it over ten (2.3-2.9 x
-    # and 1.8-2.0 x before the reservations counted the batch's copies): the bounds below catch
-    # a return of the uncounted copies without failing on the sampling's spread. What is left
-    # uncounted without speculation, such as rows finishing together copied into the prefix
-    # cache while the batch holds them, is open work (benchmarks/results/memory_burst.md).
-    assert peak[0] <= (1.10 if speculative == "ngram" else 1.25) * budget, (peak[0], budget)
+    # The goal is 1.05 x. Sampled every 2 ms on a shared 2-core machine, over eight runs each the
+    # peak was 0.84-1.02 x without speculation (1.00-1.15 x before a right-padded chunk rolled
+    # its layers back one at a time, rows leaving the batch were copied out with it a layer at a
+    # time and a measurement's mask stopped staying resident) and 0.82-1.08 x with n-gram
+    # speculation: the bound catches a return of the uncounted copies without failing on the
+    # sampling's spread. Still uncounted: the CPU's compiled attention kernels hold 7-8 copies of
+    # a small chunk's or a decode step's scores (benchmarks/results/memory_burst.md).
+    assert peak[0] <= 1.10 * budget, (peak[0], budget)
 
 
 def test_a_streamed_answer_goes_on_through_a_preemption():

@@ -20,6 +20,7 @@ def test_a_row_is_the_admission_rule():
     r = mac_row(16, m)
     gate: MemoryGate = m.gate()
     room = r["budget"] - r["weights"] - gate.transient
-    assert r["kv"] == gate.need(32768, 0)
-    assert gate.need(r["longest"], 0) <= room < gate.need(r["longest"] + 1, 0)
+    assert r["kv"] == gate.held([(32768, 0, 0)]) > gate.need(32768, 0)  # a copy of a layer besides
+    assert gate.held([(r["longest"], 0, 0)]) <= room < gate.held([(r["longest"] + 1, 0, 0)])
+    assert gate.held([(32768, 0, 0)] * r["requests"]) == r["requests"] * r["kv"]
     assert r["requests"] * r["kv"] <= room < (r["requests"] + 1) * r["kv"]

@@ -30,6 +30,7 @@ The kernels (:data:`KERNELS`):
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Iterator
 from typing import Callable, Optional, Union
 
@@ -86,7 +87,8 @@ def _mask_4d(mask: mx.array) -> mx.array:
     return mask
 
 
-_seen_causal: list = [None, False]  # [the last array mask checked, whether it hides the future]
+# [the last array mask checked, weakly (held, a [B, 1, Tq, Tk] mask outlived its forward), whether it hides the future]
+_seen_causal: list = [lambda: None, False]
 
 
 def hides_future(mask: Mask, Tq: int, Tk: int) -> bool:
@@ -99,11 +101,11 @@ def hides_future(mask: Mask, Tq: int, Tk: int) -> bool:
         return mask == "causal"
     if mask is None or mask.dtype != mx.bool_ or Tq == 1:
         return Tq == 1 and mask is None
-    if _seen_causal[0] is mask:
+    if _seen_causal[0]() is mask:
         return _seen_causal[1]
     future = mx.arange(Tk)[None] > mx.arange(Tk - Tq, Tk)[:, None]
     hides = not bool(mx.any(mx.logical_and(mask, future)).item())
-    _seen_causal[:] = [mask, hides]
+    _seen_causal[:] = [weakref.ref(mask), hides]
     return hides
 
 

@@ -3,8 +3,9 @@ Mac"), computed by the rules the server itself uses.
 
 The budget is :meth:`gateway.backend.Tuning.memory_budget` of that much memory (75 % of
 it; on a running Mac the server takes Metal's recommended working set instead, which it
-prints at start); a request's KV is :meth:`scheduler.admission.memory.MemoryGate.need`
-(prompt and answer, padding and logits; Metal's fused attention keeps no scores), and
+prints at start); a request's KV is its reservation, :meth:`scheduler.admission.memory.MemoryGate.held`
+of its row (prompt and answer, padding, logits and a copy of its largest layer as the batch
+grows, merged on one stream; Metal's fused attention keeps no scores), and
 the prefix cache gets what the weights and the running rows leave (``cache/budget.py``).
 ``tests/test_sizing.py`` checks that the table in the docs is this module's.
 """
@@ -42,8 +43,8 @@ class Reference:
 
     def gate(self) -> MemoryGate:
         """Its :class:`MemoryGate` with float16 KV on Metal."""
-        return MemoryGate(KVShape(self.layers * 2 * self.kv_heads * self.head_dim * 2), self.hidden, self.vocab,
-                          PREFILL_STEP)
+        layer = 2 * self.kv_heads * self.head_dim * 2  # bytes a token of one layer
+        return MemoryGate(KVShape(self.layers * layer, layer=layer), self.hidden, self.vocab, PREFILL_STEP)
 
 
 # Llama 3.1 8B at 4 bits (32 layers, 8 KV heads of 128), Qwen3 30B-A3B at 4 bits (48 layers, 4 KV heads of 128).
@@ -58,13 +59,13 @@ def mac_row(gb: int, model: Reference, context: int = CONTEXT) -> dict:
     budget = Tuning("metal", gb * GB).memory_budget()
     gate = model.gate()
     room = budget - model.weights - gate.transient
-    need = gate.need(context, 0)
+    need = gate.held([(context, 0, 0)])  # n such rows hold n times it
     longest = 0
-    if room > 0:  # the largest n with need(n) <= room (need grows with n)
+    if room > 0:  # the largest n whose row fits the room (a row's reservation grows with n)
         lo, hi = 0, model.context
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if gate.need(mid, 0) <= room else (lo, mid - 1)
+            lo, hi = (mid, hi) if gate.held([(mid, 0, 0)]) <= room else (lo, mid - 1)
         longest = lo
     return {"mac_gb": gb, "budget": budget, "weights": model.weights, "kv": need,
             "requests": max(0, room // need), "longest": longest, "cache": max(0, room - need)}

@@ -15,7 +15,7 @@ chunk's own tokens, at most ``--prefill-step-size``), its attention scores where
 materialized (the CPU backend: ``heads x chunk x context`` float32 and their softmax, per
 row), and each row's logits and log-probabilities at the positions it samples (``vocab``
 float32 each, times ``1 + K`` with speculation; a chunk computes logits only where it
-samples), with speculation the holes rejected drafts leave and a verify step's scores,
+samples), with speculation the holes rejected drafts leave, a decode or verify step's scores,
 and one copy of the batch's largest layer (:meth:`MemoryGate.held`). The room is what the memory budget leaves after every model's weights
 (``room()``, set by the gateway's model registry); the prefix cache shares it.
 ``MLX_GATEWAY_RESERVATION_QUANTUM=0`` in the environment reserves every row's whole
@@ -188,24 +188,30 @@ class MemoryGate:
         others) or join (:func:`scheduler.batch_merge.extend_with_rows`, ``merge_streams()``
         layers at once), holes squeezed out: the old buffer lives until its copy is made,
         so the batch holds one copy of that many layers more (:meth:`KVShape.layer_bytes`).
-        A decoding row's verify step (``1 + K`` positions) materializes its attention
-        scores where a prefill chunk does (``heads x (1 + K) x context`` float32 and their
-        softmax); a row prefilling takes no verify step (the batch's steps stay plain)."""
+        A decoding row's step (``1 + K`` positions, a plain one 1) materializes its attention
+        scores where a prefill chunk does (:meth:`scores` over the context); a row
+        prefilling takes no verify step (the batch's steps stay plain)."""
         if not rows:
             return 0
         longest = max(p + n for p, n, _ in rows)
         context = self.context(longest)
         copy = self.shape.layer_bytes(context) * merge_streams()
-        verify = self.heads * (1 + self.draft) * context * 4 * 2 if self.draft else 0
+        verify = self.scores(1 + self.draft, context)
         return len(rows) * (self.need(longest, 0) + copy) + sum(max(b, verify) for _, _, b in rows)
 
     def prefill_need(self, prompt_tokens: int, cached: int = 0) -> int:
         """Bytes a row's prefill chunk needs while it prefills: its activations (a chunk of
         at most ``chunk`` tokens, and no more than the ``prompt_tokens - cached`` it
-        prefills) and, where they are materialized, its attention scores (``heads x chunk x
-        context`` float32 and their softmax)."""
+        prefills) and, where they are materialized, its attention scores (:meth:`scores`)."""
         tokens = max(1, min(self.chunk, prompt_tokens - cached))
-        return tokens * self.activation + self.heads * tokens * prompt_tokens * 4 * 2
+        return tokens * self.activation + self.scores(tokens, prompt_tokens)
+
+    def scores(self, queries: int, keys: int) -> int:
+        """Bytes of one row's attention scores in a layer where they are materialized (0
+        elsewhere): ``heads x queries x keys`` float32 and their softmax (MLX's own
+        attention; the gateway's compiled CPU kernels hold 7-8 such arrays of a block of up
+        to 32 queries, measured, not counted here)."""
+        return self.heads * queries * keys * 4 * 2
 
     def fit_cache(self, held: int, cache: Any) -> None:
         """Drop unleased snapshots of ``cache`` (least recently used first) until it fits

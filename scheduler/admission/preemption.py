@@ -158,8 +158,9 @@ class Reservations:
             self.metrics.memory_refused.inc()
             room = gate.room() or 0
             self.send(r, [ErrorEvent(503, f"the request needs {alone / 2**20:.1f} MiB (the KV of its prompt and "
-                                          f"its first {gate.first_grant(r.params.max_tokens, self.movable(r))} tokens, its "
-                                          f"prefill's activations) and the memory budget leaves "
+                                          f"its first {gate.first_grant(r.params.max_tokens, self.movable(r))} tokens, a copy "
+                                          "of its largest layer as the batch grows, its prefill's activations"
+                                          f"{', the attention scores of its steps' if gate.heads else ''}) and the memory budget leaves "
                                           f"{max(0, room) / 2**20:.1f} MiB after the weights: retry with fewer "
                                           "tokens, or raise --memory-budget")])
         elif verdict == "wait":
@@ -258,6 +259,6 @@ class Reservations:
                       sink=_continuing(carry), max_queued=None, prefix_key=None)
         resumed = Resumed(**fields, carry=carry)
         self.grants.pop(r.id, None)
-        self.counts.add(resumed, NO_BOUND)
+        self.counts.add(resumed, NO_BOUND, again=True)
         self.waiting.add_first(resumed)
         self.metrics.preemptions.labels(str(r.priority), "requeued").inc()

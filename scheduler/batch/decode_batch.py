@@ -87,6 +87,7 @@ class JoiningGenerationBatch(GenerationBatch):
         self._ahead = [False] * len(self.uids)  # input is a token already reported
         self.speculator = None  # a scheduler.speculative.step.Speculator: its steps may verify drafts
         self.prompts_waiting = False  # a request's prompt prefills beside this batch: steps stay plain
+        self._leaving: list[list] = []  # caches of rows the next filter takes out (leaving_cache)
 
     @classmethod
     def empty(cls, model, fallback_sampler) -> "JoiningGenerationBatch":
@@ -124,7 +125,7 @@ class JoiningGenerationBatch(GenerationBatch):
 
     def take(self, i: int) -> DecodingState:
         """Take row ``i`` out of the batch (between two steps); see :class:`DecodingState`."""
-        state = DecodingState(cache=self.extract_cache(i), pending=self._next_tokens[i:i + 1],
+        state = DecodingState(cache=self.leaving_cache(i), pending=self._next_tokens[i:i + 1],
                               **{field: getattr(self, name)[i] for name, field in ROW_FIELDS})
         state.tokens = list(state.tokens)
         self.filter([j for j in range(len(self.uids)) if j != i])
@@ -160,6 +161,15 @@ class JoiningGenerationBatch(GenerationBatch):
         settle(row)
         return row
 
+    def leaving_cache(self, i: int) -> list:
+        """Row ``i``'s cache (one per layer) as it leaves in the next :meth:`filter`, which
+        copies it out with the rows kept, a layer at a time (:func:`settle`): copied out
+        first (:meth:`extract_cache`), the rows finishing in one step lived whole beside the
+        batch they were still in."""
+        row = super().extract_cache(i)
+        self._leaving.append(row)
+        return row
+
     def filter(self, keep):
         """mlx-lm's, with the left padding the rows kept no longer need cut before the
         gather of their rows, not after it (mlx-lm cuts a view of the gathered buffer,
@@ -171,7 +181,8 @@ class JoiningGenerationBatch(GenerationBatch):
             for c in self.prompt_cache:
                 _cut_padding(c, keep)
         super().filter(keep)
-        settle(self.prompt_cache)
+        settle(self.prompt_cache, self._leaving)
+        self._leaving = []
         self._fresh = [self._fresh[i] for i in keep]
         self._ahead = [self._ahead[i] for i in keep]
         if self.speculator is not None:  # a draft model's rows leave with theirs
@@ -227,7 +238,7 @@ class JoiningGenerationBatch(GenerationBatch):
                 keep.append(i)
                 responses.append(response(uid, tokens[i], logprobs[i], None, None, None))
             else:
-                responses.append(self.Response(uid, tokens[i], logprobs[i], finish, self.extract_cache(i),
+                responses.append(self.Response(uid, tokens[i], logprobs[i], finish, self.leaving_cache(i),
                                                self.tokens[i]))
         if len(keep) < len(self.uids):
             self.filter(keep)

@@ -22,7 +22,7 @@ architecture).
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Optional
 
 import mlx.core as mx
@@ -64,6 +64,26 @@ def make_room(caches: list, tokens: int) -> None:
         if type(c) is BatchKVCache:
             usual = BatchKVCache.step
             c.step = max(usual, -(-tokens // usual) * usual)
+
+
+@contextmanager
+def _finalized_after(caches: list):
+    """mlx-lm's ``PromptProcessingBatch.prompt`` rolls the right padding of chunks of unequal
+    lengths back (``finalize``) in every layer, then evaluates them at once: every layer's
+    rolled copy beside its old buffer. Here each layer rolls after the prompt, a layer at a
+    time (:func:`settle`): two rows of 501 tokens of the tests' tiny model took 0.55 MB
+    beside their 1 MB of KV rolled at once, 0.02 MB a layer at a time."""
+    rolled = [c for c in caches if hasattr(c, "finalize")]
+    for c in rolled:
+        c.finalize = lambda: None
+    try:
+        yield
+    finally:
+        for c in rolled:
+            del c.finalize
+    for c in rolled:
+        c.finalize()
+    settle(caches)
 
 
 class JoiningBatchGenerator(BatchGenerator):
@@ -276,8 +296,9 @@ class JoiningBatchGenerator(BatchGenerator):
         if prompts:
             self._counters.prompt_tokens += sum(len(p) for p in prompts)
             tic = time.perf_counter()
-            grow(self._prompt_batch.prompt_cache, max(len(p) for p in prompts))
-            with self.adapter_rows(self._prompt_batch):
+            caches = self._prompt_batch.prompt_cache
+            grow(caches, max(len(p) for p in prompts))
+            with self.adapter_rows(self._prompt_batch), _finalized_after(caches):
                 self._prompt_batch.prompt(prompts)
             self._counters.prompt_time += time.perf_counter() - tic
         return responses

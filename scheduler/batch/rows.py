@@ -32,15 +32,17 @@ class TenantQueueFull(RuntimeError):
 
 class WaitingCounts:
     """Requests submitted and not yet admitted or cancelled, in all (:attr:`total`) and
-    per tenant; thread-safe."""
+    per tenant (a request admitted once, waiting again, in the total only); thread-safe."""
 
     def __init__(self) -> None:
         self.total = 0
         self._by_tenant: dict[str, int] = {}
+        self._again: set[str] = set()  # ids of requests waiting again (preempted)
         self._lock = threading.Lock()
 
-    def add(self, request: EngineRequest, max_waiting: int) -> None:
-        """Count ``request`` as waiting.
+    def add(self, request: EngineRequest, max_waiting: int, again: bool = False) -> None:
+        """Count ``request`` as waiting; ``again``: it was admitted already (a preempted
+        request), it counts in the total but not toward its tenant's ``max_queued``.
 
         Raises:
             EngineOverloaded: ``max_waiting`` requests are already waiting.
@@ -50,6 +52,10 @@ class WaitingCounts:
         with self._lock:
             if self.total >= max_waiting:
                 raise EngineOverloaded(f"{self.total} requests are already waiting")
+            if again:
+                self.total += 1
+                self._again.add(request.id)
+                return
             mine = self._by_tenant.get(t, 0)
             if request.max_queued is not None and mine >= request.max_queued:
                 raise TenantQueueFull(f"{mine} requests of this tenant are already waiting")
@@ -60,6 +66,9 @@ class WaitingCounts:
         """``request`` no longer waits (admitted or cancelled)."""
         with self._lock:
             self.total -= 1
+            if request.id in self._again:
+                self._again.discard(request.id)
+                return
             left = self._by_tenant.get(request.tenant, 1) - 1
             if left > 0:
                 self._by_tenant[request.tenant] = left
@@ -71,6 +80,7 @@ class WaitingCounts:
         with self._lock:
             self.total = 0
             self._by_tenant.clear()
+            self._again.clear()
 
 
 @dataclass(frozen=True)

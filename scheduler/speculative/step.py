@@ -381,7 +381,7 @@ class Speculator:
                 self.stats.ended_inside_draft += 1
                 tokens = tokens[: len(tokens) - extra]
             token, lp = out[-1]
-            responses.append(batch.Response(uid, token, lp, finish, batch.extract_cache(i), tokens))
+            responses.append(batch.Response(uid, token, lp, finish, batch.leaving_cache(i), tokens))
         if len(keep) < len(batch.uids):
             batch.filter(keep)
         return responses
