@@ -8,6 +8,7 @@ noticed at once and its generation cancelled by the body's ``finally``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import AsyncIterator
@@ -91,25 +92,30 @@ class SSEResponse:
                 with anyio.CancelScope(shield=True):
                     await self.body.aclose()
 
-        async def watch(timeout: float) -> None:
+        def watch(timeout: float) -> None:
             """End the stream once a chunk has waited ``timeout`` seconds to be taken (a
-            look every quarter of it: one timer a stream, not one a chunk)."""
-            while True:
-                await anyio.sleep(timeout / 4)
-                if sending and time.monotonic() - sending[0] >= timeout:
-                    tg.cancel_scope.cancel()  # stream's finally closes the body
+            look every quarter of it: one timer a stream, not a cancel scope a chunk)."""
+            if sending and time.monotonic() - sending[0] >= timeout:
+                tg.cancel_scope.cancel()  # stream's finally closes the body
+            else:
+                timer[0] = loop.call_later(timeout / 4, watch, timeout)
 
-        async with anyio.create_task_group() as tg:
+        loop, timer = asyncio.get_running_loop(), [None]
+        try:
+            async with anyio.create_task_group() as tg:
 
-            async def run_stream() -> None:
-                await stream()
+                async def run_stream() -> None:
+                    await stream()
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(run_stream)
+                if self.send_timeout is not None:
+                    watch(self.send_timeout)
+                await wait_for_disconnect(receive)
                 tg.cancel_scope.cancel()
-
-            tg.start_soon(run_stream)
-            if self.send_timeout is not None:
-                tg.start_soon(watch, self.send_timeout)
-            await wait_for_disconnect(receive)
-            tg.cancel_scope.cancel()
+        finally:
+            if timer[0] is not None:
+                timer[0].cancel()
 
 
 async def wait_for_disconnect(receive: Receive) -> None:
