@@ -7,6 +7,7 @@ from typing import Callable
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
+from scheduler.logit_bias import LogitBias
 from scheduler.request import SamplingParams
 
 Sampler = Callable[[mx.array], mx.array]
@@ -90,8 +91,9 @@ def make_sampler(params: SamplingParams) -> Sampler:
 
 
 def make_processors(params: SamplingParams) -> list:
-    """mlx-lm logits processors for the request's penalties and ``logit_bias`` (may be empty)."""
-    return make_logits_processors(logit_bias=dict(params.logit_bias) or None,
-                                  repetition_penalty=params.repetition_penalty or None,
-                                  presence_penalty=params.presence_penalty or None,
-                                  frequency_penalty=params.frequency_penalty or None)
+    """mlx-lm logits processors for the request's ``logit_bias`` (first, as mlx-lm orders
+    them; a :class:`LogitBias`) and penalties (may be empty)."""
+    bias = [LogitBias(dict(params.logit_bias))] if params.logit_bias else []
+    return bias + make_logits_processors(repetition_penalty=params.repetition_penalty or None,
+                                         presence_penalty=params.presence_penalty or None,
+                                         frequency_penalty=params.frequency_penalty or None)

@@ -148,8 +148,9 @@ class Books:
             m.class_ttft.labels(self.model.name, call.priority).observe(now - gen.arrival)
             if self.lora is not None:
                 m.lora.ttft.labels(*self.lora).observe(now - gen.arrival)
+            self._inter_token = m.inter_token.labels(self.model.name, call.priority)  # (looked up once)
         else:
-            m.inter_token.labels(self.model.name, call.priority).observe(now - self.last_at)
+            self._inter_token.observe(now - self.last_at)
         self.last_at = now
         self.completion += 1
         call.ticket.charge_completion(1)

@@ -8,7 +8,9 @@ noticed at once and its generation cancelled by the body's ``finally``.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from typing import AsyncIterator
 
 import anyio
@@ -34,6 +36,18 @@ def sse(data: dict | str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
+HOLE = "\x00"  # where :func:`text_events` puts each event's text
+
+
+def text_events(data: dict):
+    """``text -> sse(data with text where HOLE is)``, byte for byte, for a stream of
+    events that differ in one string (a chunk's text): ``data`` is encoded once around
+    its last string :data:`HOLE` (no string after it) and each event is its JSON string
+    put between the two halves."""
+    head, _, tail = sse(data).rpartition(b'"\\u0000"')
+    return lambda text: b"".join((head, to_json(text).encode(), tail))
+
+
 def comment(text: str) -> bytes:
     """An SSE comment line (``: text``): ignored by clients, keeps proxies from timing out."""
     return f": {text}\n\n".encode()
@@ -44,7 +58,8 @@ class SSEResponse:
     ``media_type``: Ollama's streams are ``application/x-ndjson``).
 
     A client that does not take a chunk within ``send_timeout`` seconds (a stalled
-    reader) is treated as gone: the stream stops and its generation is cancelled.
+    reader; up to a quarter more) is treated as gone: the stream stops and its
+    generation is cancelled.
     """
 
     def __init__(self, body: AsyncIterator[bytes], headers: dict[str, str] | None = None,
@@ -61,28 +76,46 @@ class SSEResponse:
             (b"x-accel-buffering", b"no"),
         ] + [(k.lower().encode(), v.encode()) for k, v in self.headers.items()]
 
+        sending: list[float] = []  # when the chunk being sent began to be (empty: none is)
+
         async def stream() -> None:
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             try:
                 async for chunk in self.body:
-                    with anyio.fail_after(self.send_timeout):
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    sending.append(time.monotonic())
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    sending.clear()
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
-            except (OSError, TimeoutError):  # the client went away or stopped reading
+            except OSError:  # the client went away
                 pass
             finally:
                 with anyio.CancelScope(shield=True):
                     await self.body.aclose()
 
-        async with anyio.create_task_group() as tg:
+        def watch(timeout: float) -> None:
+            """End the stream once a chunk has waited ``timeout`` seconds to be taken (a
+            look every quarter of it: one timer a stream, not a cancel scope a chunk)."""
+            if sending and time.monotonic() - sending[0] >= timeout:
+                tg.cancel_scope.cancel()  # stream's finally closes the body
+            else:
+                timer[0] = loop.call_later(timeout / 4, watch, timeout)
 
-            async def run_stream() -> None:
-                await stream()
+        loop, timer = asyncio.get_running_loop(), [None]
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def run_stream() -> None:
+                    await stream()
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(run_stream)
+                if self.send_timeout is not None:
+                    watch(self.send_timeout)
+                await wait_for_disconnect(receive)
                 tg.cancel_scope.cancel()
-
-            tg.start_soon(run_stream)
-            await wait_for_disconnect(receive)
-            tg.cancel_scope.cancel()
+        finally:
+            if timer[0] is not None:
+                timer[0].cancel()
 
 
 async def wait_for_disconnect(receive: Receive) -> None:

@@ -13,7 +13,7 @@ from gateway.conversation.run import Run
 from gateway.conversation.start import converse
 from gateway.front import admit
 from gateway.http.errors import APIError
-from gateway.http.sse import sse
+from gateway.http.sse import HOLE, sse, text_events
 from gateway.protocols.openai_format import (LogprobFormatter, OpenAIFormat, chat_chunk, chat_completion, finish_reason,
                                              usage, usage_chunk)
 from gateway.protocols.openai_schemas import ChatRequest, parse
@@ -76,6 +76,8 @@ def _delta(piece: Piece) -> dict:
 class ChatFormat(OpenAIFormat):
     """Chat completions' answer: ``chat.completion`` or its chunks."""
 
+    _content_chunk = None  # text -> a chunk of that content alone, made at the first
+
     def opening(self) -> bytes:
         return sse(chat_chunk(self.rid, self.call.model_name, self.created, {"role": "assistant", "content": ""}))
 
@@ -86,6 +88,11 @@ class ChatFormat(OpenAIFormat):
 
     def piece(self, run: Run, piece: Piece) -> bytes:
         d, lps = _delta(piece), self._logprobs(run, piece.tokens)
+        if not lps and len(d) == 1 and "content" in d:  # the common chunk: content alone
+            if self._content_chunk is None:
+                self._content_chunk = text_events(chat_chunk(self.rid, self.call.model_name, self.created,
+                                                             {"content": HOLE}))
+            return self._content_chunk(d["content"])
         return sse(chat_chunk(self.rid, self.call.model_name, self.created, d, None, lps)) if d or lps else b""
 
     async def finish(self, run: Run, ev: Finished) -> bytes:

@@ -12,7 +12,7 @@ from gateway.conversation.form import ChatResult, Conversation, Finished, Piece,
 from gateway.conversation.run import Run
 from gateway.conversation.start import converse
 from gateway.front import admit
-from gateway.http.sse import sse
+from gateway.http.sse import HOLE, sse, text_events
 from gateway.protocols.openai_format import (LogprobFormatter, OpenAIFormat, finish_reason, text_completion, usage,
                                              usage_chunk)
 from gateway.protocols.openai_schemas import CompletionRequest, parse
@@ -36,6 +36,7 @@ class CompletionFormat(OpenAIFormat):
     """Text completions' answer: ``text_completion`` or its chunks."""
 
     offset = 0  # characters of the answer streamed so far
+    _text_chunk = None  # text -> a chunk of that text (no logprobs), made at the first
 
     def _logprobs(self, run: Run, tokens: list, offset: int) -> Optional[dict]:
         if self.req.logprobs is not None and self.logprobs is None:
@@ -45,6 +46,11 @@ class CompletionFormat(OpenAIFormat):
     def piece(self, run: Run, piece: Piece) -> bytes:
         lp = self._logprobs(run, piece.tokens, self.offset) if piece.tokens else None
         self.offset += len(piece.text)
+        if lp is None and piece.text:
+            if self._text_chunk is None:
+                self._text_chunk = text_events(text_completion(self.rid, self.call.model_name, HOLE, None, None, None,
+                                                               self.created))
+            return self._text_chunk(piece.text)
         return sse(text_completion(self.rid, self.call.model_name, piece.text, None, lp, None, self.created)
                    ) if piece.text or lp else b""
 

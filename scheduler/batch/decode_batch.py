@@ -15,6 +15,7 @@ from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 
 from compat.mlx_lm import extend_cache
 from scheduler.batch_merge import extend_with_rows, grow, settle
+from scheduler.logit_bias import folded_step
 
 
 @dataclass
@@ -187,6 +188,10 @@ class JoiningGenerationBatch(GenerationBatch):
         self._ahead = [self._ahead[i] for i in keep]
         if self.speculator is not None:  # a draft model's rows leave with theirs
             self.speculator.forget(self.uids)
+
+    def _step(self):
+        """mlx-lm's step, the rows' ``logit_bias`` added in one op (:func:`folded_step`)."""
+        return folded_step(self, super()._step)
 
     def next(self):
         """One decode step: the speculator's when one is set, else :meth:`plain_next`; the
