@@ -19,8 +19,9 @@ log-probabilities kept for exact repeats (bounded, but part of MLX's active memo
   is ``median(last window) / median(first window) - 1``; medians of windows, not two
   samples, so one allocation burst or one freed arena does not decide it. The least-squares
   slope (MB per hour) is printed alongside, and the same growth of two parts of it: what
-  lies outside MLX's allocator, and what is held (RSS less the bytes glibc's malloc keeps
-  free, ``mlx_gateway_heap_free_bytes``). On MLX's CPU backend the arrays are malloc'd,
+  lies outside MLX's allocator, and about what is held (RSS less the bytes glibc's malloc
+  keeps free, ``mlx_gateway_heap_free_bytes``: exact while no idle trim has run, which
+  steady traffic never leaves time for). On MLX's CPU backend the arrays are malloc'd,
   so the batch's freed buffers stay in the heap as free chunks that the RSS counts: a
   growth in RSS that the held part does not show is the allocator keeping memory, not a
   leak.
@@ -281,7 +282,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(table(report))
     print(f"RSS growth (median of the last third / first third after warm-up): {100 * report['rss_growth']:+.2f} %;"
           f" slope {report['rss_mb_per_hour']:+.1f} MB/h; outside MLX's allocator"
-          f" {100 * report['outside_mlx_growth']:+.2f} %; held (RSS less the heap's free bytes)"
+          f" {100 * report['outside_mlx_growth']:+.2f} %; held, about (RSS less the heap's free bytes)"
           f" {100 * report['held_growth']:+.2f} %")
     print("left once quiet:", report["leaks"])
     print("answers:", report["statuses"])

@@ -245,3 +245,25 @@ def test_mixed_sampling_settings_batch_together():
         assert server.engine.stats.max_decode_batch >= 3
     for a, b in zip(solo, together):
         assert answer(a)[0] == answer(b)[0]
+
+
+def test_recent_requests_stay_bounded_when_a_long_row_comes_back(monkeypatch):
+    """``stats.generated_by_request`` keeps the last RECENT requests: a long generation
+    pushed out by newer first tokens comes back with its next token, and the dict must
+    not keep one more entry for each time that happens."""
+    from types import SimpleNamespace
+
+    import scheduler.batch as batch_mod
+    from scheduler.batch import Batch
+
+    def row(rid):
+        req = SimpleNamespace(id=rid, timings={}, params=SimpleNamespace(logprobs=False))
+        return SimpleNamespace(generated=0, request=req, share_key=("t", 1.0))
+
+    monkeypatch.setattr(batch_mod, "RECENT", 4)
+    book = SimpleNamespace(stats=SimpleNamespace(generated_by_request={}))
+    long_running, gr = row("long"), SimpleNamespace(token=1, logprobs=None)
+    for i in range(100):
+        Batch._token_event(book, row(f"short{i}"), gr, {})
+        Batch._token_event(book, long_running, gr, {})
+    assert len(book.stats.generated_by_request) <= 4

@@ -63,11 +63,13 @@ class _MallInfo2(ctypes.Structure):
 
 
 def heap_free_bytes() -> Optional[int]:
-    """Bytes glibc's malloc holds free in its arenas (``mallinfo2``: ``fordblks`` +
-    ``fsmblks``): memory the process freed but keeps, which the resident size counts
-    wherever its pages were touched. On MLX's CPU backend, arrays are malloc'd, so a
-    batch's freed buffers land here. None where there is no ``mallinfo2`` (not glibc, or
-    glibc before 2.33).
+    """Bytes glibc's malloc holds free in its arenas (``mallinfo2``'s ``fordblks``, which
+    includes the fast bins' ``fsmblks``): memory the process freed but keeps. On MLX's CPU
+    backend arrays are malloc'd, so a batch's freed buffers land here, and the resident
+    size counts their touched pages until a trim (:func:`release_free_memory`) hands them
+    back: the blocks then stay free in malloc's lists, so this is an upper bound of the
+    freed bytes resident. None where there is no ``mallinfo2`` (not glibc, glibc before
+    2.33, not a POSIX ``dlopen``).
 
     It walks the free lists under the arena lock: about 7 ms with 8,000 free chunks on
     the 2-core machine of ``benchmarks/bench_cpu_attention.py``, time other threads'
@@ -75,11 +77,10 @@ def heap_free_bytes() -> Optional[int]:
     """
     try:
         info = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # TypeError: Windows' CDLL takes no None
         return None
     info.restype = _MallInfo2
-    got = info()
-    return int(got.fordblks + got.fsmblks)
+    return int(info().fordblks)
 
 
 def release_free_memory() -> bool:
@@ -87,7 +88,7 @@ def release_free_memory() -> bool:
     some were returned; False where there is no ``malloc_trim`` (not glibc)."""
     try:
         trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):
         return False
     trim.argtypes = [ctypes.c_size_t]
     return trim(0) == 1

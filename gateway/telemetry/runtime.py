@@ -35,8 +35,8 @@ class RuntimeCollector:
     precomputes included), ``mlx_gateway_asyncio_tasks`` (tasks of the event loop the
     scrape runs on; absent when scraped off it), ``mlx_gateway_threads`` and
     ``mlx_gateway_open_fds``, and where glibc tells it ``mlx_gateway_heap_free_bytes``
-    (:func:`gateway.cpu.idle_trim.heap_free_bytes`: resident memory that is freed, not
-    held: what tells a leak from the allocator keeping buffers).
+    (:func:`gateway.cpu.idle_trim.heap_free_bytes`: memory freed, not held, resident until
+    a trim: what tells a leak from the allocator keeping buffers).
 
     Args:
         engines: the loaded models' engines now (each with a thread-safe ``num_running``).

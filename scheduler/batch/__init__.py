@@ -324,11 +324,11 @@ class Batch:
         that is None."""
         n = a.generated = a.generated + 1
         recent = self.stats.generated_by_request
-        recent[a.request.id] = n
-        if n == 1:  # (a request enters the recent ones with its first token)
+        recent[a.request.id] = n  # (a row pushed out by newer ones comes back with its next token)
+        while len(recent) > RECENT:
+            del recent[next(iter(recent))]
+        if n == 1:
             a.request.timings["engine_first_token"] = time.monotonic()
-            if len(recent) > RECENT:
-                del recent[next(iter(recent))]
         key = a.share_key
         if counted is None:
             self._count_tokens({key: 1})

@@ -140,13 +140,13 @@ class JoiningGenerationBatch(GenerationBatch):
         self._land()
         self.prompt_cache = extend_with_rows(self.prompt_cache, [s.cache for s in states])
         settle(self.prompt_cache)
-        self.uids.extend(uids)
-        for name, field in ROW_FIELDS:
-            getattr(self, name).extend(getattr(state, field) for state in states)
         pending = self._next_tokens
         for state in states:
             pending = (state.pending if pending is None or pending.size == 0
                        else mx.concatenate([pending, state.pending.astype(pending.dtype)]))
+        self.uids.extend(uids)
+        for name, field in ROW_FIELDS:
+            getattr(self, name).extend(getattr(state, field) for state in states)
         self._next_tokens = pending
 
     def _land(self) -> None:
