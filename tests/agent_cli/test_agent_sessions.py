@@ -29,7 +29,8 @@ would take the path the tool-sending CLIs' chat requests already take there. Eac
 once: a second model under the same CLI sends the same requests again.
 
 With ``MLX_GATEWAY_RECORD_AGENT_FIXTURES=1``, each session saves its request bodies as
-``fixtures/<cli>/*.json`` for ``test_request_shapes.py``.
+``fixtures/<cli>/*.json`` for ``test_request_shapes.py`` (aider's in the repository were
+recorded on Qwen3's template, when aider also ran there).
 """
 
 from __future__ import annotations
