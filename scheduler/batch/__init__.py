@@ -2,11 +2,10 @@
 
 Batching is mlx-lm's ``BatchGenerator`` (continuous batching with left padding) as
 :class:`scheduler.batch.generator.JoiningBatchGenerator` runs it: rows that finish their
-prompt join the decode step instead of running a forward of their own. A
-request's prompt is inserted as *segments* cut at its own checkpoint offsets, so
-prefill never crosses a checkpoint and each request's snapshot is extracted at exactly
-its own boundary, whatever the other rows of the batch are doing
-(:mod:`scheduler.batch.insertion`, which also pauses and resumes prefilling rows).
+prompt join the decode step instead of running a forward of their own. A request's prompt
+is inserted as *segments* cut at its own checkpoint offsets, so prefill never crosses a
+checkpoint and each request's snapshot is extracted at exactly its own boundary, whatever
+the other rows do (:mod:`scheduler.batch.insertion`, which also pauses and resumes rows).
 
 The engine (:mod:`scheduler.engine`) decides what enters the batch and when;
 :class:`Batch` steps it and accounts for every row until it leaves.
@@ -142,8 +141,8 @@ class Batch:
         return any(a.precompute is None for a in self.active.values())
 
     def num_prefilling(self) -> int:
-        """Rows still prefilling their prompt."""
-        return len(self.active) - sum(map(DECODING, self.active.values()))  # (in C: made several times a turn)
+        """Rows still prefilling their prompt (a count in C: made several times a turn)."""
+        return len(self.active) - sum(map(DECODING, self.active.values()))
 
     def prefilling(self) -> list[Row]:
         """The rows still prefilling their prompt, in order (a scan in C)."""
@@ -242,8 +241,7 @@ class Batch:
         # the most tokens a prompt has to prefill before its last (fed as it joins the decoding rows)
         left = max(a.prompt_left - 1 for a in prefill_rows) if prefilling else None
         decoding = len(self.active) - prefilling
-        # (a step with no prompt prefilling never holds: holds_decode scans every row for one)
-        hold = not decode_only and bool(prefill_rows) and holds_decode(self.active.values(), self._held)
+        hold = not decode_only and bool(prefill_rows) and holds_decode(self.active.values(), self._held)  # (scans)
         if hold:
             decoding = 0
         if decode_only:
