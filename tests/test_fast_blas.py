@@ -23,7 +23,8 @@ CHOICE = re.compile(r"BLAS \[.*\]: (\w+) \(measured: bundled ([0-9.]+) ms, openb
 
 
 def run_probe(**env_extra) -> tuple[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MLX_GATEWAY_FAST_BLAS")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LD_PRELOAD", "MLX_GATEWAY_FAST_BLAS", "OPENBLAS_THREAD_TIMEOUT")}
     env.update(env_extra)
     done = subprocess.run([sys.executable, "-c", PROBE, "--flag", "x y"], env=env, capture_output=True,
                           text=True, check=True, timeout=120)
@@ -39,6 +40,7 @@ def test_reexecutes_with_the_blas_that_measured_faster_keeping_the_arguments():
     (chosen, bundled, openblas), = CHOICE.findall(log)
     assert chosen == fast_blas.decide({"bundled": float(bundled), "openblas": float(openblas)})
     assert out == f"{chosen == 'openblas'} ['--flag', 'x y']"
+    assert ("OPENBLAS_THREAD_TIMEOUT=4" in log) == (chosen == "openblas")
 
 
 @pytest.mark.parametrize("seconds,want", [({"bundled": 0.0110, "openblas": 0.0004}, "openblas"),
@@ -67,3 +69,37 @@ def test_warns_with_the_install_command_when_openblas_is_missing(monkeypatch, ca
     with caplog.at_level(logging.WARNING, logger="mlx_gateway"):
         fast_blas.ensure_fast_blas()
     assert "libopenblas0-pthread" in caplog.text and "reference BLAS" in caplog.text
+
+
+class Reexecuted(Exception):
+    pass
+
+
+def reexec_env(monkeypatch) -> dict:
+    """The environment ``ensure_fast_blas`` re-executes with, OpenBLAS installed and not loaded."""
+    for name in ("LD_PRELOAD", "MLX_GATEWAY_FAST_BLAS", fast_blas.BUNDLED_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(fast_blas, "openblas_loaded", lambda: False)
+    monkeypatch.setattr(fast_blas, "find_openblas", lambda: "/usr/lib/libopenblas.so.0")
+    monkeypatch.setattr(fast_blas, "time_matmul", lambda shape: 0.01)
+    seen = {}
+
+    def execve(path, argv, env):
+        seen.update(env)
+        raise Reexecuted
+
+    monkeypatch.setattr(os, "execve", execve)
+    with pytest.raises(Reexecuted):
+        fast_blas.ensure_fast_blas()
+    return seen
+
+
+def test_the_reexecution_sets_the_openblas_thread_timeout_unless_the_user_did(monkeypatch):
+    """OpenBLAS reads OPENBLAS_THREAD_TIMEOUT when it loads, so it travels in the re-executed
+    environment; a value the user set is kept."""
+    monkeypatch.delenv("OPENBLAS_THREAD_TIMEOUT", raising=False)
+    env = reexec_env(monkeypatch)
+    assert env["LD_PRELOAD"] == "/usr/lib/libopenblas.so.0"
+    assert env["OPENBLAS_THREAD_TIMEOUT"] == fast_blas.THREAD_TIMEOUT == "4"
+    monkeypatch.setenv("OPENBLAS_THREAD_TIMEOUT", "12")
+    assert reexec_env(monkeypatch)["OPENBLAS_THREAD_TIMEOUT"] == "12"

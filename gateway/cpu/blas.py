@@ -17,6 +17,9 @@ re-executing, the process times a float32 matmul of the served model's shape (a
 the bundled BLAS and passes the figure on (``MLX_GATEWAY_BLAS_BUNDLED_S``); the
 re-executed process times the same matmul on OpenBLAS and, unless OpenBLAS wins by the
 margin, re-executes once more without it. The log gives both figures.
+
+The re-execution also sets ``OPENBLAS_THREAD_TIMEOUT`` (:data:`THREAD_TIMEOUT`) unless the
+user set it: OpenBLAS reads it when it loads, so it must be there at process start.
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ CANDIDATES = (
 CHUNK = 32  # tokens of the timed matmul
 DEFAULT_SHAPE = (576, 1536)  # (hidden, intermediate) of the default model, when no config is at hand
 BUNDLED_ENV = "MLX_GATEWAY_BLAS_BUNDLED_S"  # the bundled BLAS's time, passed to the re-executed process
+# OpenBLAS's idle worker threads spin for 2**N CPU cycles before they sleep, N read from
+# OPENBLAS_THREAD_TIMEOUT when the library loads (clamped to 4..30; its build default 28).
+# Spinning between a decode step's small matmuls takes a core from the engine thread and
+# the event loop; N=4 (the minimum) measured faster (docs/deployment.md, Linux section).
+THREAD_TIMEOUT = "4"
 INSTALL_HINT = ("install it with 'sudo apt-get install libopenblas0-pthread' (Debian/Ubuntu) "
                 "or 'sudo dnf install openblas-threads' (Fedora/RHEL)")
 
@@ -105,6 +113,9 @@ def _settle_after_reexec(shape: tuple[int, int]) -> None:
         return
     chosen = decide(seconds)
     Choice(f"BLAS [{CHUNK} x {shape[0]} @ {shape[0]} x {shape[1]} float32]", chosen, seconds).log()
+    if chosen == "openblas":
+        log.info("OpenBLAS's idle threads spin 2**N cycles before sleeping: OPENBLAS_THREAD_TIMEOUT=%s",
+                 os.environ.get("OPENBLAS_THREAD_TIMEOUT", "unset (28)"))
     if chosen == "bundled":
         env = dict(os.environ)
         env["LD_PRELOAD"] = " ".join(p for p in env.get("LD_PRELOAD", "").split() if "libopenblas" not in p)
@@ -141,6 +152,7 @@ def ensure_fast_blas(shape: tuple[int, int] = DEFAULT_SHAPE) -> None:
         return
     env = dict(os.environ)
     env["LD_PRELOAD"] = f"{path} {env['LD_PRELOAD']}".strip() if env.get("LD_PRELOAD") else path
+    env.setdefault("OPENBLAS_THREAD_TIMEOUT", THREAD_TIMEOUT)  # a user's value wins
     env[BUNDLED_ENV] = repr(time_matmul(shape))
     log.info("restarting with LD_PRELOAD=%s to time MLX's CPU matmuls on OpenBLAS", path)
     _reexec(env)
