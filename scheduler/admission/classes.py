@@ -109,6 +109,8 @@ class LatencyClasses:
         prefilling or paused (their cache kept), and resume paused rows the allowed
         classes include, while prompt slots are free; the classes that may be admitted
         now (None: every class, when only one is present)."""
+        if not (len(self._waiting) or self.paused or self._batch.num_prefilling()):
+            return None  # decoding rows alone: no class present (a count, not the scans below)
         filling = self._batch.prefilling()  # rows prefilling
         present = self._waiting.classes() | {a.request.priority for a in self.paused} | {
             a.request.priority for a in filling if a.precompute is None}

@@ -223,8 +223,7 @@ class EngineCore:
             self.batch.preempt_precomputes()
         self.reservations.grow()
         back = self.classes.resume_streams()
-        alone = not (len(self.waiting) or self.classes.paused or self.batch.num_prefilling())  # decoding rows alone
-        allowed = None if alone else self.classes.allowed()
+        allowed = self.classes.allowed()
         self.classes.make_room(spare=back)
         prefilling = self.batch.num_prefilling()
         free = min(self.prompt_concurrency - prefilling, self.decode_concurrency - len(self.batch.active))
