@@ -50,10 +50,7 @@ def test_preempted_rows_give_the_tokens_of_cold_solo_runs(arch):
     readmitted, and every answer is the one a cold engine gives the prompt alone."""
     max_tokens = 3 * QUANTUM + 88
     model, tok, prompts, params, want, room = _engine_and_solo(arch, max_tokens, n=4)
-    engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=4,
-                    decode_concurrency=8, prefill_step_size=16)
-    engine.set_memory_room(lambda: room)
-    engine.start()
+    engine = _tight_engine(model, tok, room, prompts=4, decodes=8)
     try:
         got = engine_tokens(engine, prompts, [params] * len(prompts), timeout=600)
     finally:
@@ -87,6 +84,15 @@ def _engine_and_solo(arch: str, max_tokens: int, n: int = 2):
     return model, tok, prompts, params, want, _room(gate, n_tokens, 2)
 
 
+def _tight_engine(model, tok, room: int, prompts: int, decodes: int) -> Engine:
+    """A started engine whose memory room is ``room`` bytes (16-token prefill chunks)."""
+    engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=prompts,
+                    decode_concurrency=decodes, prefill_step_size=16)
+    engine.set_memory_room(lambda: room)
+    engine.start()
+    return engine
+
+
 def _room(gate, n: int, rows: int) -> int:
     """Bytes ``gate`` reserves for ``rows`` first grants of ``n``-token prompts in one batch,
     one of them prefilling a chunk."""
@@ -98,10 +104,7 @@ def test_a_preempted_row_resumes_from_its_own_snapshot():
     other ends, restores its KV from the prefix cache (it is not evicted while the request
     waits: a request that cannot fit leaves the cache alone) instead of recomputing it."""
     model, tok, prompts, params, want, room = _engine_and_solo("qwen3", 572)
-    engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=2,
-                    decode_concurrency=2, prefill_step_size=16)
-    engine.set_memory_room(lambda: room)
-    engine.start()
+    engine = _tight_engine(model, tok, room, prompts=2, decodes=2)
     try:
         got = engine_tokens(engine, prompts, [params] * 2, timeout=600)
     finally:
@@ -121,10 +124,7 @@ def test_a_preempted_request_does_not_count_toward_its_tenants_max_queued():
     from scheduler import EngineRequest
 
     model, tok, prompts, params, want, room = _engine_and_solo("qwen3", 572)
-    engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=2,
-                    decode_concurrency=2, prefill_step_size=16)
-    engine.set_memory_room(lambda: room)
-    engine.start()
+    engine = _tight_engine(model, tok, room, prompts=2, decodes=2)
     try:
         sinks = [EventSink() for _ in prompts]
         with engine.arrivals.prepare():
@@ -154,10 +154,7 @@ def test_a_row_paused_for_a_better_class_is_preempted_before_that_class_is_cut()
     from scheduler import EngineRequest
 
     model, tok, prompts, params, want, room = _engine_and_solo("qwen3", 572)
-    engine = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=1,
-                    decode_concurrency=1, prefill_step_size=16)
-    engine.set_memory_room(lambda: room)
-    engine.start()
+    engine = _tight_engine(model, tok, room, prompts=1, decodes=1)
     try:
         batch, interactive = EventSink(), EventSink()
         engine.submit(EngineRequest(f"b-{uuid.uuid4().hex[:8]}", prompts[0], params, batch, priority=2))
