@@ -70,7 +70,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # the gateway's source tree, for its route table
+sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # the gateway's source tree, for its routes and errors
+from gateway.http.errors import APIError  # noqa: E402
 from gateway.routes.table import ANY, EVERY, FRONT, REPLICA, ROUTER, ROUTES, STORED, error_style  # noqa: E402
 
 # beside this script
@@ -107,14 +108,8 @@ class FrontApp:
 
     @staticmethod
     def error(path: str, status: int, message: str, code: str) -> JSONResponse:
-        style = error_style(path)
-        if style == "anthropic":
-            kind = {502: "api_error", 503: "overloaded_error"}.get(status, "api_error")
-            return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status)
-        if style == "ollama":
-            return JSONResponse({"error": message}, status_code=status)
-        return JSONResponse({"error": {"message": message, "type": "server_error", "param": None, "code": code}},
-                            status_code=status)
+        """The front's own error, in the shape of ``path``'s API (:func:`error_style`)."""
+        return APIError(status, message, code=code).response(error_style(path))
 
     @staticmethod
     def forward_headers(request: Request, to_router: bool) -> dict:
@@ -277,7 +272,7 @@ class FrontApp:
                 except ValueError:
                     return url, r.status_code, r.text, cors
             except httpx.HTTPError as e:
-                return url, 502, {"error": {"message": str(e), "type": "server_error", "code": "replica_error"}}, {}
+                return url, 502, APIError(502, str(e), code="replica_error").body(), {}
 
         answers = await asyncio.gather(*(one(u) for u in urls))
         failed = [a for a in answers if not 200 <= a[1] < 300]
