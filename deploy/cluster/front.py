@@ -111,17 +111,13 @@ class FrontApp:
         """The front's own error, in the shape of ``path``'s API (:func:`error_style`)."""
         return APIError(status, message, code=code).response(error_style(path))
 
-    @staticmethod
-    def forward_headers(request: Request, to_router: bool) -> dict:
+    def build(self, method: str, url: str, request: Request, body: bytes, to_router: bool) -> httpx.Request:
+        """``request`` to ``url``, its hop-by-hop headers left out."""
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         if to_router and "x-api-key" in headers and "authorization" not in headers:
             # the router forwards Authorization, not x-api-key; the gateway accepts either
             headers["authorization"] = f"Bearer {headers['x-api-key']}"
-        return headers
-
-    def build(self, method: str, url: str, request: Request, body: bytes, to_router: bool) -> httpx.Request:
-        return self.client.build_request(method, url, params=request.query_params,
-                                         headers=self.forward_headers(request, to_router), content=body)
+        return self.client.build_request(method, url, params=request.query_params, headers=headers, content=body)
 
     async def to_replicas(self, request: Request, key: bytes, body: bytes, prefer: Optional[str] = None,
                           watch: bool = False, exclude: frozenset = frozenset(), retries: int = 1) -> Response:
@@ -263,9 +259,7 @@ class FrontApp:
 
         async def one(url: str):
             try:
-                req = self.client.build_request(request.method, url + request.url.path, params=request.query_params,
-                                                headers=self.forward_headers(request, False), content=body)
-                r = await self.client.send(req)
+                r = await self.client.send(self.build(request.method, url + request.url.path, request, body, False))
                 cors = {k: v for k, v in r.headers.items() if k.lower() in CORS_HEADERS or k.lower() == "vary"}
                 try:
                     return url, r.status_code, r.json(), cors
