@@ -34,7 +34,6 @@ class Replicas:
         self.client, self.router, self.refresh = client, router.rstrip("/"), refresh
         self.urls: list[str] = []
         self.router_up = False
-        self.fresh = asyncio.Event()
 
     async def poll_once(self) -> None:
         try:
@@ -53,7 +52,6 @@ class Replicas:
             if self.router_up:
                 log.warning("the router at %s does not answer GET /workers (%s); keeping the last replicas", self.router, e)
             self.router_up = False
-        self.fresh.set()
 
     async def run(self) -> None:
         while True:

@@ -38,8 +38,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-PEFT_PREFIX = "base_model.model."
-
 
 class AdapterError(ValueError):
     """An adapter that cannot be served on this model; the message says why (a 400)."""
