@@ -20,7 +20,6 @@ import os
 import shutil
 from pathlib import Path
 
-from gateway.models.terse_weights import TERSE_ARCHS, TERSE_STAMP, make_terse
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
 
@@ -215,8 +214,7 @@ def _copy_tokenizer(src: Path, dst: Path) -> int:
 
 
 def build_model_dir(path: str | os.PathLike, arch: str = "qwen3", tokenizer_dir: str | os.PathLike | None = None,
-                    vocab_size: int | None = None, seed: int = 0, overrides: dict | None = None,
-                    terse: bool = False) -> Path:
+                    vocab_size: int | None = None, seed: int = 0, overrides: dict | None = None) -> Path:
     """Write a tiny random-weight model directory for ``arch``, idempotently.
 
     Args:
@@ -234,16 +232,12 @@ def build_model_dir(path: str | os.PathLike, arch: str = "qwen3", tokenizer_dir:
         seed: the random seed of the weights.
         overrides: config entries replacing those of :data:`ARCH_CONFIGS` (e.g. a
             larger ``hidden_size`` for benchmarks).
-        terse: edit the random weights so that the model ends its answer after a
-            few tokens (right after it writes a word), as agent clients need to see a
-            turn complete; see :mod:`gateway.models.terse_weights`. Only for its
-            ``TERSE_ARCHS`` (qwen3, llama).
 
     Returns:
         The directory path.
 
     Raises:
-        ValueError: for an unknown architecture, or ``terse`` on one it is not defined for.
+        ValueError: for an unknown architecture.
         gateway.models.demo_multimodal.TokenizerNeeded: (a ValueError) for a vision
             architecture without a tokenizer of its family (``gemma3``: Gemma 3's; the Qwen
             vision models: a Qwen one with ``<|image_pad|>``); nothing
@@ -261,13 +255,9 @@ def build_model_dir(path: str | os.PathLike, arch: str = "qwen3", tokenizer_dir:
         check_tokenizer(arch, None, vocab_size or 0)
     if arch not in all_archs():
         raise ValueError(f"unknown architecture {arch!r}; choose from {sorted(all_archs())}")
-    if terse and arch not in TERSE_ARCHS:
-        raise ValueError(f"terse weights are defined for {TERSE_ARCHS}, not {arch!r}")
     path = Path(path)
     stamp = {"arch": arch, "tokenizer": str(tokenizer_dir), "vocab": vocab_size, "seed": seed,
              "overrides": overrides or {}, "template": hashlib.sha256((CHAT_TEMPLATE + "".join(SPECIAL_TOKENS)).encode()).hexdigest()[:12]}
-    if terse:  # (only then: the stamps of models built before the option stay valid)
-        stamp["terse"] = TERSE_STAMP
     if arch in QWEN_VL_CONFIGS:  # their own config and template: a change to either rebuilds
         stamp["qwen_vl"] = hashlib.sha256((json.dumps(QWEN_VL_CONFIGS[arch]) + QWEN_VL_TEMPLATE).encode()
                                           ).hexdigest()[:12]
@@ -310,8 +300,6 @@ def build_model_dir(path: str | os.PathLike, arch: str = "qwen3", tokenizer_dir:
         k: (mx.random.normal(v.shape) * v.shape[-1] ** -0.5 if v.ndim > 1 else v).astype(mx.float32)
         for k, v in params.items()
     }
-    if terse:
-        params, config = make_terse(params, config, tmp)
     mx.save_safetensors(str(tmp / "model.safetensors"), params)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     (tmp / ".mlx-gateway-demo.json").write_text(json.dumps(stamp))

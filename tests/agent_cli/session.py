@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
-from conftest import ROOT, TOKENIZERS, free_port, live_server, require_tokenizers
-from gateway.models.demo_model import build_model_dir
+from conftest import ROOT, free_port, live_server, model_path
 
 from .clis import KEY, AgentCLI, offline_env
 from .egress import Refusals, refusing_proxy
 from .install import CACHE
 from .recorder import Exchange, Recorder, recording, sanitized
 from .reuse import RequestLog, request_log
+from .terse_weights import terse_copy
 
 TURN_TIMEOUT = 300  # seconds one CLI turn may take (a cold 12k-token prefill takes ~15 s here)
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -39,11 +39,7 @@ def terse_model(tokenizer: str | None) -> Path:
     """The terse tiny qwen3 on the ``tokenizer`` fixture ("qwen3": Qwen3's tokenizer and
     chat template), or on the project's own BPE and the demo model's template (None, as
     ``--model demo``); built once."""
-    if tokenizer is not None:
-        require_tokenizers(tokenizer)
-    return build_model_dir(MODEL_CACHE / f"qwen3-{tokenizer or 'own'}-terse", "qwen3",
-                           tokenizer_dir=TOKENIZERS / tokenizer if tokenizer else None,
-                           vocab_size=151936 if tokenizer == "qwen3" else None, terse=True)
+    return terse_copy(model_path("qwen3", tokenizer), MODEL_CACHE / f"qwen3-{tokenizer or 'own'}-terse")
 
 
 @dataclass

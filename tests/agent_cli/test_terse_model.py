@@ -1,7 +1,7 @@
 """The terse models the agent sessions run on end their answers after a few tokens, greedy
 and sampled, with real tokenizers (Qwen3's, and the project's own BPE of ``--model
 demo``), and never write a special token other than the end of the turn: the weight edit
-of ``gateway/models/terse_weights.py`` does what its docstring says, on the model as
+of ``terse_weights.py`` does what its docstring says, on the model as
 ``mlx_lm.load`` loads it."""
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.models.terse_weights import word_tokens
-
 from .session import terse_model
+from .terse_weights import word_tokens
 
 TOOLS = [{"type": "function", "function": {"name": "ls", "description": "List files.",
                                            "parameters": {"type": "object", "properties": {}}}}]

@@ -34,7 +34,9 @@ edited.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 from pathlib import Path
 
 # Architectures whose residual stream is h += o_proj(...) + down_proj(...) with no norm
@@ -125,3 +127,30 @@ def make_terse(params: dict, config: dict, tokenizer_dir: Path) -> tuple[dict, d
                 w[[d, d2], :] = 0.0
             out[name] = mx.array(w)
     return out, dict(config, tie_word_embeddings=False)
+
+
+def terse_copy(base: Path, path: Path) -> Path:
+    """A copy at ``path`` of the random-weight model directory ``base`` (of
+    :data:`TERSE_ARCHS`, built by ``gateway.models.demo_model.build_model_dir``) with the
+    edit of :func:`make_terse`; kept while ``base`` and the edit are unchanged.
+
+    Raises:
+        ValueError: as :func:`make_terse`.
+    """
+    import mlx.core as mx
+
+    stamp = {"base": json.loads((base / ".mlx-gateway-demo.json").read_text()), "terse": TERSE_STAMP}
+    done = path / ".terse.json"
+    if done.exists() and json.loads(done.read_text()) == stamp:
+        return path
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(base, tmp)
+    params, config = make_terse(mx.load(str(tmp / "model.safetensors")),
+                                json.loads((tmp / "config.json").read_text()), tmp)
+    mx.save_safetensors(str(tmp / "model.safetensors"), params)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    (tmp / ".terse.json").write_text(json.dumps(stamp))
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    return path
