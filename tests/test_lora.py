@@ -235,7 +235,7 @@ def test_unload_then_unknown_then_load_again_and_lru(qwen3, adapters):
         engine.call(lambda: lora.load("b", str(adapters["b"][0])))
         engine.call(lambda: lora.load("d", str(adapters["d"][0])))  # two slots: "a" (idle, oldest) goes
         assert sorted(lora.resident_names()) == ["b", "d"]
-        engine.call(lambda: lora.ensure("a"))  # read again from its path, "b" goes
+        engine.call(lambda: lora.load("a", str(adapters["a"][0])))  # read again, "b" goes
         assert sorted(lora.resident_names()) == ["a", "d"]
         assert run(engine, [(p, "a")], 5) == first
     finally:
@@ -251,7 +251,7 @@ def test_adapter_switches_for_days_leave_no_namespaces_behind(qwen3, adapters):
     try:
         lora, cache, p = adapters_of(engine.model), engine.prompt_cache, prompts(1, seed=9)[0]
         for name in "abababab":
-            engine.call(lambda: lora.ensure(name) if name in lora.names() else lora.load(name, str(adapters[name][0])))
+            engine.call(lambda: lora.load(name, str(adapters[name][0])))
             run(engine, [(p, name)], 3)
         adapter_spaces = [ns for ns in cache.namespaces() if MARK in ns]
         assert len(adapter_spaces) <= 2, adapter_spaces  # the resident one's, the last one's until the next load
@@ -318,7 +318,7 @@ def test_peft_names_of_hugging_face_qwen3_5_map_to_mlx_lm_layers(tmp_path):
     """A PEFT adapter trained on Hugging Face's Qwen3.5 names ``model.language_model.layers``
     (mlx-lm's port: ``language_model.model.layers``); it is read onto the same layers as the
     adapter under mlx-lm's names, factor for factor."""
-    from scheduler.lora.files import read_adapter
+    from scheduler.lora.files import check_adapter, read_files
 
     base = model_path("qwen3_5")
     model = load_model(base)
@@ -331,7 +331,7 @@ def test_peft_names_of_hugging_face_qwen3_5_map_to_mlx_lm_layers(tmp_path):
         for k, v in w.items()})
     (hf / "adapter_config.json").write_text((mlx_named / "adapter_config.json").read_text())
     assert all(".model.language_model." in k for k in mx.load(str(hf / "adapter_model.safetensors")))
-    want, got = read_adapter(str(mlx_named), model, 16), read_adapter(str(hf), model, 16)
+    want, got = (check_adapter(read_files(str(d)), model, 16) for d in (mlx_named, hf))
     assert set(got.layers) == set(want.layers) and len(got.layers) > 0
     for module, u in got.layers.items():
         assert mx.array_equal(u.a, want.layers[module].a).item() and u.scale == want.layers[module].scale

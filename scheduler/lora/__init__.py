@@ -238,21 +238,6 @@ class AdapterSet:
         self._restack()
         return weights
 
-    def ensure(self, name: str) -> None:
-        """Make the served adapter ``name`` resident, reading it again if it was unloaded
-        to make room.
-
-        Raises:
-            UnknownAdapter: ``name`` is not served; AdapterError, AdapterBusy: see :meth:`load`.
-        """
-        with self._lock:
-            if name in self._by_name:
-                return
-            path = self._known.get(name)
-        if path is None:
-            raise UnknownAdapter(name)
-        self.load(name, path)
-
     def unload(self, name: str) -> None:
         """Stop serving ``name``; running requests keep it to their end.
 

@@ -304,11 +304,6 @@ def _base(module):
     return getattr(module, "base_layer", module)
 
 
-def read_adapter(path: str, model, max_rank: int) -> AdapterWeights:
-    """:func:`read_files` then :func:`check_adapter`, on the calling thread (the engine's)."""
-    return check_adapter(read_files(path), model, max_rank)
-
-
 def check_adapter(files: AdapterFiles, model, max_rank: int) -> AdapterWeights:
     """Check the adapter read as ``files`` (either format) against ``model`` (engine thread).
 
