@@ -1,6 +1,7 @@
 """The cluster front's pure parts (``deploy/cluster/front_rules.py``, ``front_stream.py``):
 which requests go around the router, the session and affinity keys, and how a stream lost
-mid-answer is ended in each protocol's shape."""
+mid-answer is ended in each protocol's shape, and the front's own errors in their route's API's
+shape (``front.py``)."""
 
 from __future__ import annotations
 
@@ -119,3 +120,20 @@ def test_a_cut_stream_ends_with_its_protocols_error_event():
     # before response.created: an error event
     (name, data), = events(StreamWatch("responses").failure("lost"))
     assert name == "error" and json.loads(data)["sequence_number"] == 0
+
+
+def test_the_fronts_own_errors_have_the_shape_of_their_routes_api():
+    from front import FrontApp
+
+    def body(path: str, status: int) -> dict:
+        r = FrontApp.error(path, status, "no replica", "no_available_replica")
+        assert r.status_code == status
+        return json.loads(r.body)
+
+    assert body("/v1/chat/completions", 503) == {"error": {
+        "message": "no replica", "type": "service_unavailable", "param": None, "code": "no_available_replica"}}
+    assert body("/v1/responses/resp_1/input_items", 502)["error"]["type"] == "server_error"
+    assert body("/v1/messages", 503) == {"type": "error", "error": {"type": "overloaded_error",
+                                                                    "message": "no replica"}}
+    assert body("/v1/messages/count_tokens", 502)["error"]["type"] == "api_error"
+    assert body("/api/chat", 502) == body("/api/unknown", 502) == {"error": "no replica"}
