@@ -57,7 +57,7 @@ class RowFailures:
         """Fail, alone (``fail_row``), each of ``rows`` whose sampler, processors or grammar
         raised this step; its pending token (sampled by the broken callable) is never sent."""
         suspects = [*filter(attrgetter("fault.error"), rows), *filter(attrgetter("request.mask"), rows)]  # (in C)
-        for a in {id(a): a for a in suspects}.values():  # (a row in both, once)
+        for a in {id(a): a for a in suspects}.values() if suspects else ():  # (a row in both, once)
             reason = a.error()
             if reason is None:
                 continue

@@ -340,11 +340,9 @@ class EngineLoop:
                INTERACTIVE_ARRIVAL_WAIT, lambda: self._stopping)
 
     def _drain_inbox(self) -> None:
-        while True:
-            try:
-                self._handle(self._inbox.get_nowait())
-            except queue.Empty:
-                return
+        inbox = self._inbox  # (this thread alone takes from it: not empty means an item; no Empty raised a turn)
+        while not inbox.empty():
+            self._handle(inbox.get_nowait())
 
     def _handle(self, item) -> None:
         kind, payload = item
