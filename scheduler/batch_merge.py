@@ -94,7 +94,8 @@ def grow(caches: list, tokens: int) -> None:
             c.keys, c.values = (mx.concatenate([x[..., : c._idx, :], mx.zeros((b, h, size, x.shape[3]), x.dtype)],
                                                axis=2) for x in (c.keys, c.values))
             grown.append(c)
-    settle(grown)
+    if grown:  # (most steps: none)
+        settle(grown)
 
 
 def merge_with_room(caches: list[list], streams: Optional[tuple] = None) -> list:

@@ -63,7 +63,7 @@ def folded_step(batch, step: Callable[[], tuple]) -> tuple:
     add of zero elsewhere). A row left with no processors gets no token context for them
     (a bias reads none). The batch's model and processors are put back after the step."""
     processors = batch.logits_processors
-    biases = [_leading_bias(p) for p in processors]
+    biases = [_leading_bias(p) for p in processors] if any(processors) else ()  # (most rows: none)
     if not any(biases):
         return step()
     cached = getattr(batch, "_bias_matrix", None)

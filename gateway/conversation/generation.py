@@ -82,6 +82,8 @@ class Generation:
         self._buffer: collections.deque[list[Event]] = collections.deque()  # batches from the engine thread
         self._waiter: asyncio.Future | None = None  # the reader's, while it waits for a batch
         self._left = 0  # events of the batch being read not yet yielded
+        self._since = 0.0  # the loop's time when the reader began waiting
+        self._alarm: asyncio.TimerHandle | None = None  # the keep-alive timer (events)
         self._hop = _hops.get(self._loop) or _hops.setdefault(self._loop, _Hop(self._loop))
         self.finished = False
         sink = functools.partial(self._hop.post, self)  # events go straight into its buffer
@@ -118,25 +120,46 @@ class Generation:
 
     async def events(self, keepalive: float | None = None) -> AsyncIterator[Event | KeepAlive]:
         """Engine events until the request ends; a :class:`KeepAlive` after each
-        ``keepalive`` seconds (if set) without one."""
-        buffer = self._buffer
-        while not self.finished:
-            if not buffer:
-                self._waiter = self._loop.create_future()
-                try:
-                    await asyncio.wait_for(self._waiter, keepalive)  # (None: no time limit)
-                except asyncio.TimeoutError:
-                    yield KeepAlive()
-                finally:
-                    self._waiter = None
-                continue
-            batch = buffer.popleft()
-            self._left = len(batch)
-            for event in batch:
-                self._left -= 1
-                if isinstance(event, (DoneEvent, ErrorEvent)):
-                    self.finished = True
-                yield event
+        ``keepalive`` seconds (if set) without one. One timer a stream, moved on only when
+        it rings (:meth:`_ring`): ``asyncio.wait_for`` at each wait cost a timer, a second
+        future and a callback for every batch of events, a stream's every token."""
+        buffer, loop = self._buffer, self._loop
+        try:
+            while not self.finished:
+                if not buffer:
+                    self._waiter, self._since = loop.create_future(), loop.time()
+                    if keepalive is not None and self._alarm is None:
+                        self._alarm = loop.call_later(keepalive, self._ring, keepalive)
+                    try:
+                        woke = await self._waiter
+                    finally:
+                        self._waiter = None
+                    if woke is KeepAlive:
+                        yield KeepAlive()
+                    continue
+                batch = buffer.popleft()
+                self._left = len(batch)
+                for event in batch:
+                    self._left -= 1
+                    if isinstance(event, (DoneEvent, ErrorEvent)):
+                        self.finished = True
+                    yield event
+        finally:
+            if self._alarm is not None:
+                self._alarm.cancel()
+                self._alarm = None
+
+    def _ring(self, keepalive: float) -> None:
+        """The keep-alive timer of :meth:`events`: a reader waiting for ``keepalive``
+        seconds is woken for a :class:`KeepAlive`; one waiting less, later."""
+        self._alarm, waiter = None, self._waiter
+        if waiter is None or waiter.done():
+            return  # not waiting: its next wait sets the timer again
+        left = self._since + keepalive - self._loop.time()
+        if left > 0:
+            self._alarm = self._loop.call_later(left, self._ring, keepalive)
+        else:
+            waiter.set_result(KeepAlive)
 
     def ready(self) -> bool:
         """More events are at hand: :meth:`events` would yield the next without waiting

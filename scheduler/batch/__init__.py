@@ -35,7 +35,7 @@ from scheduler.sampling import greedy, token_logprobs
 from scheduler.speculative import DraftSnapshots, SpeculationConfig, speculator
 
 log = logging.getLogger("mlx_gateway.engine")
-DECODING = attrgetter("decoding")
+DECODING, PRECOMPUTE = attrgetter("decoding"), attrgetter("precompute")
 
 
 class Batch:
@@ -96,7 +96,7 @@ class Batch:
             stats=stats, send=send, finish=self._finish, token_event=self._token_event)
         self._step_prefilled_at = 0.0
         self._held = 0  # steps in a row that held the decoding rows back (scheduler.batch.rows.holds_decode)
-        self.rates = TokenRates(metrics)  # prefill and decode tokens per second
+        self.rates = TokenRates(metrics, stats, fair)  # tokens counted, and per second
 
     # ----------------------------------------------------------------- the generator
     def open(self) -> None:
@@ -138,7 +138,7 @@ class Batch:
     # ----------------------------------------------------------------- rows in and out
     def serving(self) -> bool:
         """Some row is a request (not a next-turn precompute)."""
-        return any(a.precompute is None for a in self.active.values())
+        return not all(map(PRECOMPUTE, self.active.values()))  # (a scan in C: made twice a turn)
 
     def num_prefilling(self) -> int:
         """Rows still prefilling their prompt (a count in C: made several times a turn)."""
@@ -258,7 +258,7 @@ class Batch:
         self.gen.prefill_step_size = chunk
         self.gen.hold_decode = hold
         # a request's prompt takes turns with the decoding rows: their steps verify no drafts
-        self.gen.prompts_waiting = not decode_only and any(a.precompute is None for a in prefill_rows)
+        self.gen.prompts_waiting = prefilling > 0 and not decode_only and any(a.precompute is None for a in prefill_rows)
         tic = time.perf_counter()
         try:
             prompt_responses, gen_responses = self.gen.next()
@@ -285,7 +285,8 @@ class Batch:
                 self.metrics.decode_holds.inc()
             self.failures.fail_faulty(self.active.values(), self._fail_row)
             counted: dict = {}  # (tenant, weight): tokens, accounted once for the step
-            active, first_tokens, token_event, send = self.active, self.first_tokens, self._token_event, self._send
+            active, first_tokens, send = self.active, self.first_tokens, self._send
+            recent = self.stats.generated_by_request
             row, events = None, []  # a row's events of the step, sent together (a verify step's are consecutive)
             for gr in gen_responses:
                 a = active.get(gr.uid)
@@ -301,7 +302,13 @@ class Batch:
                     except Exception:  # a repeat then takes the forward; the row goes on
                         log.exception("keeping the first-token logits of request %s failed", a.request.id)
                 try:
-                    events.append(token_event(a, gr, counted))
+                    if a.generated and not a.request.params.logprobs:  # (most tokens) _token_event's work inline
+                        a.generated += 1
+                        recent[a.request.id] = a.generated
+                        counted[a.share_key] = counted.get(a.share_key, 0) + 1
+                        events.append(TokenEvent(gr.token))
+                    else:
+                        events.append(self._token_event(a, gr, counted))
                 except Exception as e:
                     log.exception("request %s failed while decoding", a.request.id)
                     self._fail_row(a, f"decoding failed: {e}")
@@ -314,11 +321,14 @@ class Batch:
                     events = []
             if events:
                 send(row.request, events)
-            self._count_tokens(counted)
+            while len(recent) > RECENT:  # (the plain tokens' rows, trimmed once a step)
+                del recent[next(iter(recent))]
+            self.rates.count(counted)
 
     def _token_event(self, a: Row, gr, counted: Optional[dict] = None) -> TokenEvent:
         """The event of ``a``'s token ``gr.token``; the token is counted (stats, metrics,
-        its tenant's fair share) into ``counted`` for :meth:`_count_tokens`, or now when
+        its tenant's fair share) into ``counted`` for :meth:`TokenRates.count
+        <scheduler.batch.rows.TokenRates.count>`, or now when
         that is None."""
         n = a.generated = a.generated + 1
         recent = self.stats.generated_by_request
@@ -329,24 +339,13 @@ class Batch:
             a.request.timings["engine_first_token"] = time.monotonic()
         key = a.share_key
         if counted is None:
-            self._count_tokens({key: 1})
+            self.rates.count({key: 1})
         else:
             counted[key] = counted.get(key, 0) + 1
         p = a.request.params
         if not p.logprobs:
             return TokenEvent(gr.token)
         return TokenEvent(gr.token, *token_logprobs(gr.logprobs, gr.token, p.top_logprobs))
-
-    def _count_tokens(self, counted: dict) -> None:
-        """Account generated tokens, ``{(tenant, weight): tokens}``: one update per tenant
-        and step rather than per token."""
-        n = sum(counted.values())
-        self.stats.decode_tokens += n
-        self.metrics.decode_tokens.inc(n)
-        self.rates.decoded += n
-        for (tenant, weight), k in counted.items():
-            self.metrics.work_of(tenant).inc(k)
-            self.fair.charge(tenant, k, weight)
 
     def _on_prompt_progress(self, a: Row, pr) -> int:
         """Account ``a``'s prefill progress; returns the prompt tokens prefilled this step."""

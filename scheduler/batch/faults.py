@@ -27,10 +27,13 @@ class RowFault:
     the row is failed right after it.
     """
 
+    raised = 0  # errors recorded by every row so far (engine thread): rows are scanned for one only after it grew
+
     def __init__(self) -> None:
         self.error: Optional[BaseException] = None
 
     def _record(self, e: BaseException) -> None:
+        RowFault.raised += 1
         if self.error is None:
             self.error = e
         # mlx-lm's samplers are compiled with MLX's global PRNG key as state; one that

@@ -39,6 +39,24 @@ from scheduler.sampling import make_processors, make_sampler
 log = logging.getLogger("mlx_gateway.engine")
 
 
+class EndTokens(StopSequences):
+    """mlx-lm's ``StopSequences`` of single tokens (``tokens``: the model's EOS tokens, or
+    none): with no sequence longer than a token, a matcher keeps no state, and its
+    ``advance(token)`` (True: the token ends the row) is the set's own membership test, a
+    C call per row and step rather than mlx-lm's walk of its automaton."""
+
+    def __init__(self, tokens: frozenset = frozenset()):
+        super().__init__([[t] for t in sorted(tokens)])
+        self.tokens = tokens
+
+    def matcher(self) -> "_InSet":
+        return _InSet(self.tokens.__contains__)
+
+
+class _InSet(NamedTuple):
+    advance: Callable[[int], bool]
+
+
 class _First(NamedTuple):
     """A first token sampled at admission, as a step's response gives it."""
 
@@ -197,9 +215,9 @@ class RowInsertion:
             self.prompt_cache.release(a.lease)
             a.lease = None
 
-    def _stops(self, r: EngineRequest) -> StopSequences:
-        """``r``'s stop matcher: an EOS token ends it, unless it ignores EOS."""
-        return StopSequences([] if r.params.ignore_eos else [[t] for t in sorted(self.eos_token_ids)])
+    def _stops(self, r: EngineRequest) -> EndTokens:
+        """``r``'s stop tokens: an EOS token ends it, unless it ignores EOS."""
+        return EndTokens(frozenset() if r.params.ignore_eos else frozenset(self.eos_token_ids))
 
     def _insert(self, r: EngineRequest, start: int, marks: list[int], cache, tokens: list[int],
                 fault: RowFault, carry: Any = None) -> int:

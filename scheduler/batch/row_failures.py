@@ -14,6 +14,7 @@ from typing import Callable, Iterable
 import mlx.core as mx
 
 from scheduler.admission.precompute import PrecomputeBook
+from scheduler.batch.faults import RowFault
 from scheduler.batch.rows import EngineStats, Row
 from scheduler.metrics import SchedulerMetrics
 from scheduler.request import ErrorEvent, Event
@@ -39,6 +40,7 @@ class RowFailures:
         self._precomputes = precomputes
         self._metrics = metrics
         self._finish = finish
+        self._raised = 0  # RowFault.raised at the last scan
 
     def count(self, a: Row) -> None:
         """Count ``a`` as failed (a request, or a next-turn precompute)."""
@@ -52,12 +54,14 @@ class RowFailures:
         self.count(a)
         self._finish(a, ErrorEvent(500, message))
 
-    @staticmethod
-    def fail_faulty(rows: Iterable[Row], fail_row: Callable[[Row, str], None]) -> None:
+    def fail_faulty(self, rows: Iterable[Row], fail_row: Callable[[Row, str], None]) -> None:
         """Fail, alone (``fail_row``), each of ``rows`` whose sampler, processors or grammar
-        raised this step; its pending token (sampled by the broken callable) is never sent."""
-        suspects = [*filter(attrgetter("fault.error"), rows), *filter(attrgetter("request.mask"), rows)]  # (in C)
-        for a in {id(a): a for a in suspects}.values():  # (a row in both, once)
+        raised this step; its pending token (sampled by the broken callable) is never sent.
+        The rows' faults are scanned only when some row's grew (:attr:`RowFault.raised`)."""
+        raised, self._raised = self._raised != RowFault.raised, RowFault.raised
+        suspects = [*(filter(attrgetter("fault.error"), rows) if raised else ()),
+                    *filter(attrgetter("request.mask"), rows)]  # (in C)
+        for a in {id(a): a for a in suspects}.values() if suspects else ():  # (a row in both, once)
             reason = a.error()
             if reason is None:
                 continue

@@ -203,11 +203,24 @@ class EngineStats:
 class TokenRates:
     """Prefill and decode tokens per second, published once a second of work has passed
     (the ``prefill_rate`` and ``decode_rate`` gauges of :class:`scheduler.metrics.SchedulerMetrics`).
-    The batch adds to :attr:`prefilled` and :attr:`decoded` (tokens) as rows advance."""
+    The batch adds to :attr:`prefilled` (tokens) as rows advance, and counts generated
+    tokens with :meth:`count` (stats, metrics, the tenants' fair share
+    :class:`scheduler.admission.fairness.FairShare`)."""
 
-    def __init__(self, metrics):
-        self.metrics = metrics
+    def __init__(self, metrics, stats: "EngineStats", fair):
+        self.metrics, self.stats, self.fair = metrics, stats, fair
         self.start, self.prefilled, self.decoded = time.monotonic(), 0, 0
+
+    def count(self, counted: dict) -> None:
+        """Account generated tokens, ``{(tenant, weight): tokens}``: one update per tenant
+        and step rather than per token."""
+        n = sum(counted.values())
+        self.stats.decode_tokens += n
+        self.metrics.decode_tokens.inc(n)
+        self.decoded += n
+        for (tenant, weight), k in counted.items():
+            self.metrics.work_of(tenant).inc(k)
+            self.fair.charge(tenant, k, weight)
 
     def publish(self, idle: bool) -> None:
         """Publish the rates if a second has passed since the last (0 when ``idle``: the engine has no rows)."""

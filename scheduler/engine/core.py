@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from cache import PromptCacheManager
 from cache.restore import always_trimmable
 from scheduler.admission.arrivals import Arrivals
-from scheduler.batch import Batch
+from scheduler.batch import DECODING, Batch
 from scheduler.admission.classes import LatencyClasses
 from scheduler.admission.memory import gate_for
 from scheduler.admission.preemption import Reservations
@@ -160,7 +160,7 @@ class EngineCore:
 
     @property
     def num_decoding(self) -> int:
-        return len(self.batch.active) - self.batch.num_prefilling()
+        return sum(map(DECODING, self.batch.active.values()))
 
     def precompute_due(self) -> Optional[float]:
         """Seconds until a pending next-turn precompute may start; None if none."""
@@ -222,16 +222,17 @@ class EngineCore:
         if preempt:
             self.batch.preempt_precomputes()
         self.reservations.grow()
+        if not (len(self.waiting) or self.classes.paused or self.batch.num_prefilling()):
+            # decoding rows alone (or none): nothing to resume, pause or admit (a turn's checks below, skipped)
+            if quiet and not self.batch.active and self.precomputes.seconds_until_due() == 0:
+                self._start_precompute()
+            return
         back = self.classes.resume_streams()
         allowed = self.classes.allowed()
         self.classes.make_room(spare=back)
         prefilling = self.batch.num_prefilling()
         free = min(self.prompt_concurrency - prefilling, self.decode_concurrency - len(self.batch.active))
-        if free <= 0:
-            return
-        if not len(self.waiting):
-            if quiet and not self.batch.active and self.precomputes.seconds_until_due() == 0:
-                self._start_precompute()
+        if free <= 0 or not len(self.waiting):
             return
         if self.pad_free_prefill and prefilling:
             return
@@ -265,7 +266,8 @@ class EngineCore:
     def _pick(self, n: int, classes: Optional[set[int]]) -> list[Admission]:
         if n <= 0 or (classes is not None and not classes):
             return []
-        return self.waiting.pick(n, self._matched, self._in_flight(), self.prompt_cache.version, classes)
+        in_flight = [InFlight(a.request, a.pending_snapshots) for a in self.batch.prefilling()]
+        return self.waiting.pick(n, self._matched, in_flight, self.prompt_cache.version, classes)
 
     def step(self, decode_only: bool = False, decoding_elsewhere: int = 0, share: float = 1.0) -> None:
         """One step of the batch (loop thread): see :meth:`Batch.step`. While interactive
@@ -309,12 +311,15 @@ class EngineCore:
         queued = self.waiting.count_by_class()
         for a in self.classes.paused:
             queued[a.request.priority] = queued.get(a.request.priority, 0) + 1
-        self.metrics.publish_queue(sum(a.prompt_left for a in self.batch.prefilling()), len(active),
+        filling = self.batch.prefilling()
+        self.metrics.publish_queue(sum(a.prompt_left for a in filling) if filling else 0, len(active),
                                    self._waiting_counts.total, queued)
         self.batch.rates.publish(idle=not active)
         self._notify_idle_state()
 
     def _notify_idle_state(self) -> None:
+        if self.batch.active and not self._is_idle:  # busy, as it was: nothing to update (the lock not taken)
+            return
         with self._idle:
             running = not self.closed and self.error is None
             self._is_idle = not (self.batch.active or self.classes.paused or len(self.waiting)
@@ -329,9 +334,6 @@ class EngineCore:
             log.exception("sink of request %s raised", request.id)
 
     # ----------------------------------------------------------------- admission
-    def _in_flight(self) -> list[InFlight]:
-        return [InFlight(a.request, a.pending_snapshots) for a in self.batch.prefilling()]
-
     def _insert(self, admission: Admission) -> None:
         r = admission.request
         carry = getattr(r, "carry", None)  # a preempted row's (scheduler.admission.preemption)

@@ -31,6 +31,7 @@ import queue
 import threading
 import time
 import traceback
+from operator import itemgetter
 from typing import Any, Callable, Optional, Protocol
 
 from scheduler.admission.arrivals import Arrivals, gather
@@ -288,30 +289,29 @@ class EngineLoop:
         someone_waits = any(e.has_waiting for e in engines)
         quiet = not (someone_waits or any(e.serving for e in engines) or self._preparing())
         for e in engines:
-            self._guarded(e, lambda e=e: e.admit(preempt=someone_waits, quiet=quiet))
+            self._guarded(e, e.admit, preempt=someone_waits, quiet=quiet)
         active = [(e, e.num_prefilling, e.num_decoding) for e in self._engines if e.has_rows]  # counted once
         prefilling = [e for e, p, _ in active if p]
         if prefilling:  # the best latency class first, in turn among equals (and a share for the rest)
             classes = {e: e.prefill_class for e in prefilling}
             allowed = self._share.allowed(set(classes.values()))
             prefilling = [e for e in prefilling if classes[e] in allowed]
-        decoding = sum(d for _, _, d in active)
+        decoding = sum(map(itemgetter(2), active))
         for e, _, d in active:
             if e in prefilling:  # each with its share of the step's prefill budget
-                self._guarded(e, lambda e=e, d=d: e.step(decoding_elsewhere=decoding - d,
-                                                         share=1.0 / len(prefilling)))
+                self._guarded(e, e.step, decoding_elsewhere=decoding - d, share=1.0 / len(prefilling))
             elif d:
-                self._guarded(e, lambda e=e: e.step(decode_only=True))
+                self._guarded(e, e.step, decode_only=True)
         engines = list(self._engines)
         hold = any(e.has_waiting or e.serving for e in engines)
         for e in engines:
             e.end_turn(hold)
 
-    def _guarded(self, engine: Engine, fn: Callable[[], None]) -> None:
-        """Run ``fn``; if it raises, detach ``engine`` with that error (its requests end
+    def _guarded(self, engine: Engine, fn: Callable[..., None], **kwargs) -> None:
+        """Run ``fn(**kwargs)``; if it raises, detach ``engine`` with that error (its requests end
         with a 503), and keep serving the others."""
         try:
-            fn()
+            fn(**kwargs)
         except Exception as e:
             log.error("the engine of %s failed and stops:\n%s", engine.name, traceback.format_exc())
             engine.error = e
@@ -340,11 +340,9 @@ class EngineLoop:
                INTERACTIVE_ARRIVAL_WAIT, lambda: self._stopping)
 
     def _drain_inbox(self) -> None:
-        while True:
-            try:
-                self._handle(self._inbox.get_nowait())
-            except queue.Empty:
-                return
+        inbox = self._inbox  # (this thread alone takes from it: not empty means an item; no Empty raised a turn)
+        while not inbox.empty():
+            self._handle(inbox.get_nowait())
 
     def _handle(self, item) -> None:
         kind, payload = item

@@ -38,6 +38,7 @@ from scheduler.lora.layers import RowSlots, build_stack, wrap_linears
 MARK = "/lora:"  # an adapter's prefix-cache namespace is the request's, this, and name#serial
 DEFAULT_MAX_RANK = 64
 DEFAULT_MAX_LORAS = 8
+NO_ADAPTER = nullcontext()  # the selection of a forward when no adapter is served (reusable: it does nothing)
 
 log = logging.getLogger("mlx_gateway.engine")
 
@@ -296,7 +297,7 @@ class AdapterSet:
         """The selection for one batch's forward calls (a context manager): its rows (by
         ``uids()``, read at each forward) take their adapters' slots."""
         if not self._keys:
-            return nullcontext()
+            return NO_ADAPTER
         return self.rows.forward(uids, lambda u: self.slot_of(namespace_of(u)))
 
 
@@ -331,9 +332,9 @@ def rows_hook(model, namespace_of: Callable[[int], Optional[str]], prompt_cache=
     seen: list = [None]  # the adapter set's keys when the namespaces were last checked
 
     def hook(batch):
-        found = adapters_of(model)
+        found = getattr(model, "_adapter_set", None)  # (adapters_of, inline: called at every forward)
         if found is None:
-            return nullcontext()
+            return NO_ADAPTER
         if prompt_cache is not None:
             for uid in batch.uids:
                 ns = namespace_of(uid)
