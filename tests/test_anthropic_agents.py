@@ -17,7 +17,7 @@ import json
 import anthropic
 import pytest
 
-from conftest import live_server, model_path
+from conftest import live_server, load_tokenizer, model_path
 from gateway.conversation.prompts import render_chat
 from gateway.protocols.anthropic import to_conversation
 from gateway.protocols.anthropic_schemas import MessagesRequest
@@ -97,9 +97,7 @@ def test_a_template_that_cannot_show_it_gets_it_folded_into_the_user_turn_before
     """Gemma 3's template has no system role: a later system message joins the last user
     message before it, so the next turn, which only adds messages after it, renders the
     same prefix (and the prefix cache serves it)."""
-    from mlx_lm.tokenizer_utils import load
-
-    tok = load(model_path("gemma3_text"))
+    tok = load_tokenizer(model_path("gemma3_text"))
     conv, _ = to_conversation(MessagesRequest.model_validate(body()))
     first = tok.decode(render_chat(tok, conv, {}, 4096).tokens)
     assert "<start_of_turn>system" not in first and f"List the files here.\n\n{ENV}" in first

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import live_server, model_path
+from conftest import live_server, load_tokenizer, model_path
 
 SYSTEM = "You are a helpful assistant that answers briefly."
 
@@ -145,11 +145,9 @@ def test_a_token_that_is_part_of_a_character_is_written_as_its_bytes():
     """As OpenAI writes such tokens: ``bytes:\\xe4\\xb8`` with their real bytes, so that
     two of them never share one text (a completions ``top_logprobs`` object is keyed by
     it); a token that is a whole character, U+FFFD itself included, keeps its text."""
-    from mlx_lm.tokenizer_utils import load
-
     from gateway.protocols.openai_format import LogprobFormatter
 
-    tok = load(model_path("qwen3", "qwen3"))
+    tok = load_tokenizer(model_path("qwen3", "qwen3"))
     f = LogprobFormatter(tok)
     halves = [i for i in range(20000, 30000) if "\ufffd" in tok.decode([i])][:20]
     shown = [f._text(i) for i in halves]

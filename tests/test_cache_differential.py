@@ -18,14 +18,13 @@ import random
 from dataclasses import dataclass
 
 import mlx.core as mx
-import mlx_lm
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from cache import PromptCacheManager, is_trimmable, safe_copy
 from cache.checkpoints import common_prefix
 from cache.restore import cache_arrays
-from conftest import model_path
+from conftest import load as load_model_and_tokenizer, model_path
 from gateway.conversation.checkpoints import plan_chat_checkpoints
 
 ARCHS = ["qwen3", "llama", "qwen3_5", "gemma3_text", "mamba2", "nemotron_h"]
@@ -38,7 +37,7 @@ _MODELS: dict[str, tuple] = {}
 
 def load(arch):
     if arch not in _MODELS:
-        _MODELS[arch] = mlx_lm.load(str(model_path(arch)))
+        _MODELS[arch] = load_model_and_tokenizer(model_path(arch))
     return _MODELS[arch]
 
 

@@ -12,13 +12,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
-import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from cache import PromptCacheManager
-from conftest import engine_tokens, live_server, model_path
+from conftest import engine_tokens, live_server, load, model_path
 from scheduler import Engine, SamplingParams
 from scheduler.admission.memory import gate_for
 
@@ -69,7 +68,7 @@ def _count(counter, **labels) -> float:
 def _engine_and_solo(arch: str, max_tokens: int, n: int = 2):
     """The tiny ``arch`` model, ``n`` prompts, their cold solo answers (``max_tokens``, EOS
     ignored), and the room of two first grants beside one 16-token prefill chunk."""
-    model, tok = mlx_lm.load(str(model_path(arch)))
+    model, tok = load(model_path(arch))
     prompts = _prompts(tok, n, 120)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     solo = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=1,
@@ -182,7 +181,7 @@ def _budget(path, rows: int, whole: bool = False, draft: int = 8) -> tuple[int, 
     chunk (``whole``: for one row's whole answer and the prefill chunk that recomputes it),
     above the weights and one chunk's transient, for a server drafting ``draft`` tokens
     (its default: ngram, 8 drafts); and the prompt's words."""
-    model, tok = mlx_lm.load(str(path))
+    model, tok = load(path)
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     gate = gate_for(model, make_prompt_cache(model), CHUNK, draft=draft)
     words = " ".join(f"w{i % 97}" for i in range(WORDS))

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from conftest import TOKENIZERS, live_server, model_path
+from conftest import TOKENIZERS, live_server, load_tokenizer, model_path
 from gateway.conversation.textout import TextAssembler
 
 

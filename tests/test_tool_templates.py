@@ -9,8 +9,8 @@ import random
 import shutil
 
 import pytest
-from mlx_lm.tokenizer_utils import load as load_tokenizer
 
+from conftest import load_tokenizer
 from gateway.http.errors import APIError
 from gateway.conversation.prompts import render_chat
 from gateway.protocols.openai_chat import to_conversation

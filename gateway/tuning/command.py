@@ -7,10 +7,6 @@ import json
 import sys
 from pathlib import Path
 
-from gateway.tuning import report
-from gateway.tuning.sweep import FLAGS, SWEEP, flags_of, recommend, settings, sweep
-from gateway.tuning.workload import from_log, prompts, synthetic
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model directory or hub id (default: the default model, fetched if needed)")
@@ -37,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _values(specs: list[str]) -> dict:
+    from gateway.tuning.sweep import FLAGS, SWEEP
+
     values = {k: list(v) for k, v in SWEEP.items()}
     for spec in specs:
         name, _, raw = spec.partition("=")
@@ -84,6 +82,11 @@ def _bias(model_dir: str) -> tuple[dict, int]:
 
 def run(ns: argparse.Namespace) -> int:
     """Run the sweep, print the table and the recommended flags, write the files."""
+    # Imported here: every command's parser is built from this module, and these import httpx.
+    from gateway.tuning import report
+    from gateway.tuning.sweep import flags_of, recommend, settings, sweep
+    from gateway.tuning.workload import from_log, prompts, synthetic
+
     values = _values(ns.values)
     base = {"prompt_concurrency": ns.prompt_concurrency, "prefill_step_size": ns.prefill_step_size,
             "prefill_budget": ns.prefill_budget}
