@@ -209,7 +209,7 @@ def test_a_burst_without_max_tokens_is_answered_under_a_small_budget(speculative
     they would run one at a time or get a 503; now they run together, are preempted when
     they outgrow the budget, and every answer is a 200 with all its tokens and
     ``finish_reason: length``; MLX's active memory (the prefix cache's included) stays
-    under the budget (+25 % here, the goal +5 %), with speculative decoding (8 drafts) and without."""
+    under the budget (+10 % here, the goal +5 %), with speculative decoding (8 drafts) and without."""
     path = model_path("qwen3")
     budget, words = _budget(path, ROWS, draft=8 if speculative == "ngram" else 0)
     gc.collect()  # an earlier test's arrays freed later would hide this one's
@@ -240,15 +240,14 @@ def test_a_burst_without_max_tokens_is_answered_under_a_small_budget(speculative
         assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == LIMIT, body["usage"]
     assert preempted > 0
     record_property("peak_over_budget", round(peak[0] / budget, 3))
-    # The goal is 1.05 x. Sampled every 2 ms on a shared 2-core machine, over eight runs each the
-    # peak was 0.84-1.02 x without speculation (1.00-1.15 x before a right-padded chunk rolled
-    # its layers back one at a time, rows leaving the batch were copied out with it a layer at a
-    # time and a measurement's mask stopped staying resident) and 0.82-1.08 x with n-gram
-    # speculation; 2 of some 17 runs more, beside other work, reached 1.17 x. The bound catches
-    # a return of the uncounted copies (1.8-2.9 x) without failing on that spread. Still
-    # uncounted: the CPU's compiled attention kernels hold 7-8 copies of a small chunk's or a
-    # decode step's scores (benchmarks/results/memory_burst.md).
-    assert peak[0] <= 1.25 * budget, (peak[0], budget)
+    # The goal is 1.05 x. Sampled every 2 ms on a shared 2-core machine, the peak was 0.86-0.96 x
+    # without speculation over 20 runs and 0.69-0.73 x with n-gram speculation over 4, once the
+    # CPU's compiled attention kernels held 2.25 copies of a call's scores instead of 7-8 (the
+    # reservation's 2): before, the same runs gave 0.85-0.95 x with 1 in 8 at 1.17 x (2 in some
+    # 17 over 1.10 x earlier), and with n-gram speculation up to 1.08 x. The bound allows for
+    # sampling on a loaded machine and catches a return of the uncounted copies (1.8-2.9 x)
+    # (benchmarks/results/memory_burst.md).
+    assert peak[0] <= 1.10 * budget, (peak[0], budget)
 
 
 def test_a_streamed_answer_goes_on_through_a_preemption():

@@ -208,9 +208,10 @@ class MemoryGate:
 
     def scores(self, queries: int, keys: int) -> int:
         """Bytes of one row's attention scores in a layer where they are materialized (0
-        elsewhere): ``heads x queries x keys`` float32 and their softmax (MLX's own
-        attention; the gateway's compiled CPU kernels hold 7-8 such arrays of a block of up
-        to 32 queries, measured, not counted here)."""
+        elsewhere): ``heads x queries x keys`` float32 and their softmax. Measured with
+        ``mx.get_peak_memory`` around one call: MLX's own attention holds one such array, the
+        gateway's compiled CPU kernels 2.25 (the scores, their exponentials and a byte of
+        exponent per score; ``gateway.cpu.attention_kernels``)."""
         return self.heads * queries * keys * 4 * 2
 
     def fit_cache(self, held: int, cache: Any) -> None:
