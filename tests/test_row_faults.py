@@ -107,3 +107,27 @@ def test_a_failing_cache_extraction_fails_its_row_alone():
         # The engine goes on serving.
         again = run(engine, [("after", GOOD[0], SamplingParams(max_tokens=24), {})])["after"]
         assert again.tokens == refs[0]
+
+
+def test_a_fault_a_follower_marks_from_rank_0_fails_its_row_at_that_step():
+    """A follower's sampler never runs: rank 0's fault flag for a row (synced with its
+    tokens) marks the row's fault, and the follower's scan after the step must find it,
+    as rank 0's does (else the follower goes on with a row rank 0 failed, e.g. stores the
+    snapshot of one that also ends then, and the ranks are out of step)."""
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+
+    from scheduler.batch.row_failures import RowFailures
+    from scheduler.batch.rows import EngineStats, Row
+    from scheduler.distributed.follower import FollowerGenerator
+
+    rows = {uid: Row(SimpleNamespace(id=f"r{uid}", mask=None), uid, None, 0, [], decoding=True) for uid in (1, 2)}
+    failures = RowFailures(EngineStats(), None, None, lambda a, e: None)
+    failures.fail_faulty(rows.values(), lambda a, why: None)  # a scan before: none failed
+    cluster = SimpleNamespace(broadcast=lambda: ([5, 6], [0, 1]))  # rank 0: row 2's sampler raised
+    follower = SimpleNamespace(_ops=SimpleNamespace(cluster=cluster), _owner=SimpleNamespace(active=rows))
+    FollowerGenerator._sync(follower, SimpleNamespace(uids=[1, 2], _next_tokens=mx.array([0, 0], dtype=mx.uint32)))
+    failed = []
+    failures.fail_faulty(rows.values(), lambda a, why: failed.append((a.request.id, why)))
+    assert failed == [("r2", "sampling failed: its sampler or logits processors failed on rank 0")]

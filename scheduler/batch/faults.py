@@ -32,10 +32,15 @@ class RowFault:
     def __init__(self) -> None:
         self.error: Optional[BaseException] = None
 
-    def _record(self, e: BaseException) -> None:
+    def mark(self, e: BaseException) -> None:
+        """Keep ``e`` as the row's error unless it has one (found by the next scan,
+        :meth:`RowFailures.fail_faulty <scheduler.batch.row_failures.RowFailures.fail_faulty>`)."""
         RowFault.raised += 1
         if self.error is None:
             self.error = e
+
+    def _record(self, e: BaseException) -> None:
+        self.mark(e)
         # mlx-lm's samplers are compiled with MLX's global PRNG key as state; one that
         # raises mid-trace leaves that key a placeholder without a primitive, which would
         # fail every later unseeded sample: start a fresh key.

@@ -133,8 +133,8 @@ class FollowerGenerator(JoiningBatchGenerator):
         gb._next_tokens = mx.array(tokens, dtype=gb._next_tokens.dtype)
         for uid, fault in zip(gb.uids, faults):
             a = self._owner.active.get(uid)
-            if fault and a is not None and a.fault.error is None:
-                a.fault.error = RuntimeError("its sampler or logits processors failed on rank 0")
+            if fault and a is not None:
+                a.fault.mark(RuntimeError("its sampler or logits processors failed on rank 0"))
 
 
 class FollowerBatch(Batch):
