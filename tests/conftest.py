@@ -499,3 +499,21 @@ def engine_tokens(engine, prompts: list[list[int]], params: list, timeout: float
     for s in sinks:
         assert s.done.wait(timeout), "a request did not finish"
     return [s.tokens for s in sinks]
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """End the test process with pytest's status once the run is over, skipping the
+    interpreter's teardown, as ``mlx-gateway serve`` does (``gateway.cli._serve_and_exit``):
+    MLX threads of the in-process gateways that have just ended still run their C++
+    thread-exit destructors, which take the GIL, and a teardown at the same time aborts
+    the process (``terminate called without an active exception``, status 134) after every
+    test has passed. An ``atexit`` hook, so pytest has written its summary and closed its
+    captures first; the status is the session's."""
+    import atexit
+
+    def leave(status: int = int(exitstatus)) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+    atexit.register(leave)
