@@ -193,6 +193,16 @@ DROPS = ("mlx_lm.server resets the connections that arrive at once beyond its li
          "(a ThreadingHTTPServer: socketserver's request_queue_size)")
 
 
+def serve_env() -> dict:
+    """This process's environment for the gateway's side, with the OpenBLAS setting that
+    ``serve`` gives itself when it preloads OpenBLAS (``gateway.cpu.blas.THREAD_TIMEOUT``;
+    here OpenBLAS is already preloaded, so ``serve`` does not re-execute to set it): the
+    gateway as users run it. A value in the environment wins, as it does for ``serve``."""
+    from gateway.cpu.blas import THREAD_TIMEOUT
+
+    return {"OPENBLAS_THREAD_TIMEOUT": THREAD_TIMEOUT, **os.environ}
+
+
 # ----------------------------------------------------------------------------- the run
 def model_dir_of(name: str) -> str:
     if name == "tiny":
@@ -247,7 +257,7 @@ def main() -> None:
         gw, _ = start([sys.executable, __file__, "--profiled-serve", str(profile_file), "--",
                        "--model", model_dir, "--served-model-name", "m", "--port", str(gport),
                        "--speculative", "off", "--decode-concurrency", str(max(32, max(streams))),
-                       "--no-precompute-next-turn"], gport, env=dict(os.environ))
+                       "--no-precompute-next-turn"], gport, env=serve_env())
         ml, _ = start([sys.executable, "-m", "mlx_lm.server", "--model", model_dir, "--port", str(mport),
                        "--decode-concurrency", str(max(32, max(streams))), "--log-level", "WARNING"], mport)
         servers = [gw, ml]
