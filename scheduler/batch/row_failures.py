@@ -20,6 +20,12 @@ from scheduler.metrics import SchedulerMetrics
 from scheduler.request import ErrorEvent, Event
 
 log = logging.getLogger("mlx_gateway.engine")
+_has_mask = attrgetter("request.mask")
+
+
+def _fault_or_mask(a: Row):
+    """``a``'s recorded fault, else its grammar mask (either may make :meth:`Row.error` say why it fails)."""
+    return a.fault.error or a.request.mask
 
 
 class RowFailures:
@@ -59,9 +65,8 @@ class RowFailures:
         raised this step; its pending token (sampled by the broken callable) is never sent.
         The rows' faults are scanned only when some row's grew (:attr:`RowFault.raised`)."""
         raised, self._raised = self._raised != RowFault.raised, RowFault.raised
-        suspects = [*(filter(attrgetter("fault.error"), rows) if raised else ()),
-                    *filter(attrgetter("request.mask"), rows)]  # (in C)
-        for a in {id(a): a for a in suspects}.values() if suspects else ():  # (a row in both, once)
+        suspect = _fault_or_mask if raised else _has_mask  # (most steps: the masks alone, a scan in C)
+        for a in list(filter(suspect, rows)):  # (a list: fail_row takes rows out of the batch)
             reason = a.error()
             if reason is None:
                 continue
