@@ -332,7 +332,7 @@ def rows_hook(model, namespace_of: Callable[[int], Optional[str]], prompt_cache=
     seen: list = [None]  # the adapter set's keys when the namespaces were last checked
 
     def hook(batch):
-        found = getattr(model, "_adapter_set", None)  # (adapters_of, inline: called at every forward)
+        found = adapters_of(model)
         if found is None:
             return NO_ADAPTER
         if prompt_cache is not None:
