@@ -59,11 +59,12 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from soak_traffic import Traffic  # noqa: E402
 
-COLUMNS = ("rss_mb", "heap_free_mb", "mlx_active_mb", "mlx_free_mb", "cache_mb", "first_tok_mb", "leases", "rows", "tasks", "threads", "fds")
+COLUMNS = ("rss_mb", "heap_free_mb", "heap_used_mb", "py_blocks_k", "mlx_active_mb", "mlx_free_mb", "cache_mb", "first_tok_mb", "leases", "rows", "tasks", "threads", "fds")
 MLX_KINDS = {"active": "mlx_active_mb", "cache": "mlx_free_mb"}  # mlx_memory_bytes{kind}: freed buffers MLX keeps
 SERIES = {  # /metrics series -> (column, divisor)
     "mlx_gateway_mlx_memory_bytes": (None, 1e6), "mlx_gateway_prompt_cache_bytes": ("cache_mb", 1e6),
     "mlx_gateway_heap_free_bytes": ("heap_free_mb", 1e6),  # glibc only: freed, kept by malloc, in the RSS
+    "mlx_gateway_heap_used_bytes": ("heap_used_mb", 1e6), "mlx_gateway_python_blocks": ("py_blocks_k", 1e3),
     "mlx_gateway_first_token_store_bytes": ("first_tok_mb", 1e6),  # bounded: scheduler/batch/first_tokens.py
     "mlx_gateway_prompt_cache_active_leases": ("leases", 1), "mlx_gateway_engine_rows": ("rows", 1),
     "mlx_gateway_asyncio_tasks": ("tasks", 1), "mlx_gateway_threads": ("threads", 1), "mlx_gateway_open_fds": ("fds", 1)}
@@ -211,6 +212,8 @@ async def soak(gw: Gateway, duration: float, warmup: float, workers: int, sample
         "samples": samples, "baseline": baseline, "final": final,
         "rss_growth": growth(rss), "outside_mlx_growth": growth([outside_mlx(s) for s in samples]),
         "held_growth": growth([s["rss_mb"] - s["heap_free_mb"] for s in samples]),
+        "heap_used_growth": growth([s["heap_used_mb"] for s in samples]),
+        "py_blocks_growth": growth([s["py_blocks_k"] for s in samples]),
         "rss_mb_per_hour": slope_per_hour([s["t"] for s in samples], rss),
         "leaks": {"leases": final["leases"], "rows": final["rows"],
                   **{k: final[k] - baseline[k] for k in ("tasks", "threads", "fds")}},
@@ -283,7 +286,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"RSS growth (median of the last third / first third after warm-up): {100 * report['rss_growth']:+.2f} %;"
           f" slope {report['rss_mb_per_hour']:+.1f} MB/h; outside MLX's allocator"
           f" {100 * report['outside_mlx_growth']:+.2f} %; held, about (RSS less the heap's free bytes)"
-          f" {100 * report['held_growth']:+.2f} %")
+          f" {100 * report['held_growth']:+.2f} %; heap in use {100 * report['heap_used_growth']:+.2f} %;"
+          f" Python's blocks {100 * report['py_blocks_growth']:+.2f} %")
     print("left once quiet:", report["leaks"])
     print("answers:", report["statuses"])
     for f in report["failures"]:

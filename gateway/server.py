@@ -314,7 +314,7 @@ def serve(cfg: ServeConfig) -> None:
     from gateway.shutdown import UVICORN_GRACE, GatewayServer
 
     configure_logging(cfg.log_level, cfg.log_format)
-    from gateway.cpu.idle_trim import IdleTrimmer, idle_seconds_setting
+    from gateway.cpu.idle_trim import BUSY_FREE_SHARE, IdleTrimmer, idle_seconds_setting
 
     # The backend, decided once (gateway/backend.py). The CPU: re-executes with OpenBLAS
     # preloaded where it measures faster, or warns (before any thread); its other paths
@@ -344,8 +344,8 @@ def serve(cfg: ServeConfig) -> None:
         gateway = build_gateway(cfg, tenants, specs)
     except (ValueError, OSError, sqlite3.Error) as e:  # a response store that cannot be opened
         raise SystemExit(f"mlx-gateway: {e}")
-    if trim_after > 0:  # the kept memory goes back to the kernel after a quiet spell
-        IdleTrimmer(gateway.activity, trim_after).start()
+    if trim_after > 0:  # the kept memory goes back after a quiet spell, or past an eighth of the budget
+        IdleTrimmer(gateway.activity, trim_after, busy_free_limit=gateway.models.budget // BUSY_FREE_SHARE).start()
     gateway.start()
     if cluster is not None:
         stop_if_load_fails(gateway.models, cluster)

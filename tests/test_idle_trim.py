@@ -129,3 +129,41 @@ def test_engine_activity_is_the_step_count_when_idle():
             assert server.gateway.activity() is None
         finally:
             slot.handle = handle
+
+
+def test_trims_while_busy_past_the_free_heap_limit():
+    """While the engine works, the free heap is read once per ``busy_every`` and trimmed
+    only when it is over the limit; idle trims go on as before."""
+    clock, trims, state = Clock(), [], {"steps": None, "free": 100}
+    reads = []
+
+    def free() -> int:
+        reads.append(clock.now)
+        return state["free"]
+
+    t = IdleTrimmer(lambda: state["steps"], 30.0, trim=lambda: trims.append(clock.now) or True, clock=clock,
+                    busy_free_limit=500, busy_every=60.0, free_bytes=free)
+
+    def at(seconds: float, steps=None, heap=None) -> bool:
+        clock.now, state["steps"] = seconds, steps
+        if heap is not None:
+            state["free"] = heap
+        return t.poll()
+
+    assert not at(10) and not at(59)  # busy, but not a minute yet: the heap is not read
+    assert not at(61, heap=400)  # read, under the limit
+    assert not at(90, heap=900)  # over it, but read again only a minute later
+    assert at(122)
+    assert not at(150) and not at(183, heap=450)
+    assert not at(200, 5) and not at(229, 5)  # idle: 30 s of quiet first
+    assert at(231, 5)
+    assert trims == [122, 231] and reads == [61, 122, 183] and (t.trims, t.busy_trims) == (2, 1)
+
+
+def test_no_busy_trim_without_a_limit():
+    clock, trims = Clock(), []
+    t = IdleTrimmer(lambda: None, 30.0, trim=lambda: trims.append(clock.now) or True, clock=clock,
+                    free_bytes=lambda: 1 << 40)
+    for clock.now in range(0, 1000, 10):
+        assert not t.poll()
+    assert trims == []

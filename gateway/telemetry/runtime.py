@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 from typing import Callable, Optional
 
 from prometheus_client.core import GaugeMetricFamily
 
-from gateway.cpu.idle_trim import heap_free_bytes
+from gateway.cpu.idle_trim import heap_free_bytes, heap_used_bytes
 
 
 def open_fds() -> Optional[int]:
@@ -36,7 +37,10 @@ class RuntimeCollector:
     scrape runs on; absent when scraped off it), ``mlx_gateway_threads`` and
     ``mlx_gateway_open_fds``, and where glibc tells it ``mlx_gateway_heap_free_bytes``
     (:func:`gateway.cpu.idle_trim.heap_free_bytes`: memory freed, not held, resident until
-    a trim: what tells a leak from the allocator keeping buffers).
+    a trim: what tells a leak from the allocator keeping buffers) and
+    ``mlx_gateway_heap_used_bytes`` (live ``malloc`` blocks), and
+    ``mlx_gateway_python_blocks`` (the interpreter's live small objects,
+    ``sys.getallocatedblocks``): which of the three grows says where resident memory goes.
 
     Args:
         engines: the loaded models' engines now (each with a thread-safe ``num_running``).
@@ -64,6 +68,12 @@ class RuntimeCollector:
         if free is not None:
             yield GaugeMetricFamily("mlx_gateway_heap_free_bytes", "Bytes malloc holds free in the process heap "
                                     "(glibc mallinfo2), counted in the resident size.", value=free)
+        used = heap_used_bytes()
+        if used is not None:
+            yield GaugeMetricFamily("mlx_gateway_heap_used_bytes", "Bytes of live malloc blocks in the process heap "
+                                    "(glibc mallinfo2).", value=used)
+        yield GaugeMetricFamily("mlx_gateway_python_blocks", "Memory blocks the Python interpreter has allocated "
+                                "(sys.getallocatedblocks).", value=sys.getallocatedblocks())
 
     def describe(self):
         return []
