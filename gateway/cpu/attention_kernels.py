@@ -28,9 +28,9 @@ The kernels (:data:`KERNELS`):
 
 Memory: beside its ``[B, Hq, Tq, Tk]`` float32 scores (of a block of queries for
 ``compiled-blocks``) a compiled kernel holds their exponentials and a byte per score
-(:func:`_exp2_shifted`), 2.25 score-sized arrays a call, within a rounding of the two that
-``scheduler.admission.memory.MemoryGate.scores`` reserves (MLX's own holds 1);
-``compiled-blocks`` also copies the values once (``[v, 1]``).
+(:func:`_exp2_shifted`), 2.25 score-sized arrays a call (MLX's own holds 1);
+``compiled-blocks`` also copies the values once (``[v, 1]``). Both are what
+``scheduler.admission.memory.MemoryGate`` reserves.
 """
 
 from __future__ import annotations

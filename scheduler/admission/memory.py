@@ -56,6 +56,8 @@ from scheduler.speculative.holes import COMPACT_FRACTION, COMPACT_MIN
 BATCH_STEP = 256  # tokens a batch cache grows by at once (mlx-lm KVCache.step): a row's padding headroom
 QUANTUM = BATCH_STEP  # new tokens a reservation is granted at once (see the module docstring)
 ACTIVATION_COPIES = 8  # hidden-size float32 vectors per chunk token alive at once in a layer (a bound)
+SCORE_BYTES = 10  # per attention score at once: 2.5 float32 arrays (the CPU kernels, 2.25-2.34 measured; MLX's own 1)
+BLOCK_QUERIES = 16  # queries a row past which the CPU takes its block kernel, which copies a layer's values (gateway.cpu.attention.FEW_QUERIES)
 
 
 @dataclass(frozen=True)
@@ -202,17 +204,26 @@ class MemoryGate:
     def prefill_need(self, prompt_tokens: int, cached: int = 0) -> int:
         """Bytes a row's prefill chunk needs while it prefills: its activations (a chunk of
         at most ``chunk`` tokens, and no more than the ``prompt_tokens - cached`` it
-        prefills) and, where they are materialized, its attention scores (:meth:`scores`)."""
+        prefills) and, where they are materialized, its attention scores (:meth:`scores`),
+        with the copy of a layer's values that the CPU's block kernel makes for a chunk of
+        more than :data:`BLOCK_QUERIES` queries (``[v, 1]``: a column of ones appended,
+        ``gateway.cpu.attention_kernels``; bounded by half the layer's KV and 1/32 more, for
+        heads of at least 16 dimensions)."""
         tokens = max(1, min(self.chunk, prompt_tokens - cached))
-        return tokens * self.activation + self.scores(tokens, prompt_tokens)
+        values = 0
+        if self.heads and tokens > BLOCK_QUERIES:
+            layer = self.shape.layer_bytes(prompt_tokens)
+            values = layer // 2 + layer // 32
+        return tokens * self.activation + self.scores(tokens, prompt_tokens) + values
 
     def scores(self, queries: int, keys: int) -> int:
         """Bytes of one row's attention scores in a layer where they are materialized (0
-        elsewhere): ``heads x queries x keys`` float32 and their softmax. Measured with
-        ``mx.get_peak_memory`` around one call: MLX's own attention holds one such array, the
-        gateway's compiled CPU kernels 2.25 (the scores, their exponentials and a byte of
-        exponent per score; ``gateway.cpu.attention_kernels``)."""
-        return self.heads * queries * keys * 4 * 2
+        elsewhere): ``heads x queries x keys`` scores, :data:`SCORE_BYTES` each. Measured with
+        ``mx.get_peak_memory`` around one call: MLX's own attention holds one float32 array
+        of them, the gateway's compiled CPU kernels 2.25-2.34 (the scores, their exponentials
+        and a byte of exponent per score; ``gateway.cpu.attention_kernels``;
+        ``tests/test_memory_admission.py`` checks the bound)."""
+        return self.heads * queries * keys * SCORE_BYTES
 
     def fit_cache(self, held: int, cache: Any) -> None:
         """Drop unleased snapshots of ``cache`` (least recently used first) until it fits
