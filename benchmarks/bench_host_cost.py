@@ -22,13 +22,17 @@ tokens (distinct random prompts of ``--prompt`` tokens, EOS never ending them) i
   ``/v1/completions`` to S concurrent clients.
 
 A step's time is the wall time from every stream's first token to the last token, over
-``decode - 1`` steps; host cost is a step's time less the forward's. The engine's split
-comes from timers wrapped around its functions for the duration of a run only
-(:class:`Phases`; exclusive time, a phase's callees not counted in it), so serving
-carries no timing code of its own; the gateway's split over HTTP is taken the same way
-in its process (started through this script, ``--profiled-serve``). The forward's own
-compute shows up as "wait for the step's result" (``mx.eval``/``tolist``). Figures are
-medians of ``--repeat`` runs, the sides alternating; ratios are of the medians.
+``decode - 1`` steps; host cost is a step's time less the forward's. Each repetition has
+two passes. The timing pass runs every side with no timers installed: the rates and their
+ratios come from it alone. The profiled pass runs mlx-lm's side, the engine and, with
+``--http``, a second gateway started with the same flags through this script
+(``--profiled-serve``), with timers wrapped around their functions for the pass only
+(:class:`Phases`; exclusive time, a phase's callees not counted in it), so serving carries
+no timing code of its own; it gives the split by phase and the host CPU beyond the forward
+(the forward's phases are subtracted), and its rates are printed beside the timing pass's
+to show the timers' own cost. The forward's own compute shows up as "wait for the step's
+result" (``mx.eval``/``tolist``). Figures are medians of ``--repeat`` runs, the sides
+alternating within a pass; ratios are of the medians.
 
 Usage::
 
@@ -244,24 +248,27 @@ def main() -> None:
     model, tok = mlx_lm.load(model_dir)
     vocab = model.args.vocab_size if hasattr(model, "args") else 1000
     streams = [int(s) for s in args.streams.split(",")]
+    conc = str(max(32, max(streams)))
     engine = Engine(model, tok.eos_token_ids, PromptCacheManager(max_bytes=1 << 30, max_entries=8),
-                    decode_concurrency=max(32, max(streams)), speculation=SpeculationConfig(method="off"))
+                    decode_concurrency=int(conc), speculation=SpeculationConfig(method="off"))
     engine.start()
     servers, urls = [], {}
     if args.http:
-        from scenarios import free_port, start, steady_stream_bias
+        from scenarios import free_port, gateway_cmd, start, steady_stream_bias
 
         bias = steady_stream_bias(model_dir)
         profile_file = Path(tempfile.mkdtemp()) / "gateway-phases.json"
-        gport, mport = free_port(), free_port()
-        gw, _ = start([sys.executable, __file__, "--profiled-serve", str(profile_file), "--",
-                       "--model", model_dir, "--served-model-name", "m", "--port", str(gport),
-                       "--speculative", "off", "--decode-concurrency", str(max(32, max(streams))),
-                       "--no-precompute-next-turn"], gport, env=serve_env())
-        ml, _ = start([sys.executable, "-m", "mlx_lm.server", "--model", model_dir, "--port", str(mport),
-                       "--decode-concurrency", str(max(32, max(streams))), "--log-level", "WARNING"], mport)
-        servers = [gw, ml]
-        urls = {"gateway http": (f"http://127.0.0.1:{gport}", "m"), "mlx_lm.server": (f"http://127.0.0.1:{mport}", model_dir)}
+        flags = ["--model", model_dir, "--served-model-name", "m", "--speculative", "off",
+                 "--decode-concurrency", conc, "--no-precompute-next-turn"]
+        ports = {k: free_port() for k in ("gateway http", "gateway http, profiled", "mlx_lm.server")}
+        cmds = {"gateway http": gateway_cmd(ports["gateway http"], *flags),  # the same flags, timers apart
+                "gateway http, profiled": [sys.executable, __file__, "--profiled-serve", str(profile_file), "--",
+                                           "--port", str(ports["gateway http, profiled"]), *flags],
+                "mlx_lm.server": [sys.executable, "-m", "mlx_lm.server", "--model", model_dir, "--port",
+                                  str(ports["mlx_lm.server"]), "--decode-concurrency", conc, "--log-level", "WARNING"]}
+        for k, cmd in cmds.items():
+            servers.append(start(cmd, ports[k], env=serve_env() if k.startswith("gateway") else None, cwd=str(ROOT))[0])
+            urls[k] = (f"http://127.0.0.1:{ports[k]}", model_dir if k == "mlx_lm.server" else "m")
     phases = Phases()
     results: dict = {}
     try:
@@ -269,7 +276,6 @@ def main() -> None:
         mlx_lm_side(model, warm, 8), engine_side(engine, warm, 8)
         for url, name in urls.values():
             asyncio.run(http_streams(url, name, warm, 8, bias))
-        install(phases, model, rows=args.row_phases)
         seed, in_process = 0, {"forward": lambda rows, n: forward_only(model, rows, n),
                                "mlx-lm": lambda rows, n: mlx_lm_side(model, rows, n),
                                "engine": lambda rows, n: engine_side(engine, rows, n)}
@@ -277,38 +283,47 @@ def main() -> None:
             runs, cpu, dropped = defaultdict(list), defaultdict(list), defaultdict(int)
             split: dict = defaultdict(lambda: defaultdict(list))
             for rep in range(args.repeat):
-                sides = ["forward", "mlx-lm", "engine", *urls]
-                if rep % 2:
-                    sides = sides[:1] + sides[1:][::-1]
-                for side in sides:
-                    seed += 1
-                    rows = prompts(vocab, s, args.prompt, seed)
-                    before = phases.snapshot()
-                    host = [threading.main_thread()] + ([engine.loop._thread] if side == "engine" else [])
-                    cpu0 = sum(thread_cpu(t) for t in host)
-                    if side in in_process:
-                        sec = in_process[side](rows, args.decode)
-                        cpu[side].append((sum(thread_cpu(t) for t in host) - cpu0) / args.decode)  # per decode step
-                    else:
-                        if side == "gateway http":
-                            time.sleep(0.3)
-                            before = json.loads(profile_file.read_text())
-                        sec, failed = asyncio.run(http_streams(*urls[side], rows, args.decode, bias))
-                        dropped[side] += len(failed)
-                        if failed:  # counted, left out of the figure
-                            print(f"  {side}: {len(failed)} of {s} streams failed: {failed[0]}", flush=True)
-                    runs[side].append(sec)
-                    if side in ("mlx-lm", "engine"):
-                        ph, steps = per_step(before, phases.snapshot())
-                        for k, v in ph.items():
-                            split[side][k].append(v)
-                        # the host threads' CPU per step, the forward's part on them (timed in the same run) left out
-                        cpu[side][-1] = cpu[side][-1] * args.decode / max(steps, 1) - sum(
-                            ph.get(k, 0.0) for k in FORWARD_PHASES)
-                    elif side == "gateway http":
-                        time.sleep(0.3)
-                        for k, v in per_step(before, json.loads(profile_file.read_text()))[0].items():
-                            split[side][k].append(v)
+                for profiled in (False, True):  # the timing runs untimed inside; then the split, timers installed
+                    sides = ["mlx-lm", "engine", "gateway http"] if profiled else [
+                        "forward", "mlx-lm", "engine", "gateway http", "mlx_lm.server"]
+                    sides = [x for x in sides if x in in_process or x + ", profiled" * profiled in urls]
+                    if rep % 2:  # (the forward first in the timing pass)
+                        first = 0 if profiled else 1
+                        sides = sides[:first] + sides[first:][::-1]
+                    if profiled:
+                        install(phases, model, rows=args.row_phases)
+                    for side in sides:
+                        seed += 1
+                        key = side + ", profiled" * profiled
+                        rows = prompts(vocab, s, args.prompt, seed)
+                        if side in in_process:
+                            before = phases.snapshot()
+                            host = [threading.main_thread()] + ([engine.loop._thread] if side == "engine" else [])
+                            cpu0 = sum(thread_cpu(t) for t in host)
+                            sec = in_process[side](rows, args.decode)
+                            used = sum(thread_cpu(t) for t in host) - cpu0
+                            if profiled:
+                                ph, steps = per_step(before, phases.snapshot())
+                                # the host threads' CPU per step, the forward's part on them (timed in the same run) left out
+                                cpu[side].append(used / max(steps, 1) - sum(ph.get(k, 0.0) for k in FORWARD_PHASES))
+                            elif side == "forward":
+                                cpu[side].append(used / args.decode)
+                        else:
+                            if profiled:
+                                time.sleep(0.3)
+                                before = json.loads(profile_file.read_text())
+                            sec, failed = asyncio.run(http_streams(*urls[key], rows, args.decode, bias))
+                            dropped[key] += len(failed)
+                            if failed:  # counted, left out of the figure
+                                print(f"  {key}: {len(failed)} of {s} streams failed: {failed[0]}", flush=True)
+                            if profiled:
+                                time.sleep(0.3)
+                                ph = per_step(before, json.loads(profile_file.read_text()))[0]
+                        if profiled:
+                            for k, v in ph.items():
+                                split[side][k].append(v)
+                        runs[key].append(sec)
+                    phases.remove()
             med = {k: statistics.median(v) for k, v in runs.items()}
             results[s] = {"step_s": med, "runs": dict(runs), "cpu_s": {k: statistics.median(v) for k, v in cpu.items()},
                           "dropped": {k: f"{n} of {s * args.repeat}" for k, n in dropped.items() if n},
@@ -333,41 +348,49 @@ def report(s: int, r: dict) -> None:
     med, fwd, cpu = r["step_s"], r["step_s"]["forward"], r["cpu_s"]
     print(f"\n{s} streams: forward alone {fwd * 1e3:.3f} ms/step, its thread's CPU {cpu['forward'] * 1e3:.3f} ms/step")
     for side in ("mlx-lm", "engine"):
-        print(f"  {side:14s} host CPU beyond the forward {cpu[side] * 1e3:7.3f} ms/step")
+        print(f"  {side:14s} host CPU beyond the forward {cpu[side] * 1e3:7.3f} ms/step (profiled runs)")
     print(f"  engine host CPU ÷ mlx-lm's: {cpu['engine'] / max(1e-9, cpu['mlx-lm']):.2f}")
     for side, sec in med.items():
         if side != "forward":
-            print(f"  {side:14s} {sec * 1e3:7.3f} ms/step, host {max(0.0, sec - fwd) * 1e3:7.3f} ms, "
-                  f"{s / sec:8.1f} tok/s, {med['mlx-lm'] / sec:.2f}x mlx-lm's rate")
+            ref = med["mlx-lm, profiled" if side.endswith("profiled") else "mlx-lm"]
+            print(f"  {side:22s} {sec * 1e3:7.3f} ms/step, host {max(0.0, sec - fwd) * 1e3:7.3f} ms, "
+                  f"{s / sec:8.1f} tok/s, {ref / sec:.2f}x mlx-lm's rate (same pass)")
     if "mlx_lm.server" in med:
-        print(f"  gateway over HTTP: {med['mlx_lm.server'] / med['gateway http']:.2f}x mlx_lm.server's rate")
+        print(f"  gateway over HTTP (unprofiled): {med['mlx_lm.server'] / med['gateway http']:.2f}x mlx_lm.server's "
+              f"rate, {med['engine'] / med['gateway http']:.2f}x the engine's in process")
+    for side in ("engine", "gateway http"):
+        if side in med:
+            print(f"  {side} profiled ÷ unprofiled rate (the timers' cost): "
+                  f"{med[side] / med[side + ', profiled']:.2f}")
     for side, n in r["dropped"].items():
         print(f"  {side}: {n} streams failed, left out of its figure")
     for side, ph in r["phases"].items():
-        print(f"  {side} per step (exclusive, us):")
+        print(f"  {side} per step (profiled runs, exclusive, us):")
         for k, v in sorted(ph.items(), key=lambda kv: -kv[1]):
             print(f"      {v * 1e6:9.1f}  {k}")
 
 
 def table(results: dict, model: str) -> str:
-    cols = ["engine"] + (["gateway http", "mlx_lm.server"] if "gateway http" in next(iter(results.values()))["step_s"]
-                         else [])
-    head = ("| streams | forward ms/step | host CPU beyond the forward, mlx-lm ms/step | engine ms/step | "
-            "engine ÷ mlx-lm | " + " | ".join(f"{c} tok/s ÷ mlx-lm's" for c in cols)
-            + (" | gateway http ÷ mlx_lm.server |" if len(cols) > 1 else " |"))
-    lines = [f"Model: {model}. Host CPU: the CPU time of the stepping threads (the engine's and the "
-             "event loop's; mlx-lm's loop) per decode step, less the forward's part on them (graph building, "
-             "dispatch, the wait for its result, prefill; timed in the same run).", "", head,
-             "|" + "---|" * (5 + len(cols) + (len(cols) > 1))]
+    http = "gateway http" in next(iter(results.values()))["step_s"]
+    head = ["streams", "forward ms/step", "host CPU beyond the forward, mlx-lm ms/step (P)", "engine ms/step (P)",
+            "engine ÷ mlx-lm (P)", "engine tok/s ÷ mlx-lm's"]
+    if http:
+        head += ["gateway http tok/s", "gateway http tok/s (P)", "mlx_lm.server tok/s", "gateway http ÷ mlx_lm.server",
+                 "gateway http ÷ engine"]
+    lines = [f"Model: {model}. (P): from the profiled runs, the phase timers installed (in process, and in a "
+             "second gateway over HTTP, started with the same flags); every other figure from the unprofiled runs, "
+             "no timers installed, which alternate with them. Host CPU: the CPU time of the stepping threads "
+             "(the engine's and the event loop's; mlx-lm's loop) per decode step, less the forward's part on them "
+             "(graph building, dispatch, the wait for its result, prefill; timed in the same run).", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s, r in results.items():
         med, cpu = r["step_s"], r["cpu_s"]
-        fwd = med["forward"]
         ml, en = cpu["mlx-lm"], cpu["engine"]
-        cells = [f"{s}", f"{fwd * 1e3:.3f}", f"{ml * 1e3:.3f}", f"{en * 1e3:.3f}", f"{en / max(ml, 1e-9):.2f}"]
-        for c in cols:
-            cells += [f"{med['mlx-lm'] / med[c]:.2f}"]
-        if len(cols) > 1:
-            cells += [f"{med['mlx_lm.server'] / med['gateway http']:.2f}"]
+        cells = [f"{s}", f"{med['forward'] * 1e3:.3f}", f"{ml * 1e3:.3f}", f"{en * 1e3:.3f}", f"{en / max(ml, 1e-9):.2f}",
+                 f"{med['mlx-lm'] / med['engine']:.2f}"]
+        if http:
+            cells += [f"{s / med[c]:.0f}" for c in ("gateway http", "gateway http, profiled", "mlx_lm.server")]
+            cells += [f"{med['mlx_lm.server'] / med['gateway http']:.2f}", f"{med['engine'] / med['gateway http']:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     drops = [f"{side} {n} at {s} streams" for s, r in results.items() for side, n in r["dropped"].items()]
     if drops:  # the cause named where it is known

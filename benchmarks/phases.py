@@ -96,6 +96,7 @@ def install(phases: Phases, model, rows: bool = False) -> None:
 
     generate = sys.modules[GenerationBatch.__module__]  # (mlx_lm.generate is also a function's name)
 
+    phases._wrapped.append((generate, "mx", generate.mx))  # put back by remove, so install can run again
     generate.mx = TimedMx(mx, phases)
     if model is not None:
         phases.wrap(type(model), "__call__", "forward graph building")
