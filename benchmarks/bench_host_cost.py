@@ -23,14 +23,15 @@ tokens (distinct random prompts of ``--prompt`` tokens, EOS never ending them) i
 
 A step's time is the wall time from every stream's first token to the last token, over
 ``decode - 1`` steps; host cost is a step's time less the forward's. Each repetition has
-two passes. The timing pass runs every side with no timers installed: the rates and their
-ratios come from it alone. The profiled pass runs mlx-lm's side, the engine and, with
-``--http``, a second gateway started with the same flags through this script
-(``--profiled-serve``), with timers wrapped around their functions for the pass only
-(:class:`Phases`; exclusive time, a phase's callees not counted in it), so serving carries
-no timing code of its own; it gives the split by phase and the host CPU beyond the forward
-(the forward's phases are subtracted), and its rates are printed beside the timing pass's
-to show the timers' own cost. The forward's own compute shows up as "wait for the step's
+two passes, in turns. The timing pass runs every side with no timers in this process; with
+``--http`` it also runs, in turn with the others, a second gateway started with the same
+flags through this script (``--profiled-serve``) with timers in its process. The rates and
+their ratios come from the untimed sides alone; the profiled gateway's rate, printed beside,
+shows the timers' own cost. The profiled pass runs mlx-lm's side and the engine with timers
+wrapped around their functions for the pass only (:class:`Phases`; exclusive time, a
+phase's callees not counted in it), so serving carries no timing code of its own: it and
+the profiled gateway give the split by phase and the host CPU beyond the forward (the
+forward's phases subtracted). The forward's own compute shows up as "wait for the step's
 result" (``mx.eval``/``tolist``). Figures are medians of ``--repeat`` runs, the sides
 alternating within a pass; ratios are of the medians.
 
@@ -283,13 +284,14 @@ def main() -> None:
             runs, cpu, dropped = defaultdict(list), defaultdict(list), defaultdict(int)
             split: dict = defaultdict(lambda: defaultdict(list))
             for rep in range(args.repeat):
-                for profiled in (False, True):  # the timing runs untimed inside; then the split, timers installed
-                    sides = ["mlx-lm", "engine", "gateway http"] if profiled else [
-                        "forward", "mlx-lm", "engine", "gateway http", "mlx_lm.server"]
-                    sides = [x for x in sides if x in in_process or x + ", profiled" * profiled in urls]
+                # the timing pass, no timers in this process (the profiled gateway is another process), and the
+                # profiled pass in process, timers installed: in turns, which goes first alternating
+                for profiled in ((False, True) if rep % 2 == 0 else (True, False)):
+                    sides = ["mlx-lm", "engine"] if profiled else [
+                        "forward", "mlx-lm", "engine", "gateway http", "gateway http, profiled", "mlx_lm.server"]
+                    sides = [x for x in sides if x in in_process or x in urls]
                     if rep % 2:  # (the forward first in the timing pass)
-                        first = 0 if profiled else 1
-                        sides = sides[:first] + sides[first:][::-1]
+                        sides = sides[:1 - profiled] + sides[1 - profiled:][::-1]
                     if profiled:
                         install(phases, model, rows=args.row_phases)
                     for side in sides:
@@ -306,22 +308,22 @@ def main() -> None:
                                 ph, steps = per_step(before, phases.snapshot())
                                 # the host threads' CPU per step, the forward's part on them (timed in the same run) left out
                                 cpu[side].append(used / max(steps, 1) - sum(ph.get(k, 0.0) for k in FORWARD_PHASES))
+                                for k, v in ph.items():
+                                    split[side][k].append(v)
                             elif side == "forward":
                                 cpu[side].append(used / args.decode)
                         else:
-                            if profiled:
-                                time.sleep(0.3)
+                            time.sleep(0.3)  # (the profiled gateway's totals are written every 0.2 s)
+                            if side == "gateway http, profiled":
                                 before = json.loads(profile_file.read_text())
-                            sec, failed = asyncio.run(http_streams(*urls[key], rows, args.decode, bias))
-                            dropped[key] += len(failed)
+                            sec, failed = asyncio.run(http_streams(*urls[side], rows, args.decode, bias))
+                            dropped[side] += len(failed)
                             if failed:  # counted, left out of the figure
-                                print(f"  {key}: {len(failed)} of {s} streams failed: {failed[0]}", flush=True)
-                            if profiled:
+                                print(f"  {side}: {len(failed)} of {s} streams failed: {failed[0]}", flush=True)
+                            if side == "gateway http, profiled":
                                 time.sleep(0.3)
-                                ph = per_step(before, json.loads(profile_file.read_text()))[0]
-                        if profiled:
-                            for k, v in ph.items():
-                                split[side][k].append(v)
+                                for k, v in per_step(before, json.loads(profile_file.read_text()))[0].items():
+                                    split["gateway http"][k].append(v)
                         runs[key].append(sec)
                     phases.remove()
             med = {k: statistics.median(v) for k, v in runs.items()}
@@ -352,16 +354,14 @@ def report(s: int, r: dict) -> None:
     print(f"  engine host CPU ÷ mlx-lm's: {cpu['engine'] / max(1e-9, cpu['mlx-lm']):.2f}")
     for side, sec in med.items():
         if side != "forward":
-            ref = med["mlx-lm, profiled" if side.endswith("profiled") else "mlx-lm"]
+            ref = med["mlx-lm, profiled" if side in ("mlx-lm, profiled", "engine, profiled") else "mlx-lm"]
             print(f"  {side:22s} {sec * 1e3:7.3f} ms/step, host {max(0.0, sec - fwd) * 1e3:7.3f} ms, "
-                  f"{s / sec:8.1f} tok/s, {ref / sec:.2f}x mlx-lm's rate (same pass)")
+                  f"{s / sec:8.1f} tok/s, {ref / sec:.2f}x mlx-lm's rate (profiled or not as it is)")
     if "mlx_lm.server" in med:
         print(f"  gateway over HTTP (unprofiled): {med['mlx_lm.server'] / med['gateway http']:.2f}x mlx_lm.server's "
               f"rate, {med['engine'] / med['gateway http']:.2f}x the engine's in process")
-    for side in ("engine", "gateway http"):
-        if side in med:
-            print(f"  {side} profiled ÷ unprofiled rate (the timers' cost): "
-                  f"{med[side] / med[side + ', profiled']:.2f}")
+    for side in (x for x in ("engine", "gateway http") if x in med):
+        print(f"  {side} profiled ÷ unprofiled rate (the timers' cost): {med[side] / med[side + ', profiled']:.2f}")
     for side, n in r["dropped"].items():
         print(f"  {side}: {n} streams failed, left out of its figure")
     for side, ph in r["phases"].items():
@@ -378,10 +378,11 @@ def table(results: dict, model: str) -> str:
         head += ["gateway http tok/s", "gateway http tok/s (P)", "mlx_lm.server tok/s", "gateway http ÷ mlx_lm.server",
                  "gateway http ÷ engine"]
     lines = [f"Model: {model}. (P): from the profiled runs, the phase timers installed (in process, and in a "
-             "second gateway over HTTP, started with the same flags); every other figure from the unprofiled runs, "
-             "no timers installed, which alternate with them. Host CPU: the CPU time of the stepping threads "
-             "(the engine's and the event loop's; mlx-lm's loop) per decode step, less the forward's part on them "
-             "(graph building, dispatch, the wait for its result, prefill; timed in the same run).", "",
+             "second gateway over HTTP, started with the same flags); every other figure, every ratio of rates "
+             "included, from the runs with no timers installed, which alternate with them. Host CPU: the CPU time "
+             "of the stepping threads (the engine's and the event loop's; mlx-lm's loop) per decode step, less the "
+             "forward's part on them (graph building, dispatch, the wait for its result, prefill; timed in the same "
+             "run).", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s, r in results.items():
         med, cpu = r["step_s"], r["cpu_s"]
