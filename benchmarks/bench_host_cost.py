@@ -356,7 +356,7 @@ def report(s: int, r: dict) -> None:
         if side != "forward":
             ref = med["mlx-lm, profiled" if side in ("mlx-lm, profiled", "engine, profiled") else "mlx-lm"]
             print(f"  {side:22s} {sec * 1e3:7.3f} ms/step, host {max(0.0, sec - fwd) * 1e3:7.3f} ms, "
-                  f"{s / sec:8.1f} tok/s, {ref / sec:.2f}x mlx-lm's rate (profiled or not as it is)")
+                  f"{s / sec:8.1f} tok/s, {ref / sec:.2f}x mlx-lm's rate")
     if "mlx_lm.server" in med:
         print(f"  gateway over HTTP (unprofiled): {med['mlx_lm.server'] / med['gateway http']:.2f}x mlx_lm.server's "
               f"rate, {med['engine'] / med['gateway http']:.2f}x the engine's in process")
