@@ -23,17 +23,17 @@ tokens (distinct random prompts of ``--prompt`` tokens, EOS never ending them) i
 
 A step's time is the wall time from every stream's first token to the last token, over
 ``decode - 1`` steps; host cost is a step's time less the forward's. Each repetition has
-two passes, in turns. The timing pass runs every side with no timers in this process; with
-``--http`` it also runs, in turn with the others, a second gateway started with the same
-flags through this script (``--profiled-serve``) with timers in its process. The rates and
-their ratios come from the untimed sides alone; the profiled gateway's rate, printed beside,
-shows the timers' own cost. The profiled pass runs mlx-lm's side and the engine with timers
-wrapped around their functions for the pass only (:class:`Phases`; exclusive time, a
-phase's callees not counted in it), so serving carries no timing code of its own: it and
-the profiled gateway give the split by phase and the host CPU beyond the forward (the
-forward's phases subtracted). The forward's own compute shows up as "wait for the step's
-result" (``mx.eval``/``tolist``). Figures are medians of ``--repeat`` runs, the sides
-alternating within a pass; ratios are of the medians.
+two passes, in turns: a timing pass with no timers in this process, which gives the
+rates and every ratio of them, and a profiled pass of mlx-lm's side and the engine, with
+timers wrapped around their functions for the pass only (:class:`Phases`; exclusive
+time, a phase's callees not counted in it; serving carries no timing code of its own),
+which gives the split by phase and the host CPU beyond the forward (the forward's phases
+subtracted). Over HTTP one gateway serves both, its timers installed for its profiled
+runs alone (``phases.py``'s ``serve_profiled``), which take turns with the others in the
+timing pass; its profiled rate, printed beside, shows the timers' own cost. The forward's
+own compute shows up as "wait for the step's result" (``mx.eval``/``tolist``). Figures
+are medians of ``--repeat`` runs, the sides alternating within a pass; ratios are of the
+medians.
 
 Usage::
 
@@ -60,7 +60,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from phases import FORWARD_PHASES, Phases, install, per_step  # noqa: E402
+from phases import FORWARD_PHASES, Phases, install, per_step, switch_served_timers  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- the sides
@@ -143,25 +143,6 @@ def engine_side(engine, rows: list[list[int]], decode: int) -> float:
 
 
 # ----------------------------------------------------------------------------- over HTTP
-def profiled_serve(out: str, argv: list[str]) -> None:
-    """``mlx-gateway serve argv`` with :class:`Phases` installed; the phases' running
-    totals go to ``out`` (JSON) every 0.2 s."""
-    phases = Phases()
-    install(phases, None)  # (the forward's graph building counts in the step's graph here)
-
-    def dump() -> None:
-        while True:
-            time.sleep(0.2)
-            tmp = out + ".tmp"
-            Path(tmp).write_text(json.dumps(phases.snapshot()))
-            os.replace(tmp, out)
-
-    threading.Thread(target=dump, daemon=True).start()
-    from gateway.cli import main as cli_main
-
-    sys.exit(cli_main(["serve", *argv]))
-
-
 async def http_streams(url: str, model: str, rows: list[list[int]], decode: int, bias: dict) -> tuple[float, list]:
     """Seconds per step of ``len(rows)`` concurrent streamed ``/v1/completions`` of
     ``decode`` tokens, each prompt the text of random words (as many as its row's
@@ -233,11 +214,7 @@ def main() -> None:
     ap.add_argument("--row-phases", action="store_true",
                     help="also time the engine's per-row functions (token events, the hop), at about 3 us a call "
                          "added to the engine's side (benchmarks/phases.py install)")
-    ap.add_argument("--profiled-serve", help=argparse.SUPPRESS)
-    args, rest = ap.parse_known_args()
-    if args.profiled_serve:
-        profiled_serve(args.profiled_serve, [a for a in rest if a != "--"])
-        return
+    args = ap.parse_args()
 
     import mlx_lm
 
@@ -255,21 +232,22 @@ def main() -> None:
     engine.start()
     servers, urls = [], {}
     if args.http:
-        from scenarios import free_port, gateway_cmd, start, steady_stream_bias
+        from scenarios import free_port, start, steady_stream_bias
 
         bias = steady_stream_bias(model_dir)
         profile_file = Path(tempfile.mkdtemp()) / "gateway-phases.json"
         flags = ["--model", model_dir, "--served-model-name", "m", "--speculative", "off",
                  "--decode-concurrency", conc, "--no-precompute-next-turn"]
-        ports = {k: free_port() for k in ("gateway http", "gateway http, profiled", "mlx_lm.server")}
-        cmds = {"gateway http": gateway_cmd(ports["gateway http"], *flags),  # the same flags, timers apart
-                "gateway http, profiled": [sys.executable, __file__, "--profiled-serve", str(profile_file), "--",
-                                           "--port", str(ports["gateway http, profiled"]), *flags],
-                "mlx_lm.server": [sys.executable, "-m", "mlx_lm.server", "--model", model_dir, "--port",
-                                  str(ports["mlx_lm.server"]), "--decode-concurrency", conc, "--log-level", "WARNING"]}
-        for k, cmd in cmds.items():
-            servers.append(start(cmd, ports[k], env=serve_env() if k.startswith("gateway") else None, cwd=str(ROOT))[0])
-            urls[k] = (f"http://127.0.0.1:{ports[k]}", model_dir if k == "mlx_lm.server" else "m")
+        gport, mport = free_port(), free_port()
+        # One gateway, its timers installed for its profiled runs alone: a second process would measure its
+        # CPU paths again at load (gateway/cpu/measure.py) and could choose others under the machine's load.
+        gw, _ = start([sys.executable, str(ROOT / "benchmarks" / "phases.py"), str(profile_file), "--port", str(gport),
+                       *flags], gport, env=serve_env())
+        ml, _ = start([sys.executable, "-m", "mlx_lm.server", "--model", model_dir, "--port", str(mport),
+                       "--decode-concurrency", conc, "--log-level", "WARNING"], mport)
+        servers = [gw, ml]
+        urls = {"gateway http": (f"http://127.0.0.1:{gport}", "m"), "gateway http, profiled": (f"http://127.0.0.1:{gport}", "m"),
+                "mlx_lm.server": (f"http://127.0.0.1:{mport}", model_dir)}
     phases = Phases()
     results: dict = {}
     try:
@@ -284,8 +262,8 @@ def main() -> None:
             runs, cpu, dropped = defaultdict(list), defaultdict(list), defaultdict(int)
             split: dict = defaultdict(lambda: defaultdict(list))
             for rep in range(args.repeat):
-                # the timing pass, no timers in this process (the profiled gateway is another process), and the
-                # profiled pass in process, timers installed: in turns, which goes first alternating
+                # the timing pass, no timers in this process (the gateway's own, installed for its profiled runs
+                # alone, are in its process), and the profiled pass in process: in turns, which goes first alternating
                 for profiled in ((False, True) if rep % 2 == 0 else (True, False)):
                     sides = ["mlx-lm", "engine"] if profiled else [
                         "forward", "mlx-lm", "engine", "gateway http", "gateway http, profiled", "mlx_lm.server"]
@@ -313,16 +291,16 @@ def main() -> None:
                             elif side == "forward":
                                 cpu[side].append(used / args.decode)
                         else:
-                            time.sleep(0.3)  # (the profiled gateway's totals are written every 0.2 s)
-                            if side == "gateway http, profiled":
-                                before = json.loads(profile_file.read_text())
+                            if side.startswith("gateway"):
+                                before = switch_served_timers(profile_file, side.endswith("profiled"))
+                            else:
+                                time.sleep(0.3)
                             sec, failed = asyncio.run(http_streams(*urls[side], rows, args.decode, bias))
                             dropped[side] += len(failed)
                             if failed:  # counted, left out of the figure
                                 print(f"  {side}: {len(failed)} of {s} streams failed: {failed[0]}", flush=True)
                             if side == "gateway http, profiled":
-                                time.sleep(0.3)
-                                for k, v in per_step(before, json.loads(profile_file.read_text()))[0].items():
+                                for k, v in per_step(before, switch_served_timers(profile_file, True))[0].items():
                                     split["gateway http"][k].append(v)
                         runs[key].append(sec)
                     phases.remove()
