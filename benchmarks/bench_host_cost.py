@@ -355,8 +355,8 @@ def table(results: dict, model: str) -> str:
     if http:
         head += ["gateway http tok/s", "gateway http tok/s (P)", "mlx_lm.server tok/s", "gateway http ÷ mlx_lm.server",
                  "gateway http ÷ engine"]
-    lines = [f"Model: {model}. (P): from the profiled runs, the phase timers installed (in process, and in a "
-             "second gateway over HTTP, started with the same flags); every other figure, every ratio of rates "
+    lines = [f"Model: {model}. (P): from the profiled runs, the phase timers installed (in process, and over "
+             "HTTP in the same gateway, switched on for those runs alone); every other figure, every ratio of rates "
              "included, from the runs with no timers installed, which alternate with them. Host CPU: the CPU time "
              "of the stepping threads (the engine's and the event loop's; mlx-lm's loop) per decode step, less the "
              "forward's part on them (graph building, dispatch, the wait for its result, prefill; timed in the same "
