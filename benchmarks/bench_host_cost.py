@@ -30,10 +30,11 @@ time, a phase's callees not counted in it; serving carries no timing code of its
 which gives the split by phase and the host CPU beyond the forward (the forward's phases
 subtracted). Over HTTP one gateway serves both, its timers installed for its profiled
 runs alone (``phases.py``'s ``serve_profiled``), which take turns with the others in the
-timing pass; its profiled rate, printed beside, shows the timers' own cost. The forward's
-own compute shows up as "wait for the step's result" (``mx.eval``/``tolist``). Figures
-are medians of ``--repeat`` runs, the sides alternating within a pass; ratios are of the
-medians.
+timing pass; its profiled rate and its process's CPU per token (every server's is taken,
+from ``/proc``: what wall time on a loaded machine hides), printed beside, show the timers'
+own cost. The forward's own compute shows up as "wait for the step's result"
+(``mx.eval``/``tolist``). Figures are medians of ``--repeat`` runs, the sides alternating
+within a pass; ratios are of the medians.
 
 Usage::
 
@@ -94,6 +95,16 @@ def step_seconds(firsts: list[float], last: float, decode: int) -> float:
 def thread_cpu(thread: threading.Thread) -> float:
     """CPU seconds ``thread`` has run so far (Linux, macOS: its pthread CPU clock)."""
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds process ``pid`` has run so far, all its threads (``/proc``, in 10 ms
+    ticks; NaN where there is none)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def mlx_lm_side(model, rows: list[list[int]], decode: int) -> float:
@@ -174,6 +185,7 @@ async def http_streams(url: str, model: str, rows: list[list[int]], decode: int,
     return (step_seconds(firsts, last[0], decode) if firsts else float("nan")), failed
 
 
+HTTP = ("gateway http", "gateway http, profiled", "mlx_lm.server")  # the sides over HTTP
 # Why streams fail over HTTP at 16 and 32 streams (httpx ReadError); the gateway (uvicorn) completes them all.
 DROPS = ("mlx_lm.server resets the connections that arrive at once beyond its listen backlog of 5 "
          "(a ThreadingHTTPServer: socketserver's request_queue_size)")
@@ -245,9 +257,9 @@ def main() -> None:
                        *flags], gport, env=serve_env())
         ml, _ = start([sys.executable, "-m", "mlx_lm.server", "--model", model_dir, "--port", str(mport),
                        "--decode-concurrency", conc, "--log-level", "WARNING"], mport)
-        servers = [gw, ml]
-        urls = {"gateway http": (f"http://127.0.0.1:{gport}", "m"), "gateway http, profiled": (f"http://127.0.0.1:{gport}", "m"),
-                "mlx_lm.server": (f"http://127.0.0.1:{mport}", model_dir)}
+        servers, pids = [gw, ml], {"gateway http": gw.pid, "gateway http, profiled": gw.pid, "mlx_lm.server": ml.pid}
+        gateway = (f"http://127.0.0.1:{gport}", "m")
+        urls = {"gateway http": gateway, "gateway http, profiled": gateway, "mlx_lm.server": (f"http://127.0.0.1:{mport}", model_dir)}
     phases = Phases()
     results: dict = {}
     try:
@@ -295,7 +307,9 @@ def main() -> None:
                                 before = switch_served_timers(profile_file, side.endswith("profiled"))
                             else:
                                 time.sleep(0.3)
+                            cpu0 = process_cpu(pids[side])
                             sec, failed = asyncio.run(http_streams(*urls[side], rows, args.decode, bias))
+                            cpu[side].append((process_cpu(pids[side]) - cpu0) / max(1, (s - len(failed)) * args.decode))
                             dropped[side] += len(failed)
                             if failed:  # counted, left out of the figure
                                 print(f"  {side}: {len(failed)} of {s} streams failed: {failed[0]}", flush=True)
@@ -334,7 +348,8 @@ def report(s: int, r: dict) -> None:
         if side != "forward":
             ref = med["mlx-lm, profiled" if side in ("mlx-lm, profiled", "engine, profiled") else "mlx-lm"]
             print(f"  {side:22s} {sec * 1e3:7.3f} ms/step, host {max(0.0, sec - fwd) * 1e3:7.3f} ms, "
-                  f"{s / sec:8.1f} tok/s, {ref / sec:.2f}x mlx-lm's rate")
+                  f"{s / sec:8.1f} tok/s, {ref / sec:.2f}x mlx-lm's rate"
+                  + (f", server CPU {cpu[side] * 1e3:.3f} ms/token" if side in HTTP else ""))
     if "mlx_lm.server" in med:
         print(f"  gateway over HTTP (unprofiled): {med['mlx_lm.server'] / med['gateway http']:.2f}x mlx_lm.server's "
               f"rate, {med['engine'] / med['gateway http']:.2f}x the engine's in process")
@@ -354,13 +369,14 @@ def table(results: dict, model: str) -> str:
             "engine ÷ mlx-lm (P)", "engine tok/s ÷ mlx-lm's"]
     if http:
         head += ["gateway http tok/s", "gateway http tok/s (P)", "mlx_lm.server tok/s", "gateway http ÷ mlx_lm.server",
-                 "gateway http ÷ engine"]
+                 "gateway http ÷ engine", "server CPU ms/token: gateway http, (P), mlx_lm.server"]
     lines = [f"Model: {model}. (P): from the profiled runs, the phase timers installed (in process, and over "
              "HTTP in the same gateway, switched on for those runs alone); every other figure, every ratio of rates "
              "included, from the runs with no timers installed, which alternate with them. Host CPU: the CPU time "
              "of the stepping threads (the engine's and the event loop's; mlx-lm's loop) per decode step, less the "
              "forward's part on them (graph building, dispatch, the wait for its result, prefill; timed in the same "
-             "run).", "",
+             "run). Server CPU: the server process's, all its threads (the forward's included), while it "
+             "streamed, per token it sent.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s, r in results.items():
         med, cpu = r["step_s"], r["cpu_s"]
@@ -368,8 +384,9 @@ def table(results: dict, model: str) -> str:
         cells = [f"{s}", f"{med['forward'] * 1e3:.3f}", f"{ml * 1e3:.3f}", f"{en * 1e3:.3f}", f"{en / max(ml, 1e-9):.2f}",
                  f"{med['mlx-lm'] / med['engine']:.2f}"]
         if http:
-            cells += [f"{s / med[c]:.0f}" for c in ("gateway http", "gateway http, profiled", "mlx_lm.server")]
-            cells += [f"{med['mlx_lm.server'] / med['gateway http']:.2f}", f"{med['engine'] / med['gateway http']:.2f}"]
+            cells += [f"{s / med[c]:.0f}" for c in HTTP]
+            cells += [f"{med['mlx_lm.server'] / med['gateway http']:.2f}", f"{med['engine'] / med['gateway http']:.2f}",
+                      ", ".join(f"{cpu[c] * 1e3:.2f}" for c in HTTP)]
         lines.append("| " + " | ".join(cells) + " |")
     drops = [f"{side} {n} at {s} streams" for s, r in results.items() for side, n in r["dropped"].items()]
     if drops:  # the cause named where it is known
