@@ -375,8 +375,8 @@ def table(results: dict, model: str) -> str:
              "included, from the runs with no timers installed, which alternate with them. Host CPU: the CPU time "
              "of the stepping threads (the engine's and the event loop's; mlx-lm's loop) per decode step, less the "
              "forward's part on them (graph building, dispatch, the wait for its result, prefill; timed in the same "
-             "run). Server CPU: the server process's, all its threads (the forward's included), while it "
-             "streamed, per token it sent.", "",
+             "run). Server CPU: the server process's, all its threads (the forward's, and OpenBLAS's spinning: "
+             "mlx_lm.server's without OPENBLAS_THREAD_TIMEOUT), while it streamed, per token it sent.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s, r in results.items():
         med, cpu = r["step_s"], r["cpu_s"]
