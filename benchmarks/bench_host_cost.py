@@ -22,13 +22,19 @@ tokens (distinct random prompts of ``--prompt`` tokens, EOS never ending them) i
   ``/v1/completions`` to S concurrent clients.
 
 A step's time is the wall time from every stream's first token to the last token, over
-``decode - 1`` steps; host cost is a step's time less the forward's. The engine's split
-comes from timers wrapped around its functions for the duration of a run only
-(:class:`Phases`; exclusive time, a phase's callees not counted in it), so serving
-carries no timing code of its own; the gateway's split over HTTP is taken the same way
-in its process (started through this script, ``--profiled-serve``). The forward's own
-compute shows up as "wait for the step's result" (``mx.eval``/``tolist``). Figures are
-medians of ``--repeat`` runs, the sides alternating; ratios are of the medians.
+``decode - 1`` steps; host cost is a step's time less the forward's. Each repetition has
+two passes, in turns: a timing pass with no timers in this process, which gives the
+rates and every ratio of them, and a profiled pass of mlx-lm's side and the engine, with
+timers wrapped around their functions for the pass only (:class:`Phases`; exclusive
+time, a phase's callees not counted in it; serving carries no timing code of its own),
+which gives the split by phase and the host CPU beyond the forward (the forward's phases
+subtracted). Over HTTP one gateway serves both, its timers installed for its profiled
+runs alone (``phases.py``'s ``serve_profiled``), which take turns with the others in the
+timing pass; its profiled rate and its process's CPU per token (every server's is taken,
+from ``/proc``: what wall time on a loaded machine hides), printed beside, show the timers'
+own cost. The forward's own compute shows up as "wait for the step's result"
+(``mx.eval``/``tolist``). Figures are medians of ``--repeat`` runs, the sides alternating
+within a pass; ratios are of the medians.
 
 Usage::
 
@@ -55,7 +61,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from phases import FORWARD_PHASES, Phases, install, per_step  # noqa: E402
+from phases import FORWARD_PHASES, Phases, install, per_step, switch_served_timers  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- the sides
@@ -89,6 +95,16 @@ def step_seconds(firsts: list[float], last: float, decode: int) -> float:
 def thread_cpu(thread: threading.Thread) -> float:
     """CPU seconds ``thread`` has run so far (Linux, macOS: its pthread CPU clock)."""
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds process ``pid`` has run so far, all its threads (``/proc``, in 10 ms
+    ticks; NaN where there is none)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def mlx_lm_side(model, rows: list[list[int]], decode: int) -> float:
@@ -138,25 +154,6 @@ def engine_side(engine, rows: list[list[int]], decode: int) -> float:
 
 
 # ----------------------------------------------------------------------------- over HTTP
-def profiled_serve(out: str, argv: list[str]) -> None:
-    """``mlx-gateway serve argv`` with :class:`Phases` installed; the phases' running
-    totals go to ``out`` (JSON) every 0.2 s."""
-    phases = Phases()
-    install(phases, None)  # (the forward's graph building counts in the step's graph here)
-
-    def dump() -> None:
-        while True:
-            time.sleep(0.2)
-            tmp = out + ".tmp"
-            Path(tmp).write_text(json.dumps(phases.snapshot()))
-            os.replace(tmp, out)
-
-    threading.Thread(target=dump, daemon=True).start()
-    from gateway.cli import main as cli_main
-
-    sys.exit(cli_main(["serve", *argv]))
-
-
 async def http_streams(url: str, model: str, rows: list[list[int]], decode: int, bias: dict) -> tuple[float, list]:
     """Seconds per step of ``len(rows)`` concurrent streamed ``/v1/completions`` of
     ``decode`` tokens, each prompt the text of random words (as many as its row's
@@ -188,6 +185,7 @@ async def http_streams(url: str, model: str, rows: list[list[int]], decode: int,
     return (step_seconds(firsts, last[0], decode) if firsts else float("nan")), failed
 
 
+HTTP = ("gateway http", "gateway http, profiled", "mlx_lm.server")  # the sides over HTTP
 # Why streams fail over HTTP at 16 and 32 streams (httpx ReadError); the gateway (uvicorn) completes them all.
 DROPS = ("mlx_lm.server resets the connections that arrive at once beyond its listen backlog of 5 "
          "(a ThreadingHTTPServer: socketserver's request_queue_size)")
@@ -228,11 +226,7 @@ def main() -> None:
     ap.add_argument("--row-phases", action="store_true",
                     help="also time the engine's per-row functions (token events, the hop), at about 3 us a call "
                          "added to the engine's side (benchmarks/phases.py install)")
-    ap.add_argument("--profiled-serve", help=argparse.SUPPRESS)
-    args, rest = ap.parse_known_args()
-    if args.profiled_serve:
-        profiled_serve(args.profiled_serve, [a for a in rest if a != "--"])
-        return
+    args = ap.parse_args()
 
     import mlx_lm
 
@@ -244,8 +238,9 @@ def main() -> None:
     model, tok = mlx_lm.load(model_dir)
     vocab = model.args.vocab_size if hasattr(model, "args") else 1000
     streams = [int(s) for s in args.streams.split(",")]
+    conc = str(max(32, max(streams)))
     engine = Engine(model, tok.eos_token_ids, PromptCacheManager(max_bytes=1 << 30, max_entries=8),
-                    decode_concurrency=max(32, max(streams)), speculation=SpeculationConfig(method="off"))
+                    decode_concurrency=int(conc), speculation=SpeculationConfig(method="off"))
     engine.start()
     servers, urls = [], {}
     if args.http:
@@ -253,15 +248,18 @@ def main() -> None:
 
         bias = steady_stream_bias(model_dir)
         profile_file = Path(tempfile.mkdtemp()) / "gateway-phases.json"
+        flags = ["--model", model_dir, "--served-model-name", "m", "--speculative", "off",
+                 "--decode-concurrency", conc, "--no-precompute-next-turn"]
         gport, mport = free_port(), free_port()
-        gw, _ = start([sys.executable, __file__, "--profiled-serve", str(profile_file), "--",
-                       "--model", model_dir, "--served-model-name", "m", "--port", str(gport),
-                       "--speculative", "off", "--decode-concurrency", str(max(32, max(streams))),
-                       "--no-precompute-next-turn"], gport, env=serve_env())
+        # One gateway, its timers installed for its profiled runs alone: a second process would measure its
+        # CPU paths again at load (gateway/cpu/measure.py) and could choose others under the machine's load.
+        gw, _ = start([sys.executable, str(ROOT / "benchmarks" / "phases.py"), str(profile_file), "--port", str(gport),
+                       *flags], gport, env=serve_env())
         ml, _ = start([sys.executable, "-m", "mlx_lm.server", "--model", model_dir, "--port", str(mport),
-                       "--decode-concurrency", str(max(32, max(streams))), "--log-level", "WARNING"], mport)
-        servers = [gw, ml]
-        urls = {"gateway http": (f"http://127.0.0.1:{gport}", "m"), "mlx_lm.server": (f"http://127.0.0.1:{mport}", model_dir)}
+                       "--decode-concurrency", conc, "--log-level", "WARNING"], mport)
+        servers, pids = [gw, ml], {"gateway http": gw.pid, "gateway http, profiled": gw.pid, "mlx_lm.server": ml.pid}
+        gateway = (f"http://127.0.0.1:{gport}", "m")
+        urls = {"gateway http": gateway, "gateway http, profiled": gateway, "mlx_lm.server": (f"http://127.0.0.1:{mport}", model_dir)}
     phases = Phases()
     results: dict = {}
     try:
@@ -269,7 +267,6 @@ def main() -> None:
         mlx_lm_side(model, warm, 8), engine_side(engine, warm, 8)
         for url, name in urls.values():
             asyncio.run(http_streams(url, name, warm, 8, bias))
-        install(phases, model, rows=args.row_phases)
         seed, in_process = 0, {"forward": lambda rows, n: forward_only(model, rows, n),
                                "mlx-lm": lambda rows, n: mlx_lm_side(model, rows, n),
                                "engine": lambda rows, n: engine_side(engine, rows, n)}
@@ -277,38 +274,50 @@ def main() -> None:
             runs, cpu, dropped = defaultdict(list), defaultdict(list), defaultdict(int)
             split: dict = defaultdict(lambda: defaultdict(list))
             for rep in range(args.repeat):
-                sides = ["forward", "mlx-lm", "engine", *urls]
-                if rep % 2:
-                    sides = sides[:1] + sides[1:][::-1]
-                for side in sides:
-                    seed += 1
-                    rows = prompts(vocab, s, args.prompt, seed)
-                    before = phases.snapshot()
-                    host = [threading.main_thread()] + ([engine.loop._thread] if side == "engine" else [])
-                    cpu0 = sum(thread_cpu(t) for t in host)
-                    if side in in_process:
-                        sec = in_process[side](rows, args.decode)
-                        cpu[side].append((sum(thread_cpu(t) for t in host) - cpu0) / args.decode)  # per decode step
-                    else:
-                        if side == "gateway http":
-                            time.sleep(0.3)
-                            before = json.loads(profile_file.read_text())
-                        sec, failed = asyncio.run(http_streams(*urls[side], rows, args.decode, bias))
-                        dropped[side] += len(failed)
-                        if failed:  # counted, left out of the figure
-                            print(f"  {side}: {len(failed)} of {s} streams failed: {failed[0]}", flush=True)
-                    runs[side].append(sec)
-                    if side in ("mlx-lm", "engine"):
-                        ph, steps = per_step(before, phases.snapshot())
-                        for k, v in ph.items():
-                            split[side][k].append(v)
-                        # the host threads' CPU per step, the forward's part on them (timed in the same run) left out
-                        cpu[side][-1] = cpu[side][-1] * args.decode / max(steps, 1) - sum(
-                            ph.get(k, 0.0) for k in FORWARD_PHASES)
-                    elif side == "gateway http":
-                        time.sleep(0.3)
-                        for k, v in per_step(before, json.loads(profile_file.read_text()))[0].items():
-                            split[side][k].append(v)
+                # the timing pass, no timers in this process (the gateway's own, installed for its profiled runs
+                # alone, are in its process), and the profiled pass in process: in turns, which goes first alternating
+                for profiled in ((False, True) if rep % 2 == 0 else (True, False)):
+                    sides = ["mlx-lm", "engine"] if profiled else [
+                        "forward", "mlx-lm", "engine", "gateway http", "gateway http, profiled", "mlx_lm.server"]
+                    sides = [x for x in sides if x in in_process or x in urls]
+                    if rep % 2:  # (the forward first in the timing pass)
+                        sides = sides[:1 - profiled] + sides[1 - profiled:][::-1]
+                    if profiled:
+                        install(phases, model, rows=args.row_phases)
+                    for side in sides:
+                        seed += 1
+                        key = side + ", profiled" * profiled
+                        rows = prompts(vocab, s, args.prompt, seed)
+                        if side in in_process:
+                            before = phases.snapshot()
+                            host = [threading.main_thread()] + ([engine.loop._thread] if side == "engine" else [])
+                            cpu0 = sum(thread_cpu(t) for t in host)
+                            sec = in_process[side](rows, args.decode)
+                            used = sum(thread_cpu(t) for t in host) - cpu0
+                            if profiled:
+                                ph, steps = per_step(before, phases.snapshot())
+                                # the host threads' CPU per step, the forward's part on them (timed in the same run) left out
+                                cpu[side].append(used / max(steps, 1) - sum(ph.get(k, 0.0) for k in FORWARD_PHASES))
+                                for k, v in ph.items():
+                                    split[side][k].append(v)
+                            elif side == "forward":
+                                cpu[side].append(used / args.decode)
+                        else:
+                            if side.startswith("gateway"):
+                                before = switch_served_timers(profile_file, side.endswith("profiled"))
+                            else:
+                                time.sleep(0.3)
+                            cpu0 = process_cpu(pids[side])
+                            sec, failed = asyncio.run(http_streams(*urls[side], rows, args.decode, bias))
+                            cpu[side].append((process_cpu(pids[side]) - cpu0) / max(1, (s - len(failed)) * args.decode))
+                            dropped[side] += len(failed)
+                            if failed:  # counted, left out of the figure
+                                print(f"  {side}: {len(failed)} of {s} streams failed: {failed[0]}", flush=True)
+                            if side == "gateway http, profiled":
+                                for k, v in per_step(before, switch_served_timers(profile_file, True))[0].items():
+                                    split["gateway http"][k].append(v)
+                        runs[key].append(sec)
+                    phases.remove()
             med = {k: statistics.median(v) for k, v in runs.items()}
             results[s] = {"step_s": med, "runs": dict(runs), "cpu_s": {k: statistics.median(v) for k, v in cpu.items()},
                           "dropped": {k: f"{n} of {s * args.repeat}" for k, n in dropped.items() if n},
@@ -333,41 +342,51 @@ def report(s: int, r: dict) -> None:
     med, fwd, cpu = r["step_s"], r["step_s"]["forward"], r["cpu_s"]
     print(f"\n{s} streams: forward alone {fwd * 1e3:.3f} ms/step, its thread's CPU {cpu['forward'] * 1e3:.3f} ms/step")
     for side in ("mlx-lm", "engine"):
-        print(f"  {side:14s} host CPU beyond the forward {cpu[side] * 1e3:7.3f} ms/step")
+        print(f"  {side:14s} host CPU beyond the forward {cpu[side] * 1e3:7.3f} ms/step (profiled runs)")
     print(f"  engine host CPU ÷ mlx-lm's: {cpu['engine'] / max(1e-9, cpu['mlx-lm']):.2f}")
     for side, sec in med.items():
         if side != "forward":
-            print(f"  {side:14s} {sec * 1e3:7.3f} ms/step, host {max(0.0, sec - fwd) * 1e3:7.3f} ms, "
-                  f"{s / sec:8.1f} tok/s, {med['mlx-lm'] / sec:.2f}x mlx-lm's rate")
+            ref = med["mlx-lm, profiled" if side in ("mlx-lm, profiled", "engine, profiled") else "mlx-lm"]
+            print(f"  {side:22s} {sec * 1e3:7.3f} ms/step, host {max(0.0, sec - fwd) * 1e3:7.3f} ms, "
+                  f"{s / sec:8.1f} tok/s, {ref / sec:.2f}x mlx-lm's rate"
+                  + (f", server CPU {cpu[side] * 1e3:.3f} ms/token" if side in HTTP else ""))
     if "mlx_lm.server" in med:
-        print(f"  gateway over HTTP: {med['mlx_lm.server'] / med['gateway http']:.2f}x mlx_lm.server's rate")
+        print(f"  gateway over HTTP (unprofiled): {med['mlx_lm.server'] / med['gateway http']:.2f}x mlx_lm.server's "
+              f"rate, {med['engine'] / med['gateway http']:.2f}x the engine's in process")
+    for side in (x for x in ("engine", "gateway http") if x in med):
+        print(f"  {side} profiled ÷ unprofiled rate (the timers' cost): {med[side] / med[side + ', profiled']:.2f}")
     for side, n in r["dropped"].items():
         print(f"  {side}: {n} streams failed, left out of its figure")
     for side, ph in r["phases"].items():
-        print(f"  {side} per step (exclusive, us):")
+        print(f"  {side} per step (profiled runs, exclusive, us):")
         for k, v in sorted(ph.items(), key=lambda kv: -kv[1]):
             print(f"      {v * 1e6:9.1f}  {k}")
 
 
 def table(results: dict, model: str) -> str:
-    cols = ["engine"] + (["gateway http", "mlx_lm.server"] if "gateway http" in next(iter(results.values()))["step_s"]
-                         else [])
-    head = ("| streams | forward ms/step | host CPU beyond the forward, mlx-lm ms/step | engine ms/step | "
-            "engine ÷ mlx-lm | " + " | ".join(f"{c} tok/s ÷ mlx-lm's" for c in cols)
-            + (" | gateway http ÷ mlx_lm.server |" if len(cols) > 1 else " |"))
-    lines = [f"Model: {model}. Host CPU: the CPU time of the stepping threads (the engine's and the "
-             "event loop's; mlx-lm's loop) per decode step, less the forward's part on them (graph building, "
-             "dispatch, the wait for its result, prefill; timed in the same run).", "", head,
-             "|" + "---|" * (5 + len(cols) + (len(cols) > 1))]
+    http = "gateway http" in next(iter(results.values()))["step_s"]
+    head = ["streams", "forward ms/step", "host CPU beyond the forward, mlx-lm ms/step (P)", "engine ms/step (P)",
+            "engine ÷ mlx-lm (P)", "engine tok/s ÷ mlx-lm's"]
+    if http:
+        head += ["gateway http tok/s", "gateway http tok/s (P)", "mlx_lm.server tok/s", "gateway http ÷ mlx_lm.server",
+                 "gateway http ÷ engine", "server CPU ms/token: gateway http, (P), mlx_lm.server"]
+    lines = [f"Model: {model}. (P): from the profiled runs, the phase timers installed (in process, and over "
+             "HTTP in the same gateway, switched on for those runs alone); every other figure, every ratio of rates "
+             "included, from the runs with no timers installed, which alternate with them. Host CPU: the CPU time "
+             "of the stepping threads (the engine's and the event loop's; mlx-lm's loop) per decode step, less the "
+             "forward's part on them (graph building, dispatch, the wait for its result, prefill; timed in the same "
+             "run). Server CPU: the server process's, all its threads (the forward's, and OpenBLAS's spinning: "
+             "mlx_lm.server's without OPENBLAS_THREAD_TIMEOUT), while it streamed, per token it sent.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s, r in results.items():
         med, cpu = r["step_s"], r["cpu_s"]
-        fwd = med["forward"]
         ml, en = cpu["mlx-lm"], cpu["engine"]
-        cells = [f"{s}", f"{fwd * 1e3:.3f}", f"{ml * 1e3:.3f}", f"{en * 1e3:.3f}", f"{en / max(ml, 1e-9):.2f}"]
-        for c in cols:
-            cells += [f"{med['mlx-lm'] / med[c]:.2f}"]
-        if len(cols) > 1:
-            cells += [f"{med['mlx_lm.server'] / med['gateway http']:.2f}"]
+        cells = [f"{s}", f"{med['forward'] * 1e3:.3f}", f"{ml * 1e3:.3f}", f"{en * 1e3:.3f}", f"{en / max(ml, 1e-9):.2f}",
+                 f"{med['mlx-lm'] / med['engine']:.2f}"]
+        if http:
+            cells += [f"{s / med[c]:.0f}" for c in HTTP]
+            cells += [f"{med['mlx_lm.server'] / med['gateway http']:.2f}", f"{med['engine'] / med['gateway http']:.2f}",
+                      ", ".join(f"{cpu[c] * 1e3:.2f}" for c in HTTP)]
         lines.append("| " + " | ".join(cells) + " |")
     drops = [f"{side} {n} at {s} streams" for s, r in results.items() for side, n in r["dropped"].items()]
     if drops:  # the cause named where it is known

@@ -1,15 +1,20 @@
 """Timers wrapped around functions for the duration of a benchmark run only, so serving
 carries no timing code of its own: :class:`Phases` splits a thread's time by the
 functions it runs through (used by ``bench_host_cost.py`` for a decode step and by
-``bench_cache.py`` for a prefix-cache hit), and the phases of a decode step, the engine's
-and mlx-lm's (:func:`install`)."""
+``bench_cache.py`` for a prefix-cache hit), the phases of a decode step, the engine's
+and mlx-lm's (:func:`install`), and a gateway serving with them switched on and off from
+another process (``python benchmarks/phases.py OUT SERVE_ARGS...``: :func:`serve_profiled`,
+:func:`switch_served_timers`)."""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import threading
 import time
 from collections import defaultdict
+from pathlib import Path
 
 
 class Phases:
@@ -96,6 +101,7 @@ def install(phases: Phases, model, rows: bool = False) -> None:
 
     generate = sys.modules[GenerationBatch.__module__]  # (mlx_lm.generate is also a function's name)
 
+    phases._wrapped.append((generate, "mx", generate.mx))  # put back by remove, so install can run again
     generate.mx = TimedMx(mx, phases)
     if model is not None:
         phases.wrap(type(model), "__call__", "forward graph building")
@@ -137,3 +143,43 @@ def per_step(before: dict, after: dict) -> tuple[dict, int]:
     steps = after["counts"].get(STEP_PHASE, 0) - before["counts"].get(STEP_PHASE, 0)
     out = {k: (v - before["acc"].get(k, 0.0)) / max(steps, 1) for k, v in after["acc"].items()}
     return {k: v for k, v in out.items() if v > 0}, steps
+
+
+def serve_profiled(out: str, argv: list[str]) -> None:
+    """``mlx-gateway serve argv`` with :func:`install`'s timers installed while the file
+    ``out`` with the suffix ``.on`` exists (looked at every 0.1 s), removed while it does
+    not; the phases' running totals, and whether they are installed, go to ``out`` (JSON)
+    as often."""
+    phases, installed = Phases(), [False]
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.1)
+            on = Path(out).with_suffix(".on").exists()
+            if on != installed[0]:  # (the forward's graph building counts in the step's graph here)
+                install(phases, None) if on else phases.remove()
+                installed[0] = on
+            Path(out + ".tmp").write_text(json.dumps({**phases.snapshot(), "on": on}))
+            os.replace(out + ".tmp", out)
+
+    threading.Thread(target=watch, daemon=True).start()
+    from gateway.cli import main as cli_main
+
+    sys.exit(cli_main(["serve", *argv]))
+
+
+def switch_served_timers(out: Path, on: bool) -> dict:
+    """Install (``on``) or remove the timers of the gateway :func:`serve_profiled` serves
+    with ``out``; returns its phases' totals once it has, 0.3 s on (a finished run's last
+    step counted)."""
+    flag = out.with_suffix(".on")
+    flag.touch() if on else flag.unlink(missing_ok=True)
+    while json.loads(out.read_text())["on"] != on:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    return json.loads(out.read_text())
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    serve_profiled(sys.argv[1], sys.argv[2:])
