@@ -130,10 +130,10 @@ def test_the_planned_kernel_runs_for_its_shape_and_regime(monkeypatch):
     for name in attention.KERNELS:
         monkeypatch.setitem(attention.KERNELS, name, lambda q, k, v, s, m, name=name: calls.append(name) or q)
     q, k, v = qkv(1, 4, 2, attention.FEW_QUERIES + 1, 40, mx.float32, seed=3)
-    (_, short), (medium, _), (long, _) = attention.DECODE_BUCKETS
-    decode = ("mlx", "compiled-decode", "compiled-blocks")
+    (_, short), (medium, _), (longer, _), (long, _) = attention.DECODE_BUCKETS
+    decode = ("mlx", "compiled-decode", "compiled-blocks", "compiled-decode")
     (_, *_), (wide, *_) = attention.PREFILL_BUCKETS
-    verify = ("compiled-decode", "compiled-blocks-16", "compiled-blocks-8")
+    verify = ("compiled-decode", "compiled-blocks-16", "compiled-blocks-8", "mlx")
     with plans.installed(("compiled-blocks", "compiled-blocks-8"), decode, [(4, 2, 16, mx.float32)], verify):
         plans.attention(q, k, v, scale=0.3, mask="causal")
         for rows, keys in ((1, wide - 1), (1, wide), (2, wide // 2 - 1), (2, wide // 2)):  # rows x keys' edges
@@ -141,7 +141,7 @@ def test_the_planned_kernel_runs_for_its_shape_and_regime(monkeypatch):
             plans.attention(mx.concatenate([q] * rows), kv, kv, scale=0.3, mask="causal")
         plans.attention(q[:, :, :1], k, v, scale=0.3)
         plans.attention(q[:, :, :5], k, v, scale=0.3, mask="causal")  # verifying four drafts
-        for keys in (medium - 1, medium, long - 1, long, 2 * long):  # the buckets' edges
+        for keys in (medium - 1, medium, longer - 1, longer, long - 1, long, 2 * long):  # the buckets' edges
             kv = mx.zeros((1, 2, keys, 16))
             plans.attention(q[:, :, :1], kv, kv, scale=0.3)
             plans.attention(q[:, :, :2], kv, kv, scale=0.3, mask="causal")  # a verify step's
@@ -151,7 +151,8 @@ def test_the_planned_kernel_runs_for_its_shape_and_regime(monkeypatch):
                      "mlx", "compiled-decode",
                      "mlx", "compiled-decode", "compiled-decode", "compiled-blocks-16",
                      "compiled-decode", "compiled-blocks-16", "compiled-blocks", "compiled-blocks-8",
-                     "compiled-blocks", "compiled-blocks-8", "compiled-decode"]
+                     "compiled-blocks", "compiled-blocks-8", "compiled-decode", "mlx",
+                     "compiled-decode", "mlx", "compiled-decode"]
     assert other.shape == (1, 6, 3, 16)
 
 
@@ -160,19 +161,20 @@ WIDE = {"mlx": 0.090, "compiled-blocks": 0.030, "compiled-blocks-16": 0.024, "co
 
 @pytest.mark.parametrize("prefills,decodes,want", [
     ([{"mlx": 0.040, "compiled-blocks": 0.020}, WIDE],
-     [{"mlx": 0.0010, "compiled-decode": 0.0015}, {"mlx": 0.0030, "compiled-decode": 0.0015},
-      {"mlx": 0.0072, "compiled-decode": 0.0036},  # then the verify steps'
-      {"mlx": 0.0020, "compiled-decode": 0.0010}, {"mlx": 0.0060, "compiled-decode": 0.0030},
-      {"mlx": 0.0090, "compiled-decode": 0.0095}],
-     ("compiled-blocks", "compiled-blocks-8", "mlx", "compiled-decode", "compiled-decode",
-      "compiled-decode", "compiled-decode", "mlx")),
+     [{"mlx": 0.0005, "compiled-decode": 0.0009}, {"mlx": 0.0010, "compiled-decode": 0.0015},
+      {"mlx": 0.0030, "compiled-decode": 0.0015}, {"mlx": 0.0072, "compiled-decode": 0.0036},  # then the verify steps'
+      {"mlx": 0.0008, "compiled-decode": 0.0010}, {"mlx": 0.0020, "compiled-decode": 0.0010},
+      {"mlx": 0.0060, "compiled-decode": 0.0030}, {"mlx": 0.0090, "compiled-decode": 0.0095}],
+     ("compiled-blocks", "compiled-blocks-8", "mlx", "mlx", "compiled-decode", "compiled-decode",
+      "mlx", "compiled-decode", "compiled-decode", "mlx")),
     ([{"mlx": 0.020, "compiled-blocks": 0.080}, {**WIDE, "mlx": 0.022}],  # within the margin
-     [{"mlx": 0.0020, "compiled-decode": 0.0010}, {"mlx": 0.0030, "compiled-decode": 0.0029},
-      {"mlx": 0.0070, "compiled-decode": 0.0069}, {"mlx": 0.0020, "compiled-decode": 0.0019},
+     [{"mlx": 0.0010, "compiled-decode": 0.00098}, {"mlx": 0.0020, "compiled-decode": 0.0010},
+      {"mlx": 0.0030, "compiled-decode": 0.0029}, {"mlx": 0.0070, "compiled-decode": 0.0069},
+      {"mlx": 0.0010, "compiled-decode": 0.00098}, {"mlx": 0.0020, "compiled-decode": 0.0019},
       {"mlx": 0.0030, "compiled-decode": 0.0029}, {"mlx": 0.0070, "compiled-decode": 0.0069}],
-     ("mlx", "mlx", "compiled-decode", "mlx", "mlx", "mlx", "mlx", "mlx")),
-    ([{"mlx": 0.020}, {"mlx": 0.090}], [{"mlx": 0.0010}, {"mlx": 0.0030}, {"mlx": 0.0070}] * 2,
-     ("mlx",) * 8),  # no g++: MLX's own only
+     ("mlx", "mlx", "mlx", "compiled-decode", "mlx", "mlx", "mlx", "mlx", "mlx", "mlx")),
+    ([{"mlx": 0.020}, {"mlx": 0.090}], [{"mlx": 0.0005}, {"mlx": 0.0010}, {"mlx": 0.0030}, {"mlx": 0.0070}] * 2,
+     ("mlx",) * 10),  # no g++: MLX's own only
 ])
 def test_the_choice_follows_the_measurement(prefills, decodes, want):
     with plans.installed():
@@ -283,14 +285,12 @@ def test_models_kernels_are_measured_and_planned_unless_turned_off(monkeypatch):
         assert plans.planned(*shape) is None
         monkeypatch.delenv("MLX_GATEWAY_CPU_ATTENTION")
         choices = plans.choose_for_model(model, rounds=1)
-        (_, short), (medium, _), (long, _) = attention.DECODE_BUCKETS
+        (_, short), (medium, _), (longer, _), (long, _) = attention.DECODE_BUCKETS
         (_, *_), (wide, *_) = attention.PREFILL_BUCKETS
         assert [c.what.split(" [")[0] for c in choices] == [
             f"attention, prefill over 0-{wide - 1} rows x keys", f"attention, prefill over {wide}+ rows x keys",
-            f"attention, decode over 0-{medium - 1} keys",
-            f"attention, decode over {medium}-{long - 1} keys", f"attention, decode over {long}+ keys",
-            f"attention, verify over 0-{medium - 1} keys",
-            f"attention, verify over {medium}-{long - 1} keys", f"attention, verify over {long}+ keys"]
+            *(f"attention, {step} over {a}-{b - 1} keys" if b else f"attention, {step} over {a}+ keys"
+              for step in ("decode", "verify") for a, b in ((0, medium), (medium, longer), (longer, long), (long, None)))]
         assert plans.planned(*shape) == tuple(c.chosen for c in choices)
         compiled = set() if shutil.which("g++") else {k for k in attention.KERNELS if k.startswith("compiled-")}
         assert set(choices[0].seconds) == set(attention.PREFILL_KERNELS) - compiled

@@ -57,10 +57,12 @@ log = logging.getLogger("mlx_gateway")
 PREFILL_BUCKETS = ((0, 1, 256, 1024), (4096, 4, 64, 1024))
 FEW_QUERIES = 16  # calls with at most this many queries a row (decode, verifying drafts) take a decode kernel
 # (fewest keys, keys timed) per decode bucket: a decode call over k keys takes the kernel
-# timed for the last bucket whose fewest is <= k (a short, a medium and a long context);
+# timed for the last bucket whose fewest is <= k (a short, a medium, a longer and a long
+# context: under about 500 keys a compiled kernel's fixed cost per call outweighs its faster
+# exp, 1.1-2.2x MLX's own time at 64-256 keys on the heads of the test models and SmolLM2);
 # calls of one query take the decode step's kernel, calls of 2 to FEW_QUERIES the verify
 # step's, timed on VERIFY_QUERIES queries over the same keys
-DECODE_BUCKETS = ((0, 1024), (1536, 2048), (4096, 8192))
+DECODE_BUCKETS = ((0, 256), (512, 1024), (1536, 2048), (4096, 8192))
 VERIFY_QUERIES = 6  # queries a row of the timed verify step (5 drafts and the input token)
 PREFILL_KERNELS = ("mlx", "compiled-blocks")  # the candidates timed for prefill calls
 # and for prefill calls of many rows times many keys, where narrower blocks may keep scores in the cache
