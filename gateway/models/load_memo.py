@@ -7,17 +7,18 @@ sliding-window layers roll back a draft (:func:`scheduler.speculative.rollback_r
 whether padded batches are exact (:mod:`scheduler.batch.equivalence`) and what a prefill
 forward costs (:mod:`scheduler.batch.forward_cost`). A server that unloads a model and
 loads it again (LRU, ``keep_alive``, ``--max-loaded-models``) would pay them each time.
-So they are kept here for :data:`KEPT` sets of files each, keyed by the files (path,
-names, sizes, modification times) and the settings that change their outcome; a later
-load takes the outcomes (a decision that changes the model, float32 weights, is applied
-to the new model again, unmeasured). A model split across ranks always measures: the
-ranks must do the same steps.
+So they are kept here, the tokenizers of :data:`KEPT` sets of files and the outcomes of
+:data:`MEASURED`, keyed by the files (path, names, sizes, modification times) and, for the
+outcomes, the settings that change them; a later load takes the outcomes (a decision that
+changes the model, float32 weights, is applied to the new model again, unmeasured). A
+model split across ranks always measures: the ranks must do the same steps.
 
 The attention kernels and the allocator setting need nothing here: the CPU tuning keeps
 them for the process (:class:`gateway.backend.CpuTuning`), the kernels per attention shape.
 
-Measured on the tiny test models (2-core CPU, shared): the probes kept here took
-0.05-0.8 s a load (the batch-equivalence probe the most), 0.01-0.05 s when kept.
+Measured on the tiny test models (qwen3, llama, gemma3_text, qwen3_5, nemotron_h; a
+shared 2-core CPU): a reload with the tokenizer kept took 0.08-2.2 s, 0.01-0.32 s with
+the outcomes kept too (the batch-equivalence probe is most of the difference).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from typing import Any, Callable, Hashable, Optional
 
 log = logging.getLogger("mlx_gateway")
 
-KEPT = 8  # sets of model files whose tokenizer (with its grammar index), and whose measurements, are kept
+KEPT = 8  # sets of model files whose tokenizer (with its grammar index) is kept (40-350 MB each)
+MEASURED = 64  # sets of model files (and settings) whose measurements are kept (a few values each)
 # environment settings that change a measurement's outcome (gateway.cpu)
 SETTINGS = ("MLX_GATEWAY_CPU_FLOAT32", "MLX_GATEWAY_CPU_ATTENTION", "MLX_GATEWAY_MALLOC_TUNE")
 
@@ -78,7 +80,7 @@ class Kept:
 
 
 tokenizers = Kept()  # (files_key(path, weights=False), logits size) -> (tokenizer, grammars)
-measurements = Kept()  # (files_key(path), settings...) -> {what: outcome}
+measurements = Kept(MEASURED)  # (files_key(path), settings, environment settings) -> {what: outcome}
 
 
 def kept_tokenizer(model_path: Path) -> Any:
