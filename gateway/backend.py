@@ -71,9 +71,10 @@ class Tuning:
         """Bytes ``model``'s weights will take once served (here: as stored)."""
         return weights_bytes(model)
 
-    def prepare_weights(self, model: nn.Module, measure: bool = True) -> Optional[str]:
+    def prepare_weights(self, model: nn.Module, measure: bool = True, decided: Optional[str] = None) -> Optional[str]:
         """Read ``model``'s weights as they will serve; returns how they were changed
-        (``"float32"``), or None (here: as stored)."""
+        (``"float32"``), or None (here: as stored). ``decided`` (``"float32"`` or ``"as
+        stored"``): as an earlier load of the same files found, unmeasured."""
         mx.eval(model.parameters())
         return None
 
@@ -147,10 +148,12 @@ class CpuTuning(Tuning):
     def served_bytes(self, model: nn.Module) -> int:
         return weights.served_bytes(model)
 
-    def prepare_weights(self, model: nn.Module, measure: bool = True) -> Optional[str]:
+    def prepare_weights(self, model: nn.Module, measure: bool = True, decided: Optional[str] = None) -> Optional[str]:
         """:func:`gateway.cpu.weights.float32_weights_for_cpu_backend` (``measure`` false:
-        unmeasured, as ranks of a split model must decide alike), then read."""
-        why = weights.float32_weights_for_cpu_backend(model, allocator=self.allocator, measure=measure)
+        unmeasured, as ranks of a split model must decide alike; ``decided``: ``"float32"``
+        or ``"as stored"``, as an earlier load of the same files found, unmeasured), then read."""
+        why = weights.float32_weights_for_cpu_backend(model, allocator=self.allocator, measure=measure,
+                                                      decided=decided)
         mx.eval(model.parameters())
         return "float32" if why is None else None
 

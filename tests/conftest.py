@@ -177,15 +177,12 @@ def _shared_tokenizer(path: str):
     d = Path(path)
     eos = load_config(d).get("eos_token_id", None) if (d / "config.json").is_file() else None
     # A gateway of this run that served the model keeps the tokenizer it loaded from these
-    # files (gateway.models.loader, imported once a gateway ran): the same mlx_lm load,
+    # files (gateway.models.load_memo, imported once a gateway ran): the same mlx_lm load,
     # taken when its eos ids are these (parsing it again takes seconds, Gemma 3's about 5).
-    loader, want = sys.modules.get("gateway.models.loader"), {eos} if isinstance(eos, int) else set(eos or ())
-    if loader is not None and want:
-        files = loader._files_key(d)
-        with loader._kept_lock:
-            kept = [tok for (key, _), (tok, _) in loader._kept.items() if key == files]
-        if kept and set(kept[0].eos_token_ids) == want:
-            return kept[0]
+    memo, want = sys.modules.get("gateway.models.load_memo"), {eos} if isinstance(eos, int) else set(eos or ())
+    kept = memo.kept_tokenizer(d) if memo is not None and want else None
+    if kept is not None and set(kept.eos_token_ids) == want:
+        return kept
     return _load_tokenizer(d, eos_token_ids=eos)
 
 

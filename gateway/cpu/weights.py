@@ -233,14 +233,16 @@ def decide(seconds: dict[str, float], margin: float = MARGIN) -> bool:
 
 
 def float32_weights_for_cpu_backend(model: nn.Module, allocator: Optional[Allocator] = None, rounds: int = 3,
-                                    measure: bool = True) -> Optional[str]:
+                                    measure: bool = True, decided: Optional[str] = None) -> Optional[str]:
     """:func:`float32_weights` (MLX runs on the CPU) when a measurement on one of the
     model's layers finds float32 faster (:func:`measure_layer`, :func:`decide`; timed with
     ``allocator``'s heap as it will serve), unless ``MLX_GATEWAY_CPU_FLOAT32=0`` (``=1`` or
     ``measure`` false: without measuring, as the ranks of a model split across machines
-    must all decide alike); logs the choice, and a warning when a model that is not
-    float32 stays as stored because it is too large or has layers it cannot convert.
-    Returns why it did not convert, or None."""
+    must all decide alike; ``decided``, ``"float32"`` or ``"as stored"``: as an earlier
+    load of the same files found, without measuring);
+    logs the choice, and a warning when a model that is not float32 stays as stored
+    because it is too large or has layers it cannot convert. Returns why it did not
+    convert, or None."""
     setting = os.environ.get("MLX_GATEWAY_CPU_FLOAT32", "")
     if setting == "0":
         return "MLX_GATEWAY_CPU_FLOAT32=0"
@@ -252,7 +254,9 @@ def float32_weights_for_cpu_backend(model: nn.Module, allocator: Optional[Alloca
         return why
     layer = _sample_layer(model)
     what = "weights (as stored, or float32)"
-    if measure and setting != "1" and layer is not None:
+    if decided == "as stored":
+        return "measured faster as stored at an earlier load"
+    if measure and decided is None and setting != "1" and layer is not None:
         if allocator is not None:
             allocator.as_it_will_serve()  # timed with the heap as it will serve
         mx.eval(layer.parameters())

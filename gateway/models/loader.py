@@ -13,9 +13,10 @@ engine loop's included, for as long as they run: parsing the tokenizer (the Rust
 ``tokenizers`` library) and building the grammar engine's index of the vocabulary
 (llguidance's ``LLTokenizer``). Both grow with the vocabulary: about 0.3 s and 0.9 s for
 Llama 3's 128k tokens, 0.6 s and 2.4 s for Gemma 3's 262k, a few milliseconds for a
-small one (measured on a 2-core CPU). Both are kept (:data:`KEPT`) for the process's
-life, so a model unloaded and loaded again (LRU, ``keep_alive``) pays neither, and the
-index is shared by models on the same tokenizer (:func:`scheduler.grammar.vocabulary_index`).
+small one (measured on a 2-core CPU). Both are kept, with the outcomes of the probes
+(:mod:`gateway.models.load_memo`), so a model unloaded and loaded again (LRU,
+``keep_alive``) pays neither, and the index is shared by models on the same tokenizer
+(:func:`scheduler.grammar.vocabulary_index`).
 """
 
 from __future__ import annotations
@@ -26,15 +27,15 @@ import logging
 import os
 import sys
 import threading
-from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from prometheus_client import CollectorRegistry
 
 from cache import CacheBudget, PromptCacheManager
 from cache.quantized import quantize_kv
 from gateway.config import ServeConfig
+from gateway.models import load_memo
 from gateway.models.draft import check_draft, read_draft
 from gateway.models.handle import ModelHandle
 from gateway.models.spec import ModelSpec
@@ -43,11 +44,6 @@ from scheduler.engine.loop import EngineLoop
 from scheduler.speculative import DraftModel, SpeculationConfig, rollback_refusal, speculation_refusal
 
 log = logging.getLogger("mlx_gateway")
-
-KEPT = 8  # tokenizers (with their grammar index) kept for later loads of the same model files
-_kept: "OrderedDict[tuple, tuple[Any, Any]]" = OrderedDict()
-_kept_lock = threading.Lock()
-
 
 LOAD_SWITCH_INTERVAL = 0.001  # seconds: Python's thread switch interval while a load runs (default 0.005)
 _loads_lock = threading.Lock()
@@ -183,13 +179,6 @@ def open_disk_tier(cfg: ServeConfig, path: str, tokenizer, registry, loaded_as: 
     return DiskLink(tier)
 
 
-def _files_key(model_path: Path) -> tuple:
-    """What identifies a model directory's tokenizer: its path, and the names, sizes and
-    modification times of its files other than the weights."""
-    files = sorted(p for p in model_path.iterdir() if p.is_file() and p.suffix != ".safetensors")
-    return (str(model_path.resolve()), *((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
-
-
 def tokenizer_and_grammars(model_path: Path, config: dict, n_vocab: int):
     """The model's tokenizer (mlx-lm's ``TokenizerWrapper``) and its grammar compiler
     (:class:`scheduler.grammar.Grammars`, its vocabulary index built), taken from an
@@ -198,19 +187,14 @@ def tokenizer_and_grammars(model_path: Path, config: dict, n_vocab: int):
 
     from scheduler.grammar import Grammars, json_schema_grammar
 
-    key = (_files_key(model_path), n_vocab)
-    with _kept_lock:
-        if key in _kept:
-            _kept.move_to_end(key)
-            return _kept[key]
+    key = (load_memo.files_key(model_path, weights=False), n_vocab)
+    kept = load_memo.tokenizers.get(key)
+    if kept is not None:
+        return kept
     tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id", None))
     grammars = Grammars(tokenizer._tokenizer, n_vocab, tokenizer.eos_token_ids)
     grammars.check(json_schema_grammar({"type": "object"}))  # builds the vocabulary index now
-    with _kept_lock:
-        _kept[key] = (tokenizer, grammars)
-        while len(_kept) > KEPT:
-            _kept.popitem(last=False)
-    return tokenizer, grammars
+    return load_memo.tokenizers.setdefault(key, (tokenizer, grammars))
 
 
 def model_kind(spec: ModelSpec, model_path: Path) -> str:
@@ -320,16 +304,20 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
         draft, draft_path = read_draft(spec.name, spec.draft_model)  # shapes only
     tuning = backend()
     reserve(tuning.served_bytes(model))
+    # the probes' outcomes, kept for a later load of the same files (not across ranks)
+    recall = load_memo.Recall(model_path if cluster is None else None, kind, spec.kv_bits, spec.kv_group_size,
+                              type(tuning).__name__)
     # the CPU: only float32 matmuls use BLAS (docs/deployment.md, "Weights in float32"),
     # measured on one of its layers; across ranks every rank must decide alike: unmeasured
-    loaded_as = tuning.prepare_weights(model, measure=cluster is None)
+    loaded_as = recall("weights", lambda: tuning.prepare_weights(model, measure=cluster is None),
+                       lambda was: tuning.prepare_weights(model, decided=was or "as stored"))
     if spec.kv_bits:
         try:
             quantize_kv(model, spec.kv_bits, spec.kv_group_size)
         except ValueError as e:
             raise ValueError(f"{spec.name}: --kv-bits {spec.kv_bits}: {e}") from None
     if spec.speculation_method != "off" and refusal is None:
-        refusal = rollback_refusal(model)
+        refusal = recall("rollback", lambda: rollback_refusal(model))
     if refusal is not None:
         draft = None  # a refused model never reads its draft's weights, nor makes room for them
     if draft is not None:
@@ -345,7 +333,7 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
     # the CPU: attention kernels, allocator, merge streams, measured; MLX's own across ranks
     # (gateway/backend.py); Metal: the weights wired
     tuning.prepare(model, measure=cluster is None)
-    exact = batch_is_exact(model)
+    exact = recall("batch equivalence", lambda: batch_is_exact(model))
     vocab = logits_size(model)
     tokenizer, grammars = tokenizer_and_grammars(model_path, config, vocab)
     if draft is not None:
@@ -369,7 +357,10 @@ def load_model(spec: ModelSpec, cfg: ServeConfig, loop: EngineLoop, registry: Co
     # what a prefill forward costs here: chunked prefill never cuts a chunk below the size
     # where its cost per token rises 20 % above the best chunk's (scheduler/batch/forward_cost.py);
     # not across ranks, where a forward is a collective the other ranks do not join here
-    cost = measure_forward_cost(model) if cfg.prefill_budget > 0 and cluster is None else None
+    cost = None
+    if cfg.prefill_budget > 0 and cluster is None:
+        cost = recall("forward cost", lambda: measure_forward_cost(model))
+    recall.log(spec.name)
     if cost is not None:
         log.info("%s: a prefill forward costs %s here: chunks beside decoding rows of at least %d tokens",
                  spec.name, cost.describe(), cost.floor(cfg.prefill_step_size))

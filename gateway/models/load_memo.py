@@ -1,0 +1,134 @@
+"""What a model's load keeps for later loads of the same model files in this process.
+
+A load parses the tokenizer and builds the grammar index (seconds for a large vocabulary,
+see :mod:`gateway.models.loader`), and probes and times the model: whether its weights
+serve faster as float32 on the CPU (:mod:`gateway.cpu.weights`), whether its recurrent or
+sliding-window layers roll back a draft (:func:`scheduler.speculative.rollback_refusal`),
+whether padded batches are exact (:mod:`scheduler.batch.equivalence`) and what a prefill
+forward costs (:mod:`scheduler.batch.forward_cost`). A server that unloads a model and
+loads it again (LRU, ``keep_alive``, ``--max-loaded-models``) would pay them each time.
+So they are kept here, the tokenizers of :data:`KEPT` sets of files and the outcomes of
+:data:`MEASURED`, keyed by the files (path, names, sizes, modification times) and, for the
+outcomes, the settings that change them; a later load takes the outcomes (a decision that
+changes the model, float32 weights, is applied to the new model again, unmeasured). A
+model split across ranks always measures: the ranks must do the same steps.
+
+The attention kernels and the allocator setting need nothing here: the CPU tuning keeps
+them for the process (:class:`gateway.backend.CpuTuning`), the kernels per attention shape.
+
+Measured on the tiny test models (qwen3, llama, gemma3_text, qwen3_5, nemotron_h; a
+shared 2-core CPU): a reload with the tokenizer kept took 0.08-2.2 s, 0.01-0.32 s with
+the outcomes kept too (the batch-equivalence probe is most of the difference).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable, Hashable, Optional
+
+log = logging.getLogger("mlx_gateway")
+
+KEPT = 8  # sets of model files whose tokenizer (with its grammar index) is kept (40-350 MB each)
+MEASURED = 64  # sets of model files (and settings) whose measurements are kept (a few values each)
+# environment settings that change a measurement's outcome (gateway.cpu)
+SETTINGS = ("MLX_GATEWAY_CPU_FLOAT32", "MLX_GATEWAY_CPU_ATTENTION", "MLX_GATEWAY_MALLOC_TUNE")
+
+
+def files_key(model_path: Path, weights: bool = True) -> tuple:
+    """What identifies a model directory's files: its resolved path, and the names, sizes
+    (bytes) and modification times (ns) of its files (without the ``.safetensors``
+    weights when ``weights`` is false: what a tokenizer is read from)."""
+    files = sorted(p for p in model_path.iterdir() if p.is_file() and (weights or p.suffix != ".safetensors"))
+    return (str(model_path.resolve()), *((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+
+
+class Kept:
+    """At most ``size`` values by key, the least recently used dropped first; thread-safe."""
+
+    def __init__(self, size: int = KEPT):
+        self.size = size
+        self._items: "OrderedDict[Hashable, Any]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable, default: Any = None) -> Any:
+        with self._lock:
+            if key not in self._items:
+                return default
+            self._items.move_to_end(key)
+            return self._items[key]
+
+    def setdefault(self, key: Hashable, value: Any) -> Any:
+        """The value kept for ``key``, else ``value``, kept now."""
+        with self._lock:
+            self._items.setdefault(key, value)
+            self._items.move_to_end(key)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+            return self._items[key]
+
+    def items(self) -> list[tuple[Hashable, Any]]:
+        with self._lock:
+            return list(self._items.items())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+
+tokenizers = Kept()  # (files_key(path, weights=False), logits size) -> (tokenizer, grammars)
+measurements = Kept(MEASURED)  # (files_key(path), settings, environment settings) -> {what: outcome}
+
+
+def kept_tokenizer(model_path: Path) -> Any:
+    """The tokenizer an earlier load kept for the files of ``model_path`` (mlx-lm's
+    ``TokenizerWrapper``, shared: only to read), or None."""
+    files = files_key(model_path, weights=False)
+    return next((tok for (key, _), (tok, _) in tokenizers.items() if key == files), None)
+
+
+def forget() -> None:
+    """Forget every earlier load: the next load of any model measures, and reads its tokenizer, again."""
+    tokenizers.clear()
+    measurements.clear()
+
+
+class Recall:
+    """One load's measurements: each taken from an earlier load of the same files with the
+    same ``settings`` (the kv quantization, the model kind, ...), else measured and kept.
+
+    Args:
+        model_path: the model's directory; None: measure everything, keep nothing (a model
+            split across ranks).
+        settings: what else changes the outcomes (hashable).
+    """
+
+    def __init__(self, model_path: Optional[Path], *settings: Hashable):
+        self.outcomes: Optional[dict] = None
+        if model_path is not None:
+            key = (files_key(model_path), settings, tuple(os.environ.get(k) for k in SETTINGS))
+            self.outcomes = measurements.setdefault(key, {})
+        self.reused: list[str] = []  # what this load took from an earlier one
+
+    def __call__(self, what: str, measure: Callable[[], Any], apply: Optional[Callable[[Any], Any]] = None) -> Any:
+        """The outcome of ``measure()`` for ``what``, or the one an earlier load kept, then
+        given to ``apply`` (which does to this model what ``measure`` did to that one)."""
+        if self.outcomes is None or what not in self.outcomes:
+            outcome = measure()
+            if self.outcomes is not None:
+                self.outcomes[what] = outcome
+            return outcome
+        outcome = self.outcomes[what]
+        if apply is not None:
+            apply(outcome)
+        self.reused.append(what)
+        return outcome
+
+    def log(self, name: str) -> None:
+        """Say, once, what this load reused (info), if anything."""
+        if self.reused:
+            log.info("%s: reused the measurements of an earlier load of the same files: %s",
+                     name, ", ".join(self.reused))
