@@ -4,6 +4,7 @@ measurements; other files, or other settings that change the outcomes, measure a
 
 from __future__ import annotations
 
+import json
 import logging
 
 import mlx.core as mx
@@ -119,3 +120,23 @@ def test_the_weights_decision_is_applied_again(quantized_dir, counted, monkeypat
     assert len(measured) == 1
     assert first == second and (first["dtypes"] == [str(mx.float32)]) == (faster == "float32")
     assert sum(REUSED in m for m in said) == 1
+
+
+def test_directories_of_one_tokenizer_share_it(tmp_path):
+    """A copy of a model directory (its weights left out, another path) is served with the
+    tokenizer parsed for the first; a copy whose tokenizer files differ parses its own."""
+    import shutil
+
+    src = model_path("qwen3")
+    config = json.loads((src / "config.json").read_text())
+    same, other = tmp_path / "same", tmp_path / "other"
+    for d in (same, other):
+        shutil.copytree(src, d, ignore=shutil.ignore_patterns("*.safetensors"))
+    cfg = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**cfg, "model_max_length": 1234}))
+    made = loader.tokenizer_and_grammars
+    first = made(src, config, 4096)
+    assert made(same, config, 4096) is first
+    assert load_memo.kept_tokenizer(same) is first[0]
+    assert made(other, config, 4096) is not first
+    assert made(src, {**config, "eos_token_id": 7}, 4096) is not first

@@ -7,9 +7,10 @@ sliding-window layers roll back a draft (:func:`scheduler.speculative.rollback_r
 whether padded batches are exact (:mod:`scheduler.batch.equivalence`) and what a prefill
 forward costs (:mod:`scheduler.batch.forward_cost`). A server that unloads a model and
 loads it again (LRU, ``keep_alive``, ``--max-loaded-models``) would pay them each time.
-So they are kept here, the tokenizers of :data:`KEPT` sets of files and the outcomes of
-:data:`MEASURED`, keyed by the files (path, names, sizes, modification times) and, for the
-outcomes, the settings that change them; a later load takes the outcomes (a decision that
+So they are kept here: the tokenizers of :data:`KEPT` sets of files, keyed by what they
+are made from (:func:`tokenizer_key`: another directory of the same tokenizer shares
+one), and the outcomes of :data:`MEASURED`, keyed by the files (path, names, sizes,
+modification times) and the settings that change them; a later load takes the outcomes (a decision that
 changes the model, float32 weights, is applied to the new model again, unmeasured). A
 model split across ranks always measures: the ranks must do the same steps.
 
@@ -23,6 +24,8 @@ the outcomes kept too (the batch-equivalence probe is most of the difference).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import threading
@@ -38,12 +41,29 @@ MEASURED = 64  # sets of model files (and settings) whose measurements are kept 
 SETTINGS = ("MLX_GATEWAY_CPU_FLOAT32", "MLX_GATEWAY_CPU_ATTENTION", "MLX_GATEWAY_MALLOC_TUNE")
 
 
-def files_key(model_path: Path, weights: bool = True) -> tuple:
+def files_key(model_path: Path) -> tuple:
     """What identifies a model directory's files: its resolved path, and the names, sizes
-    (bytes) and modification times (ns) of its files (without the ``.safetensors``
-    weights when ``weights`` is false: what a tokenizer is read from)."""
-    files = sorted(p for p in model_path.iterdir() if p.is_file() and (weights or p.suffix != ".safetensors"))
+    (bytes) and modification times (ns) of its files."""
+    files = sorted(p for p in model_path.iterdir() if p.is_file())
     return (str(model_path.resolve()), *((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+
+
+def tokenizer_key(model_path: Path, config: dict) -> tuple:
+    """What a tokenizer is made from: a digest (SHA-256) of the contents of the
+    directory's files but its weights and ``config.json``, with the config's
+    ``model_type`` (what picks the tokenizer class where its own config names none) and
+    ``eos_token_id``. Directories of the same tokenizer share it (a model and its
+    quantized or fine-tuned copies; the test models of one family), where a key of the
+    path would parse it again: 5-8 s for Gemma 3's vocabulary of 262,144 with its grammar
+    index, on the 2-core machine of ``benchmarks/bench_cpu_attention.py``."""
+    digest = hashlib.sha256()
+    for f in sorted(p for p in model_path.iterdir() if p.is_file() and p.suffix != ".safetensors"
+                    and p.name != "config.json"):
+        digest.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest(), config.get("model_type"), repr(config.get("eos_token_id"))
 
 
 class Kept:
@@ -79,15 +99,16 @@ class Kept:
             self._items.clear()
 
 
-tokenizers = Kept()  # (files_key(path, weights=False), logits size) -> (tokenizer, grammars)
+tokenizers = Kept()  # (tokenizer_key(path, config), logits size) -> (tokenizer, grammars)
 measurements = Kept(MEASURED)  # (files_key(path), settings, environment settings) -> {what: outcome}
 
 
 def kept_tokenizer(model_path: Path) -> Any:
     """The tokenizer an earlier load kept for the files of ``model_path`` (mlx-lm's
     ``TokenizerWrapper``, shared: only to read), or None."""
-    files = files_key(model_path, weights=False)
-    return next((tok for (key, _), (tok, _) in tokenizers.items() if key == files), None)
+    config = json.loads((model_path / "config.json").read_text()) if (model_path / "config.json").is_file() else {}
+    made_of = tokenizer_key(model_path, config)
+    return next((tok for (key, _), (tok, _) in tokenizers.items() if key == made_of), None)
 
 
 def forget() -> None:

@@ -187,7 +187,7 @@ def tokenizer_and_grammars(model_path: Path, config: dict, n_vocab: int):
 
     from scheduler.grammar import Grammars, json_schema_grammar
 
-    key = (load_memo.files_key(model_path, weights=False), n_vocab)
+    key = (load_memo.tokenizer_key(model_path, config), n_vocab)
     kept = load_memo.tokenizers.get(key)
     if kept is not None:
         return kept
