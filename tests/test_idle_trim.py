@@ -133,31 +133,39 @@ def test_engine_activity_is_the_step_count_when_idle():
 
 def test_trims_while_busy_past_the_free_heap_limit():
     """While the engine works, the free heap is read once per ``busy_every`` and trimmed
-    only when it is over the limit; idle trims go on as before."""
-    clock, trims, state = Clock(), [], {"steps": None, "free": 100}
+    only when it is over the limit and the resident size has grown by the limit since the
+    last trim (a trim leaves the free blocks on malloc's lists: the free heap reads the same
+    after it); idle trims go on as before."""
+    clock, trims, state = Clock(), [], {"steps": None, "free": 100, "rss": 5000}
     reads = []
 
     def free() -> int:
         reads.append(clock.now)
         return state["free"]
 
-    t = IdleTrimmer(lambda: state["steps"], 30.0, trim=lambda: trims.append(clock.now) or True, clock=clock,
-                    busy_free_limit=500, busy_every=60.0, free_bytes=free)
+    def trim() -> bool:
+        trims.append(clock.now)
+        state["rss"] -= 800
+        return True
 
-    def at(seconds: float, steps=None, heap=None) -> bool:
+    t = IdleTrimmer(lambda: state["steps"], 30.0, trim=trim, clock=clock, busy_free_limit=500, busy_every=60.0,
+                    free_bytes=free, resident=lambda: state["rss"])
+
+    def at(seconds: float, steps=None, heap=None, rss=None) -> bool:
         clock.now, state["steps"] = seconds, steps
-        if heap is not None:
-            state["free"] = heap
+        state["free"] = state["free"] if heap is None else heap
+        state["rss"] = state["rss"] if rss is None else rss
         return t.poll()
 
     assert not at(10) and not at(59)  # busy, but not a minute yet: the heap is not read
     assert not at(61, heap=400)  # read, under the limit
     assert not at(90, heap=900)  # over it, but read again only a minute later
-    assert at(122)
-    assert not at(150) and not at(183, heap=450)
-    assert not at(200, 5) and not at(229, 5)  # idle: 30 s of quiet first
-    assert at(231, 5)
-    assert trims == [122, 231] and reads == [61, 122, 183] and (t.trims, t.busy_trims) == (2, 1)
+    assert at(122)  # resident 5000 -> 4200
+    assert not at(183) and not at(244, rss=4700)  # free still over the limit, but grown by 500 only
+    assert at(305, rss=4701)
+    assert not at(310, 5) and not at(339, 5)  # idle: 30 s of quiet first
+    assert at(341, 5)
+    assert trims == [122, 305, 341] and reads == [61, 122, 305] and (t.trims, t.busy_trims) == (3, 2)
 
 
 def test_no_busy_trim_without_a_limit():

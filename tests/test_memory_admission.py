@@ -82,25 +82,30 @@ def test_a_burst_stays_under_a_small_memory_budget():
     assert rows > 0  # some waited for memory
 
 
-@pytest.mark.parametrize("queries,keys", [(17, 2048), (32, 4096), (64, 1024)])
-def test_a_prefill_chunk_reserves_what_the_cpu_block_kernel_holds(queries, keys):
+@pytest.mark.parametrize("queries,keys,heads,array_mask", [
+    (17, 2048, (4, 2, 16), False), (32, 4096, (4, 2, 16), False), (64, 1024, (4, 2, 16), False),
+    (64, 1024, (4, 2, 16), True), (40, 2048, (9, 3, 64), True)])
+def test_a_prefill_chunk_reserves_what_the_cpu_block_kernel_holds(queries, keys, heads, array_mask):
     """The block kernel's transient memory for one layer (its scores, their exponentials,
     a byte of exponent each, and its copy of the values with a column of ones), measured
     with MLX's peak counter, fits in what a chunk's reservation counts beside its
-    activations: the heads of the tiny test models (4 query heads over 2 KV heads of 16)."""
+    activations: the heads of the tiny test models (4 query heads over 2 KV heads of 16)
+    and SmolLM2's (9 over 3 of 64), with the causal mode or a boolean mask as a batch
+    cache gives one (``[1, 1, queries, keys]``)."""
     from gateway.cpu.attention import FEW_QUERIES
     from gateway.cpu.attention_kernels import compiled_blocks
     from scheduler.admission.memory import BLOCK_QUERIES, KVShape, MemoryGate
 
     assert BLOCK_QUERIES == FEW_QUERIES
-    hq, hk, d = 4, 2, 16
+    hq, hk, d = heads
     q, k, v = (mx.random.normal((1, h, n, d)) for h, n in ((hq, queries), (hk, keys), (hk, keys)))
-    mx.eval(q, k, v)
-    mx.eval(compiled_blocks(q, k, v, 0.25, "causal"))  # compiled once before measuring
+    mask = (mx.arange(keys - queries, keys)[:, None] >= mx.arange(keys)[None])[None, None] if array_mask else "causal"
+    mx.eval(q, k, v, *([mask] if array_mask else []))
+    mx.eval(compiled_blocks(q, k, v, d ** -0.5, mask))  # compiled once before measuring
     mx.synchronize()
     mx.reset_peak_memory()
     base = mx.get_active_memory()
-    out = compiled_blocks(q, k, v, 0.25, "causal")
+    out = compiled_blocks(q, k, v, d ** -0.5, mask)
     mx.eval(out)
     held = mx.get_peak_memory() - base - out.nbytes
     gate = MemoryGate(KVShape(per_token=2 * hk * d * 4), hidden=64, vocab=100, chunk=queries, heads=hq, scores=True)

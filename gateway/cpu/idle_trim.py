@@ -16,9 +16,11 @@ A server that is never quiet would keep the freed heap forever, and it grows as 
 fragments (+38 MB over 90 minutes of the soak in ``benchmarks/results/soak.md``, which is
 what ``top`` counts beyond the memory budget). So while the engine works, the trimmer also
 reads the free heap at most once every ``busy_every`` seconds (60 by default) and trims
-when it exceeds ``busy_free_limit`` (``serve`` sets an eighth of the memory budget): the
-kept heap is bounded by the budget, at the cost of page-faulting those buffers in again
-once a minute at most (about 0.5 s of CPU a minute for 700 MB at 3 µs per page).
+when it exceeds ``busy_free_limit`` (``serve`` sets an eighth of the memory budget) and the
+resident size has grown by as much since the last trim: freed memory the heap keeps
+resident goes back within a minute of passing an eighth of the budget, at the cost of
+page-faulting those buffers in again once a minute at most (about 0.5 s of CPU a minute
+for 700 MB at 3 µs per page).
 """
 
 from __future__ import annotations
@@ -80,13 +82,15 @@ def _mallinfo2() -> Optional[_MallInfo2]:
     return info()
 
 
-def heap_used_bytes() -> Optional[int]:
-    """Bytes of glibc's heap in use (``mallinfo2``'s ``uordblks``: every live ``malloc``
-    block of the arenas, MLX's CPU arrays and the tokenizers' buffers among them, not the
-    interpreter's small objects, which live in its own arenas); None where there is no
-    ``mallinfo2``. The same walk as :func:`heap_free_bytes`, at the same cost."""
+def heap_bytes() -> Optional[tuple[int, int]]:
+    """``(in use, free)`` bytes of glibc's malloc: every live block, those of the arenas
+    (``uordblks``) and those mapped on their own (``hblkhd``: blocks over the ``mmap``
+    threshold, where :mod:`gateway.cpu.allocator` leaves one), MLX's CPU arrays and the
+    tokenizers' buffers among them (not the interpreter's small objects, which live in its
+    own arenas); and :func:`heap_free_bytes`. One walk of the free lists for both; None
+    where there is no ``mallinfo2``."""
     info = _mallinfo2()
-    return None if info is None else int(info.uordblks)
+    return None if info is None else (int(info.uordblks + info.hblkhd), int(info.fordblks))
 
 
 def heap_free_bytes() -> Optional[int]:
@@ -126,16 +130,20 @@ class IdleTrimmer:
         idle_seconds: quiet time (seconds) before a trim.
         trim: returns the heap's free pages to the kernel (True if any).
         clock: seconds, monotonic.
-        busy_free_limit: while busy, trim once the free heap exceeds this many bytes
-            (None: only when idle).
+        busy_free_limit: while busy, trim once the free heap exceeds this many bytes and
+            the resident size has grown by as many since the last trim (None: only when
+            idle). The free heap alone would not do: a trim returns the free blocks' pages
+            but leaves the blocks on malloc's free lists, so it reads the same after one.
         busy_every: seconds between two reads of the free heap while busy.
         free_bytes: the free heap now, bytes (:func:`heap_free_bytes`).
+        resident: the resident size now, bytes (:func:`resident_bytes`).
     """
 
     def __init__(self, activity: Callable[[], Optional[int]], idle_seconds: float,
                  trim: Callable[[], bool] = release_free_memory, clock: Callable[[], float] = time.monotonic,
                  busy_free_limit: Optional[int] = None, busy_every: float = 60.0,
-                 free_bytes: Callable[[], Optional[int]] = heap_free_bytes):
+                 free_bytes: Callable[[], Optional[int]] = heap_free_bytes,
+                 resident: Callable[[], Optional[int]] = resident_bytes):
         self.activity = activity
         self.idle_seconds = idle_seconds
         self.trim = trim
@@ -143,6 +151,8 @@ class IdleTrimmer:
         self.busy_free_limit = busy_free_limit
         self.busy_every = busy_every
         self.free_bytes = free_bytes
+        self.resident = resident
+        self._after: Optional[int] = None  # the resident size after the last trim, bytes
         self.trims = 0
         self.busy_trims = 0
         self._seen: Optional[int] = None
@@ -152,9 +162,9 @@ class IdleTrimmer:
 
     def poll(self) -> bool:
         """Trim if the engine has been quiet for ``idle_seconds`` since it last worked
-        and has not been trimmed since, or if it works and the free heap is over
-        ``busy_free_limit`` (read at most every ``busy_every`` seconds); returns whether
-        it trimmed."""
+        and has not been trimmed since, or if it works, the free heap is over
+        ``busy_free_limit`` and the resident size has grown by as much since the last trim
+        (read at most every ``busy_every`` seconds); returns whether it trimmed."""
         now, steps = self.clock(), self.activity()
         if steps is None or steps != self._seen:  # busy, or it has stepped since the last poll
             self._seen, self._since, self._done = steps, now, False
@@ -168,6 +178,9 @@ class IdleTrimmer:
         if self.busy_free_limit is None or now - self._busy_read < self.busy_every:
             return False
         self._busy_read = now
+        resident = self.resident()
+        if self._after is not None and resident is not None and resident - self._after <= self.busy_free_limit:
+            return False  # not grown since the last trim: its free blocks are still the kernel's
         free = self.free_bytes()
         if free is None or free <= self.busy_free_limit:
             return False
@@ -175,10 +188,10 @@ class IdleTrimmer:
         return self._trim(f"busy with {free / 1e6:.0f} MB of free heap (limit {self.busy_free_limit / 1e6:.0f} MB)")
 
     def _trim(self, why: str) -> bool:
-        before, t0 = resident_bytes(), time.perf_counter()
+        before, t0 = self.resident(), time.perf_counter()
         released = self.trim()
         self.trims += 1
-        after = resident_bytes()
+        after = self._after = self.resident()
         if before is not None and after is not None:
             log.info("%s: returned %.0f MB of freed memory to the kernel in %.0f ms (resident %.0f MB)",
                      why, (before - after) / 1e6, 1e3 * (time.perf_counter() - t0), after / 1e6)

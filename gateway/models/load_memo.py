@@ -30,6 +30,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any, Callable, Hashable, Optional
 
@@ -48,22 +49,23 @@ def files_key(model_path: Path) -> tuple:
     return (str(model_path.resolve()), *((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
 
 
+TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab*", "merges*", "*.tiktoken",
+                   "*.jinja", "chat_template*", "*.model")  # what tokenizers are read from
+TOKENIZER_CONFIG = ("model_type", "architectures", "tokenizer_class", "auto_map", "eos_token_id")  # and in config.json
+
+
 def tokenizer_key(model_path: Path, config: dict) -> tuple:
     """What a tokenizer is made from: a digest (SHA-256) of the contents of the
-    directory's files but its weights and ``config.json``, with the config's
-    ``model_type`` (what picks the tokenizer class where its own config names none) and
-    ``eos_token_id``. Directories of the same tokenizer share it (a model and its
-    quantized or fine-tuned copies; the test models of one family), where a key of the
-    path would parse it again: 5-8 s for Gemma 3's vocabulary of 262,144 with its grammar
-    index, on the 2-core machine of ``benchmarks/bench_cpu_attention.py``."""
+    directory's tokenizer files (:data:`TOKENIZER_FILES`), with the config's fields that
+    pick its class, its chat template and tool parser defaults and its EOS ids
+    (:data:`TOKENIZER_CONFIG`). Directories of the same tokenizer share it (a model and its
+    copies; the test models of one family), where a key of the path would parse it again:
+    5-8 s for Gemma 3's vocabulary of 262,144 with its grammar index, on the 2-core machine
+    of ``benchmarks/bench_cpu_attention.py``."""
     digest = hashlib.sha256()
-    for f in sorted(p for p in model_path.iterdir() if p.is_file() and p.suffix != ".safetensors"
-                    and p.name != "config.json"):
-        digest.update(f.name.encode() + b"\0")
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest(), config.get("model_type"), repr(config.get("eos_token_id"))
+    for f in sorted(p for p in model_path.iterdir() if p.is_file() and any(fnmatch(p.name, g) for g in TOKENIZER_FILES)):
+        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest(), json.dumps([config.get(k) for k in TOKENIZER_CONFIG], sort_keys=True, default=str)
 
 
 class Kept:
@@ -135,18 +137,17 @@ class Recall:
         self.reused: list[str] = []  # what this load took from an earlier one
 
     def __call__(self, what: str, measure: Callable[[], Any], apply: Optional[Callable[[Any], Any]] = None) -> Any:
-        """The outcome of ``measure()`` for ``what``, or the one an earlier load kept, then
-        given to ``apply`` (which does to this model what ``measure`` did to that one)."""
+        """The outcome of ``measure()`` for ``what``; or the one an earlier load kept, or,
+        with ``apply`` (which does to this model what ``measure`` did to that one), what
+        ``apply`` returns for it (this load's outcome: a conversion can fail this time)."""
         if self.outcomes is None or what not in self.outcomes:
             outcome = measure()
             if self.outcomes is not None:
                 self.outcomes[what] = outcome
             return outcome
         outcome = self.outcomes[what]
-        if apply is not None:
-            apply(outcome)
         self.reused.append(what)
-        return outcome
+        return outcome if apply is None else apply(outcome)
 
     def log(self, name: str) -> None:
         """Say, once, what this load reused (info), if anything."""

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 from prometheus_client.core import GaugeMetricFamily
 
-from gateway.cpu.idle_trim import heap_free_bytes, heap_used_bytes
+from gateway.cpu.idle_trim import heap_bytes
 
 
 def open_fds() -> Optional[int]:
@@ -38,7 +38,7 @@ class RuntimeCollector:
     ``mlx_gateway_open_fds``, and where glibc tells it ``mlx_gateway_heap_free_bytes``
     (:func:`gateway.cpu.idle_trim.heap_free_bytes`: memory freed, not held, resident until
     a trim: what tells a leak from the allocator keeping buffers) and
-    ``mlx_gateway_heap_used_bytes`` (live ``malloc`` blocks), and
+    ``mlx_gateway_heap_used_bytes`` (live ``malloc`` blocks, mapped ones included), and
     ``mlx_gateway_python_blocks`` (the interpreter's live small objects,
     ``sys.getallocatedblocks``): which of the three grows says where resident memory goes.
 
@@ -64,14 +64,12 @@ class RuntimeCollector:
         fds = open_fds()
         if fds is not None:
             yield GaugeMetricFamily("mlx_gateway_open_fds", "Open file descriptors of the process.", value=fds)
-        free = heap_free_bytes()
-        if free is not None:
+        heap = heap_bytes()
+        if heap is not None:
             yield GaugeMetricFamily("mlx_gateway_heap_free_bytes", "Bytes malloc holds free in the process heap "
-                                    "(glibc mallinfo2), counted in the resident size.", value=free)
-        used = heap_used_bytes()
-        if used is not None:
-            yield GaugeMetricFamily("mlx_gateway_heap_used_bytes", "Bytes of live malloc blocks in the process heap "
-                                    "(glibc mallinfo2).", value=used)
+                                    "(glibc mallinfo2), counted in the resident size.", value=heap[1])
+            yield GaugeMetricFamily("mlx_gateway_heap_used_bytes", "Bytes of live malloc blocks, mapped ones "
+                                    "included (glibc mallinfo2).", value=heap[0])
         yield GaugeMetricFamily("mlx_gateway_python_blocks", "Memory blocks the Python interpreter has allocated "
                                 "(sys.getallocatedblocks).", value=sys.getallocatedblocks())
 

@@ -12,8 +12,8 @@ one would hold memory a short answer never uses. A reservation also counts specu
 headroom (``K`` draft tokens), the padding of a batch (one step's worth of cache growth,
 ``BATCH_STEP``), and the step's transient memory: a prefill chunk's activations (for the
 chunk's own tokens, at most ``--prefill-step-size``), its attention scores where they are
-materialized (the CPU backend: ``heads x chunk x context`` float32 and their softmax, per
-row), and each row's logits and log-probabilities at the positions it samples (``vocab``
+materialized (the CPU backend: ``heads x chunk x context`` scores, :data:`SCORE_BYTES`
+each, and the block kernel's copy of a layer's values, per row), and each row's logits and log-probabilities at the positions it samples (``vocab``
 float32 each, times ``1 + K`` with speculation; a chunk computes logits only where it
 samples), with speculation the holes rejected drafts leave, a decode or verify step's scores,
 and one copy of the batch's largest layer (:meth:`MemoryGate.held`). The room is what the memory budget leaves after every model's weights
@@ -149,8 +149,8 @@ class MemoryGate:
         hidden: the model's hidden size; ``vocab``: its logits' width.
         chunk: prefill chunk tokens (``--prefill-step-size``).
         draft: speculative draft tokens per step (0: none).
-        heads: attention heads; ``scores``: attention materializes its scores (CPU: a
-            float32 ``[heads, chunk, context]`` array and its softmax per prefill chunk;
+        heads: attention heads; ``scores``: attention materializes its scores (CPU:
+            ``[heads, chunk, context]`` of them per prefill chunk, :data:`SCORE_BYTES` each;
             Metal's fused attention does not, and ``scores`` is False there).
         quantum: new tokens a row's reservation is granted at once (0: its whole ``max_tokens``).
     """
