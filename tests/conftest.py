@@ -514,3 +514,13 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         os._exit(status)
 
     atexit.register(leave)
+
+
+@pytest.fixture(scope="module")
+def quantized_dir(tmp_path_factory):
+    """The qwen3 test model quantized to 4 bits (groups of 32) by ``mlx_lm.convert``."""
+    import mlx_lm
+
+    out = tmp_path_factory.mktemp("quantized") / "qwen3-q4"
+    mlx_lm.convert(str(model_path("qwen3")), mlx_path=str(out), quantize=True, q_group_size=32, q_bits=4)
+    return out

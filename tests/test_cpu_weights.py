@@ -113,12 +113,6 @@ def test_left_alone_when_too_large_or_already_float32(quantized):
     assert float32_weights(plain, limit_bytes=1 << 30) == "already float32"
 
 
-@pytest.fixture(scope="module")
-def quantized_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("quantized") / "qwen3-q4"
-    mlx_lm.convert(str(model_path("qwen3")), mlx_path=str(out), quantize=True, q_group_size=32, q_bits=4)
-    return out
-
 
 @pytest.mark.skipif(backend().kind != "cpu", reason="applies where MLX runs on the CPU")
 def test_a_quantized_model_is_served_in_float32(quantized_dir, tmp_path, monkeypatch):

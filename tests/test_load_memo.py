@@ -8,7 +8,6 @@ import json
 import logging
 
 import mlx.core as mx
-import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
 
@@ -99,12 +98,6 @@ def test_other_settings_measure_again(counted, caplog):
     assert counted["batch_is_exact"] == 2 and counted["rollback_refusal"] == 2
     assert not any(REUSED in m for m in said)
 
-
-@pytest.fixture(scope="module")
-def quantized_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("quantized") / "qwen3-q4"
-    mlx_lm.convert(str(model_path("qwen3")), mlx_path=str(out), quantize=True, q_group_size=32, q_bits=4)
-    return out
 
 
 @pytest.mark.skipif(backend().kind != "cpu", reason="applies where MLX runs on the CPU")
