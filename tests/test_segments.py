@@ -4,6 +4,7 @@ pieces do not add up is caught and tokenized whole."""
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from dataclasses import replace
@@ -121,8 +122,11 @@ def test_a_started_server_has_prepared_a_chat_before_any_request(tmp_path):
     """The template, the tokenizer and its segment encoder (probes and a first check) are
     ready before the first request (``gateway.conversation.prepare.warm_up``, run at load);
     a template that rejects every chat, or none, makes the warm-up return False, not raise."""
-    # a copy: a tokenizer of its own (the loader reuses an earlier load's of the same files)
+    # a copy whose tokenizer files differ: a tokenizer of its own (the loader reuses an
+    # earlier load's made of the same files)
     shutil.copytree(model_path("qwen3"), tmp_path / "qwen3")
+    config = tmp_path / "qwen3" / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "model_max_length": 32768 + 1}))
     with live_server(tmp_path / "qwen3") as server:
         model = server.model
         encoder = segments._encoders.get(model.tokenizer)
