@@ -207,9 +207,13 @@ def main() -> None:
                           f"decode {runs[n][side][-1]['decode_tok_s']:6.2f} tok/s", flush=True)
     finally:
         mlx.stdin.close()
-        mlx.wait(60)
-        server.terminate()
-        server.wait(60)
+        for proc in (mlx, server):  # a worker freeing a 30,000-token cache can take minutes: not waited for
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     logged = requests_logged(log)[1:]  # after the warm-up, in the order they ran
     steps = [r["phases"] for r in logged]
     by_length: dict = {}
