@@ -73,15 +73,6 @@ class _MallInfo2(ctypes.Structure):
                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-def _mallinfo2() -> Optional[_MallInfo2]:
-    try:
-        info = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError, TypeError):  # TypeError: Windows' CDLL takes no None
-        return None
-    info.restype = _MallInfo2
-    return info()
-
-
 def heap_bytes() -> Optional[tuple[int, int]]:
     """``(in use, free)`` bytes of glibc's malloc: every live block, those of the arenas
     (``uordblks``) and those mapped on their own (``hblkhd``: blocks over the ``mmap``
@@ -89,8 +80,13 @@ def heap_bytes() -> Optional[tuple[int, int]]:
     tokenizers' buffers among them (not the interpreter's small objects, which live in its
     own arenas); and :func:`heap_free_bytes`. One walk of the free lists for both; None
     where there is no ``mallinfo2``."""
-    info = _mallinfo2()
-    return None if info is None else (int(info.uordblks + info.hblkhd), int(info.fordblks))
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError, TypeError):  # TypeError: Windows' CDLL takes no None
+        return None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return int(info.uordblks + info.hblkhd), int(info.fordblks)
 
 
 def heap_free_bytes() -> Optional[int]:
@@ -106,8 +102,8 @@ def heap_free_bytes() -> Optional[int]:
     the 2-core machine of ``benchmarks/bench_cpu_attention.py``, time other threads'
     mallocs wait, so read it every few seconds at most (a scrape), not per step.
     """
-    info = _mallinfo2()
-    return None if info is None else int(info.fordblks)
+    heap = heap_bytes()
+    return None if heap is None else heap[1]
 
 
 def release_free_memory() -> bool:

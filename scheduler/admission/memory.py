@@ -13,8 +13,8 @@ headroom (``K`` draft tokens), the padding of a batch (one step's worth of cache
 ``BATCH_STEP``), and the step's transient memory: a prefill chunk's activations (for the
 chunk's own tokens, at most ``--prefill-step-size``), its attention scores where they are
 materialized (the CPU backend: ``heads x chunk x context`` scores, :data:`SCORE_BYTES`
-each, and the block kernel's copy of a layer's values, per row), and each row's logits and log-probabilities at the positions it samples (``vocab``
-float32 each, times ``1 + K`` with speculation; a chunk computes logits only where it
+each, and the block kernel's copy of a layer's values, per row), and each row's logits
+and log-probabilities at the positions it samples (``vocab`` float32 each, times ``1 + K`` with speculation; a chunk computes logits only where it
 samples), with speculation the holes rejected drafts leave, a decode or verify step's scores,
 and one copy of the batch's largest layer (:meth:`MemoryGate.held`). The room is what the memory budget leaves after every model's weights
 (``room()``, set by the gateway's model registry); the prefix cache shares it.
