@@ -21,8 +21,10 @@ tokens (distinct random prompts of ``--prompt`` tokens, EOS never ending them) i
 * with ``--http``: ``mlx-gateway serve`` and ``mlx_lm.server`` streaming
   ``/v1/completions`` to S concurrent clients.
 
-A step's time is the wall time from every stream's first token to the last token, over
-``decode - 1`` steps; host cost is a step's time less the forward's. Each repetition has
+A step's time is read from the window where every stream was decoding: its length over
+the steps in it (``host_cost_http.steady_step``); host cost is a step's time less the
+forward's. Over HTTP each side's throughput is printed too: all its tokens over the wall
+time from the requests to the last token. Each repetition has
 two passes, in turns: a timing pass with no timers in this process, which gives the
 rates and every ratio of them, and a profiled pass of mlx-lm's side and the engine, with
 timers wrapped around their functions for the pass only (:class:`Phases`; exclusive
@@ -47,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -61,6 +62,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from host_cost_http import DROPS, HTTP, http_streams, raw_streams, serve_env, steady_step, throughput  # noqa: E402
 from phases import FORWARD_PHASES, Phases, install, per_step, switch_served_timers  # noqa: E402
 
 
@@ -88,10 +90,6 @@ def forward_only(model, rows: list[list[int]], decode: int) -> float:
     return (time.perf_counter() - t) / (decode - 1)
 
 
-def step_seconds(firsts: list[float], last: float, decode: int) -> float:
-    return (last - max(firsts)) / (decode - 1)
-
-
 def thread_cpu(thread: threading.Thread) -> float:
     """CPU seconds ``thread`` has run so far (Linux, macOS: its pthread CPU clock)."""
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
@@ -115,15 +113,13 @@ def mlx_lm_side(model, rows: list[list[int]], decode: int) -> float:
     gen = BatchGenerator(model, max_tokens=decode, stop_tokens=None, sampler=greedy,
                          completion_batch_size=max(32, len(rows)), prefill_batch_size=8)
     gen.insert(rows, [decode] * len(rows))
-    firsts: dict[int, float] = {}
-    last = 0.0
+    stamps: dict[int, list[float]] = defaultdict(list)
     while responses := gen.next_generated():
         now = time.perf_counter()
         for r in responses:
-            firsts.setdefault(r.uid, now)
-        last = now
+            stamps[r.uid].append(now)
     gen.close()
-    return step_seconds(list(firsts.values()), last, decode)
+    return steady_step(list(stamps.values()))
 
 
 def engine_side(engine, rows: list[list[int]], decode: int) -> float:
@@ -134,71 +130,22 @@ def engine_side(engine, rows: list[list[int]], decode: int) -> float:
     async def run() -> float:
         params = SamplingParams(max_tokens=decode, ignore_eos=True)
         gens = [Generation(f"h-{uuid.uuid4().hex[:12]}", engine, r, params, []) for r in rows]
-        firsts, last = [], [0.0]
+        stamps: list[list[float]] = []
 
         async def read(g) -> None:
-            first = None
+            mine = []
             async for ev in g.events():
                 if isinstance(ev, TokenEvent):
-                    last[0] = time.perf_counter()
-                    first = first or last[0]
-            firsts.append(first)
+                    mine.append(time.perf_counter())
+            stamps.append(mine)
 
         with engine.arrivals.prepare():
             for g in gens:
                 g.submit()
         await asyncio.gather(*(read(g) for g in gens))
-        return step_seconds(firsts, last[0], decode)
+        return steady_step(stamps)
 
     return asyncio.run(run())
-
-
-# ----------------------------------------------------------------------------- over HTTP
-async def http_streams(url: str, model: str, rows: list[list[int]], decode: int, bias: dict) -> tuple[float, list]:
-    """Seconds per step of ``len(rows)`` concurrent streamed ``/v1/completions`` of
-    ``decode`` tokens, each prompt the text of random words (as many as its row's
-    tokens; mlx_lm.server takes no token ids), and the errors of the streams that failed
-    (left out of the figure; see :data:`DROPS`)."""
-    import httpx
-
-    from scenarios import words
-
-    firsts, last, failed = [], [0.0], []
-
-    async def one(c, tokens: list[int]) -> None:
-        body = {"model": model, "prompt": words(len(tokens), tokens[0]), "max_tokens": decode, "temperature": 0,
-                "stream": True, "logit_bias": bias}
-        first = None
-        try:
-            async with c.stream("POST", "/v1/completions", json=body) as r:
-                r.raise_for_status()
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
-                        last[0] = time.perf_counter()
-                        first = first or last[0]
-            firsts.append(first)
-        except httpx.HTTPError as e:
-            failed.append(repr(e))
-
-    async with httpx.AsyncClient(base_url=url, timeout=600) as c:
-        await asyncio.gather(*(one(c, r) for r in rows))
-    return (step_seconds(firsts, last[0], decode) if firsts else float("nan")), failed
-
-
-HTTP = ("gateway http", "gateway http, profiled", "mlx_lm.server")  # the sides over HTTP
-# Why streams fail over HTTP at 16 and 32 streams (httpx ReadError); the gateway (uvicorn) completes them all.
-DROPS = ("mlx_lm.server resets the connections that arrive at once beyond its listen backlog of 5 "
-         "(a ThreadingHTTPServer: socketserver's request_queue_size)")
-
-
-def serve_env() -> dict:
-    """This process's environment for the gateway's side, with the OpenBLAS setting that
-    ``serve`` gives itself when it preloads OpenBLAS (``gateway.cpu.blas.THREAD_TIMEOUT``;
-    here OpenBLAS is already preloaded, so ``serve`` does not re-execute to set it): the
-    gateway as users run it. A value in the environment wins, as it does for ``serve``."""
-    from gateway.cpu.blas import THREAD_TIMEOUT
-
-    return {"OPENBLAS_THREAD_TIMEOUT": THREAD_TIMEOUT, **os.environ}
 
 
 # ----------------------------------------------------------------------------- the run
@@ -222,6 +169,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--http", action="store_true", help="also over HTTP: mlx-gateway serve and mlx_lm.server")
+    ap.add_argument("--client", choices=("httpx", "raw"), default="httpx",
+                    help="the HTTP clients: httpx's, parsing each event, or plain sockets (host_cost_http.raw_streams)")
     ap.add_argument("--out", help="directory for host_cost.json and host_cost.md")
     ap.add_argument("--row-phases", action="store_true",
                     help="also time the engine's per-row functions (token events, the hop), at about 3 us a call "
@@ -260,18 +209,19 @@ def main() -> None:
         servers, pids = [gw, ml], {"gateway http": gw.pid, "gateway http, profiled": gw.pid, "mlx_lm.server": ml.pid}
         gateway = (f"http://127.0.0.1:{gport}", "m")
         urls = {"gateway http": gateway, "gateway http, profiled": gateway, "mlx_lm.server": (f"http://127.0.0.1:{mport}", model_dir)}
+    client = raw_streams if args.client == "raw" else http_streams
     phases = Phases()
     results: dict = {}
     try:
         warm = prompts(vocab, 2, args.prompt, 999)
         mlx_lm_side(model, warm, 8), engine_side(engine, warm, 8)
         for url, name in urls.values():
-            asyncio.run(http_streams(url, name, warm, 8, bias))
+            asyncio.run(client(url, name, warm, 8, bias))
         seed, in_process = 0, {"forward": lambda rows, n: forward_only(model, rows, n),
                                "mlx-lm": lambda rows, n: mlx_lm_side(model, rows, n),
                                "engine": lambda rows, n: engine_side(engine, rows, n)}
         for s in streams:
-            runs, cpu, dropped = defaultdict(list), defaultdict(list), defaultdict(int)
+            runs, cpu, dropped, wall = defaultdict(list), defaultdict(list), defaultdict(int), defaultdict(list)
             split: dict = defaultdict(lambda: defaultdict(list))
             for rep in range(args.repeat):
                 # the timing pass, no timers in this process (the gateway's own, installed for its profiled runs
@@ -308,7 +258,9 @@ def main() -> None:
                             else:
                                 time.sleep(0.3)
                             cpu0 = process_cpu(pids[side])
-                            sec, failed = asyncio.run(http_streams(*urls[side], rows, args.decode, bias))
+                            stamps, began, failed = asyncio.run(client(*urls[side], rows, args.decode, bias))
+                            sec = steady_step(stamps) if stamps else float("nan")
+                            wall[side].append(throughput(stamps, began))
                             cpu[side].append((process_cpu(pids[side]) - cpu0) / max(1, (s - len(failed)) * args.decode))
                             dropped[side] += len(failed)
                             if failed:  # counted, left out of the figure
@@ -320,6 +272,7 @@ def main() -> None:
                     phases.remove()
             med = {k: statistics.median(v) for k, v in runs.items()}
             results[s] = {"step_s": med, "runs": dict(runs), "cpu_s": {k: statistics.median(v) for k, v in cpu.items()},
+                          "throughput": {k: statistics.median(v) for k, v in wall.items()},
                           "dropped": {k: f"{n} of {s * args.repeat}" for k, n in dropped.items() if n},
                           "phases": {side: {k: statistics.median(v) for k, v in ph.items()}
                                      for side, ph in split.items()}}
@@ -349,10 +302,12 @@ def report(s: int, r: dict) -> None:
             ref = med["mlx-lm, profiled" if side in ("mlx-lm, profiled", "engine, profiled") else "mlx-lm"]
             print(f"  {side:22s} {sec * 1e3:7.3f} ms/step, host {max(0.0, sec - fwd) * 1e3:7.3f} ms, "
                   f"{s / sec:8.1f} tok/s, {ref / sec:.2f}x mlx-lm's rate"
-                  + (f", server CPU {cpu[side] * 1e3:.3f} ms/token" if side in HTTP else ""))
+                  + (f", server CPU {cpu[side] * 1e3:.3f} ms/token, throughput {r['throughput'][side]:.1f} tok/s"
+                     if side in HTTP else ""))
     if "mlx_lm.server" in med:
         print(f"  gateway over HTTP (unprofiled): {med['mlx_lm.server'] / med['gateway http']:.2f}x mlx_lm.server's "
-              f"rate, {med['engine'] / med['gateway http']:.2f}x the engine's in process")
+              f"rate, {med['engine'] / med['gateway http']:.2f}x the engine's in process; throughput "
+              f"{r['throughput']['gateway http'] / r['throughput']['mlx_lm.server']:.2f}x mlx_lm.server's")
     for side in (x for x in ("engine", "gateway http") if x in med):
         print(f"  {side} profiled ÷ unprofiled rate (the timers' cost): {med[side] / med[side + ', profiled']:.2f}")
     for side, n in r["dropped"].items():
@@ -369,14 +324,17 @@ def table(results: dict, model: str) -> str:
             "engine ÷ mlx-lm (P)", "engine tok/s ÷ mlx-lm's"]
     if http:
         head += ["gateway http tok/s", "gateway http tok/s (P)", "mlx_lm.server tok/s", "gateway http ÷ mlx_lm.server",
-                 "gateway http ÷ engine", "server CPU ms/token: gateway http, (P), mlx_lm.server"]
+                 "gateway http ÷ engine", "throughput, gateway http ÷ mlx_lm.server",
+                 "server CPU ms/token: gateway http, (P), mlx_lm.server"]
     lines = [f"Model: {model}. (P): from the profiled runs, the phase timers installed (in process, and over "
              "HTTP in the same gateway, switched on for those runs alone); every other figure, every ratio of rates "
              "included, from the runs with no timers installed, which alternate with them. Host CPU: the CPU time "
              "of the stepping threads (the engine's and the event loop's; mlx-lm's loop) per decode step, less the "
              "forward's part on them (graph building, dispatch, the wait for its result, prefill; timed in the same "
              "run). Server CPU: the server process's, all its threads (the forward's, and OpenBLAS's spinning: "
-             "mlx_lm.server's without OPENBLAS_THREAD_TIMEOUT), while it streamed, per token it sent.", "",
+             "mlx_lm.server's without OPENBLAS_THREAD_TIMEOUT), while it streamed, per token it sent. Rates: in the window "
+             "where every stream was decoding; throughput: all the tokens over the wall time from the requests to "
+             "the last token.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s, r in results.items():
         med, cpu = r["step_s"], r["cpu_s"]
@@ -385,8 +343,9 @@ def table(results: dict, model: str) -> str:
                  f"{med['mlx-lm'] / med['engine']:.2f}"]
         if http:
             cells += [f"{s / med[c]:.0f}" for c in HTTP]
+            put = r["throughput"]
             cells += [f"{med['mlx_lm.server'] / med['gateway http']:.2f}", f"{med['engine'] / med['gateway http']:.2f}",
-                      ", ".join(f"{cpu[c] * 1e3:.2f}" for c in HTTP)]
+                      f"{put['gateway http'] / put['mlx_lm.server']:.2f}", ", ".join(f"{cpu[c] * 1e3:.2f}" for c in HTTP)]
         lines.append("| " + " | ".join(cells) + " |")
     drops = [f"{side} {n} at {s} streams" for s, r in results.items() for side, n in r["dropped"].items()]
     if drops:  # the cause named where it is known
