@@ -16,11 +16,13 @@ import pytest
 from .install import Toolbox, install_in_background
 
 
+@pytest.hookimpl(trylast=True)  # after -k, -m and --deselect have left out what they leave out
 def pytest_collection_modifyitems(session, config, items) -> None:
     """Run the tests that need the CLIs (the ``toolbox`` fixture) after every other test of
     the run, and start installing the CLIs now, in the background: a first run's install
     (npm and pip, 30-90 s) then overlaps the other tests instead of delaying the first one.
-    (A hook of this conftest sees every item of the run, not only this directory's.)"""
+    A run that selects none of them installs nothing. (A hook of this conftest sees every
+    item of the run, not only this directory's.)"""
     agents = [item for item in items if "toolbox" in getattr(item, "fixturenames", ())]
     if not agents:
         return
