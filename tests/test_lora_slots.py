@@ -210,7 +210,12 @@ def test_waiters_for_an_adapter_a_waiter_before_them_loaded_run_beside_it(tmp_pa
 def test_a_load_that_timed_out_holds_no_slot_when_it_runs_later(tmp_path, monkeypatch):
     """A request's load whose engine call timed out (503) may still run on the engine
     later; the lease it takes there is let go, so the only slot serves the next adapter
-    rather than being held for ever."""
+    rather than being held for ever.
+
+    The engine stops answering just after the load has read its memory room (which asks
+    the engine for its KV bytes) and answers again as soon as the load's own engine call
+    has given up (in its ``finally``: ``resident_changed``), so the install runs late,
+    after the 503 is decided, without a fixed wait in between."""
     import threading
 
     import gateway.models.lora as lora_mod
@@ -218,19 +223,33 @@ def test_a_load_that_timed_out_holds_no_slot_when_it_runs_later(tmp_path, monkey
     base, tok, paths = adapters(tmp_path, ["alpha", "beta"])
     prompt = [41, 42, 43, 44, 45, 46]
     with live_server(base, lora_modules=[f"{n}={p}" for n, p in paths.items()], max_loras=1) as srv:
+        models, room, changed = srv.front.models, srv.front.models.adapter_room, lora_mod.resident_changed
+        blocking, release, blocked = threading.Event(), threading.Event(), []
+
+        def room_then_block(slot):  # from here the engine answers nothing until release
+            n = room(slot)
+            blocked.append(srv.engine.seat.post_call(lambda: (blocking.set(), release.wait(60)), 90))
+            assert blocking.wait(30), "the engine did not take the blocking call"
+            return n
+
+        def gave_up(front, handle):  # the load's engine call has ended: timed out, the engine being blocked
+            release.set()
+            changed(front, handle)
+
         monkeypatch.setattr(lora_mod, "LOAD_TIMEOUT", 0.5)
-        release = threading.Event()
-        blocked = srv.engine.seat.post_call(lambda: release.wait(30), 60)  # the engine answers nothing meanwhile
+        monkeypatch.setattr(models, "adapter_room", room_then_block)
+        monkeypatch.setattr(lora_mod, "resident_changed", gave_up)
         try:
             r = httpx.post(f"{srv.url}/v1/completions", json=body("beta", prompt, 4), timeout=60)
         finally:
             release.set()
-        blocked.result(60)
+        monkeypatch.undo()  # the real room and gauges again, and LOAD_TIMEOUT's 300 s
+        assert len(blocked) == 1, blocked
+        blocked[0].result(60)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text
         found = adapters_of(srv.engine.model)
         wait_until(lambda: "beta" in found.resident_names(), 30, "the late load to run")
         assert found.slot_free(), "the late load's lease holds the only slot"
-        monkeypatch.setattr(lora_mod, "LOAD_TIMEOUT", 300.0)
         ra = httpx.post(f"{srv.url}/v1/completions", json=body("alpha", prompt, 4), timeout=60)
         assert ra.status_code == 200, ra.text
         assert pieces(ra.json()) == want_pieces(tok, reference_tokens(base, paths["alpha"], prompt, 4))

@@ -2,11 +2,11 @@
 codes, ``{"error": ...}`` from the middleware as from the routes), the idioms of its
 clients (an empty generate loads or unloads, ``:latest``), the management calls, forced
 tool calls (the gateway's ``tool_choice``) read back through the official client's own
-response types, and an image through ``/api/chat`` on a tiny vision model."""
+response types. (An image through ``/api/chat`` is tested in ``test_vision.py``, on the
+vision model served there.)"""
 
 from __future__ import annotations
 
-import base64
 import json
 
 import httpx
@@ -249,34 +249,3 @@ def test_empty_generate_loads_and_keep_alive_zero_unloads(server):
         wait_until(lambda: "spare" not in loaded(), 30, "spare to unload after its request")
         assert c.post("/api/generate", json={"model": "spare", "keep_alive": "soon"}).status_code == 400
         assert "chat" in loaded()  # pinned: kept whatever keep_alive asks
-
-
-# ---------------------------------------------------------------------- vision
-@pytest.fixture(scope="module")
-def vision():
-    pytest.importorskip("mlx_vlm", reason="mlx-vlm is not installed (pip install -e '.[test]')")
-    vlm = model_path("gemma3")
-    specs = [ModelSpec(name="vlm", path=str(vlm), pin=True, preload=True)]
-    with live_server(vlm, specs=specs, max_image_bytes=300_000, max_image_pixels=2_000_000) as srv:
-        yield srv
-
-
-def test_chat_image_on_a_vision_model(vision, server):
-    from test_vision import png
-
-    image = base64.b64encode(png(1)).decode()
-    msg = {"role": "user", "content": "What is in this picture?"}
-    opts = {"num_predict": 3, "temperature": 0}
-    with vision.client() as c:
-        show = c.post("/api/show", json={"model": "vlm"}).json()
-        assert "vision" in show["capabilities"]
-        plain = c.post("/api/chat", json={"model": "vlm", "stream": False, "messages": [msg], "options": opts})
-        pictured = c.post("/api/chat", json={"model": "vlm", "stream": False, "options": opts,
-                                             "messages": [{**msg, "images": [image]}]})
-        assert plain.status_code == 200 and pictured.status_code == 200, pictured.text
-        assert pictured.json()["prompt_eval_count"] >= plain.json()["prompt_eval_count"] + 8  # the image's tokens
-        bad = c.post("/api/chat", json={"model": "vlm", "stream": False, "messages": [{**msg, "images": ["%%%"]}]})
-        assert bad.status_code == 400 and set(bad.json()) == {"error"}
-    with server.client() as c:  # a text model takes no images
-        r = c.post("/api/chat", json={"model": "chat", "stream": False, "messages": [{**msg, "images": [image]}]})
-        assert r.status_code == 400 and set(r.json()) == {"error"}

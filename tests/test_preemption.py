@@ -5,6 +5,7 @@ greedy tokens as a cold solo run, no token duplicated or lost, usage as if unint
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import threading
@@ -66,21 +67,33 @@ def _count(counter, **labels) -> float:
 
 
 def _engine_and_solo(arch: str, max_tokens: int, n: int = 2):
-    """The tiny ``arch`` model, ``n`` prompts, their cold solo answers (``max_tokens``, EOS
-    ignored), and the room of two first grants beside one 16-token prefill chunk."""
+    """The tiny ``arch`` model (freshly loaded), ``n`` prompts, their cold solo answers
+    (``max_tokens``, EOS ignored: :func:`_solo_answers`), and the room of two first grants
+    beside one 16-token prefill chunk."""
     model, tok = load(model_path(arch))
     prompts = _prompts(tok, n, 120)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    want = [list(a) for a in _solo_answers(arch, max_tokens, n)]
+    gate = gate_for(model, make_prompt_cache(model), 16)
+    n_tokens = max(len(p) for p in prompts)
+    return model, tok, prompts, params, want, _room(gate, n_tokens, 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _solo_answers(arch: str, max_tokens: int, n: int) -> tuple[tuple[int, ...], ...]:
+    """The greedy answers (``max_tokens``, EOS ignored) of a cold engine of its own, one
+    request at a time, to the ``n`` prompts of :func:`_engine_and_solo`, on a model loaded
+    for them alone. Computed once per run: they depend only on the model's files and the
+    prompts, and three tests compare their preempted rows with the same ones."""
+    model, tok = load(model_path(arch))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     solo = Engine(model, tok.eos_token_ids, PromptCacheManager(1 << 30, 64), prompt_concurrency=1,
                   decode_concurrency=1)
     solo.start()
     try:
-        want = [engine_tokens(solo, [p], [params])[0] for p in prompts]
+        return tuple(tuple(engine_tokens(solo, [p], [params])[0]) for p in _prompts(tok, n, 120))
     finally:
         solo.stop()
-    gate = gate_for(model, make_prompt_cache(model), 16)
-    n_tokens = max(len(p) for p in prompts)
-    return model, tok, prompts, params, want, _room(gate, n_tokens, 2)
 
 
 def _tight_engine(model, tok, room: int, prompts: int, decodes: int) -> Engine:

@@ -1,6 +1,6 @@
 """Images through the three APIs: a tiny random-weight Gemma 3 vision-language model (real
 Gemma 3 tokenizer and processor files) loaded through mlx-vlm, served beside a text
-model, through the official openai and anthropic SDKs.
+model, through the official openai and anthropic SDKs, and through Ollama's ``/api/chat``.
 
 The prefix cache keys an image's positions by its pixels: two requests identical but
 for the image each get the answer they get alone, cold, whatever ran before; the same
@@ -222,3 +222,23 @@ def test_models_list_kind(server):
     with server.client() as c:
         kinds = {m["id"]: m.get("kind") for m in c.get("/v1/models").json()["data"]}
     assert kinds["vlm"] == "vision" and kinds["chat"] == "text"
+
+
+def test_ollama_chat_image_on_a_vision_model(server):
+    image = base64.b64encode(png(1)).decode()
+    msg = {"role": "user", "content": "What is in this picture?"}
+    opts = {"num_predict": 3, "temperature": 0}
+    with server.client() as c:
+        flush(c)  # as cold as a server of its own: nothing of the earlier tests' prompts cached
+        show = c.post("/api/show", json={"model": "vlm"}).json()
+        assert "vision" in show["capabilities"]
+        plain = c.post("/api/chat", json={"model": "vlm", "stream": False, "messages": [msg], "options": opts})
+        pictured = c.post("/api/chat", json={"model": "vlm", "stream": False, "options": opts,
+                                             "messages": [{**msg, "images": [image]}]})
+        assert plain.status_code == 200 and pictured.status_code == 200, pictured.text
+        assert pictured.json()["prompt_eval_count"] >= plain.json()["prompt_eval_count"] + 8  # the image's tokens
+        bad = c.post("/api/chat", json={"model": "vlm", "stream": False, "messages": [{**msg, "images": ["%%%"]}]})
+        assert bad.status_code == 400 and set(bad.json()) == {"error"}
+        # a text model takes no images
+        r = c.post("/api/chat", json={"model": "chat", "stream": False, "messages": [{**msg, "images": [image]}]})
+        assert r.status_code == 400 and set(r.json()) == {"error"}

@@ -13,10 +13,27 @@ from __future__ import annotations
 
 import pytest
 
-from .install import Toolbox, install
+from .install import Toolbox, install_in_background
+
+
+@pytest.hookimpl(trylast=True)  # after -k, -m and --deselect have left out what they leave out
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Run the tests that need the CLIs (the ``toolbox`` fixture) after every other test of
+    the run, and start installing the CLIs now, in the background: a first run's install
+    (npm and pip, 30-90 s) then overlaps the other tests instead of delaying the first one.
+    A run that selects none of them installs nothing. (A hook of this conftest sees every
+    item of the run, not only this directory's.)"""
+    agents = [item for item in items if "toolbox" in getattr(item, "fixturenames", ())]
+    if not agents:
+        return
+    chosen = set(map(id, agents))
+    items[:] = [item for item in items if id(item) not in chosen] + agents
+    if not config.option.collectonly:
+        install_in_background()
 
 
 @pytest.fixture(scope="session")
 def toolbox() -> Toolbox:
-    """The pinned CLIs, installed (or found) once per test run."""
-    return install()
+    """The pinned CLIs, installed (or found) once per test run: the install started at
+    collection (:func:`pytest_collection_modifyitems`) is waited for here."""
+    return install_in_background().result()

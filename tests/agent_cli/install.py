@@ -14,8 +14,13 @@
 
 The cache is ``$MLX_GATEWAY_TEST_AGENTS``, else ``.test-agents/`` at the repository root
 (git ignores it). A finished install carries a ``.complete`` stamp and is reused; an
-interrupted one is removed and redone. Each installer holds its own lock file (npm's and
-pip's installs run side by side), so parallel test runs share one cache. About 1.5 GB (npm, with Node.js) and 0.7 GB (aider); 30-60 s each.
+interrupted one is removed and redone. Each install holds its own lock file (aider's and
+each set of npm pins: they run side by side), so parallel test runs share one cache.
+About 1.5 GB (npm, with Node.js) and 0.7 GB (aider); 30-90 s each. A test run starts the
+install in the background as soon as it has collected a test that needs the CLIs
+(:func:`install_in_background`, from ``conftest.py``, which also runs those tests last), so
+a first run installs them while the other tests run; npm and pip run under ``nice``, so
+the tests keep most of the CPU.
 Other tests install their npm pins the same way, through :func:`npm_packages` (the
 ``ollama`` npm package of ``tests/clients/test_ollama_js.py``).
 """
@@ -31,7 +36,8 @@ import re
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
@@ -86,8 +92,9 @@ def _major(version_text: str) -> int:
 
 @contextlib.contextmanager
 def _locked(cache: Path, what: str) -> Iterator[None]:
-    """Hold ``<cache>/.install-<what>.lock`` (one lock per installer, so that npm's and
-    pip's installs run side by side while two test runs never install the same one)."""
+    """Hold ``<cache>/.install-<what>.lock`` (one lock per install: aider's and each set of
+    npm pins, so that different installs run side by side while two test runs never
+    install the same one)."""
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / f".install-{what}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -99,6 +106,13 @@ def _locked(cache: Path, what: str) -> Iterator[None]:
 
 def _run(argv: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def _niced(argv: list[str]) -> list[str]:
+    """``argv`` under ``nice`` (a lower CPU priority) where there is one: an install may run
+    beside the tests (:func:`install_in_background`)."""
+    nice = shutil.which("nice")
+    return [nice, "-n", "10", *argv] if nice else argv
 
 
 def _tail(text: str, n: int = 600) -> str:
@@ -115,7 +129,7 @@ def _npm_install(cache: Path, specs: list[str]) -> tuple[Optional[Path], str]:
     final = cache / f"npm-{key}"
     if (final / ".complete").exists():
         return final / "node_modules", ""
-    with _locked(cache, "npm"):
+    with _locked(cache, f"npm-{key}"):
         if (final / ".complete").exists():
             return final / "node_modules", ""
         tmp = cache / f".npm-{key}.tmp{os.getpid()}"
@@ -123,8 +137,8 @@ def _npm_install(cache: Path, specs: list[str]) -> tuple[Optional[Path], str]:
         shutil.rmtree(final, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            r = _run([npm, "install", "--prefix", str(tmp), "--ignore-scripts", "--no-audit", "--no-fund",
-                      "--save-exact", "--loglevel=error", *specs], timeout=900)
+            r = _run(_niced([npm, "install", "--prefix", str(tmp), "--ignore-scripts", "--no-audit", "--no-fund",
+                             "--save-exact", "--loglevel=error", *specs]), timeout=900)
         except subprocess.TimeoutExpired:
             shutil.rmtree(tmp, ignore_errors=True)
             return None, f"npm install {' '.join(specs)} took over 900 s"
@@ -149,10 +163,10 @@ def _aider_install(cache: Path) -> tuple[Optional[Path], str]:
             return exe, ""
         shutil.rmtree(venv, ignore_errors=True)
         try:
-            r = _run([sys.executable, "-m", "venv", str(venv)], timeout=300)
+            r = _run(_niced([sys.executable, "-m", "venv", str(venv)]), timeout=300)
             if r.returncode == 0:
-                r = _run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", f"{name}=={version}"],
-                         timeout=1200)
+                r = _run(_niced([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet",
+                                 f"{name}=={version}"]), timeout=1200)
         except subprocess.TimeoutExpired:
             shutil.rmtree(venv, ignore_errors=True)
             return None, f"pip install {name}=={version} timed out"
@@ -257,3 +271,27 @@ def install(cache: Path = CACHE) -> Toolbox:
         box.argv["aider"] = [str(exe)]
     _check_versions(box)
     return box
+
+
+_background: dict[Path, Future] = {}
+_background_lock = threading.Lock()
+
+
+def install_in_background(cache: Path = CACHE) -> Future:
+    """:func:`install` of ``cache`` in a thread of its own, started at the first call (of
+    this process); every call returns its Future (a :class:`Toolbox`). The thread is not a
+    daemon: a test run that ends first waits for the install to finish, so the cache is
+    never left half-written."""
+    with _background_lock:
+        if cache not in _background:
+            done: Future = Future()
+
+            def run() -> None:
+                try:
+                    done.set_result(install(cache))
+                except BaseException as e:
+                    done.set_exception(e)
+
+            threading.Thread(target=run, name="agent-cli-install").start()
+            _background[cache] = done
+        return _background[cache]
