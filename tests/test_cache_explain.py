@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from conftest import live_server, model_path, sample
+from conftest import live_server, model_path, sample, wait_until
 from gateway.tenancy.tenants import hash_key
 
 KEYS = {n: f"mgw-explain-{n}-key" for n in ("alice", "bob", "admin")}
@@ -140,9 +140,13 @@ def test_the_request_log_says_why(server, caplog):
     caplog.set_level(logging.INFO, logger="mlx_gateway.requests")
     msgs = [system("Logged agent here. " + FILLER), user("Hi.")]
     _, _, _, rid = chat(server, "alice", msgs)
-    records = [getattr(r, "record", {}) for r in caplog.records if r.name == "mlx_gateway.requests"]
-    mine = [r for r in records if r.get("request_id") == rid]
-    assert mine and mine[0]["cache_miss"]["cause"] == "never_seen", records
+
+    def logged() -> list[dict]:  # (the line is written once the response has gone out: it may follow it)
+        records = [getattr(r, "record", {}) for r in caplog.records if r.name == "mlx_gateway.requests"]
+        return [r for r in records if r.get("request_id") == rid]
+
+    mine = wait_until(logged, 10, "the request's log line")
+    assert mine[0]["cache_miss"]["cause"] == "never_seen", mine
     assert "Logged agent" not in json.dumps(mine[0])  # the record stays JSON, with no prompt text
     assert not {"before", "prompt", "cached"} & set(mine[0]["cache_miss"])  # those need --log-prompts
 
