@@ -28,12 +28,13 @@ def pytest_collection_modifyitems(session, config, items) -> None:
         return
     chosen = set(map(id, agents))
     items[:] = [item for item in items if id(item) not in chosen] + agents
-    if not config.option.collectonly:
-        install_in_background()
+    if not config.option.collectonly and not config.option.maxfail:
+        install_in_background()  # (with -x or --maxfail a run may end early: then the fixture installs, if reached)
 
 
 @pytest.fixture(scope="session")
 def toolbox() -> Toolbox:
     """The pinned CLIs, installed (or found) once per test run: the install started at
-    collection (:func:`pytest_collection_modifyitems`) is waited for here."""
+    collection (:func:`pytest_collection_modifyitems`) is waited for here (started here
+    when the run has ``-x`` or ``--maxfail``)."""
     return install_in_background().result()

@@ -109,10 +109,11 @@ def _run(argv: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
 
 
 def _niced(argv: list[str]) -> list[str]:
-    """``argv`` under ``nice`` (a lower CPU priority) where there is one: an install may run
-    beside the tests (:func:`install_in_background`)."""
-    nice = shutil.which("nice")
-    return [nice, "-n", "10", *argv] if nice else argv
+    """``argv`` under ``nice`` (a lower CPU priority) and ``ionice -c3`` (disk only when
+    idle) where they are: an install may run beside the tests (:func:`install_in_background`)."""
+    nice, ionice = shutil.which("nice"), shutil.which("ionice")
+    argv = [nice, "-n", "10", *argv] if nice else argv
+    return [ionice, "-c3", *argv] if ionice and sys.platform.startswith("linux") else argv
 
 
 def _tail(text: str, n: int = 600) -> str:
@@ -205,7 +206,7 @@ def _check_versions(box: Toolbox) -> None:
 
     def version(argv: list[str]) -> tuple[Optional[subprocess.CompletedProcess], str]:
         try:
-            r = _run([*argv, "--version"], timeout=120, stdin=subprocess.DEVNULL)
+            r = _run(_niced([*argv, "--version"]), timeout=120, stdin=subprocess.DEVNULL)
             return r, (r.stdout + r.stderr).strip()
         except (OSError, subprocess.TimeoutExpired) as e:
             return None, str(e)
