@@ -62,7 +62,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from host_cost_http import DROPS, HTTP, http_streams, raw_streams, serve_env, steady_step, throughput  # noqa: E402
+from host_cost_http import DROPS, HTTP, http_streams, raw_streams, serve_env, steady_share, steady_step, throughput  # noqa: E402
 from phases import FORWARD_PHASES, Phases, install, per_step, switch_served_timers  # noqa: E402
 
 
@@ -259,8 +259,11 @@ def main() -> None:
                                 time.sleep(0.3)
                             cpu0 = process_cpu(pids[side])
                             stamps, began, failed = asyncio.run(client(*urls[side], rows, args.decode, bias))
-                            sec = steady_step(stamps) if stamps else float("nan")
+                            sec = steady_step(stamps)
                             wall[side].append(throughput(stamps, began))
+                            if stamps and steady_share(stamps) < 0.5:
+                                print(f"  {side}: only {steady_share(stamps):.0%} of the tokens came while every stream "
+                                      "was decoding", flush=True)
                             cpu[side].append((process_cpu(pids[side]) - cpu0) / max(1, (s - len(failed)) * args.decode))
                             dropped[side] += len(failed)
                             if failed:  # counted, left out of the figure
