@@ -149,7 +149,7 @@ class Cluster:
     def fail(self, reason: str) -> None:
         """Record the first failure and stop this process: rank 0 through its graceful
         shutdown (SIGTERM), then status 1 (at once, the reason on stderr, while no server
-        has taken SIGTERM yet); a follower at once."""
+        has taken SIGTERM yet or after it gave it back); a follower at once."""
         if self._failed.is_set():
             return
         self.error = reason
@@ -162,7 +162,7 @@ class Cluster:
                 log.exception("ending the requests in flight failed")
         if self.rank == 0:
             if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-                # (no server has taken SIGTERM yet: a load that fails this early has nothing to drain, and
+                # (no server holds SIGTERM, not yet or no longer: there is nothing to drain, and
                 # the default action would end the process before it said why)
                 _hard_exit(f"mlx-gateway: {reason}")
             os.kill(os.getpid(), signal.SIGTERM)
