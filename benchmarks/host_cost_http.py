@@ -141,9 +141,10 @@ async def raw_streams(url: str, model: str, rows: list[list[int]], decode: int, 
     arrived in, chunks counted by the occurrences of :data:`CHOICE`, the usage found in
     the last bytes. A stream that gets no 200, no usage or no chunk, or takes over
     :data:`TIMEOUT` seconds, counts as failed. On a machine of two cores the client
-    shares them with the server: measured with ``time.process_time`` around a run, this
-    one costs the client 2-6 µs of CPU a token where httpx's line reader and
-    ``json.loads`` cost 70-260 (``benchmarks/results/host_cost_runs.md``)."""
+    shares them with the server: measured with ``time.process_time`` around its runs,
+    this one costs 61-85 µs of CPU a token at one stream and 25-36 at sixteen, where
+    httpx's line reader and ``json.loads`` cost 268-302 and 97-115
+    (``benchmarks/results/host_cost_runs.md``)."""
     import asyncio
     from urllib.parse import urlsplit
 
