@@ -14,10 +14,12 @@ headroom (``K`` draft tokens), the padding of a batch (one step's worth of cache
 chunk's own tokens, at most ``--prefill-step-size``), its attention scores where they are
 materialized (the CPU backend: ``heads x chunk x context`` scores, :data:`SCORE_BYTES`
 each, and the block kernel's copy of a layer's values, per row), and each row's logits
-and log-probabilities at the positions it samples (``vocab`` float32 each, times ``1 + K`` with speculation; a chunk computes logits only where it
-samples), with speculation the holes rejected drafts leave, a decode or verify step's scores,
-and one copy of the batch's largest layer (:meth:`MemoryGate.held`). The room is what the memory budget leaves after every model's weights
-(``room()``, set by the gateway's model registry); the prefix cache shares it.
+and log-probabilities at the positions it samples (``vocab`` float32 each, times ``1 + K``
+with speculation; a chunk computes logits only where it samples), with speculation the
+holes rejected drafts leave, a decode or verify step's scores, and one copy of the batch's
+largest layer (:meth:`MemoryGate.held`). The room is what the memory budget leaves after
+every model's weights (``room()``, set by the gateway's model registry); the prefix cache
+shares it.
 ``MLX_GATEWAY_RESERVATION_QUANTUM=0`` in the environment reserves every row's whole
 ``max_tokens`` at admission instead (no growth, no preemption: the behaviour before
 growth, for comparisons such as ``benchmarks/bench_memory_burst.py``).
