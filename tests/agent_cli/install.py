@@ -19,8 +19,8 @@ each set of npm pins: they run side by side), so parallel test runs share one ca
 About 1.5 GB (npm, with Node.js) and 0.7 GB (aider); 30-90 s each. A test run starts the
 install in the background as soon as it has collected a test that needs the CLIs
 (:func:`install_in_background`, from ``conftest.py``, which also runs those tests last), so
-a first run installs them while the other tests run; npm and pip run under ``nice``, so
-the tests keep most of the CPU.
+a first run installs them while the other tests run; npm and pip run under ``nice`` and,
+where it runs, ``ionice -c3``, so the tests keep most of the CPU and the disk.
 Other tests install their npm pins the same way, through :func:`npm_packages` (the
 ``ollama`` npm package of ``tests/clients/test_ollama_js.py``).
 """
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import os
 import platform
@@ -113,11 +114,13 @@ def _niced(argv: list[str]) -> list[str]:
     idle) where they are: an install may run beside the tests (:func:`install_in_background`)."""
     nice = shutil.which("nice")
     argv = [nice, "-n", "10", *argv] if nice else argv
-    return [*_IONICE, *argv]
+    return [*_idle_io(), *argv]
 
 
+@functools.cache
 def _idle_io() -> list[str]:
-    """``ionice -c3`` where it runs (a container may refuse to set I/O priorities)."""
+    """``ionice -c3`` where it runs (a container may refuse to set I/O priorities); tried
+    once, at the first install that needs it."""
     ionice = shutil.which("ionice")
     if ionice is None or not sys.platform.startswith("linux"):
         return []
@@ -125,9 +128,6 @@ def _idle_io() -> list[str]:
         return [ionice, "-c3"] if subprocess.run([ionice, "-c3", "true"], capture_output=True, timeout=10).returncode == 0 else []
     except (OSError, subprocess.TimeoutExpired):
         return []
-
-
-_IONICE = _idle_io()
 
 
 def _tail(text: str, n: int = 600) -> str:
@@ -295,8 +295,9 @@ _background_lock = threading.Lock()
 def install_in_background(cache: Path = CACHE) -> Future:
     """:func:`install` of ``cache`` in a thread of its own, started at the first call (of
     this process); every call returns its Future (a :class:`Toolbox`). The thread is not a
-    daemon: a test run that ends first waits for the install to finish, so the cache is
-    never left half-written."""
+    daemon: a test run that ends first waits for the npm and pip processes it started
+    rather than leaving them running (a run with ``-x`` or ``--maxfail`` does not start
+    it at collection: ``conftest.py``)."""
     with _background_lock:
         if cache not in _background:
             done: Future = Future()
