@@ -261,9 +261,10 @@ def main() -> None:
                             stamps, began, failed = asyncio.run(client(*urls[side], rows, args.decode, bias))
                             sec = steady_step(stamps)
                             wall[side].append(throughput(stamps, began))
-                            if stamps and steady_share(stamps) < 0.5:
-                                print(f"  {side}: only {steady_share(stamps):.0%} of the tokens came while every stream "
-                                      "was decoding", flush=True)
+                            share = steady_share(stamps)
+                            if stamps and share < 0.5:
+                                print(f"  {side}: only {share:.0%} of the tokens came while every stream was decoding",
+                                      flush=True)
                             cpu[side].append((process_cpu(pids[side]) - cpu0) / max(1, (s - len(failed)) * args.decode))
                             dropped[side] += len(failed)
                             if failed:  # counted, left out of the figure
